@@ -1,0 +1,189 @@
+"""Build Llama/Qwen2 (and the critic) as megatron-core GPTModel chunks and load HF weights into them."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.critic import ValueHead
+from megarl.models.hf_io import HFReader
+from megarl.models.mapping import VOCAB, ParamRule, hf_shapes, param_rules, to_mcore_shard
+from megarl.models.spec import ModelSpec
+from megarl.parallel import ParallelGroups
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# TE fuses the pre-attention and pre-MLP norms into the following linear layer; canonical names are the local spec's.
+_TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    dtype: torch.dtype = torch.float32
+    vocab_pad_multiple: int = 128
+    transformer_engine: bool = False
+    sequence_parallel: bool = False
+    recompute_activations: bool = False
+    critic: bool = False
+    """Replace the LM head by a scalar value head (PPO critic)."""
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises RuntimeError, not ImportError, when CUDA is missing
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        tensor_model_parallel_size=groups.dims.tp,
+        pipeline_model_parallel_size=groups.dims.pp,
+        virtual_pipeline_model_parallel_size=groups.dims.vpp,
+        sequence_parallel=opts.sequence_parallel,
+        params_dtype=opts.dtype,
+        pipeline_dtype=opts.dtype,
+        bf16=opts.dtype == torch.bfloat16,
+        fp16=opts.dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # Fusions call torch.compile or need apex/TE kernels; only worth it on GPU.
+        bias_activation_fusion=on_gpu and opts.transformer_engine,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        # Batched p2p with interleaved PP over gloo gives silently wrong grads (notes/megatron_cpu.md).
+        batch_p2p_comm=on_gpu,
+        recompute_granularity="full" if opts.recompute_activations else None,
+        recompute_method="uniform" if opts.recompute_activations else None,
+        recompute_num_layers=1 if opts.recompute_activations else None,
+    )
+
+
+def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies with Llama 3.1's long-context scaling (all four of its parameters)."""
+    assert spec.rope_scaling is not None
+    s = spec.rope_scaling
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def chunk_layer_offset(spec: ModelSpec, groups: ParallelGroups, vp_stage: int) -> int:
+    """Global index of the first layer of this rank's virtual-pipeline chunk ``vp_stage``."""
+    dims = groups.dims
+    num_chunks = dims.vpp or 1
+    per_chunk = spec.num_layers // (dims.pp * num_chunks)
+    return vp_stage * dims.pp * per_chunk + groups.pp_rank * per_chunk
+
+
+def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), randomly initialised."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    config = transformer_config(spec, groups, opts)
+    layer_spec = (get_gpt_layer_with_transformer_engine_spec() if opts.transformer_engine
+                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    num_chunks = groups.dims.vpp or 1
+    chunks: list[torch.nn.Module] = []
+    for vp in range(num_chunks):
+        first = groups.is_first_stage and vp == 0
+        last = groups.is_last_stage and vp == num_chunks - 1
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.padded_vocab_size(groups.dims.tp, opts.vocab_pad_multiple),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings and not opts.critic,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta),
+            vp_stage=vp if groups.dims.vpp else None,
+        )
+        if spec.rope_scaling is not None:
+            model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+        if opts.critic and last:
+            model.output_layer = ValueHead(config, groups.tp_group)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,
+                     groups: ParallelGroups) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters by canonical name (local-spec names, global layer indices)."""
+    out = {}
+    for vp, chunk in enumerate(chunks):
+        offset = chunk_layer_offset(spec, groups, vp)
+        for name, param in _unwrap(chunk).named_parameters():
+            match = _LAYER.match(name)
+            if match:
+                rest = _TE_NAMES.get(match.group(2), match.group(2))
+                name = f"decoder.layers.{int(match.group(1)) + offset}.{rest}"
+            out[name] = param
+    return out
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str, groups: ParallelGroups,
+                    opts: BuildOptions) -> None:
+    """Fill this rank's chunks from a HF checkpoint, reading only the slices this rank owns."""
+    rules = {r.mcore: r for r in param_rules(spec, include_output=not opts.critic)}
+    if spec.tie_word_embeddings and not opts.critic:
+        # With PP > 1 the last stage keeps its own copy of the tied embedding as its output layer.
+        rules["output_layer.weight"] = ParamRule("output_layer.weight", ("model.embed_tokens.weight",), VOCAB)
+    reader = HFReader(hf_dir, spec, hf_shapes(spec))
+    padded_vocab = spec.padded_vocab_size(groups.dims.tp, opts.vocab_pad_multiple)
+    with torch.no_grad():
+        for name, param in canonical_params(chunks, spec, groups).items():
+            if opts.critic and name.startswith("output_layer."):
+                continue  # the value head starts fresh
+            assert name in rules, f"no HF mapping for Megatron parameter {name}"
+            shard = to_mcore_shard(rules[name], spec, reader.read, groups.tp_rank, groups.dims.tp, padded_vocab)
+            assert shard.shape == param.shape, (name, shard.shape, param.shape)
+            param.copy_(shard)
