@@ -109,9 +109,9 @@ def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], s
             total = sum(t.numel() * t.element_size() for part in shards for t in part.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2))
-        (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2))
+        (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
         if source_dir is not None:
-            for fname in _TOKENIZER_FILES:
+            for fname in ("config.json", *_TOKENIZER_FILES):
                 if (Path(source_dir) / fname).is_file():
                     shutil.copy2(Path(source_dir) / fname, tmp / fname)
         if out.exists():

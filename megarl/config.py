@@ -1,0 +1,590 @@
+"""Typed configuration: one dataclass per YAML section, checked when built.
+
+A recipe maps 1:1 onto `Config`; `load_config` reads it, applies `--set key=value` overrides and rejects
+unknown keys, wrong types and out-of-range values with an error naming the dotted key and where it was
+set. Checks that need the world size or the model's shape live in `validate_layout`.
+
+`__post_init__` errors name fields relative to their own section; `configio.build` prefixes the path
+(`lr` -> `actor.optimizer.lr`), so construct configs through `load_config`/`build_config` for full paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from megarl.configio import FieldError, apply_overrides, build, check, locate, read_yaml
+
+_IMPORT_PATH_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_INTERVAL_RE = re.compile(r"([\[(])(\S+), (\S+)([\])])")
+
+
+def _within(section: object, name: str, interval: str, fix: str) -> None:
+    """Check that field `name` lies in `interval`, written "(0, 1]" or "[1, inf)"; null always passes
+    (only optional fields can be null once loaded)."""
+    value = getattr(section, name)
+    match = _INTERVAL_RE.fullmatch(interval)
+    assert match, f"bad interval {interval!r}"
+    left, low, high, right = match.groups()
+    if value is None:
+        return
+    above = value > float(low) if left == "(" else value >= float(low)
+    below = value < float(high) if right == ")" else value <= float(high)
+    must = f"be {'>' if left == '(' else '>='} {low}" if high == "inf" else f"be in {interval}"
+    check(above and below, name, value, must, fix)
+
+
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        _within(section, name, "[1, inf)", f"set `{name}` to a positive integer")
+
+
+def _nonempty(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        check(bool(value.strip()), name, value, "be non-empty", f"set `{name}`")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    hf_path: str
+    """HuggingFace model directory: config.json, *.safetensors and the tokenizer files."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Parameter and activation dtype for training; the rollout engine uses the same."""
+    vocab_pad_multiple: int = 128
+    """Megatron pads the vocabulary to a multiple of this times tensor_parallel."""
+    transformer_engine: Literal["auto", "on", "off"] = "auto"
+    """Use Transformer Engine layers: auto = when installed and on GPU; on = required; off = local layers."""
+    recompute_activations: bool = False
+    """Recompute transformer-layer activations in backward to save memory (about 30% more compute)."""
+
+    def __post_init__(self) -> None:
+        _nonempty(self, "hf_path")
+        _positive(self, "vocab_pad_multiple")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel size (TP) of the trainer."""
+    pipeline_parallel: int = 1
+    """Megatron pipeline-parallel size (PP) of the trainer."""
+    virtual_pipeline: int | None = None
+    """Interleaved pipeline chunks per PP stage (needs pipeline_parallel > 1); null = not interleaved."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism for norms/dropout (needs tensor_parallel > 1)."""
+    data_parallel: int | None = None
+    """Data-parallel size; null = world size / (TP * PP). When set it must equal that."""
+    rank_order: Literal["tp-dp-pp", "tp-pp-dp"] = "tp-dp-pp"
+    """Order in which ranks are assigned to parallel groups, fastest-varying first (Megatron's order)."""
+    gpus_per_node: int | None = None
+    """GPUs per node for placing groups; null = LOCAL_WORLD_SIZE from torchrun."""
+    timeout_minutes: int = 30
+    """Collective timeout, so a hung rank fails the job instead of burning GPU hours."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            self, "tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "timeout_minutes"
+        )
+        _within(self, "virtual_pipeline", "[2, inf)", "use null for a plain (non-interleaved) pipeline")
+        check(
+            self.virtual_pipeline is None or self.pipeline_parallel > 1,
+            "virtual_pipeline",
+            self.virtual_pipeline,
+            f"be null when pipeline_parallel is {self.pipeline_parallel}",
+            "set pipeline_parallel > 1 or virtual_pipeline: null",
+        )
+        check(
+            not self.sequence_parallel or self.tensor_parallel > 1,
+            "sequence_parallel",
+            self.sequence_parallel,
+            "be false when tensor_parallel is 1 (it shards activations over TP ranks)",
+            "set tensor_parallel > 1 or sequence_parallel: false",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of a cosine/linear decay."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up, over trainer.num_steps optimizer steps."""
+    num_warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 = no clipping."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        _within(self, "lr", "(0, inf)", "set a positive peak learning rate such as 1e-6")
+        _within(self, "min_lr", f"[0, {self.lr}]", "set min_lr between 0 and lr")
+        _within(self, "num_warmup_steps", "[0, inf)", "use 0 for no warm-up")
+        _within(self, "weight_decay", "[0, inf)", "use 0 to disable weight decay")
+        _within(self, "adam_beta1", "[0, 1)", "use 0.9")
+        _within(self, "adam_beta2", "[0, 1)", "use 0.999")
+        _within(self, "adam_eps", "(0, inf)", "use 1e-8")
+        _within(self, "clip_grad", "[0, inf)", "use 1.0, or 0 for no clipping")
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdateConfig:
+    """How one model (actor or critic) is updated from a rollout batch."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    num_ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int | None = None
+    """Samples per optimizer step (all data-parallel ranks together); null = the whole rollout batch."""
+    dynamic_batch: bool = True
+    """Pack variable-length samples into micro-batches of at most max_tokens_per_gpu tokens."""
+    max_tokens_per_gpu: int = 8192
+    """Token budget of one micro-batch on one GPU when dynamic_batch is true."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch on one GPU when dynamic_batch is false."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_ppo_epochs", "max_tokens_per_gpu", "micro_batch_size")
+        _within(self, "mini_batch_size", "[1, inf)", "set a sample count, or null for one step per epoch")
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig(UpdateConfig):
+    """Policy training."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig(UpdateConfig):
+    hf_path: str | None = None
+    """Critic initialisation (HF dir); null = model.hf_path with a freshly initialised value head."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """Value-model optimizer (a critic learns faster than the policy, hence lr 1e-5)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    engine: Literal["sglang", "vllm"] = "sglang"
+    """Generation engine, colocated on the training GPUs."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size R of each engine; world size / R engines run side by side."""
+    num_samples_per_prompt: int = 1
+    """Completions per prompt (the group size for GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus-sampling mass, in (0, 1]; 1 = off."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    max_new_tokens: int = 1024
+    """Generation length limit per completion."""
+    max_prompt_tokens: int = 1024
+    """Prompts longer than this (after the chat template) are an error in the data, not truncated."""
+    gpu_memory_fraction: float = 0.7
+    """Share of GPU memory the engine may hold for weights and KV cache while awake."""
+    seed: int = 0
+    """Sampling seed."""
+    reshard_bucket_mb: int = 256
+    """Bucket size of the trainer-to-engine weight transfer; the pool holds two."""
+    logprob_diff_max: float = 2.0
+    """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")
+        _positive(self, "reshard_bucket_mb")
+        _within(self, "temperature", "[0, inf)", "use 1.0, or 0 for greedy")
+        _within(self, "top_p", "(0, 1]", "use 1.0 to disable nucleus sampling")
+        check(
+            self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "be -1 or >= 1", "use -1 for no top-k"
+        )
+        _within(self, "gpu_memory_fraction", "(0, 1)", "use a share such as 0.7")
+        _within(self, "logprob_diff_max", "(0, inf)", "use the default 2.0")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    name: Literal["ppo", "grpo"] = "grpo"
+    """ppo = KL-PPO with a critic and GAE; grpo = group-normalised rewards, no critic."""
+    gamma: float = 1.0
+    """Discount factor for GAE (ppo)."""
+    gae_lambda: float = 1.0
+    """GAE lambda (ppo)."""
+    clip_ratio_low: float = 0.2
+    """Lower PPO clip: the ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper PPO clip: the ratio is clipped above at 1 + clip_ratio_high (raise it for clip-higher)."""
+    dual_clip_c: float | None = None
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens; null = off."""
+    value_clip: float | None = 0.2
+    """Clip of value predictions around the old values (ppo); null = off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    kl_coef: float = 0.0
+    """KL(policy || reference) weight; 0 = no reference model is run. Initial value when adaptive_kl."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1, k2, k3)."""
+    kl_in_reward: bool = False
+    """Subtract the KL penalty from the reward (classic RLHF) instead of adding it to the loss."""
+    adaptive_kl: bool = False
+    """Adapt kl_coef towards kl_target (Ziegler et al.)."""
+    kl_target: float | None = None
+    """Target KL per sample for adaptive_kl."""
+    kl_horizon: int = 10000
+    """Horizon, in samples, of the adaptive KL controller."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to one number."""
+    grpo_std_normalize: bool = True
+    """Divide group-centred rewards by the group std (false = Dr. GRPO)."""
+
+    def __post_init__(self) -> None:
+        _within(self, "gamma", "[0, 1]", "use 1.0 (usual for LLM RL)")
+        _within(self, "gae_lambda", "[0, 1]", "use 1.0 (usual for LLM RL)")
+        _within(self, "clip_ratio_low", "(0, 1)", "use 0.2")
+        _within(self, "clip_ratio_high", "(0, inf)", "use 0.2 (or 0.28 for clip-higher)")
+        _within(self, "dual_clip_c", "(1, inf)", "use 3.0, or null to disable dual clipping")
+        _within(self, "value_clip", "(0, inf)", "use 0.2, or null to disable value clipping")
+        _within(self, "entropy_coef", "[0, inf)", "use 0 to disable the entropy bonus")
+        _within(self, "kl_coef", "[0, inf)", "use 0 to disable the KL penalty")
+        _positive(self, "kl_horizon")
+        if self.adaptive_kl:
+            check(
+                self.kl_target is not None and self.kl_target > 0,
+                "kl_target",
+                self.kl_target,
+                "be > 0 when adaptive_kl is true",
+                "set kl_target (e.g. 0.1) or adaptive_kl: false",
+            )
+            check(
+                self.kl_coef > 0,
+                "kl_coef",
+                self.kl_coef,
+                "be > 0 when adaptive_kl is true (the controller scales it)",
+                "set an initial kl_coef such as 0.05",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    train_path: str
+    """Prompt file (.jsonl or .parquet), or "gsm8k" for the vendored GSM8K train split."""
+    prompt_key: str = "question"
+    """Record field holding the prompt."""
+    answer_key: str = "answer"
+    """Record field holding the reference answer passed to the reward function."""
+    apply_chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template as a user turn."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch."""
+    seed: int = 0
+    """Shuffle seed."""
+    num_prompts_per_step: int = 64
+    """Prompts per RL step; the rollout batch is this times rollout.num_samples_per_prompt."""
+
+    def __post_init__(self) -> None:
+        _nonempty(self, "train_path", "prompt_key", "answer_key")
+        _positive(self, "num_prompts_per_step")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    num_steps: int = 100
+    """RL steps (rollout + update) to run."""
+    seed: int = 0
+    """Seed for parameter initialisation (value head) and any trainer-side randomness."""
+    reward: str = "megarl.rewards.gsm8k:reward"
+    """Reward function as "module:function"; imported when training starts."""
+    log_every: int = 1
+    """Console progress every this many steps (metrics go to tracking every step)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_steps", "log_every")
+        check(
+            bool(_IMPORT_PATH_RE.fullmatch(self.reward)),
+            "reward",
+            self.reward,
+            'be an import path "package.module:function"',
+            'write it like "megarl.rewards.gsm8k:reward"',
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory; null = no checkpoints."""
+    save_every: int = 0
+    """Save every this many steps (and at the end); 0 = never."""
+    keep_last: int = 2
+    """Checkpoints to keep; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """auto = latest checkpoint in dir if any; none = start fresh; otherwise a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        _within(self, "save_every", "[0, inf)", "use 0 to never save")
+        check(
+            self.save_every == 0 or self.dir is not None,
+            "dir",
+            self.dir,
+            f"be set when save_every is {self.save_every}",
+            "set checkpoint.dir or save_every: 0",
+        )
+        _positive(self, "keep_last")
+        _nonempty(self, "resume")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingConfig:
+    backend: Literal["mlflow", "none"] = "mlflow"
+    """Experiment tracker; none = console only."""
+    uri: str = "sqlite:///mlruns.db"
+    """MLflow tracking URI (a local SQLite store by default)."""
+    experiment: str = "megarl"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; null = generated."""
+
+    def __post_init__(self) -> None:
+        _nonempty(self, "uri", "experiment")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig
+    """Model to train."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model training (ppo only)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine and sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm and loss."""
+    data: DataConfig
+    """Prompt dataset."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, seed, reward function."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment tracking."""
+
+    def __post_init__(self) -> None:
+        n = self.rollout.num_samples_per_prompt
+        if self.algorithm.name == "grpo":
+            check(
+                n >= 2,
+                "rollout.num_samples_per_prompt",
+                n,
+                "be >= 2 for grpo (advantages are rewards relative to the other samples of the prompt)",
+                "set rollout.num_samples_per_prompt to 4-16, or algorithm.name: ppo",
+            )
+            check(
+                self.rollout.temperature > 0,
+                "rollout.temperature",
+                self.rollout.temperature,
+                "be > 0 for grpo (greedy samples of one prompt are identical, so every advantage is 0)",
+                "use temperature 1.0",
+            )
+        batch = self.data.num_prompts_per_step * n
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        for name, section in self.trained_sections():
+            mini = section.mini_batch_size
+            check(
+                mini is None or batch % mini == 0,
+                f"{name}.mini_batch_size",
+                mini,
+                f"divide the rollout batch {batch} "
+                "(data.num_prompts_per_step * rollout.num_samples_per_prompt)",
+                f"pick a divisor of {batch}, or null for one optimizer step per epoch",
+            )
+            check(
+                not section.dynamic_batch or section.max_tokens_per_gpu >= longest,
+                f"{name}.max_tokens_per_gpu",
+                section.max_tokens_per_gpu,
+                f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
+                f"raise it to at least {longest} or shorten the rollout limits",
+            )
+
+    def trained_sections(self) -> list[tuple[str, UpdateConfig]]:
+        """The (name, section) of each model trained by the algorithm: actor, plus critic for ppo."""
+        sections: list[tuple[str, UpdateConfig]] = [("actor", self.actor)]
+        if self.algorithm.name == "ppo":
+            sections.append(("critic", self.critic))
+        return sections
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """{"actor.optimizer.lr": 1e-06, ...}: one entry per leaf, e.g. for mlflow params."""
+        flat: dict[str, Any] = {}
+
+        def walk(node: Mapping[str, Any], prefix: str) -> None:
+            for key, value in node.items():
+                if isinstance(value, Mapping):
+                    walk(value, f"{prefix}{key}.")
+                else:
+                    flat[prefix + key] = value
+
+        walk(self.to_dict(), "")
+        return flat
+
+
+def build_config(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), origins: Mapping[str, str] | None = None
+) -> Config:
+    """Build a Config from a parsed-YAML mapping plus `dotted.key=value` overrides.
+
+    `origins` maps dotted keys to where they were written (`file line N`), for error messages.
+    """
+    located = dict(origins or {})
+    merged = apply_overrides(dict(data), overrides, located)
+    try:
+        return build(Config, merged)
+    except FieldError as err:
+        raise locate(err, located) from None
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML recipe, apply `--set` overrides, and return the checked Config."""
+    data, origins = read_yaml(path)
+    return build_config(data, overrides, origins)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _rollout_tp_problem(r: int, world_size: int, heads: int, kv_heads: int, vocab_size: int) -> str | None:
+    """Why engines of tensor-parallel size `r` cannot serve this model on this world, or None."""
+    if world_size % r:
+        return f"divide the world size {world_size}"
+    if heads % r:
+        return f"divide the model's num_attention_heads = {heads}"
+    # Engines replicate kv heads when R > num_kv_heads, which needs each kv head on a whole number
+    # of ranks; otherwise each rank must own a whole number of kv heads.
+    if (r % kv_heads if r > kv_heads else kv_heads % r) != 0:
+        return f"divide the model's num_kv_heads = {kv_heads} or be a multiple of it"
+    padded = -(-vocab_size // 64) * 64
+    if padded % r:
+        return f"divide the engine's vocabulary {padded} (vocab_size {vocab_size} padded to a multiple of 64)"
+    return None
+
+
+def validate_layout(
+    cfg: Config,
+    world_size: int,
+    *,
+    num_layers: int,
+    num_attention_heads: int,
+    num_kv_heads: int,
+    vocab_size: int,
+) -> int:
+    """Check the trainer and rollout layouts against the world size and the model's shape (from its
+    config.json); return the data-parallel size."""
+    shape = {
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_kv_heads,
+        "vocab_size": vocab_size,
+    }
+    for name, value in shape.items():
+        check(
+            value >= 1, f"model.hf_path config.json {name}", value, "be >= 1", "fix the model's config.json"
+        )
+    check(
+        num_attention_heads % num_kv_heads == 0,
+        "model.hf_path config.json num_key_value_heads",
+        num_kv_heads,
+        f"divide num_attention_heads = {num_attention_heads}",
+        "fix the model's config.json",
+    )
+    p = cfg.parallel
+    tp, pp = p.tensor_parallel, p.pipeline_parallel
+    check(
+        world_size % (tp * pp) == 0,
+        "parallel.tensor_parallel * parallel.pipeline_parallel",
+        tp * pp,
+        f"divide the world size {world_size}",
+        f"choose TP and PP whose product is one of {_divisors(world_size)}, or launch more ranks",
+    )
+    dp = world_size // (tp * pp)
+    check(
+        p.data_parallel is None or p.data_parallel == dp,
+        "parallel.data_parallel",
+        p.data_parallel,
+        f"equal world size / (TP * PP) = {world_size} / {tp * pp} = {dp}",
+        f"set it to {dp}, or null to derive it",
+    )
+    valid_tp = [d for d in _divisors(world_size) if num_attention_heads % d == 0 and num_kv_heads % d == 0]
+    check(
+        num_attention_heads % tp == 0 and num_kv_heads % tp == 0,
+        "parallel.tensor_parallel",
+        tp,
+        f"divide the model's num_attention_heads = {num_attention_heads} and num_kv_heads = {num_kv_heads} "
+        "(Megatron splits query groups over TP)",
+        f"use one of {valid_tp}",
+    )
+    stages = pp * (p.virtual_pipeline or 1)
+    check(
+        num_layers % stages == 0,
+        "parallel.pipeline_parallel",
+        pp,
+        f"split num_layers = {num_layers} evenly, but pipeline_parallel * virtual_pipeline = {stages} "
+        "does not divide it",
+        f"make pipeline_parallel (times virtual_pipeline, if set) one of {_divisors(num_layers)}",
+    )
+
+    r = cfg.rollout.tensor_parallel
+    problem = _rollout_tp_problem(r, world_size, num_attention_heads, num_kv_heads, vocab_size)
+    valid_r = [
+        d
+        for d in _divisors(world_size)
+        if not _rollout_tp_problem(d, world_size, num_attention_heads, num_kv_heads, vocab_size)
+    ]
+    check(problem is None, "rollout.tensor_parallel", r, str(problem), f"use one of {valid_r}")
+
+    n = cfg.rollout.num_samples_per_prompt
+    batch = cfg.data.num_prompts_per_step * n
+    check(
+        batch % dp == 0,
+        "data.num_prompts_per_step",
+        cfg.data.num_prompts_per_step,
+        f"give a rollout batch (times rollout.num_samples_per_prompt {n} = {batch}) that the "
+        f"data-parallel size {dp} divides",
+        f"use a multiple of {dp // math.gcd(dp, n)}",
+    )
+    for name, section in cfg.trained_sections():
+        mini = section.mini_batch_size or batch
+        check(
+            mini % dp == 0,
+            f"{name}.mini_batch_size",
+            section.mini_batch_size,
+            f"be divisible by the data-parallel size {dp} (each rank takes an equal share)",
+            f"use a multiple of {dp} that divides the rollout batch {batch}",
+        )
+        per_rank = mini // dp
+        check(
+            section.dynamic_batch or per_rank % section.micro_batch_size == 0,
+            f"{name}.micro_batch_size",
+            section.micro_batch_size,
+            f"divide the per-rank mini-batch {mini} / {dp} = {per_rank}",
+            f"use one of {_divisors(per_rank)}, or dynamic_batch: true",
+        )
+    return dp

@@ -1,0 +1,49 @@
+"""Checkpoint conversion between HuggingFace and megarl's Megatron layout.
+
+  python -m megarl.convert hf-to-mcore --hf DIR --out DIR --tp N --pp M
+  python -m megarl.convert mcore-to-hf --ckpt DIR --out DIR
+
+The round trip is bit-exact: dtypes are kept and vocab padding is dropped on export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from megarl.errors import run_main
+from megarl.models.hf_io import write_hf
+from megarl.models.mcore_ckpt import hf_to_mcore, open_mcore
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megarl.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron TP/PP shards")
+    to_mcore.add_argument("--hf", required=True, help="HF model directory (config.json, *.safetensors)")
+    to_mcore.add_argument("--out", required=True, help="new checkpoint directory")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_mcore.add_argument("--vocab-pad-multiple", type=int, default=128,
+                          help="pad the vocab to a multiple of this times TP (as training does)")
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron TP/PP shards -> HF safetensors + config.json")
+    to_hf.add_argument("--ckpt", required=True, help="megarl Megatron checkpoint directory")
+    to_hf.add_argument("--out", required=True, help="new HF model directory")
+    # argparse's own errors already exit with code 2 and a one-line message.
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    if args.command == "hf-to-mcore":
+        hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple, log=True)
+    else:
+        spec, tensors = open_mcore(args.ckpt)
+        write_hf(args.out, tensors, spec, source_dir=args.ckpt)
+    print(f"{args.command}: wrote {args.out} in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,143 @@
+"""megarl's Megatron checkpoint: one safetensors file per (TP, PP) shard, canonical names, atomic writes.
+
+Layout of a checkpoint directory:
+  megarl_checkpoint.json     format, version, tp, pp, vocab_pad_multiple, padded_vocab_size
+  config.json + tokenizer    the HF files of the source model, so export needs nothing else
+  tp{T:02d}_pp{P:02d}.safetensors  that shard's parameters by canonical Megatron name (global layer index)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from megarl.errors import UserError
+from megarl.models.hf_io import _TOKENIZER_FILES, HFReader
+from megarl.models.mapping import ParamRule, hf_shapes, param_rules, to_hf, to_mcore_shard
+from megarl.models.spec import ModelSpec, load_spec
+
+META = "megarl_checkpoint.json"
+FORMAT, VERSION = "megarl-mcore", 1
+
+
+def shard_file(tp_rank: int, pp_rank: int) -> str:
+    return f"tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
+
+
+def stage_of(rule: ParamRule, spec: ModelSpec, pp: int) -> int:
+    """The pipeline stage holding ``rule``: embedding on the first, final norm and head on the last."""
+    if rule.layer is not None:
+        return rule.layer // (spec.num_layers // pp)
+    return 0 if rule.mcore.startswith("embedding.") else pp - 1
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int, tp_flag: str = "--tp", pp_flag: str = "--pp") -> None:
+    if tp < 1 or spec.num_kv_heads % tp:
+        raise UserError(f"{tp_flag} {tp} must divide num_key_value_heads={spec.num_kv_heads} (Megatron splits "
+                        f"whole query groups over TP); use one of {_divisors(spec.num_kv_heads)}.")
+    if pp < 1 or spec.num_layers % pp:
+        raise UserError(f"{pp_flag} {pp} must divide num_hidden_layers={spec.num_layers}; use one of "
+                        f"{_divisors(spec.num_layers)}.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vocab_pad_multiple: int = 128,
+                log: bool = False) -> None:
+    """Convert a HF checkpoint to megarl's Megatron layout; writes to a temporary dir, then renames."""
+    spec = load_spec(hf_dir)
+    check_layout(spec, tp, pp)
+    reader = HFReader(hf_dir, spec, hf_shapes(spec))
+    padded = spec.padded_vocab_size(tp, vocab_pad_multiple)
+    rules = param_rules(spec)
+
+    def write(tmp: Path) -> None:
+        for p in range(pp):
+            stage_rules = [r for r in rules if stage_of(r, spec, pp) == p]
+            for t in range(tp):
+                tensors = {r.mcore: to_mcore_shard(r, spec, reader.read, t, tp, padded).contiguous()
+                           for r in stage_rules}
+                save_file(tensors, str(tmp / shard_file(t, p)), metadata={"format": FORMAT})
+                if log:
+                    print(f"wrote {shard_file(t, p)} ({len(tensors)} tensors)", flush=True)
+        meta = {"format": FORMAT, "version": VERSION, "tp": tp, "pp": pp,
+                "vocab_pad_multiple": vocab_pad_multiple, "padded_vocab_size": padded}
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+        for fname in ("config.json", *_TOKENIZER_FILES):
+            if (Path(hf_dir) / fname).is_file():
+                shutil.copy2(Path(hf_dir) / fname, tmp / fname)
+
+    _atomic_dir(Path(out_dir), write)
+
+
+def _atomic_dir(out: Path, write: object) -> None:
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output directory `{out}` exists and is not empty. Choose a new --out path.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)  # type: ignore[operator]
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_meta(ckpt_dir: str | Path) -> dict[str, int]:
+    path = Path(ckpt_dir) / META
+    if not path.is_file():
+        raise UserError(f"`{ckpt_dir}` is not a megarl Megatron checkpoint (no {META}). Pass a directory "
+                        "written by `python -m megarl.convert hf-to-mcore` or by training.")
+    try:
+        meta = json.loads(path.read_text())
+        ok = meta.get("format") == FORMAT and all(isinstance(meta.get(k), int) for k in ("tp", "pp"))
+    except (json.JSONDecodeError, AttributeError):
+        ok = False
+    if not ok:
+        raise UserError(f"{path} is corrupt or of another format. Re-create the checkpoint.")
+    if meta["version"] > VERSION:
+        raise UserError(f"{path} has format version {meta['version']}; this megarl reads up to {VERSION}. "
+                        "Upgrade megarl.")
+    return meta
+
+
+def open_mcore(ckpt_dir: str | Path) -> tuple[ModelSpec, Iterator[tuple[str, torch.Tensor]]]:
+    """The model spec of a megarl Megatron checkpoint and its HF tensors, merged from the TP shards
+    one parameter at a time. The checkpoint is validated before this returns."""
+    ckpt = Path(ckpt_dir)
+    meta = read_meta(ckpt)
+    spec = load_spec(ckpt)
+    tp, pp = meta["tp"], meta["pp"]
+    handles = {}
+    for t in range(tp):
+        for p in range(pp):
+            path = ckpt / shard_file(t, p)
+            try:
+                handles[t, p] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise UserError(f"checkpoint shard `{path}` is missing or unreadable ({err}). "
+                                "The checkpoint is incomplete; re-create it.") from None
+    return spec, _merged(ckpt, spec, handles, tp, pp)
+
+
+def _merged(ckpt: Path, spec: ModelSpec, handles: dict, tp: int, pp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for rule in param_rules(spec):
+        p = stage_of(rule, spec, pp)
+        try:
+            shards = [handles[t, p].get_tensor(rule.mcore) for t in range(tp)]
+        except SafetensorError:
+            raise UserError(f"checkpoint shard `{ckpt / shard_file(0, p)}` lacks `{rule.mcore}`. "
+                            "The checkpoint does not match its config.json; re-create it.") from None
+        yield from to_hf(rule, spec, shards).items()

@@ -1,0 +1,110 @@
+"""Per-token log-probabilities of given token sequences under a HF model, in any TP/PP/DP layout.
+
+  torchrun --nproc-per-node W -m megarl.score --hf DIR --tp N --pp M --input IN.jsonl --output OUT.jsonl
+
+Each input line is {"tokens": [int, ...]} (at least two tokens); each output line, in the same
+order, is {"logprobs": [...]} with log p(token_t | tokens before t) for t = 1..len-1.
+Sequences are spread over the W / (N * M) data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from megarl.errors import UserError, run_main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="torchrun -m megarl.score", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", required=True, help="HF model directory (config.json, *.safetensors)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--input", required=True, help='jsonl, one {"tokens": [...]} per line')
+    parser.add_argument("--output", required=True, help='jsonl written with one {"logprobs": [...]} per line')
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    return parser.parse_args(argv)
+
+
+def read_sequences(path: str, vocab_size: int) -> list[list[int]]:
+    if not Path(path).is_file():
+        raise UserError(f"--input `{path}` does not exist. Pass a jsonl file of {{\"tokens\": [...]}} lines.")
+    sequences = []
+    with open(path) as f:
+        for num, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                tokens = json.loads(line)["tokens"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserError(f"--input {path} line {num} is not a JSON object with a `tokens` list.") from None
+            if (not isinstance(tokens, list) or len(tokens) < 2
+                    or not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens)):
+                raise UserError(f"--input {path} line {num}: `tokens` must be a list of at least two ints in "
+                                f"[0, {vocab_size}) (the model's vocab_size).")
+            sequences.append(tokens)
+    if not sequences:
+        raise UserError(f"--input {path} holds no sequences.")
+    return sequences
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    from megarl.models.mcore_ckpt import check_layout
+    from megarl.models.spec import load_spec
+
+    spec = load_spec(args.hf)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_layout(spec, args.tp, args.pp)
+    if world % (args.tp * args.pp):
+        raise UserError(f"--tp {args.tp} x --pp {args.pp} must divide the world size {world} "
+                        "(torchrun --nproc-per-node).")
+    sequences = read_sequences(args.input, spec.vocab_size)
+
+    from megarl.platform import init_platform
+
+    platform = init_platform()
+    import torch.distributed as dist
+
+    from megarl.models.forward import sequence_logprobs
+    from megarl.models.gpt import DTYPES, BuildOptions, build_model, load_hf_weights
+    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
+
+    init_distributed(platform)
+    groups = init_model_parallel(ParallelDims(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp)))
+    model_parallel_seed(0)
+    opts = BuildOptions(dtype=DTYPES[args.dtype])
+    chunks = build_model(spec, groups, opts)
+    load_hf_weights(chunks, spec, args.hf, groups, opts)
+    for chunk in chunks:
+        chunk.eval()
+    mine = list(range(groups.dp_rank, len(sequences), groups.dims.dp))
+    result = sequence_logprobs(chunks, spec, groups, [sequences[i] for i in mine],
+                               micro_batch_size=args.micro_batch_size) if mine else []
+    payload = list(zip(mine, result, strict=True)) if result is not None and groups.tp_rank == 0 else None
+    gathered: list = [None] * world if groups.rank == 0 else []
+    dist.gather_object(payload, gathered if groups.rank == 0 else None, dst=0)
+    if groups.rank == 0:
+        rows: dict[int, list[float]] = {}
+        for part in gathered:
+            rows |= dict(part or [])
+        assert len(rows) == len(sequences)
+        out = Path(args.output)
+        tmp = out.with_name(out.name + ".tmp")
+        with open(tmp, "w") as f:
+            for i in range(len(sequences)):
+                f.write(json.dumps({"logprobs": rows[i]}) + "\n")
+        os.replace(tmp, out)
+        print(f"scored {len(sequences)} sequences ({sum(map(len, sequences))} tokens) with TP={args.tp} "
+              f"PP={args.pp} DP={groups.dims.dp} in {time.perf_counter() - start:.1f}s -> {out}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)
