@@ -183,8 +183,8 @@ class RolloutConfig:
     """Generation engine, colocated on the training GPUs."""
     tensor_parallel: int = 1
     """Tensor-parallel size R of each engine; world size / R engines run side by side."""
-    num_samples_per_prompt: int = 1
-    """Completions per prompt (the group size for GRPO)."""
+    num_samples_per_prompt: int = 8
+    """Completions per prompt (the group size for GRPO, which needs at least 2)."""
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy."""
     top_p: float = 1.0

@@ -86,9 +86,8 @@ def init_distributed(platform: Platform, timeout_minutes: int = 30) -> None:
     """Join the torchrun job (env:// rendezvous) once per process; a hung collective times out."""
     if dist.is_initialized():
         return
-    kwargs = {"device_id": platform.device} if platform.is_cuda else {}
-    dist.init_process_group(backend=platform.backend,
-                            timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+    dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=platform.device if platform.is_cuda else None)
 
 
 def init_model_parallel(dims: ParallelDims, timeout_minutes: int = 30) -> ParallelGroups:
@@ -114,7 +113,7 @@ def init_model_parallel(dims: ParallelDims, timeout_minutes: int = 30) -> Parall
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
-        world_group=dist.group.WORLD,
+        world_group=dist.group.WORLD,  # type: ignore[arg-type]
     )
     coords = dims.coords(rank)
     assert (coords["tp"], coords["pp"], coords["dp"]) == (groups.tp_rank, groups.pp_rank, groups.dp_rank), (

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +19,55 @@ def pad_batch(sequences: Sequence[Sequence[int]], length: int, pad_id: int = 0) 
     return out
 
 
+def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches: list[torch.Tensor],
+                 collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
+    """Run [B, S] token micro-batches through the pipeline without grad.
+
+    ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, or
+    [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
+    order on the last pipeline stage, None elsewhere. All micro-batches must share one shape.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batch_size, length = batches[0].shape
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def forward_step(data: Iterator[torch.Tensor], model: torch.nn.Module) -> Any:
+        tokens = next(data).to(device)
+        positions = torch.arange(length, device=device).unsqueeze(0).expand_as(tokens)
+
+        def keep(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
+            assert non_loss_data
+            return collect(tokens, output)
+
+        return model(tokens, positions, None), keep
+
+    multi = len(chunks) > 1
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches) for _ in chunks] if multi else iter(batches),
+            model=chunks if multi else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=length,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    return list(outputs) if groups.is_last_stage else None
+
+
+def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int) -> list[torch.Tensor]:
+    """Right-padded [B, S] micro-batches of equal shape; a short last one is filled with copies."""
+    length = max(len(s) for s in sequences)
+    batches = [pad_batch(sequences[i: i + micro_batch_size], length)
+               for i in range(0, len(sequences), micro_batch_size)]
+    short = micro_batch_size - batches[-1].shape[0]
+    if short:
+        batches[-1] = torch.cat([batches[-1], batches[-1][:1].expand(short, -1)])
+    return batches
+
+
 def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: ParallelGroups,
                       sequences: Sequence[Sequence[int]], *, micro_batch_size: int = 1,
                       vocab_pad_multiple: int = 128) -> list[list[float]] | None:
@@ -27,49 +75,19 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
 
     Every rank of a pipeline must pass the same ``sequences``. Returns one list of
     ``len(seq) - 1`` floats per sequence on the last pipeline stage, None elsewhere.
-    Sequences are right-padded to a common length; causal attention keeps the padding
-    from influencing real tokens, and padded positions are dropped from the result.
+    Causal attention keeps right padding from influencing real tokens; padded positions
+    are dropped from the result.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     assert sequences and all(len(s) >= 2 for s in sequences), "every sequence needs at least two tokens"
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    length = max(len(s) for s in sequences)
-    batches = [pad_batch(sequences[i: i + micro_batch_size], length)
-               for i in range(0, len(sequences), micro_batch_size)]
-    # The schedule needs equal micro-batches; a short last one is padded with copies and trimmed after.
-    last_rows = batches[-1].shape[0]
-    if last_rows < micro_batch_size:
-        batches[-1] = torch.cat([batches[-1], batches[-1][:1].expand(micro_batch_size - last_rows, -1)])
     padded_vocab = spec.padded_vocab_size(groups.dims.tp, vocab_pad_multiple)
     vocab_start = groups.tp_rank * padded_vocab // groups.dims.tp
 
-    def batch_iter() -> Iterator[torch.Tensor]:
-        yield from batches
-
-    def collect(tokens: torch.Tensor, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
-        assert non_loss_data
+    def logprobs(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=vocab_start,
                                        vocab_size=spec.vocab_size, group=groups.tp_group).cpu()
 
-    def forward_step(data: Iterator[torch.Tensor], model: torch.nn.Module) -> Any:
-        tokens = next(data).to(device)
-        positions = torch.arange(length, device=device).unsqueeze(0).expand_as(tokens)
-        return model(tokens, positions, None), partial(collect, tokens)
-
-    num_chunks = len(chunks)
-    with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[batch_iter() for _ in chunks] if num_chunks > 1 else batch_iter(),
-            model=chunks if num_chunks > 1 else chunks[0],
-            num_microbatches=len(batches),
-            seq_length=length,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
-    if not groups.is_last_stage:
+    outputs = forward_only(chunks, groups, micro_batches(sequences, micro_batch_size), logprobs)
+    if outputs is None:
         return None
-    rows = torch.cat(list(outputs))[: len(sequences)]
+    rows = torch.cat(outputs)[: len(sequences)]
     return [rows[i, : len(seq) - 1].tolist() for i, seq in enumerate(sequences)]

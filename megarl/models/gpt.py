@@ -165,8 +165,8 @@ def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module  # type: ignore[assignment]
     return module
 
 

@@ -100,7 +100,7 @@ def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], s
             shard[name] = tensor.contiguous()
             shard_bytes += nbytes
         shards.append(shard)
-        weight_map = {}
+        weight_map: dict[str, str] = {}
         for i, part in enumerate(shards):
             fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(part, str(tmp / fname), metadata={"format": "pt"})

@@ -98,8 +98,8 @@ class _Inert:
     def __enter__(self) -> _Inert:
         return self
 
-    def __exit__(self, *args: object) -> bool:
-        return False
+    def __exit__(self, *args: object) -> None:
+        return None
 
     def __getattr__(self, name: str) -> Any:
         return lambda *args, **kwargs: None

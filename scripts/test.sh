@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's test command: install (scripts/bootstrap.sh), lint, type-check, run the test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k config`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+VENV=${VENV:-.venv}
+"$VENV/bin/ruff" check megarl tests benchmarks setup.py
+"$VENV/bin/mypy" megarl
+set +e
+"$VENV/bin/python" -m pytest -q "$@"
+status=$?
+set -e
+if [[ $status -eq 5 ]]; then
+  echo "pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+exit $status

@@ -1,0 +1,49 @@
+"""Shared test helpers: tiny random HF models made locally (no hub), and multi-rank launches with a deadline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A vocab that is not a multiple of 128 * TP exercises Megatron's vocab padding.
+TINY = {
+    "llama": dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rope_theta=500000.0, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(vocab_size=150, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+def make_hf_model(path: Path, family: str, seed: int = 0, max_shard_size: str | None = None,
+                  dtype: torch.dtype = torch.float32, **overrides: object) -> Path:
+    """Save a random tiny Llama/Qwen2 with transformers; weights ~N(0, 0.05) so logits are not flat."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**(TINY[family] | overrides)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.05)
+    model.to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return path
+
+
+def run_torchrun(target: list[str], nproc: int, timeout: float = 600, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess[str]:
+    """torchrun ``target`` (a script path or ["-m", module] plus args) on ``nproc`` CPU ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--standalone", *target]
+    full_env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | (env or {})
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,170 @@
+"""HF config/weights reading, the HF <-> Megatron mapping, and the convert CLI (no megatron import)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import REPO, make_hf_model
+from megarl.errors import UserError
+from megarl.models.hf_io import HFReader
+from megarl.models.mapping import hf_shapes, param_rules, to_hf, to_mcore_shard
+from megarl.models.spec import load_spec
+
+
+def convert(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "megarl.convert", *args], cwd=REPO, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("m") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", max_shard_size="100KB",
+                         dtype=torch.bfloat16)
+
+
+def all_tensors(model_dir):
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out |= load_file(f)
+    return out
+
+
+def test_spec_reads_llama3_rope_and_qwen2_tied(llama, qwen2):
+    s = load_spec(llama)
+    assert (s.family, s.num_kv_heads, s.head_dim, s.tie_word_embeddings) == ("llama", 2, 16, False)
+    assert s.rope_scaling["rope_type"] == "llama3" and s.rope_theta == 500000.0
+    q = load_spec(qwen2)
+    assert (q.family, q.qkv_bias, q.tie_word_embeddings) == ("qwen2", True, True)
+    assert q.padded_vocab_size(tp=2, multiple=128) == 256
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mapping_round_trip_is_exact(qwen2, tp):
+    spec = load_spec(qwen2)
+    reader = HFReader(qwen2, spec, hf_shapes(spec))
+    padded = spec.padded_vocab_size(tp, 128)
+    ref = all_tensors(qwen2)
+    for rule in param_rules(spec):
+        shards = [to_mcore_shard(rule, spec, reader.read, r, tp, padded) for r in range(tp)]
+        for name, tensor in to_hf(rule, spec, shards).items():
+            assert torch.equal(tensor, ref[name]), name
+
+
+def test_qkv_shard_is_group_interleaved(llama):
+    spec = load_spec(llama)
+    reader = HFReader(llama, spec, hf_shapes(spec))
+    rule = next(r for r in param_rules(spec) if r.mcore.endswith("0.self_attention.linear_qkv.weight"))
+    shard = to_mcore_shard(rule, spec, reader.read, 1, 2, 256)  # TP rank 1 of 2 holds query group 1
+    d, qpg = spec.head_dim, spec.q_per_group
+    q, k, v = (reader.read(n, None, 0, 0) for n in rule.hf)
+    expected = torch.cat([q[qpg * d: 2 * qpg * d], k[d: 2 * d], v[d: 2 * d]])
+    assert torch.equal(shard, expected)
+
+
+def test_vocab_shard_pads_with_zero_rows(llama):
+    spec = load_spec(llama)
+    reader = HFReader(llama, spec, hf_shapes(spec))
+    rule = param_rules(spec)[0]
+    shard = to_mcore_shard(rule, spec, reader.read, 1, 2, 256)  # rows 128..255 of a 200-row vocab
+    assert torch.equal(shard[:72], reader.read("model.embed_tokens.weight", 0, 128, 200))
+    assert not shard[72:].any()
+
+
+@pytest.mark.parametrize("model,tp,pp", [("llama", 2, 2), ("qwen2", 2, 1), ("qwen2", 1, 4)])
+def test_convert_round_trip_is_bit_exact(request, tmp_path, model, tp, pp):
+    src = request.getfixturevalue(model)
+    proc = convert("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "mc"), "--tp", str(tp), "--pp", str(pp))
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "mc" / "megarl_checkpoint.json").read_text())
+    assert (meta["tp"], meta["pp"]) == (tp, pp)
+    assert len(list((tmp_path / "mc").glob("tp*_pp*.safetensors"))) == tp * pp
+    proc = convert("mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    ref, out = all_tensors(src), all_tensors(tmp_path / "hf")
+    assert ref.keys() == out.keys()
+    for name in ref:
+        assert ref[name].dtype == out[name].dtype and torch.equal(ref[name], out[name]), name
+    assert (src / "config.json").read_bytes() == (tmp_path / "hf" / "config.json").read_bytes()
+
+
+def test_exported_model_loads_in_transformers(llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert convert("hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "mc"), "--tp", "2").returncode == 0
+    assert convert("mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf")).returncode == 0
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    a = AutoModelForCausalLM.from_pretrained(llama)(tokens).logits
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(tokens).logits
+    assert torch.equal(a, b)
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _bad_inputs(llama, tmp):
+    cases = {"missing dir": (tmp / "nope", "does not exist")}
+    no_cfg = _copy(llama, tmp / "no_cfg")
+    (no_cfg / "config.json").unlink()
+    cases["no config.json"] = (no_cfg, "no config.json")
+    corrupt = _copy(llama, tmp / "corrupt")
+    (corrupt / "config.json").write_text("{not json")
+    cases["corrupt config"] = (corrupt, "not valid JSON")
+    arch = _copy(llama, tmp / "arch")
+    cfg = json.loads((arch / "config.json").read_text())
+    (arch / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
+    cases["unsupported arch"] = (arch, "not supported")
+    shape = _copy(llama, tmp / "shape")
+    (shape / "config.json").write_text(json.dumps(cfg | {"intermediate_size": 256}))
+    cases["shape mismatch"] = (shape, "has shape")
+    missing = _copy(llama, tmp / "missing")
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, missing / "model.safetensors")
+    cases["missing tensor"] = (missing, "lacks 1 tensor")
+    broken = _copy(llama, tmp / "broken")
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    cases["corrupt safetensors"] = (broken, "not a readable safetensors")
+    return cases
+
+
+def test_bad_hf_dirs_are_user_errors(llama, tmp_path):
+    for path, needle in _bad_inputs(llama, tmp_path).values():
+        with pytest.raises(UserError, match=needle):
+            spec = load_spec(path)
+            HFReader(path, spec, hf_shapes(spec))
+
+
+def test_convert_cli_bad_input_exits_2_without_traceback(llama, tmp_path):
+    cases = [
+        (["hf-to-mcore", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o1")], "does not exist"),
+        (["hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o2"), "--tp", "4"], "--tp 4 must divide"),
+        (["hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o3"), "--pp", "3"], "--pp 3 must divide"),
+        (["mcore-to-hf", "--ckpt", str(llama), "--out", str(tmp_path / "o4")], "not a megarl Megatron checkpoint"),
+        (["hf-to-mcore", "--hf", str(llama), "--out", str(llama)], "exists and is not empty"),
+    ]
+    for args, needle in cases:
+        proc = convert(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "o2").exists()
+
+
+def test_incomplete_checkpoint_is_rejected(llama, tmp_path):
+    assert convert("hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "mc"), "--tp", "2").returncode == 0
+    (tmp_path / "mc" / "tp01_pp00.safetensors").unlink()
+    proc = convert("mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "missing or unreadable" in proc.stderr
+    assert not (tmp_path / "hf").exists()
