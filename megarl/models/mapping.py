@@ -1,11 +1,13 @@
-"""How each HuggingFace tensor becomes Megatron TP shards and back: pure tensor functions.
+"""How each HuggingFace tensor becomes Megatron TP shards and back, described as pieces.
 
-Megatron's layouts that differ from HF (see DESIGN.md):
+A shard is a concatenation, along one dim, of ranges of HF tensors (``Piece``s); the rest of
+the shard (vocab padding) is zero. Megatron's layouts that differ from HF (see DESIGN.md):
 - fused QKV is interleaved by query group: [group][q_per_group q heads, k head, v head][head_dim],
   and TP splits whole groups;
 - fc1 is [gate shard; up shard] per TP rank;
 - embedding and output rows are padded to the padded vocab (zeros) and split over TP;
 - row-parallel weights (o_proj, down_proj) split along dim 1; norms are replicated.
+The same pieces drive checkpoint conversion, weight loading and the resharding planner.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ class ParamRule:
     hf: tuple[str, ...]
     kind: str
     layer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Rows ``[start, stop)`` along ``dim`` of HF tensor ``hf``, placed at ``offset`` along ``dim`` of a shard."""
+
+    hf: str
+    dim: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
 
 
 def param_rules(spec: ModelSpec, *, include_output: bool = True) -> list[ParamRule]:
@@ -80,55 +97,77 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mcore_pieces(rule: ParamRule, spec: ModelSpec, tp_rank: int, tp: int, padded_vocab: int) -> list[Piece]:
+    """The pieces of Megatron's TP shard ``tp_rank`` of ``rule``."""
+    if rule.kind == REPLICATED:
+        return [Piece(rule.hf[0], 0, 0, spec.hidden_size, 0)]
+    if rule.kind == ROW:
+        cols = spec.num_attention_heads * spec.head_dim if "linear_proj" in rule.mcore else spec.intermediate_size
+        step = cols // tp
+        return [Piece(rule.hf[0], 1, tp_rank * step, (tp_rank + 1) * step, 0)]
+    if rule.kind == FC1:
+        step = spec.intermediate_size // tp
+        return [Piece(name, 0, tp_rank * step, (tp_rank + 1) * step, i * step) for i, name in enumerate(rule.hf)]
+    if rule.kind == VOCAB:
+        step = padded_vocab // tp
+        start = tp_rank * step
+        stop = min((tp_rank + 1) * step, spec.vocab_size)
+        return [Piece(rule.hf[0], 0, start, stop, 0)] if start < stop else []
+    assert rule.kind == QKV, rule
+    d, qpg = spec.head_dim, spec.q_per_group
+    groups = spec.num_kv_heads // tp
+    pieces = []
+    for j in range(groups):
+        g = tp_rank * groups + j
+        base = j * (qpg + 2) * d
+        pieces += [Piece(rule.hf[0], 0, g * qpg * d, (g + 1) * qpg * d, base),
+                   Piece(rule.hf[1], 0, g * d, (g + 1) * d, base + qpg * d),
+                   Piece(rule.hf[2], 0, g * d, (g + 1) * d, base + (qpg + 1) * d)]
+    return pieces
+
+
+def mcore_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) -> tuple[int, ...]:
+    """Shape of one Megatron TP shard of ``rule``."""
+    h, d = spec.hidden_size, spec.head_dim
+    if rule.kind == REPLICATED:
+        return (h,)
+    if rule.kind == ROW:
+        cols = spec.num_attention_heads * d if "linear_proj" in rule.mcore else spec.intermediate_size
+        return (h, cols // tp)
+    if rule.kind == FC1:
+        return (2 * spec.intermediate_size // tp, h)
+    if rule.kind == VOCAB:
+        return (padded_vocab // tp, h)
+    rows = (spec.num_attention_heads + 2 * spec.num_kv_heads) * d // tp
+    return (rows,) if rule.mcore.endswith(".bias") else (rows, h)
+
+
+def assemble(pieces: list[Piece], shape: tuple[int, ...], read: Reader) -> torch.Tensor:
+    """A shard of ``shape`` built from ``pieces`` (each read from HF), zero where no piece lands."""
+    parts = [(p, read(p.hf, p.dim, p.start, p.stop)) for p in pieces]
+    if len(parts) == 1 and tuple(parts[0][1].shape) == shape:
+        return parts[0][1]
+    dtype = parts[0][1].dtype if parts else torch.float32
+    out = torch.zeros(shape, dtype=dtype)
+    for piece, tensor in parts:
+        out.narrow(piece.dim, piece.offset, piece.length).copy_(tensor)
+    return out
+
+
 def to_mcore_shard(rule: ParamRule, spec: ModelSpec, read: Reader, tp_rank: int, tp: int,
                    padded_vocab: int) -> torch.Tensor:
     """Megatron's TP shard ``tp_rank`` of ``rule``, reading only the HF slices that shard needs."""
-    if rule.kind == REPLICATED:
-        return read(rule.hf[0], None, 0, 0)
-    if rule.kind == ROW:
-        step = _row_cols(rule, spec) // tp
-        return read(rule.hf[0], 1, tp_rank * step, (tp_rank + 1) * step)
-    if rule.kind == FC1:
-        step = spec.intermediate_size // tp
-        return torch.cat([read(name, 0, tp_rank * step, (tp_rank + 1) * step) for name in rule.hf])
-    if rule.kind == VOCAB:
-        step = padded_vocab // tp
-        start, stop = tp_rank * step, (tp_rank + 1) * step
-        rows = read(rule.hf[0], 0, start, min(stop, spec.vocab_size)) if start < spec.vocab_size else None
-        out = torch.zeros((step, spec.hidden_size), dtype=rows.dtype if rows is not None else torch.float32)
-        if rows is not None:
-            out[: rows.shape[0]] = rows
-        return out
-    assert rule.kind == QKV, rule
-    groups, d, qpg = spec.num_kv_heads // tp, spec.head_dim, spec.q_per_group
-    g0 = tp_rank * groups
-    q = read(rule.hf[0], 0, g0 * qpg * d, (g0 + groups) * qpg * d)
-    k = read(rule.hf[1], 0, g0 * d, (g0 + groups) * d)
-    v = read(rule.hf[2], 0, g0 * d, (g0 + groups) * d)
-    tail = q.shape[1:]
-    parts = [q.reshape(groups, qpg * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)]
-    return torch.cat(parts, dim=1).reshape(groups * (qpg + 2) * d, *tail)
-
-
-def _row_cols(rule: ParamRule, spec: ModelSpec) -> int:
-    return spec.num_attention_heads * spec.head_dim if "linear_proj" in rule.mcore else spec.intermediate_size
+    return assemble(mcore_pieces(rule, spec, tp_rank, tp, padded_vocab),
+                    mcore_shape(rule, spec, tp, padded_vocab), read)
 
 
 def to_hf(rule: ParamRule, spec: ModelSpec, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The HF tensors of ``rule`` from its Megatron TP shards (ordered by TP rank); inverse of to_mcore_shard."""
-    if rule.kind == REPLICATED:
-        return {rule.hf[0]: shards[0]}
-    if rule.kind == ROW:
-        return {rule.hf[0]: torch.cat(shards, dim=1)}
-    if rule.kind == FC1:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return {rule.hf[0]: torch.cat([g for g, _ in halves]), rule.hf[1]: torch.cat([u for _, u in halves])}
-    if rule.kind == VOCAB:
-        return {rule.hf[0]: torch.cat(shards)[: spec.vocab_size]}
-    assert rule.kind == QKV, rule
-    d, qpg = spec.head_dim, spec.q_per_group
-    full = torch.cat(shards)
-    tail = full.shape[1:]
-    grouped = full.reshape(spec.num_kv_heads, (qpg + 2) * d, *tail)
-    q, k, v = grouped.split([qpg * d, d, d], dim=1)
-    return {rule.hf[0]: q.reshape(-1, *tail), rule.hf[1]: k.reshape(-1, *tail), rule.hf[2]: v.reshape(-1, *tail)}
+    tp = len(shards)
+    padded_vocab = shards[0].shape[0] * tp if rule.kind == VOCAB else 0
+    shapes = hf_shapes(spec)
+    out = {name: torch.empty(shapes[name], dtype=shards[0].dtype) for name in rule.hf}
+    for t, shard in enumerate(shards):
+        for p in mcore_pieces(rule, spec, t, tp, padded_vocab):
+            out[p.hf].narrow(p.dim, p.start, p.length).copy_(shard.narrow(p.dim, p.offset, p.length))
+    return out

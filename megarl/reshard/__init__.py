@@ -1,0 +1,1 @@
+"""Zero-redundancy resharding: Megatron TP/PP shards -> rollout engines' per-rank layout."""

@@ -1,0 +1,234 @@
+"""Run a refit plan on this rank: local copies, pack -> send/recv -> unpack, bucket by bucket.
+
+Everything that can be prepared is prepared once, in the constructor: the staging pool (two
+send and two receive buffers of ``plan.bucket_bytes``, one allocation), and for every bucket a
+compiled ``SegmentCopy`` for its local copies, its pack and its unpack (QKV/fc1 regrouping is
+part of those segment tables). A refit then only launches kernels and posts P2P operations.
+
+On GPU, three streams overlap the pipeline: pack(k+1) on the pack stream, transfer(k) on the
+communication stream, unpack(k-1) on the unpack stream, ordered by events; buffer k % 2 is
+reused only after bucket k-2 finished with it. On CPU (gloo) the same schedule runs in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import UserError
+from megarl.kernels import Segment, extension, segment_table
+from megarl.reshard.planner import Plan, Transfer, _row_bytes
+
+
+@dataclass
+class _Bucket:
+    local: Any | None
+    pack: Any | None
+    unpack: Any | None
+    sends: list[tuple[int, int, int]]
+    """(peer, offset, nbytes) regions of this bucket's send buffer."""
+    recvs: list[tuple[int, int, int]]
+    buffer: int
+
+
+def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], element_size: int,
+             src_index: int, dst_index: int, *, src_packed: int | None = None,
+             dst_packed: int | None = None) -> Segment:
+    """The byte segment of transfer ``t``; a packed side is a tight run at the given buffer offset."""
+    if t.dim == 0:
+        row = _row_bytes(src_shape, 0, element_size)
+        nbytes = t.length * row
+        src_off = t.src_offset * row if src_packed is None else src_packed
+        dst_off = t.dst_offset * row if dst_packed is None else dst_packed
+        return Segment(src_index, src_off, nbytes, dst_index, dst_off, nbytes, 1, nbytes)
+    # A column slice of a 2-D tensor: one row segment per matrix row.
+    rows, run = src_shape[0], t.length * element_size
+    src_off, src_stride = ((t.src_offset * element_size, src_shape[1] * element_size) if src_packed is None
+                           else (src_packed, run))
+    dst_off, dst_stride = ((t.dst_offset * element_size, dst_shape[1] * element_size) if dst_packed is None
+                           else (dst_packed, run))
+    return Segment(src_index, src_off, src_stride, dst_index, dst_off, dst_stride, rows, run)
+
+
+class Resharder:
+    """Executes ``plan`` on global rank ``rank``: reads trainer tensors, writes engine tensors.
+
+    ``src`` maps canonical Megatron names to this rank's trainer parameters; ``dst`` maps engine
+    names to this rank's engine parameters (the engine's own tensors, written in place). Both
+    must stay allocated at the same address for the Resharder's life.
+    """
+
+    def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
+                 group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+        self.plan, self.rank, self.group = plan, rank, group
+        self.device = device or next(iter(dst.values())).device
+        self._check(src, dst)
+        ext = extension()
+        self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
+        self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank})
+        self._src = [src[n] for n in self.src_names]
+        self._dst = [dst[n] for n in self.dst_names]
+        src_index = {n: i for i, n in enumerate(self.src_names)}
+        dst_index = {n: i for i, n in enumerate(self.dst_names)}
+        es = plan.element_size
+        dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
+        needs_pool = any(not t.local and rank in (t.src_rank, t.dst_rank) for b in plan.buckets for t in b)
+        self.pool = ext.BufferPool(4, plan.bucket_bytes, str(self.device)) if needs_pool else None
+        self.buckets: list[_Bucket] = []
+        for k, transfers in enumerate(plan.buckets):
+            buf = k % 2
+            local, packs, unpacks = [], [], []
+            sends: dict[int, list[Transfer]] = {}
+            recvs: dict[int, list[Transfer]] = {}
+            for t in transfers:
+                if t.local and t.src_rank == rank:
+                    local.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es,
+                                          src_index[t.src_name], dst_index[t.dst_name]))
+                elif t.src_rank == rank:
+                    sends.setdefault(t.dst_rank, []).append(t)
+                elif t.dst_rank == rank:
+                    recvs.setdefault(t.src_rank, []).append(t)
+            send_regions, offset = [], 0
+            for peer in sorted(sends):
+                start = offset
+                for t in sends[peer]:
+                    packs.append(_segment(t, plan.src_shapes[t.src_name], plan.dst_shapes[plan.engine_rank(peer)]
+                                          [t.dst_name], es, src_index[t.src_name], 0, dst_packed=offset))
+                    offset += t.nbytes
+                send_regions.append((peer, start, offset - start))
+            recv_regions, offset = [], 0
+            for peer in sorted(recvs):
+                start = offset
+                for t in recvs[peer]:
+                    unpacks.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es, 0,
+                                            dst_index[t.dst_name], src_packed=offset))
+                    offset += t.nbytes
+                recv_regions.append((peer, start, offset - start))
+            assert max(sum(r[2] for r in send_regions), sum(r[2] for r in recv_regions)) <= plan.bucket_bytes
+            self.buckets.append(_Bucket(
+                local=ext.SegmentCopy(self._src, self._dst, segment_table(local)) if local else None,
+                pack=ext.SegmentCopy(self._src, [self._send(buf)], segment_table(packs)) if packs else None,
+                unpack=ext.SegmentCopy([self._recv(buf)], self._dst, segment_table(unpacks)) if unpacks else None,
+                sends=send_regions, recvs=recv_regions, buffer=buf))
+        self._zero_padding(dst, dst_shapes)
+        cuda = self.device.type == "cuda"
+        self._streams = [torch.cuda.Stream(self.device) for _ in range(3)] if cuda else None
+
+    def _send(self, buf: int) -> torch.Tensor:
+        assert self.pool is not None
+        return self.pool.buffer(buf)
+
+    def _recv(self, buf: int) -> torch.Tensor:
+        assert self.pool is not None
+        return self.pool.buffer(2 + buf)
+
+    def _check(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+        plan, rank = self.plan, self.rank
+        expected_src = {t.src_name for b in plan.buckets for t in b if t.src_rank == rank}
+        expected_dst = plan.dst_shapes[plan.engine_rank(rank)]
+        for names, given, shapes, side in ((expected_src, src, plan.src_shapes, "trainer"),
+                                           (set(expected_dst), dst, expected_dst, "engine")):
+            for name in sorted(names):
+                if name not in given:
+                    raise UserError(f"{side} tensor `{name}` is missing on rank {rank}; the model does not match "
+                                    "the resharding plan (check the model config and parallel layout).")
+                tensor = given[name]
+                if tuple(tensor.shape) != tuple(shapes[name]) or tensor.element_size() != plan.element_size:
+                    raise UserError(f"{side} tensor `{name}` on rank {rank} has shape {list(tensor.shape)} and "
+                                    f"{tensor.element_size()}-byte elements; the plan expects "
+                                    f"{list(shapes[name])} and {plan.element_size}-byte elements. The model and "
+                                    "the trainer/engine layout disagree.")
+                if not tensor.is_contiguous():
+                    raise UserError(f"{side} tensor `{name}` on rank {rank} is not contiguous.")
+
+    def _zero_padding(self, dst: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+        """Engine vocab rows past the real vocab are never sent: zero them once, here."""
+        covered: dict[str, int] = {}
+        for b in self.plan.buckets:
+            for t in b:
+                if t.dst_rank == self.rank and t.dim == 0:
+                    covered[t.dst_name] = max(covered.get(t.dst_name, 0), t.dst_offset + t.length)
+        with torch.no_grad():
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in dst and covered.get(name, 0) < shapes[name][0]:
+                    dst[name][covered.get(name, 0):].zero_()
+
+    def _p2p(self, bucket: _Bucket) -> list[Any]:
+        ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), peer, self.group)
+               for peer, off, n in bucket.sends]
+        ops += [dist.P2POp(dist.irecv, self._recv(bucket.buffer).narrow(0, off, n), peer, self.group)
+                for peer, off, n in bucket.recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    @torch.no_grad()
+    def refit(self) -> None:
+        """Copy the trainer's current weights into the engine tensors. On GPU the caller's stream
+        waits for the result; nothing blocks the host except on CPU."""
+        if self._streams is None:
+            for bucket in self.buckets:
+                if bucket.local is not None:
+                    bucket.local.run()
+                if bucket.pack is not None:
+                    bucket.pack.run()
+                for work in self._p2p(bucket):
+                    work.wait()
+                if bucket.unpack is not None:
+                    bucket.unpack.run()
+            return
+        self._refit_streams()
+
+    def _refit_streams(self) -> None:
+        pack_s, comm_s, unpack_s = self._streams  # type: ignore[misc]
+        caller = torch.cuda.current_stream(self.device)
+        for s in (pack_s, comm_s, unpack_s):
+            s.wait_stream(caller)  # the trainer's last optimizer step must be done
+        sent: list[list[Any]] = []
+        unpacked: list[torch.cuda.Event] = []
+        for k, bucket in enumerate(self.buckets):
+            with torch.cuda.stream(pack_s):
+                if k >= 2:
+                    for work in sent[k - 2]:
+                        work.wait()  # the send buffer this bucket reuses has left the GPU
+                if bucket.local is not None:
+                    bucket.local.run()
+                if bucket.pack is not None:
+                    bucket.pack.run()
+                packed = torch.cuda.Event()
+                packed.record(pack_s)
+            with torch.cuda.stream(comm_s):
+                comm_s.wait_event(packed)
+                if k >= 2:
+                    comm_s.wait_event(unpacked[k - 2])  # the receive buffer was drained
+                works = self._p2p(bucket)
+            sent.append(works)
+            with torch.cuda.stream(unpack_s):
+                for work in works:
+                    work.wait()
+                if bucket.unpack is not None:
+                    bucket.unpack.run()
+                done = torch.cuda.Event()
+                done.record(unpack_s)
+                unpacked.append(done)
+        for s in (pack_s, comm_s, unpack_s):
+            caller.wait_stream(s)
+
+    @property
+    def pool_bytes(self) -> int:
+        return 0 if self.pool is None else int(self.pool.total_bytes)
+
+
+def engine_tensor_allocations(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device
+                              ) -> dict[str, torch.Tensor]:
+    """Fresh engine-layout tensors for ``rank`` (tests, benchmarks, and engines without their own)."""
+    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+
+
+def plan_bytes_on(plan: Plan, rank: int) -> int:
+    """Engine bytes rank ``rank`` receives per refit (locally copied or transferred)."""
+    return sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank)
+
+

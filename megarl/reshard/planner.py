@@ -1,0 +1,217 @@
+"""Plan a refit once: for every byte of every engine rank's parameters, which trainer rank sends it.
+
+The plan is pure data (no torch.distributed, no devices), so it is tested on CPU and reused for
+every refit. Guarantees:
+- every destination byte is produced exactly once (engine pieces are partitioned by the trainer's
+  TP pieces of the same HF tensor);
+- a slice the destination GPU already holds (colocated trainer rank) is copied locally;
+- otherwise the nearest replica sends it: same node before other nodes, bytes balanced over the
+  DP replicas (and over TP ranks for replicated tensors);
+- transfers are grouped into buckets, layer by layer, so that no GPU sends or receives more than
+  ``bucket_bytes`` per bucket: that bounds the executor's extra memory whatever the model size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megarl.errors import UserError
+from megarl.models.mapping import mcore_pieces, mcore_shape, param_rules
+from megarl.models.spec import ModelSpec
+from megarl.parallel import ParallelDims
+from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Copy ``length`` rows (along ``dim``) of trainer tensor ``src_name`` on ``src_rank``, starting at
+    ``src_offset``, into engine tensor ``dst_name`` on ``dst_rank`` at ``dst_offset``."""
+
+    src_rank: int
+    src_name: str
+    dst_rank: int
+    dst_name: str
+    dim: int
+    src_offset: int
+    dst_offset: int
+    length: int
+    nbytes: int
+
+    @property
+    def local(self) -> bool:
+        return self.src_rank == self.dst_rank
+
+
+@dataclass
+class Plan:
+    spec: ModelSpec
+    dims: ParallelDims
+    rollout_tp: int
+    gpus_per_node: int
+    element_size: int
+    bucket_bytes: int
+    padded_vocab: int
+    src_shapes: dict[str, tuple[int, ...]]
+    """Trainer tensor shapes by canonical Megatron name (identical on every rank holding it)."""
+    dst_shapes: list[dict[str, tuple[int, ...]]]
+    """Engine tensor shapes by engine name, per engine rank (index: global rank % rollout_tp)."""
+    buckets: list[list[Transfer]] = field(default_factory=list)
+
+    def engine_rank(self, rank: int) -> int:
+        return rank % self.rollout_tp
+
+    def link_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes each (src, dst) GPU pair carries per refit; (g, g) is the local copy on GPU g."""
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        for bucket in self.buckets:
+            for t in bucket:
+                out[t.src_rank, t.dst_rank] += t.nbytes
+        return dict(out)
+
+    def stats(self) -> dict[str, float]:
+        links = self.link_bytes()
+        world = self.dims.world_size
+        cross = sum(b for (s, d), b in links.items() if s != d)
+        inter_node = sum(b for (s, d), b in links.items() if s // self.gpus_per_node != d // self.gpus_per_node)
+        recv = [sum(b for (s, d), b in links.items() if d == g and s != g) for g in range(world)]
+        send = [sum(b for (s, d), b in links.items() if s == g and d != g) for g in range(world)]
+        engine_bytes = sum(math.prod(s) for s in self.dst_shapes[0].values()) * self.element_size
+        full_model = self.spec.num_params() * self.element_size
+        return {
+            "num_buckets": len(self.buckets),
+            "num_transfers": sum(len(b) for b in self.buckets),
+            "local_bytes": sum(b for (s, d), b in links.items() if s == d),
+            "cross_gpu_bytes": cross,
+            "inter_node_bytes": inter_node,
+            "max_recv_bytes_per_gpu": max(recv),
+            "max_send_bytes_per_gpu": max(send),
+            "engine_bytes_per_gpu": engine_bytes,
+            # verl/slime all-gather every tensor to full size on every GPU (TP all-gather, PP broadcast).
+            "naive_bytes_per_gpu": full_model * (1 - 1 / (self.dims.tp * self.dims.pp))
+            if self.dims.tp * self.dims.pp > 1 else 0,
+            "naive_gathered_bytes_per_gpu": full_model,
+        }
+
+
+def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[tuple[int, str, object]]]:
+    index: dict[str, list[tuple[int, str, object]]] = defaultdict(list)
+    for rule in param_rules(spec):
+        for t in range(tp):
+            for piece in mcore_pieces(rule, spec, t, tp, padded_vocab):
+                index[piece.hf].append((t, rule.mcore, piece))
+    return index
+
+
+def _stage(name: str, spec: ModelSpec, pp: int) -> int:
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2]) // (spec.num_layers // pp)
+    return 0 if name.startswith("embedding.") else pp - 1
+
+
+def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
+              element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128) -> Plan:
+    """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
+
+    Engine e spans global ranks [e*R, (e+1)*R) and its rank r sits on GPU e*R + r, the GPU of
+    trainer rank e*R + r (colocation).
+    """
+    world = dims.world_size
+    if rollout_tp < 1 or world % rollout_tp:
+        raise UserError(f"rollout.tensor_parallel = {rollout_tp} must divide the world size {world} "
+                        "(each engine spans R colocated GPUs).")
+    check_rollout_tp(spec, rollout_tp)
+    if spec.num_kv_heads % dims.tp or spec.num_layers % dims.pp:
+        raise UserError(f"trainer layout TP={dims.tp} PP={dims.pp} does not fit the model (num_key_value_heads="
+                        f"{spec.num_kv_heads}, num_hidden_layers={spec.num_layers}); TP must divide the first "
+                        "and PP the second.")
+    padded_vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple)
+    rules = param_rules(spec)
+    src_shapes = {r.mcore: mcore_shape(r, spec, dims.tp, padded_vocab) for r in rules}
+    layouts = [engine_tensors(spec, rollout_tp, r) for r in range(rollout_tp)]
+    plan = Plan(spec=spec, dims=dims, rollout_tp=rollout_tp, gpus_per_node=gpus_per_node,
+                element_size=element_size, bucket_bytes=bucket_bytes, padded_vocab=padded_vocab,
+                src_shapes=src_shapes, dst_shapes=[{t.name: t.shape for t in layout} for layout in layouts])
+    index = _rules_by_hf(spec, dims.tp, padded_vocab)
+    sent: dict[int, int] = defaultdict(int)
+
+    def pick(holders: list[int], dst: int, nbytes: int) -> int:
+        if dst in holders:
+            return dst
+        node = dst // gpus_per_node
+        near = [h for h in holders if h // gpus_per_node == node] or holders
+        src = min(near, key=lambda h: (sent[h], h))
+        sent[src] += nbytes
+        return src
+
+    # Engine tensors in forward order; every engine rank's tensor of one name forms one group.
+    groups: list[list[tuple[int, EngineTensor]]] = []
+    for i, tensor in enumerate(layouts[0]):
+        groups.append([(g, layouts[g % rollout_tp][i]) for g in range(world)])
+    transfers_by_group = []
+    for group in groups:
+        transfers = []
+        for dst, tensor in group:
+            row_bytes = _row_bytes(tensor.shape, tensor.pieces[0].dim if tensor.pieces else 0, element_size)
+            for dpiece in tensor.pieces:
+                # Trainer pieces of the same HF tensor, grouped by the range they cover.
+                by_range: dict[tuple[int, int], list[tuple[int, str, int]]] = defaultdict(list)
+                for t, name, spiece in index[dpiece.hf]:
+                    lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
+                    if lo < hi:
+                        by_range[lo, hi].append((t, name, spiece.offset + lo - spiece.start))
+                covered = sum(hi - lo for lo, hi in by_range)
+                assert covered == dpiece.length, (tensor.name, dpiece, covered)
+                for (lo, hi), options in sorted(by_range.items()):
+                    holders = {dims.rank(tp=t, dp=dp, pp=_stage(name, spec, dims.pp)): (name, off)
+                               for t, name, off in options for dp in range(dims.dp)}
+                    nbytes = (hi - lo) * row_bytes
+                    src = pick(sorted(holders), dst, nbytes)
+                    name, off = holders[src]
+                    transfers.append(Transfer(src, name, dst, tensor.name, dpiece.dim, off,
+                                              dpiece.offset + lo - dpiece.start, hi - lo, nbytes))
+        transfers_by_group.append(transfers)
+    plan.buckets = _bucketize(transfers_by_group, plan)
+    return plan
+
+
+def _row_bytes(shape: tuple[int, ...], dim: int, element_size: int) -> int:
+    """Bytes per unit of length along ``dim``: a row for dim 0, a column for dim 1."""
+    return (math.prod(shape[1:]) if dim == 0 else shape[0]) * element_size
+
+
+def _split(t: Transfer, max_bytes: int) -> list[Transfer]:
+    per_unit = t.nbytes // t.length
+    step = max(1, max_bytes // per_unit)
+    return [Transfer(t.src_rank, t.src_name, t.dst_rank, t.dst_name, t.dim, t.src_offset + i, t.dst_offset + i,
+                     min(step, t.length - i), min(step, t.length - i) * per_unit)
+            for i in range(0, t.length, step)]
+
+
+def _bucketize(transfers_by_group: list[list[Transfer]], plan: Plan) -> list[list[Transfer]]:
+    """Greedy layer-order buckets in which no GPU sends or receives more than ``bucket_bytes``.
+
+    Local copies need no buffer and do not count against the budget.
+    """
+    limit = plan.bucket_bytes
+    buckets: list[list[Transfer]] = [[]]
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    for transfers in transfers_by_group:
+        for whole in transfers:
+            for t in ([whole] if whole.local else _split(whole, limit)):
+                if not t.local and (send[t.src_rank] + t.nbytes > limit or recv[t.dst_rank] + t.nbytes > limit):
+                    buckets.append([])
+                    send.clear()
+                    recv.clear()
+                if not t.local:
+                    send[t.src_rank] += t.nbytes
+                    recv[t.dst_rank] += t.nbytes
+                buckets[-1].append(t)
+        # Close the bucket at layer boundaries once it is reasonably full, to keep buckets layer-aligned.
+        if max(list(send.values()) + list(recv.values()) + [0]) > limit // 2:
+            buckets.append([])
+            send.clear()
+            recv.clear()
+    return [b for b in buckets if b]

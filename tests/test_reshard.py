@@ -1,0 +1,31 @@
+"""The resharder writes exactly the engine layout, for every trainer layout and rollout TP (CPU, gloo)."""
+
+import json
+
+import pytest
+
+from helpers import make_hf_model, run_torchrun
+
+
+@pytest.mark.slow
+def test_refit_equals_engine_layout_from_hf(tmp_path):
+    # llama: 2 kv heads, so R=4 replicates kv heads; vocab 200 is not a multiple of 64 * R.
+    llama = make_hf_model(tmp_path / "llama", "llama")
+    # qwen2: QKV bias, tied embeddings, 4 kv heads so that TP=4 is possible.
+    qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2", num_attention_heads=8, num_key_value_heads=4,
+                          hidden_size=128)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun(["tests/workers/reshard.py", str(out), str(llama), str(qwen2)], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for f in sorted(out.glob("rank*.json")) for r in json.loads(f.read_text())]
+    layouts = {(r["model"], r["tp"], r["pp"], r["R"]) for r in rows}
+    expected = {("llama", tp, pp, R) for tp in (1, 2) for pp in (1, 2) for R in (1, 2, 4)}
+    expected |= {("qwen2", tp, pp, R) for tp in (1, 2, 4) for pp in (1, 2) if tp * pp <= 4 for R in (1, 2, 4)}
+    assert layouts == expected
+    assert len(rows) == 4 * len(expected)
+    for r in rows:
+        assert r["exact"] and r["second_refit"] and r["pool_reused"], r
+    # Small buckets force many of them (split tensors, several per layer) in the multi-GPU layouts.
+    assert max(r["buckets"] for r in rows) > 10
+    assert all(r["pool_bytes"] <= 4 * 48 * 1024 + 256 for r in rows)

@@ -1,0 +1,123 @@
+"""Multi-rank worker for test_reshard.py: Megatron shards -> engine layout, checked against HF.
+
+torchrun --nproc-per-node 4 tests/workers/reshard.py OUT_DIR MODEL_DIR...
+For every model, trainer layout (TP, PP, DP over 4 ranks) and rollout TP R in {1, 2, 4}, loads the
+HF weights into Megatron, refits into fresh engine tensors (filled with NaN so an unwritten byte
+shows), compares every engine tensor with an independent reference computed from the full HF
+tensors, doubles the trainer weights, refits again and checks the pool was reused.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from megarl.platform import init_platform
+
+platform = init_platform()
+
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.parallel import (  # noqa: E402
+    ParallelDims,
+    destroy_model_parallel,
+    init_distributed,
+    init_model_parallel,
+    model_parallel_seed,
+)
+from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
+from megarl.reshard.planner import make_plan  # noqa: E402
+
+
+def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
+    """Engine rank r's tensors the way an engine's weight loader slices full HF tensors."""
+    V, H, L = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    nh, nkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    d = H // nh
+    vp = math.ceil(V / 64) * 64
+    rows = vp // R
+
+    def vocab(w):
+        full = torch.zeros(vp, H, dtype=w.dtype)
+        full[:V] = w
+        return full[r * rows:(r + 1) * rows]
+
+    out = {"model.embed_tokens.weight": vocab(hf["model.embed_tokens.weight"]), "model.norm.weight": hf["model.norm.weight"]}
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = vocab(hf["lm_head.weight"])
+    q_heads = slice(r * nh // R, (r + 1) * nh // R)
+    kv_first = r * nkv // R
+    kv_heads = slice(kv_first, kv_first + max(1, nkv // R))
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            if p + f"self_attn.q_proj.{kind}" not in hf:
+                continue
+            q = hf[p + f"self_attn.q_proj.{kind}"].unflatten(0, (nh, d))[q_heads].flatten(0, 1)
+            k = hf[p + f"self_attn.k_proj.{kind}"].unflatten(0, (nkv, d))[kv_heads].flatten(0, 1)
+            v = hf[p + f"self_attn.v_proj.{kind}"].unflatten(0, (nkv, d))[kv_heads].flatten(0, 1)
+            out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
+        out[p + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"].unflatten(1, (nh, d))[:, q_heads].flatten(1)
+        rows_i = slice(r * inter // R, (r + 1) * inter // R)
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"][rows_i],
+                                                        hf[p + "mlp.up_proj.weight"][rows_i]])
+        out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"][:, rows_i]
+        out[p + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def main() -> None:
+    out_dir, model_dirs = Path(sys.argv[1]), sys.argv[2:]
+    init_distributed(platform)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for model_dir in model_dirs:
+        spec = load_spec(model_dir)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        hf = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            hf |= load_file(f)
+        for tp in (1, 2, 4):
+            for pp in (1, 2):
+                if spec.num_kv_heads % tp or world % (tp * pp):
+                    continue
+                dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
+                groups = init_model_parallel(dims)
+                model_parallel_seed(1)
+                chunks = build_model(spec, groups, BuildOptions())
+                load_hf_weights(chunks, spec, model_dir, groups, BuildOptions())
+                src = {n: p.data for n, p in canonical_params(chunks, spec, groups).items()}
+                for R in (1, 2, 4):
+                    plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=4, bucket_bytes=48 * 1024)
+                    dst = engine_tensor_allocations(plan, rank, torch.float32, torch.device("cpu"))
+                    for t in dst.values():
+                        t.fill_(float("nan"))
+                    resharder = Resharder(plan, rank, src, dst)
+                    resharder.refit()
+                    ref = reference_engine(hf, cfg, R, rank % R)
+                    exact = sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref)
+                    pool = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
+                    for t in src.values():
+                        t.mul_(2)
+                    resharder.refit()
+                    pool_again = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
+                    doubled = all(torch.equal(dst[n], ref[n] * 2) for n in ref)
+                    for t in src.values():
+                        t.div_(2)
+                    results.append({"model": Path(model_dir).name, "tp": tp, "pp": pp, "dp": dims.dp, "R": R,
+                                    "rank": rank, "exact": exact, "second_refit": doubled,
+                                    "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
+                                    "pool_bytes": resharder.pool_bytes})
+                destroy_model_parallel()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
