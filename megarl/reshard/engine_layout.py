@@ -74,7 +74,7 @@ def engine_tensors(spec: ModelSpec, rollout_tp: int, rank: int) -> list[EngineTe
     for i in range(spec.num_layers):
         e, p = f"model.layers.{i}.", f"model.layers.{i}."
 
-        def qkv(kind: str) -> tuple[Piece, ...]:
+        def qkv(kind: str, p: str = p) -> tuple[Piece, ...]:
             q, k, v = (f"{p}self_attn.{x}_proj.{kind}" for x in "qkv")
             return (Piece(q, 0, q0 * d, (q0 + nq) * d, 0),
                     Piece(k, 0, kv0 * d, (kv0 + nkv) * d, nq * d),

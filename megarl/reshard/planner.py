@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megarl.errors import UserError
-from megarl.models.mapping import mcore_pieces, mcore_shape, param_rules
+from megarl.models.mapping import Piece, mcore_pieces, mcore_shape, param_rules
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors
@@ -95,8 +95,8 @@ class Plan:
         }
 
 
-def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[tuple[int, str, object]]]:
-    index: dict[str, list[tuple[int, str, object]]] = defaultdict(list)
+def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[tuple[int, str, Piece]]]:
+    index: dict[str, list[tuple[int, str, Piece]]] = defaultdict(list)
     for rule in param_rules(spec):
         for t in range(tp):
             for piece in mcore_pieces(rule, spec, t, tp, padded_vocab):
@@ -146,9 +146,8 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
         return src
 
     # Engine tensors in forward order; every engine rank's tensor of one name forms one group.
-    groups: list[list[tuple[int, EngineTensor]]] = []
-    for i, tensor in enumerate(layouts[0]):
-        groups.append([(g, layouts[g % rollout_tp][i]) for g in range(world)])
+    groups: list[list[tuple[int, EngineTensor]]] = [
+        [(g, layouts[g % rollout_tp][i]) for g in range(world)] for i in range(len(layouts[0]))]
     transfers_by_group = []
     for group in groups:
         transfers = []

@@ -47,7 +47,8 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
         full[:V] = w
         return full[r * rows:(r + 1) * rows]
 
-    out = {"model.embed_tokens.weight": vocab(hf["model.embed_tokens.weight"]), "model.norm.weight": hf["model.norm.weight"]}
+    out = {"model.embed_tokens.weight": vocab(hf["model.embed_tokens.weight"]),
+           "model.norm.weight": hf["model.norm.weight"]}
     if not cfg.get("tie_word_embeddings"):
         out["lm_head.weight"] = vocab(hf["lm_head.weight"])
     q_heads = slice(r * nh // R, (r + 1) * nh // R)
@@ -62,7 +63,8 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
             k = hf[p + f"self_attn.k_proj.{kind}"].unflatten(0, (nkv, d))[kv_heads].flatten(0, 1)
             v = hf[p + f"self_attn.v_proj.{kind}"].unflatten(0, (nkv, d))[kv_heads].flatten(0, 1)
             out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
-        out[p + "self_attn.o_proj.weight"] = hf[p + "self_attn.o_proj.weight"].unflatten(1, (nh, d))[:, q_heads].flatten(1)
+        o_proj = hf[p + "self_attn.o_proj.weight"]
+        out[p + "self_attn.o_proj.weight"] = o_proj.unflatten(1, (nh, d))[:, q_heads].flatten(1)
         rows_i = slice(r * inter // R, (r + 1) * inter // R)
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"][rows_i],
                                                         hf[p + "mlp.up_proj.weight"][rows_i]])
