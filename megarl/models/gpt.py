@@ -72,10 +72,10 @@ def transformer_config(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptio
         bf16=opts.dtype == torch.bfloat16,
         fp16=opts.dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # Fusions call torch.compile or need apex/TE kernels; only worth it on GPU.
+        # Fusions need TE/apex kernels (or torch.compile on CPU, 30 s per shape): only with TE on GPU.
         bias_activation_fusion=on_gpu and opts.transformer_engine,
-        masked_softmax_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and opts.transformer_engine,
+        bias_dropout_fusion=on_gpu and opts.transformer_engine,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,

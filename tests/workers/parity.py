@@ -6,6 +6,7 @@ OUT_DIR/rank{r}.json with the max abs differences it measured.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from megarl.parallel import (  # noqa: E402
 )
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[os.environ.get("PARITY_DTYPE", "float32")]
 
 
 def main() -> None:
@@ -40,37 +42,40 @@ def main() -> None:
     results = []
     for model_dir in model_dirs:
         spec = load_spec(model_dir)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE).to(platform.device).eval()
         lengths = [9, 5, 12]
         sequences = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in lengths]
         head = torch.randn(1, spec.hidden_size, generator=gen)
         with torch.no_grad():
-            ref_logits = [hf(torch.tensor([s])).logits[0] for s in sequences]
-            ref_values = [hf.model(torch.tensor([s])).last_hidden_state[0] @ head[0] for s in sequences]
+            inputs = [torch.tensor([s], device=platform.device) for s in sequences]
+            ref_logits = [hf(t).logits[0].float().cpu() for t in inputs]
+            ref_values = [(hf.model(t).last_hidden_state[0].float().cpu() @ head[0]) for t in inputs]
         for tp, pp, vpp in LAYOUTS:
+            if world % (tp * pp):
+                continue
             groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp))
             model_parallel_seed(1)
             entry = {"model": Path(model_dir).name, "tp": tp, "pp": pp, "vpp": vpp}
-            opts = BuildOptions()
+            opts = BuildOptions(dtype=DTYPE)
             chunks = build_model(spec, groups, opts)
             load_hf_weights(chunks, spec, model_dir, groups, opts)
 
             def gather_logits(tokens: torch.Tensor, logits: torch.Tensor, g=groups, v=spec.vocab_size) -> torch.Tensor:
                 parts = [torch.empty_like(logits) for _ in range(g.dims.tp)]
                 dist.all_gather(parts, logits.contiguous(), group=g.tp_group)
-                return torch.cat(parts, dim=-1)[..., :v]
+                return torch.cat(parts, dim=-1)[..., :v].float().cpu()
 
             batches = micro_batches(sequences, micro_batch_size=2)
             logits = forward_only(chunks, groups, batches, gather_logits)
             logprobs = sequence_logprobs(chunks, spec, groups, sequences, micro_batch_size=2)
 
-            critic_opts = BuildOptions(critic=True)
+            critic_opts = BuildOptions(critic=True, dtype=DTYPE)
             critic = build_model(spec, groups, critic_opts)
             load_hf_weights(critic, spec, model_dir, groups, critic_opts)
             if groups.is_last_stage:
                 with torch.no_grad():
-                    critic[-1].output_layer.weight.copy_(head)
-            values = forward_only(critic, groups, batches, lambda tokens, v: v[..., 0])
+                    critic[-1].output_layer.weight.copy_(head.to(DTYPE))
+            values = forward_only(critic, groups, batches, lambda tokens, v: v[..., 0].float().cpu())
 
             if logits is not None and logprobs is not None and values is not None and groups.tp_rank == 0:
                 rows = torch.cat(logits)
