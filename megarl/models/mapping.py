@@ -166,7 +166,7 @@ def to_hf(rule: ParamRule, spec: ModelSpec, shards: list[torch.Tensor]) -> dict[
     tp = len(shards)
     padded_vocab = shards[0].shape[0] * tp if rule.kind == VOCAB else 0
     shapes = hf_shapes(spec)
-    out = {name: torch.empty(shapes[name], dtype=shards[0].dtype) for name in rule.hf}
+    out = {name: torch.empty(shapes[name], dtype=shards[0].dtype, device=shards[0].device) for name in rule.hf}
     for t, shard in enumerate(shards):
         for p in mcore_pieces(rule, spec, t, tp, padded_vocab):
             out[p.hf].narrow(p.dim, p.start, p.length).copy_(shard.narrow(p.dim, p.offset, p.length))
