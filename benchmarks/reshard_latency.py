@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import percentile, slowest, sync, time_ms  # noqa: E402
 
 from megarl.errors import UserError, run_main  # noqa: E402
-from megarl.models.mapping import REPLICATED, param_rules, to_hf  # noqa: E402
+from megarl.models.mapping import REPLICATED, param_rules, pipeline_stage, to_hf  # noqa: E402
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
 from megarl.reshard.engine_layout import engine_tensors  # noqa: E402
@@ -78,7 +78,7 @@ def trainer_shards(spec, plan: Plan, rank: int, dtype: torch.dtype, device: torc
     coords = dims.coords(rank)
     names = {t.src_name for b in plan.buckets for t in b if t.src_rank == rank}
     rules = {r.mcore: r for r in param_rules(spec)}
-    stage_names = [n for n in plan.src_shapes if _stage(n, spec, dims.pp) == coords["pp"]]
+    stage_names = [n for n in plan.src_shapes if pipeline_stage(n, spec, dims.pp) == coords["pp"]]
     reader = None
     if hf_dir is not None:
         from megarl.models.hf_io import HFReader
@@ -96,12 +96,6 @@ def trainer_shards(spec, plan: Plan, rank: int, dtype: torch.dtype, device: torc
             g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{name}/{shard}".encode()))
             out[name] = torch.randn(plan.src_shapes[name], generator=g, device=device, dtype=torch.float32).to(dtype)
     return out
-
-
-def _stage(name: str, spec, pp: int) -> int:
-    if name.startswith("decoder.layers."):
-        return int(name.split(".")[2]) // (spec.num_layers // pp)
-    return 0 if name.startswith("embedding.") else pp - 1
 
 
 class NaiveRefit:
@@ -134,7 +128,7 @@ class NaiveRefit:
         hf_full: dict[str, torch.Tensor] = {}
         wanted = {p.hf for t in self.engine for p in t.pieces}
         for rule in self.rules:
-            stage = _stage(rule.mcore, spec, dims.pp)
+            stage = pipeline_stage(rule.mcore, spec, dims.pp)
             shape = self.plan.src_shapes[rule.mcore]
             local = (self.src[rule.mcore] if self.coords["pp"] == stage
                      else torch.empty(shape, dtype=self.dtype, device=self.device))
@@ -236,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(3):
         resharder.refit()
     times = slowest([time_ms(resharder.refit, device) for _ in range(args.iters)], device)
+    phase_runs = [resharder.refit_phases() for _ in range(3)]
+    phases = {k: percentile(slowest([run[k] for run in phase_runs], device), 50) for k in phase_runs[0]}
     peak_extra = (torch.cuda.max_memory_allocated(device) - base_mem) if cuda else resharder.pool_bytes
     ours = [v.clone() for v in dst.values()] if not args.no_baseline else []
 
@@ -272,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model, "num_layers": spec.num_layers, "dtype": args.dtype, "world": world,
         "train_tp": dims.tp, "train_pp": dims.pp, "train_dp": dims.dp, "rollout_tp": args.rollout_tp,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "plan_ms": plan_ms, "setup_ms": setup_ms, "refit_ms": times, "p50_ms": p50, "p99_ms": p99,
+        "plan_ms": plan_ms, "setup_ms": setup_ms, "refit_ms": times, "phases_serialized_ms": phases,
+        "p50_ms": p50, "p99_ms": p99,
         "engine_bytes_per_gpu": engine_bytes, "cross_gpu_bytes_per_gpu": stats["max_recv_bytes_per_gpu"],
         "effective_GBps": engine_bytes / (p50 / 1e3) / 1e9, "copy_GBps": copy_gbps, "link_GBps": link_gbps,
         "bound_ms": bound_ms, "vs_bound": p50 / bound_ms if bound_ms else None,
@@ -304,6 +301,7 @@ def print_table(r: dict) -> None:
         ("layout", f"train TP{r['train_tp']} PP{r['train_pp']} DP{r['train_dp']} -> rollout TP{r['rollout_tp']} "
                    f"on {r['world']} x {r['device']}"),
         ("refit p50 / p99", f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f} ms over {len(r['refit_ms'])} warm refits"),
+        ("phases, serialized", ", ".join(f"{k} {v:.2f}" for k, v in r["phases_serialized_ms"].items()) + " ms"),
         ("plan / setup (once)", f"{r['plan_ms']:.1f} / {r['setup_ms']:.1f} ms, {r['num_buckets']} buckets"),
         ("engine bytes per GPU", gib(r["engine_bytes_per_gpu"])),
         ("bytes crossing GPUs per GPU", gib(r["cross_gpu_bytes_per_gpu"])),

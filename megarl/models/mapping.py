@@ -76,6 +76,13 @@ def param_rules(spec: ModelSpec, *, include_output: bool = True) -> list[ParamRu
     return rules
 
 
+def pipeline_stage(mcore_name: str, spec: ModelSpec, pp: int) -> int:
+    """The pipeline stage holding a Megatron parameter: embedding first, final norm and head last."""
+    if mcore_name.startswith("decoder.layers."):
+        return int(mcore_name.split(".")[2]) // (spec.num_layers // pp)
+    return 0 if mcore_name.startswith("embedding.") else pp - 1
+
+
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The shape every HF tensor must have."""
     h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim

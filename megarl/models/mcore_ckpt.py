@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from megarl.errors import UserError
 from megarl.models.hf_io import _TOKENIZER_FILES, HFReader
-from megarl.models.mapping import ParamRule, hf_shapes, param_rules, to_hf, to_mcore_shard
+from megarl.models.mapping import hf_shapes, param_rules, pipeline_stage, to_hf, to_mcore_shard
 from megarl.models.spec import ModelSpec, load_spec
 
 META = "megarl_checkpoint.json"
@@ -30,13 +30,6 @@ FORMAT, VERSION = "megarl-mcore", 1
 
 def shard_file(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
-
-
-def stage_of(rule: ParamRule, spec: ModelSpec, pp: int) -> int:
-    """The pipeline stage holding ``rule``: embedding on the first, final norm and head on the last."""
-    if rule.layer is not None:
-        return rule.layer // (spec.num_layers // pp)
-    return 0 if rule.mcore.startswith("embedding.") else pp - 1
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, tp_flag: str = "--tp", pp_flag: str = "--pp") -> None:
@@ -63,7 +56,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vocab
 
     def write(tmp: Path) -> None:
         for p in range(pp):
-            stage_rules = [r for r in rules if stage_of(r, spec, pp) == p]
+            stage_rules = [r for r in rules if pipeline_stage(r.mcore, spec, pp) == p]
             for t in range(tp):
                 tensors = {r.mcore: to_mcore_shard(r, spec, reader.read, t, tp, padded).contiguous()
                            for r in stage_rules}
@@ -134,7 +127,7 @@ def open_mcore(ckpt_dir: str | Path) -> tuple[ModelSpec, Iterator[tuple[str, tor
 
 def _merged(ckpt: Path, spec: ModelSpec, handles: dict, tp: int, pp: int) -> Iterator[tuple[str, torch.Tensor]]:
     for rule in param_rules(spec):
-        p = stage_of(rule, spec, pp)
+        p = pipeline_stage(rule.mcore, spec, pp)
         try:
             shards = [handles[t, p].get_tensor(rule.mcore) for t in range(tp)]
         except SafetensorError:

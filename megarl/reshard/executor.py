@@ -12,6 +12,8 @@ reused only after bucket k-2 finished with it. On CPU (gloo) the same schedule r
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from megarl.errors import UserError
 from megarl.kernels import Segment, extension, segment_table
-from megarl.reshard.planner import Plan, Transfer, _row_bytes
+from megarl.reshard.planner import Plan, Transfer, row_bytes
 
 
 @dataclass
@@ -39,7 +41,7 @@ def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
              dst_packed: int | None = None) -> Segment:
     """The byte segment of transfer ``t``; a packed side is a tight run at the given buffer offset."""
     if t.dim == 0:
-        row = _row_bytes(src_shape, 0, element_size)
+        row = row_bytes(src_shape, 0, element_size)
         nbytes = t.length * row
         src_off = t.src_offset * row if src_packed is None else src_packed
         dst_off = t.dst_offset * row if dst_packed is None else dst_packed
@@ -215,6 +217,34 @@ class Resharder:
         for s in (pack_s, comm_s, unpack_s):
             caller.wait_stream(s)
 
+    @torch.no_grad()
+    def refit_phases(self) -> dict[str, float]:
+        """One refit with the phases serialized and timed (ms on this rank): local, pack, transfer, unpack.
+
+        For the benchmark's breakdown only: serializing removes the overlap that ``refit`` has.
+        """
+        cuda = self.device.type == "cuda"
+        totals = dict.fromkeys(("local", "pack", "transfer", "unpack"), 0.0)
+
+        def timed(phase: str, fn: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            totals[phase] += (time.perf_counter() - start) * 1e3
+
+        for bucket in self.buckets:
+            if bucket.local is not None:
+                timed("local", bucket.local.run)
+            if bucket.pack is not None:
+                timed("pack", bucket.pack.run)
+            timed("transfer", lambda b=bucket: [w.wait() for w in self._p2p(b)])
+            if bucket.unpack is not None:
+                timed("unpack", bucket.unpack.run)
+        return totals
+
     @property
     def pool_bytes(self) -> int:
         return 0 if self.pool is None else int(self.pool.total_bytes)
@@ -225,6 +255,41 @@ def engine_tensor_allocations(plan: Plan, rank: int, dtype: torch.dtype, device:
     """Fresh engine-layout tensors for ``rank`` (tests, benchmarks, and engines without their own)."""
     shapes = plan.dst_shapes[plan.engine_rank(rank)]
     return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+
+
+@dataclass
+class FlatBucket:
+    """Engine tensors laid out back to back in one flat buffer, for engines that take whole buckets
+    (one IPC handle or one ``flattened_bucket`` payload) instead of being written in place."""
+
+    buffer: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    """Views into ``buffer`` by engine name; pass them (merged over buckets) as the Resharder's ``dst``."""
+
+
+def allocate_flat_buckets(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device,
+                          max_bytes: int = 512 * 2**20) -> list[FlatBucket]:
+    """Engine-layout tensors of ``rank`` as views into flat buffers of at most ``max_bytes`` each
+    (a larger tensor gets a buffer of its own), in forward order, each tensor 256-byte aligned."""
+    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    element = torch.empty((), dtype=dtype).element_size()
+    groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        nbytes = -(-math.prod(shape) * element // 256) * 256
+        if groups[-1] and used + nbytes > max_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, shape, used))
+        used += nbytes
+    out = []
+    for group in groups:
+        end = group[-1][2] + math.prod(group[-1][1]) * element
+        buffer = torch.empty(end, dtype=torch.uint8, device=device)
+        tensors = {name: buffer.narrow(0, off, math.prod(shape) * element).view(dtype).view(shape)
+                   for name, shape, off in group}
+        out.append(FlatBucket(buffer, tensors))
+    return out
 
 
 def plan_bytes_on(plan: Plan, rank: int) -> int:

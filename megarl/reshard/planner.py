@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megarl.errors import UserError
-from megarl.models.mapping import Piece, mcore_pieces, mcore_shape, param_rules
+from megarl.models.mapping import Piece, mcore_pieces, mcore_shape, param_rules, pipeline_stage
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors
@@ -104,12 +104,6 @@ def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[
     return index
 
 
-def _stage(name: str, spec: ModelSpec, pp: int) -> int:
-    if name.startswith("decoder.layers."):
-        return int(name.split(".")[2]) // (spec.num_layers // pp)
-    return 0 if name.startswith("embedding.") else pp - 1
-
-
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
               element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128) -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
@@ -152,7 +146,7 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     for group in groups:
         transfers = []
         for dst, tensor in group:
-            row_bytes = _row_bytes(tensor.shape, tensor.pieces[0].dim if tensor.pieces else 0, element_size)
+            unit_bytes = row_bytes(tensor.shape, tensor.pieces[0].dim if tensor.pieces else 0, element_size)
             for dpiece in tensor.pieces:
                 # Trainer pieces of the same HF tensor, grouped by the range they cover.
                 by_range: dict[tuple[int, int], list[tuple[int, str, int]]] = defaultdict(list)
@@ -163,9 +157,9 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
                 covered = sum(hi - lo for lo, hi in by_range)
                 assert covered == dpiece.length, (tensor.name, dpiece, covered)
                 for (lo, hi), options in sorted(by_range.items()):
-                    holders = {dims.rank(tp=t, dp=dp, pp=_stage(name, spec, dims.pp)): (name, off)
+                    holders = {dims.rank(tp=t, dp=dp, pp=pipeline_stage(name, spec, dims.pp)): (name, off)
                                for t, name, off in options for dp in range(dims.dp)}
-                    nbytes = (hi - lo) * row_bytes
+                    nbytes = (hi - lo) * unit_bytes
                     src = pick(sorted(holders), dst, nbytes)
                     name, off = holders[src]
                     transfers.append(Transfer(src, name, dst, tensor.name, dpiece.dim, off,
@@ -175,7 +169,7 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     return plan
 
 
-def _row_bytes(shape: tuple[int, ...], dim: int, element_size: int) -> int:
+def row_bytes(shape: tuple[int, ...], dim: int, element_size: int) -> int:
     """Bytes per unit of length along ``dim``: a row for dim 0, a column for dim 1."""
     return (math.prod(shape[1:]) if dim == 0 else shape[0]) * element_size
 

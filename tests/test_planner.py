@@ -1,0 +1,146 @@
+"""The refit plan: every engine byte exactly once, nearest replica first, balanced, bucket-bounded."""
+
+import itertools
+from collections import defaultdict
+
+import pytest
+import torch
+
+from megarl.errors import UserError
+from megarl.models.mapping import REPLICATED, param_rules
+from megarl.models.presets import preset_or_hf_spec
+from megarl.parallel import ParallelDims
+from megarl.reshard.engine_layout import engine_tensors
+from megarl.reshard.executor import Resharder, allocate_flat_buckets, engine_tensor_allocations
+from megarl.reshard.planner import make_plan
+
+TINY = preset_or_hf_spec("tiny")  # 8 heads, 4 kv heads, vocab 1000 (not a multiple of 64 * R)
+LAYOUTS = [(tp, pp, dp, r) for tp, pp, dp, r in itertools.product((1, 2, 4), (1, 2), (1, 2), (1, 2, 4, 8))
+           if (tp * pp * dp) % r == 0]
+
+
+def check_exactly_once(plan):
+    """Per destination rank and engine tensor, transfers tile exactly the engine pieces."""
+    covered = defaultdict(list)
+    for bucket in plan.buckets:
+        for t in bucket:
+            covered[t.dst_rank, t.dst_name].append((t.dst_offset, t.dst_offset + t.length))
+    for g in range(plan.dims.world_size):
+        for tensor in engine_tensors(plan.spec, plan.rollout_tp, plan.engine_rank(g)):
+            want = sorted((p.offset, p.offset + p.length) for p in tensor.pieces)
+            got = sorted(covered.pop((g, tensor.name), []))
+            merged = []
+            for lo, hi in got:
+                assert not merged or lo >= merged[-1][1], f"byte written twice: rank {g} {tensor.name}"
+                if merged and lo == merged[-1][1]:
+                    merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            want_merged = []
+            for lo, hi in want:
+                if want_merged and lo == want_merged[-1][1]:
+                    want_merged[-1] = (want_merged[-1][0], hi)
+                else:
+                    want_merged.append((lo, hi))
+            assert merged == want_merged, (g, tensor.name)
+    assert not covered, f"transfers to tensors the engine does not have: {list(covered)[:3]}"
+
+
+@pytest.mark.parametrize("tp,pp,dp,r", LAYOUTS)
+def test_plan_writes_every_engine_byte_exactly_once(tp, pp, dp, r):
+    plan = make_plan(TINY, ParallelDims(tp=tp, pp=pp, dp=dp), r, gpus_per_node=4, element_size=2,
+                     bucket_bytes=64 * 1024)
+    check_exactly_once(plan)
+
+
+@pytest.mark.parametrize("tp,pp,dp,r", LAYOUTS)
+def test_nothing_crosses_a_link_the_destination_already_holds(tp, pp, dp, r):
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp)
+    plan = make_plan(TINY, dims, r, gpus_per_node=4, element_size=2, bucket_bytes=64 * 1024)
+    replicated = {rule.mcore for rule in param_rules(TINY) if rule.kind == REPLICATED}
+    for bucket in plan.buckets:
+        send, recv = defaultdict(int), defaultdict(int)
+        for t in bucket:
+            if t.local:
+                continue
+            src, dst = dims.coords(t.src_rank), dims.coords(t.dst_rank)
+            same_shard = src["pp"] == dst["pp"] and (src["tp"] == dst["tp"] or t.src_name in replicated)
+            assert not same_shard, f"{t} moves data rank {t.dst_rank} already holds"
+            send[t.src_rank] += t.nbytes
+            recv[t.dst_rank] += t.nbytes
+        assert max([*send.values(), *recv.values(), 0]) <= plan.bucket_bytes
+
+
+def test_same_node_replica_is_preferred():
+    # TP2 x DP2, 2 GPUs per node: GPU 0 lacks TP rank 1's slices, held by GPU 1 (same node) and GPU 3.
+    plan = make_plan(TINY, ParallelDims(tp=2, pp=1, dp=2), 1, gpus_per_node=2, element_size=2)
+    stats = plan.stats()
+    assert stats["cross_gpu_bytes"] > 0 and stats["inter_node_bytes"] == 0
+
+
+def test_sends_are_balanced_over_data_parallel_replicas():
+    # One node: GPUs 0 and 2 both need TP rank 1's slices, held by GPUs 1 and 3.
+    plan = make_plan(TINY, ParallelDims(tp=2, pp=1, dp=2), 1, gpus_per_node=8, element_size=2)
+    sent = defaultdict(int)
+    for (src, dst), nbytes in plan.link_bytes().items():
+        if src != dst:
+            sent[src] += nbytes
+    assert min(sent.values()) / max(sent.values()) > 0.9, dict(sent)
+
+
+def test_llama3_8b_tp4_pp2_to_r2_moves_less_than_all_gather():
+    spec = preset_or_hf_spec("llama3-8b")
+    plan = make_plan(spec, ParallelDims(tp=4, pp=2, dp=1), 2, element_size=2)
+    stats = plan.stats()
+    # Each GPU needs half the model (8 GB) in its engine; it receives only what it lacks.
+    assert stats["max_recv_bytes_per_gpu"] <= stats["engine_bytes_per_gpu"]
+    assert stats["max_recv_bytes_per_gpu"] < stats["naive_gathered_bytes_per_gpu"] / 1.9
+    assert stats["local_bytes"] + stats["cross_gpu_bytes"] == 8 * stats["engine_bytes_per_gpu"]
+
+
+@pytest.mark.parametrize("r,needle", [(3, "must divide the world size"),
+                                      (16, "num_attention_heads=8 is not divisible")])
+def test_rollout_tp_that_cannot_map_is_rejected(r, needle):
+    with pytest.raises(UserError, match=needle):
+        make_plan(TINY, ParallelDims(tp=1, pp=1, dp=16), r)
+
+
+def test_trainer_tp_that_cannot_map_is_rejected():
+    with pytest.raises(UserError, match="TP must divide"):
+        make_plan(TINY, ParallelDims(tp=8, pp=1, dp=1), 1)
+
+
+def _single_rank_setup():
+    plan = make_plan(TINY, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=4)
+    src = {name: torch.randn(shape) for name, shape in plan.src_shapes.items()}
+    return plan, src
+
+
+def test_model_that_disagrees_with_the_plan_is_rejected_before_any_copy():
+    plan, src = _single_rank_setup()
+    dst = engine_tensor_allocations(plan, 0, torch.float32, torch.device("cpu"))
+    bad = dict(src, **{"decoder.layers.0.mlp.linear_fc1.weight": torch.randn(10, 10)})
+    with pytest.raises(UserError, match="linear_fc1.weight"):
+        Resharder(plan, 0, bad, dst)
+    wrong_dtype = {k: v.to(torch.bfloat16) for k, v in src.items()}
+    with pytest.raises(UserError, match="2-byte elements"):
+        Resharder(plan, 0, wrong_dtype, dst)
+    missing = dict(dst)
+    del missing["model.norm.weight"]
+    with pytest.raises(UserError, match="model.norm.weight"):
+        Resharder(plan, 0, src, missing)
+
+
+def test_flat_buckets_hand_out_filled_engine_tensors():
+    plan, src = _single_rank_setup()
+    buckets = allocate_flat_buckets(plan, 0, torch.float32, torch.device("cpu"), max_bytes=1 << 20)
+    dst = {name: t for b in buckets for name, t in b.tensors.items()}
+    plain = engine_tensor_allocations(plan, 0, torch.float32, torch.device("cpu"))
+    Resharder(plan, 0, src, dst).refit()
+    Resharder(plan, 0, src, plain).refit()
+    assert len(buckets) > 1 and sorted(dst) == sorted(plain)
+    for name in plain:
+        assert torch.equal(dst[name], plain[name]), name
+    for b in buckets:
+        for t in b.tensors.values():
+            assert t.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
