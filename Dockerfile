@@ -1,0 +1,30 @@
+# megarl GPU image for clusters (first version; issue "Clusters and measured performance" hardens it).
+# SGLang pins the torch it runs on: SGLang 0.5.17 <-> torch 2.11 (CUDA 13.0 wheels), so torch comes
+# from SGLang's pin, not from requirements.txt (which pins the CPU wheel used in CI).
+#   docker build -t megarl:dev .
+#   docker run --gpus all --ipc=host megarl:dev --config recipes/llama3_8b_ppo.yaml
+FROM nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    TORCH_CUDA_ARCH_LIST="8.0;9.0" CUDA_DEVICE_MAX_CONNECTIONS=1
+RUN apt-get update && apt-get install -y --no-install-recommends \
+        python3 python3-venv python3-dev git ninja-build build-essential \
+    && rm -rf /var/lib/apt/lists/*
+
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install --upgrade pip setuptools wheel \
+    && pip install "sglang[srt]==0.5.17" "torch==2.11.0" \
+    && pip install megatron-core==0.16.1 transformers safetensors pyyaml rich matplotlib ninja pybind11 \
+    && pip install --no-build-isolation "transformer_engine[pytorch]"
+
+RUN useradd --create-home --uid 1000 megarl
+WORKDIR /opt/megarl
+COPY --chown=megarl:megarl . .
+# Builds megarl._C with its CUDA kernels for sm_80 (A100) and sm_90 (H100/H200).
+RUN MEGARL_FORCE_CUDA=1 pip install --no-build-isolation --no-deps -e . \
+    && python -c "import megarl._C as C; assert C.with_cuda()"
+
+USER megarl
+ENTRYPOINT ["torchrun", "--nproc-per-node", "gpu", "megarl/train.py"]
+CMD ["--help"]
