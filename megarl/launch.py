@@ -1,0 +1,80 @@
+"""Start torchrun on every node of a Slurm allocation, with its arguments derived from SLURM variables.
+
+  srun --ntasks-per-node 1 python -m megarl.launch megarl/train.py --config RECIPE   # one task per node
+  python -m megarl.launch --print megarl/train.py ...                               # show the command
+
+Nodes rendezvous through c10d at the first node of SLURM_JOB_NODELIST (port MEGARL_RDZV_PORT,
+default 29500) under the job id, so all nodes find each other without a shared file system.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+
+from megarl.errors import UserError, run_main
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed host list: "gpu[01-03,07],login1" -> [gpu01, gpu02, gpu03, gpu07, login1]."""
+    hosts = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}")
+    return hosts
+
+
+def _gpus_per_node(env: Mapping[str, str]) -> int:
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        value = env.get(key, "")
+        digits = value.split(":")[-1].split("(")[0]  # "h100:8" or "8(x2)"
+        if digits.isdigit() and int(digits) > 0:
+            return int(digits)
+    raise UserError("cannot tell how many GPUs each node has: none of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE "
+                    "is set. Request GPUs with `#SBATCH --gpus-per-node=8` (or set MEGARL_GPUS_PER_NODE).")
+
+
+def torchrun_command(script_args: list[str], env: Mapping[str, str]) -> list[str]:
+    """The torchrun command line for this node of the allocation."""
+    missing = [k for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES") if not env.get(k)]
+    if missing:
+        raise UserError(f"{', '.join(missing)} not set: `python -m megarl.launch` must run inside a Slurm job "
+                        "(sbatch/salloc + srun). Outside Slurm call torchrun directly.")
+    hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+    nnodes = int(env["SLURM_NNODES"])
+    if len(hosts) != nnodes:
+        raise UserError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r} expands to {len(hosts)} hosts but "
+                        f"SLURM_NNODES={nnodes}.")
+    gpus = int(env["MEGARL_GPUS_PER_NODE"]) if env.get("MEGARL_GPUS_PER_NODE") else _gpus_per_node(env)
+    port = env.get("MEGARL_RDZV_PORT", "29500")
+    return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={env['SLURM_JOB_ID']}", "--max-restarts=0",
+            *script_args]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    show = bool(args) and args[0] == "--print"
+    if show:
+        args = args[1:]
+    if not args:
+        raise UserError("usage: python -m megarl.launch [--print] SCRIPT [ARGS...], e.g. megarl/train.py "
+                        "--config recipes/llama3_8b_ppo.yaml")
+    cmd = torchrun_command(args, os.environ)
+    print(shlex.join(cmd), flush=True)
+    if not show:
+        os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    run_main(main)

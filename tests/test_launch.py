@@ -1,0 +1,58 @@
+"""`python -m megarl.launch` and the Slurm scripts: torchrun arguments from SLURM variables."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from megarl.errors import UserError
+from megarl.launch import expand_nodelist, torchrun_command
+
+ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[007-009],dgx1", "SLURM_NNODES": "4",
+       "SLURM_GPUS_ON_NODE": "8"}
+
+
+def test_nodelist_expansion():
+    assert expand_nodelist("gpu[007-009],dgx1") == ["gpu007", "gpu008", "gpu009", "dgx1"]
+    assert expand_nodelist("a[1,3-4]") == ["a1", "a3", "a4"]
+    assert expand_nodelist("single") == ["single"]
+
+
+def test_torchrun_arguments_from_slurm():
+    cmd = torchrun_command(["megarl/train.py", "--config", "r.yaml"], ENV)
+    assert cmd == ["torchrun", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=gpu007:29500", "--rdzv-id=4242", "--max-restarts=0",
+                   "megarl/train.py", "--config", "r.yaml"]
+    cmd = torchrun_command(["x.py"], ENV | {"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "h100:4",
+                                            "MEGARL_RDZV_PORT": "1234"})
+    assert "--nproc-per-node=4" in cmd and "--rdzv-endpoint=gpu007:1234" in cmd
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({}, "must run inside a Slurm job"),
+    (ENV | {"SLURM_NNODES": "2"}, "expands to 4 hosts"),
+    ({k: v for k, v in ENV.items() if k != "SLURM_GPUS_ON_NODE"}, "gpus-per-node"),
+])
+def test_bad_slurm_environment(env, needle):
+    with pytest.raises(UserError, match=needle):
+        torchrun_command(["x.py"], env)
+
+
+def test_cli_prints_command_and_exits_2_outside_slurm():
+    env = {"PYTHONPATH": str(REPO), **ENV}
+    proc = subprocess.run([sys.executable, "-m", "megarl.launch", "--print", "megarl/train.py"], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "--rdzv-endpoint=gpu007:29500" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "megarl.launch", "megarl/train.py"],
+                          env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "train_pyxis.sbatch", "train_apptainer.sbatch",
+                                    "reshard_bench.sbatch"])
+def test_sbatch_scripts_parse(script):
+    path = REPO / "scripts" / "slurm" / script
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    text = path.read_text()
+    assert "#SBATCH --gpus-per-node=8" in text and "megarl.launch" in text
