@@ -1,0 +1,20 @@
+"""README.md's configuration reference is generated from the config dataclasses and must stay current."""
+
+import dataclasses
+
+from megarl.config import Config
+from megarl.config_reference import END, README, START, reference, updated_readme
+
+
+def test_readme_config_reference_is_current():
+    text = README.read_text()
+    assert START in text and END in text
+    assert updated_readme(text) == text, "run `python -m megarl.config_reference --update`"
+
+
+def test_reference_lists_every_field_with_its_docstring():
+    ref = reference()
+    for section in dataclasses.fields(Config):
+        assert f"#### `{section.name}`" in ref
+    assert "`actor.optimizer.lr`" in ref and "Peak learning rate." in ref
+    assert "| `model.hf_path` | str | **required** |" in ref
