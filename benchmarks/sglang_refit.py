@@ -54,10 +54,18 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/megarl-sgl")
     p.add_argument("--json")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--skip-tiny", action="store_true")
     args = p.parse_args()
     work = Path(args.work)
+
+    result: dict = {}
+    if not args.skip_tiny:
+        tiny_checks(work, result)
+    big_benchmark(work, result, args)
+
+
+def tiny_checks(work: Path, result: dict) -> None:
     from helpers import make_hf_model
-    from megarl.models.presets import PRESETS
     from megarl.models.spec import load_spec
     from megarl.parallel import ParallelDims
     from megarl.reshard.executor import Resharder, engine_tensor_allocations
@@ -65,7 +73,6 @@ def main() -> None:
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.sglang import SGLangEngine
 
-    result: dict = {}
     shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
     a = make_hf_model(work / "a", "qwen2", seed=1, dtype=torch.bfloat16, **shape)
     b = make_hf_model(work / "b", "qwen2", seed=2, dtype=torch.bfloat16, **shape)
@@ -86,15 +93,26 @@ def main() -> None:
     engine.update_weights(dst)
     got_b = [c.token_ids for c in engine.generate(prompts, greedy)]
     result |= {"greedy_equals_hf_B_after_update": got_b == ref_b, "B_differs_from_A": ref_a != ref_b}
-    engine.sleep()
+    engine.sleep()  # releases weights and KV cache: the trainer pushes weights again after wake
     engine.wake()
-    result["greedy_after_sleep_wake"] = [c.token_ids for c in engine.generate(prompts, greedy)] == ref_b
+    resharder.refit()
+    engine.update_weights(dst)
+    result["greedy_after_sleep_wake_update"] = [c.token_ids for c in engine.generate(prompts, greedy)] == ref_b
     sampled = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
     result["sampled_logprobs_ok"] = all(len(c.logprobs) == len(c.token_ids) for c in sampled)
     print(json.dumps(result), flush=True)
     engine.shutdown()
     del engine, resharder, dst
     torch.cuda.empty_cache()
+
+
+def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
+    from megarl.models.presets import PRESETS
+    from megarl.models.spec import load_spec
+    from megarl.parallel import ParallelDims
+    from megarl.reshard.executor import Resharder, engine_tensor_allocations
+    from megarl.reshard.planner import make_plan
+    from megarl.rollout.sglang import SGLangEngine
 
     big = work / "llama3-8b"
     big.mkdir(parents=True, exist_ok=True)
