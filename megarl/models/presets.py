@@ -15,10 +15,12 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1000, hidden_size=256,
-                 intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                 intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 rms_norm_eps=1e-5,
                  rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False),
     "llama-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000, hidden_size=2048,
-                     intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, rms_norm_eps=1e-5,
+                     intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                     rms_norm_eps=1e-5,
                      rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
