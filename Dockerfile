@@ -7,16 +7,19 @@ FROM nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
     TORCH_CUDA_ARCH_LIST="8.0;9.0" CUDA_DEVICE_MAX_CONNECTIONS=1
+# Distribution package versions are fixed by the base image tag; pinning them here would break on every
+# Ubuntu point release.
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends \
         python3 python3-venv python3-dev git ninja-build build-essential \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install --upgrade pip setuptools wheel \
-    && pip install "sglang[srt]==0.5.17" "torch==2.11.0" \
-    && pip install megatron-core==0.16.1 transformers safetensors pyyaml rich matplotlib ninja pybind11 \
-    && pip install --no-build-isolation "transformer_engine[pytorch]"
+COPY docker/requirements-gpu.txt /tmp/requirements-gpu.txt
+RUN pip install pip==25.3 setuptools==80.9.0 wheel==0.45.1 \
+    && pip install -r /tmp/requirements-gpu.txt \
+    && pip install --no-build-isolation "transformer_engine[pytorch]==2.8.0"
 
 RUN useradd --create-home --uid 1000 megarl
 WORKDIR /opt/megarl
@@ -25,6 +28,6 @@ COPY --chown=megarl:megarl . .
 RUN MEGARL_FORCE_CUDA=1 pip install --no-build-isolation --no-deps -e . \
     && python -c "import megarl._C as C; assert C.with_cuda()"
 
-USER megarl
+USER 1000:1000
 ENTRYPOINT ["torchrun", "--nproc-per-node", "gpu", "megarl/train.py"]
 CMD ["--help"]

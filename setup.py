@@ -112,6 +112,7 @@ setup(
     version=read_version(),
     description="RL post-training of LLMs on megatron-core with colocated SGLang/vLLM rollouts",
     packages=find_packages(include=["megarl*"]),
+    package_data={"megarl.data": ["gsm8k/*"]},
     python_requires=">=3.11",
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

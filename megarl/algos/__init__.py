@@ -1,0 +1,1 @@
+"""RL algorithms as pure tensor functions: advantages (GAE, GRPO), PPO losses, KL estimators and control."""

@@ -1,0 +1,1 @@
+"""Prompt datasets (vendored GSM8K, jsonl, parquet), tokenization, token-budget batching, packing."""

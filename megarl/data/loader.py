@@ -1,0 +1,70 @@
+"""Endless, resumable iteration over prompt batches: one seeded shuffle per epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from megarl.errors import UserError
+
+T = TypeVar("T")
+
+
+class PromptLoader(Generic[T]):
+    """Yields batches of `batch_size` items forever, epoch after epoch.
+
+    Epoch e visits the items in the order of a permutation seeded by (seed, e), so any epoch can be
+    rebuilt from the state alone. The tail of an epoch that cannot fill a batch is skipped (every step
+    gets the same number of prompts); shuffling moves different items into it each epoch.
+    state_dict() after k batches, loaded into a fresh loader, makes it yield batch k + 1 onwards.
+    """
+
+    def __init__(self, items: Sequence[T], batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
+        if batch_size > len(items):
+            raise UserError(
+                f"data.num_prompts_per_step = {batch_size}, but the dataset has only {len(items)} prompts "
+                "(after dropping over-long ones). Fix: lower data.num_prompts_per_step or use more data."
+            )
+        self.items = items
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # items of this epoch's order already yielded
+        self._order = self._permutation()
+
+    def _permutation(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.items))
+        # SeedSequence takes non-negative integers only.
+        return np.random.default_rng([self.seed % 2**64, self.epoch]).permutation(len(self.items))
+
+    def __iter__(self) -> Iterator[list[T]]:
+        return self
+
+    def __next__(self) -> list[T]:
+        if self.position + self.batch_size > len(self.items):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation()
+        picked = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [self.items[i] for i in picked]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": len(self.items)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` left off; the checkpoint's seed replaces this loader's."""
+        if state["num_items"] != len(self.items):
+            raise UserError(
+                f"the checkpoint's prompt loader was over {state['num_items']} prompts, but data.train_path now "
+                f"gives {len(self.items)}, so the resumed order would differ. Fix: use the same data (and "
+                "rollout.max_prompt_tokens) as the checkpointed run, or start fresh with checkpoint.resume: none."
+            )
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self._order = self._permutation()

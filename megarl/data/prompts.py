@@ -1,0 +1,119 @@
+"""Prompt datasets: records with a prompt and a reference answer, from jsonl, parquet or vendored GSM8K."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import UserError
+
+# GSM8K (Cobbe et al. 2021, MIT licence, see gsm8k/LICENSE): 7473 train and 1319 test problems.
+_VENDORED = {"gsm8k": "train", "gsm8k:train": "train", "gsm8k:test": "test"}
+_GSM8K_DIR = Path(__file__).resolve().parent / "gsm8k"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRecord:
+    prompt: str
+    answer: str
+    """Reference answer, passed to the reward function as is."""
+
+
+def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: str = "answer") -> list[PromptRecord]:
+    """Read `data.train_path`: "gsm8k" (= "gsm8k:train") or "gsm8k:test", or a .jsonl / .parquet file.
+
+    Each record must hold a string prompt under `prompt_key` and an answer (string or number) under
+    `answer_key`. Bad input raises UserError naming the file, the line or row, and the fix.
+    """
+    if path_or_name in _VENDORED:
+        path = _GSM8K_DIR / f"{_VENDORED[path_or_name]}.jsonl"
+        if not path.is_file():
+            raise UserError(
+                f"data.train_path = {path_or_name!r}, but {path} is missing: this megarl was installed without "
+                "its package data. Fix: reinstall megarl from a full source checkout."
+            )
+    elif path_or_name.startswith("gsm8k:"):
+        raise UserError(
+            f"data.train_path = {path_or_name!r} is not a vendored dataset. Fix: use one of {sorted(_VENDORED)}."
+        )
+    else:
+        path = Path(path_or_name)
+    if not path.is_file():
+        raise UserError(
+            f"data.train_path = {path_or_name!r}: no such file. Fix: give an existing .jsonl or .parquet file, "
+            f"or one of {sorted(_VENDORED)}."
+        )
+    if path.suffix == ".jsonl":
+        rows = _read_jsonl(path)
+    elif path.suffix == ".parquet":
+        rows = _read_parquet(path)
+    else:
+        raise UserError(
+            f"data.train_path = {path_or_name!r} has suffix {path.suffix!r}. Fix: convert it to .jsonl "
+            "(one JSON object per line) or .parquet."
+        )
+    records = [_record(row, where, prompt_key, answer_key) for where, row in rows]
+    if not records:
+        raise UserError(f"data.train_path = {path_or_name!r} holds no records. Fix: point it at a non-empty file.")
+    return records
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path} line {number}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise UserError(
+                    f"data.train_path {path} line {number} is not valid JSON ({err.msg} at column {err.colno}). "
+                    "Fix: write one JSON object per line."
+                ) from None
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(
+            f"data.train_path {path} is parquet, which needs pyarrow. "
+            "Fix: pip install pyarrow, or convert it to .jsonl."
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several unrelated types for a damaged file
+        raise UserError(
+            f"data.train_path {path} is not a readable parquet file ({err}). Fix: rewrite the file."
+        ) from None
+    return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist(), start=1)]
+
+
+def _record(row: Any, where: str, prompt_key: str, answer_key: str) -> PromptRecord:
+    if not isinstance(row, dict):
+        raise UserError(
+            f"data.train_path {where} is a JSON {type(row).__name__}, not an object. "
+            f'Fix: write records like {{"{prompt_key}": "...", "{answer_key}": "..."}}.'
+        )
+    for field, key in (("data.prompt_key", prompt_key), ("data.answer_key", answer_key)):
+        if key not in row:
+            raise UserError(
+                f"data.train_path {where} has no key {key!r} ({field}); its keys are {sorted(row)}. "
+                f"Fix: set {field} to the key that holds it."
+            )
+    prompt, answer = row[prompt_key], row[answer_key]
+    if not isinstance(prompt, str):
+        raise UserError(
+            f"data.train_path {where}: {prompt_key!r} (data.prompt_key) is a {type(prompt).__name__}, not a string. "
+            "Fix: store the prompt text under that key."
+        )
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise UserError(
+            f"data.train_path {where}: {answer_key!r} (data.answer_key) is a {type(answer).__name__}, not a string "
+            "or number. Fix: store the reference answer as text."
+        )
+    return PromptRecord(prompt=prompt, answer=str(answer))

@@ -1,0 +1,1 @@
+"""Reward functions `fn(completions, answers) -> scores` and their lookup by import path."""

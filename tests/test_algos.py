@@ -1,0 +1,225 @@
+"""Advantages, PPO losses and KL against values worked out by hand (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.algos.advantages import gae, grpo_advantages, whiten
+from megarl.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    kl_estimate,
+    kl_penalized_rewards,
+    make_kl_controller,
+)
+from megarl.algos.losses import aggregate, entropy_bonus, policy_loss, value_loss
+from megarl.config import AlgorithmConfig
+
+
+def t(*rows: object) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def close(actual: torch.Tensor | float, expected: object, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0
+    )
+
+
+def test_gae_by_hand() -> None:
+    gamma, lam = 0.9, 0.8  # gamma * lam = 0.72
+    rewards = t([0, 0, 1], [0, 1, 5], [0, 7, 1])
+    values = t([0.5, 0.6, 0.7], [0.5, 0.6, 9.0], [0.5, 9.0, 0.7])
+    mask = t([1, 1, 1], [1, 1, 0], [1, 0, 1])
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    # Row 0, full mask; the value after the last token is 0.
+    #   t=2: delta = 1 + 0.9*0 - 0.7 = 0.3;      A2 = 0.3
+    #   t=1: delta = 0 + 0.9*0.7 - 0.6 = 0.03;   A1 = 0.03 + 0.72*0.3 = 0.246
+    #   t=0: delta = 0 + 0.9*0.6 - 0.5 = 0.04;   A0 = 0.04 + 0.72*0.246 = 0.21712
+    # Row 1, padding at t=2 (its reward 5 and value 9 are ignored):
+    #   t=1: delta = 1 + 0 - 0.6 = 0.4;          A1 = 0.4
+    #   t=0: delta = 0.9*0.6 - 0.5 = 0.04;       A0 = 0.04 + 0.72*0.4 = 0.328
+    # Row 2, a non-response token at t=1 is skipped: t=0 bootstraps from t=2.
+    #   t=2: A2 = 1 - 0.7 = 0.3
+    #   t=0: delta = 0.9*0.7 - 0.5 = 0.13;       A0 = 0.13 + 0.72*0.3 = 0.346
+    close(adv, [[0.21712, 0.246, 0.3], [0.328, 0.4, 0], [0.346, 0, 0.3]])
+    # returns = A + V on response tokens.
+    close(ret, [[0.71712, 0.846, 1.0], [0.828, 1.0, 0], [0.846, 0, 1.0]])
+
+
+def test_gae_gamma_lambda_one_is_reward_to_go_minus_value() -> None:
+    rewards = t([0.1, -0.2, 1.0, 0.0])
+    values = t([0.3, 0.4, 0.5, 0.6])
+    mask = t([1, 1, 1, 0])
+    adv, ret = gae(rewards, values, mask, 1.0, 1.0)
+    # A_t = sum_{k >= t} r_k - V_t: 0.9 - 0.3, 0.8 - 0.4, 1.0 - 0.5
+    close(adv, [[0.6, 0.4, 0.5, 0]])
+    close(ret, [[0.9, 0.8, 1.0, 0]])
+
+
+def test_grpo_advantages_by_hand() -> None:
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    # Group 1: mean 0.5, deviations +-0.5, unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.577350
+    #   -> +-0.5 / 0.577350 = +-0.866025. Group 2: all equal -> 0.
+    s = 0.5 / math.sqrt(1 / 3)
+    close(grpo_advantages(scores, 4), [s, -s, -s, s, 0, 0, 0, 0], atol=1e-5)
+    # Dr. GRPO: subtract the mean only.
+    close(grpo_advantages(scores, 4, std_normalize=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    # Group [3, 0, 0]: mean 1, deviations [2, -1, -1], var = 6 / 2 = 3, std = 1.732051
+    close(
+        grpo_advantages(torch.tensor([3.0, 0.0, 0.0]), 3),
+        [2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)],
+        atol=1e-5,
+    )
+    with pytest.raises(ValueError):
+        grpo_advantages(scores, 3)
+
+
+def test_whiten_by_hand() -> None:
+    x = t([1, 2, 3], [4, 99, 99])
+    mask = t([1, 1, 1], [1, 0, 0])
+    # Tokens 1, 2, 3, 4: mean 2.5, var = (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25, std = 1.118034
+    s = math.sqrt(1.25)
+    close(whiten(x, mask), [[-1.5 / s, -0.5 / s, 0.5 / s], [1.5 / s, 0, 0]], atol=1e-6)
+
+
+# Ratios and advantages for the PPO cases; clip_low 0.2 -> [0.8, ...], clip_high 0.28 -> [..., 1.28].
+# The 7th token is masked out and must not count.
+RATIOS = [1.1, 1.5, 0.5, 5.0, 0.5, 2.0, 100.0]
+ADVANTAGES = [1.0, 1.0, -1.0, -2.0, 1.0, -1.0, 5.0]
+
+
+def ppo_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    old = torch.full((1, 7), -1.0, dtype=torch.float64)
+    logprobs = (old + torch.log(t(RATIOS))).requires_grad_()
+    return logprobs, old, t(ADVANTAGES), t([1, 1, 1, 1, 1, 1, 0])
+
+
+def test_policy_loss_by_hand() -> None:
+    logprobs, old, adv, mask = ppo_inputs()
+    # Per token: max(-A*r, -A*clip(r, 0.8, 1.28))
+    #   r=1.1, A=+1: max(-1.1, -1.1)   = -1.1   inside the range
+    #   r=1.5, A=+1: max(-1.5, -1.28)  = -1.28  clipped high
+    #   r=0.5, A=-1: max(0.5, 0.8)     = 0.8    clipped low
+    #   r=5.0, A=-2: max(10, 2.56)     = 10     (dual clip: min(10, 3*2) = 6)
+    #   r=0.5, A=+1: max(-0.5, -0.8)   = -0.5   below the range but A > 0: not clipped
+    #   r=2.0, A=-1: max(2, 1.28)      = 2      (dual clip: min(2, 3) = 2)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    close(loss, (-1.1 - 1.28 + 0.8 + 10 - 0.5 + 2) / 6)  # 1.653333
+    close(metrics["clip_fraction"], 2 / 6)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
+    close(loss, (-1.1 - 1.28 + 0.8 + 6 - 0.5 + 2) / 6)  # 0.986667
+    close(metrics["clip_fraction"], 3 / 6)
+    close(metrics["dual_clip_fraction"], 1 / 6)
+    # approx_kl = mean of (r - 1) - log r: 0.0046898 + 0.0945349 + 0.1931472 + 2.3905621 + 0.1931472 + 0.3068528
+    close(metrics["approx_kl"], 3.1829340 / 6, atol=1e-6)
+
+
+def test_policy_loss_gradient_is_zero_on_clipped_tokens() -> None:
+    logprobs, old, adv, mask = ppo_inputs()
+    loss, _ = policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
+    loss.backward()
+    assert logprobs.grad is not None
+    # d(-A*r)/dlogp = -A*r on unclipped tokens, over 6 tokens; clipped, dual-clipped and masked: 0.
+    close(logprobs.grad, [[-1.1 / 6, 0, 0, 0, -0.5 / 6, 2.0 / 6, 0]])
+
+
+def test_policy_loss_huge_log_ratio_stays_finite() -> None:
+    # exp(500) overflows float32; the log-ratio is clamped to [-20, 20] first.
+    logprobs = torch.tensor([[0.0, -500.0]], requires_grad=True)
+    old = torch.tensor([[-500.0, 0.0]])
+    loss, metrics = policy_loss(logprobs, old, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), 0.2, 0.2)
+    loss.backward()
+    assert logprobs.grad is not None
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all() and torch.isfinite(metrics["approx_kl"])
+
+
+def test_aggregation_modes_with_uneven_masks() -> None:
+    loss = t([1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9])
+    mask = t([1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0])  # 3 tokens, 1 token, an empty sequence
+    close(aggregate(loss, mask, "token-mean"), (1 + 2 + 3 + 5) / 4)  # 2.75
+    close(aggregate(loss, mask, "seq-mean-token-sum"), (6 + 5) / 2)  # sums 6 and 5; empty row left out
+    close(aggregate(loss, mask, "seq-mean-token-mean"), (2 + 5) / 2)  # means 2 and 5
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_aggregation_of_empty_mask_is_zero_with_a_gradient(mode: str) -> None:
+    loss = t([1.0, 2.0]).requires_grad_()
+    out = aggregate(loss, torch.zeros_like(loss), mode)  # type: ignore[arg-type]
+    out.backward()
+    assert out.item() == 0 and loss.grad is not None and loss.grad.abs().sum() == 0
+
+
+def test_value_loss_by_hand() -> None:
+    values = t([1.0, 0.5, 0.0, 2.0, 50.0])
+    old = t([0.5, 0.5, 0.5, 1.9, 0.0])
+    returns = t([1.0, 0.0, 1.0, 2.0, 0.0])
+    mask = t([1, 1, 1, 1, 0])
+    # Clipped values old + clip(V - old, -0.2, 0.2): 0.7, 0.5, 0.3, 2.0
+    #   (V - R)^2: 0, 0.25, 1.0, 0;  (Vclip - R)^2: 0.09, 0.25, 0.49, 0;  max: 0.09, 0.25, 1.0, 0
+    loss, metrics = value_loss(values, old, returns, mask, clip=0.2)
+    close(loss, 0.5 * (0.09 + 0.25 + 1.0 + 0) / 4)  # 0.1675
+    close(metrics["clip_fraction"], 1 / 4)
+    loss, metrics = value_loss(values, old, returns, mask, clip=None)
+    close(loss, 0.5 * (0 + 0.25 + 1.0 + 0) / 4)  # 0.15625
+    close(metrics["clip_fraction"], 0)
+
+
+def test_entropy_bonus_aggregates() -> None:
+    entropy = t([1.0, 3.0, 100.0], [2.0, 0.0, 0.0])
+    mask = t([1, 1, 0], [1, 0, 0])
+    close(entropy_bonus(entropy, mask), 2.0)  # (1 + 3 + 2) / 3
+    close(entropy_bonus(entropy, mask, "seq-mean-token-mean"), 2.0)  # (2 + 2) / 2
+
+
+def test_kl_estimators_by_hand() -> None:
+    logp = t([-1.0, -2.0])
+    ref = t([-1.5, -1.0])
+    # logp - ref = 0.5, -1.0
+    close(kl_estimate(logp, ref, "k1"), [[0.5, -1.0]])
+    close(kl_estimate(logp, ref, "k2"), [[0.125, 0.5]])  # 0.5 * 0.25, 0.5 * 1
+    # d = ref - logp = -0.5, 1.0: exp(-0.5) + 0.5 - 1 = 0.1065307, e - 1 - 1 = 0.7182818
+    close(kl_estimate(logp, ref, "k3"), [[0.1065307, 0.7182818]], atol=1e-6)
+    # Clamped to d in [-20, 20]: exp(-20) + 20 - 1 and exp(20) - 20 - 1, both finite.
+    extreme = kl_estimate(t([0.0, -1000.0]).float(), t([-1000.0, 0.0]).float(), "k3")
+    torch.testing.assert_close(extreme, torch.tensor([[19.0, math.exp(20) - 21]]))
+
+
+def test_kl_penalized_rewards_by_hand() -> None:
+    scores = t(1.0, 0.5, 3.0)
+    kl = t([0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [1.0, 1.0, 1.0])
+    mask = t([1, 1, 0], [1, 1, 1], [0, 0, 0])
+    # -0.1 * kl on response tokens; the score lands on the last response token; an empty row gets nothing.
+    close(
+        kl_penalized_rewards(scores, kl, mask, kl_coef=0.1),
+        [[-0.01, -0.02 + 1.0, 0], [-0.04, -0.05, -0.06 + 0.5], [0, 0, 0]],
+    )
+
+
+def test_adaptive_kl_controller_by_hand() -> None:
+    ctl = AdaptiveKLController(init_coef=0.1, target=0.05, horizon=1000)
+    ctl.update(current_kl=0.06, n_steps=100)  # error 0.06/0.05 - 1 = 0.2; x(1 + 0.2*0.1) = 0.102
+    close(ctl.value, 0.102)
+    ctl.update(current_kl=0.5, n_steps=100)  # error 9 clipped to 0.2; 0.102 * 1.02 = 0.10404
+    close(ctl.value, 0.10404)
+    ctl.update(current_kl=0.04, n_steps=500)  # error -0.2; x(1 - 0.2*0.5) = 0.093636
+    close(ctl.value, 0.093636)
+    ctl.update(current_kl=0.045, n_steps=1000)  # error -0.1; x0.9 = 0.0842724
+    close(ctl.value, 0.0842724)
+    resumed = AdaptiveKLController(init_coef=0.1, target=0.05, horizon=1000)
+    resumed.load_state_dict(ctl.state_dict())
+    assert resumed.value == ctl.value
+
+
+def test_kl_controller_from_config() -> None:
+    fixed = make_kl_controller(AlgorithmConfig(kl_coef=0.05))
+    assert isinstance(fixed, FixedKLController)
+    fixed.update(current_kl=10.0, n_steps=100)
+    assert fixed.value == 0.05
+    adaptive = make_kl_controller(AlgorithmConfig(kl_coef=0.05, adaptive_kl=True, kl_target=0.1, kl_horizon=100))
+    assert isinstance(adaptive, AdaptiveKLController)
+    adaptive.update(current_kl=1.0, n_steps=100)
+    close(adaptive.value, 0.05 * 1.2)

@@ -1,0 +1,185 @@
+"""Prompt loading (vendored GSM8K, jsonl, parquet, bad files), tokenization, batching, packing, loader resume."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megarl.data.batching import pack_sequences, token_budget_batches, tokenize_prompts
+from megarl.data.loader import PromptLoader
+from megarl.data.prompts import PromptRecord, load_prompts
+from megarl.errors import UserError
+
+
+def test_vendored_gsm8k() -> None:
+    train, test = load_prompts("gsm8k"), load_prompts("gsm8k:test")
+    assert (len(train), len(test)) == (7473, 1319)
+    assert load_prompts("gsm8k:train") == train
+    assert test[0].prompt.startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert test[0].answer.endswith("#### 18")
+    with pytest.raises(UserError, match="'gsm8k:dev' is not a vendored dataset"):
+        load_prompts("gsm8k:dev")
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_jsonl_with_custom_keys(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.jsonl", '{"q": "1 + 1?", "a": 2}\n\n{"q": "2 + 2?", "a": "4", "extra": null}\n')
+    assert load_prompts(path, prompt_key="q", answer_key="a") == [
+        PromptRecord("1 + 1?", "2"),
+        PromptRecord("2 + 2?", "4"),
+    ]
+
+
+def test_parquet(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", "2"]}), path)
+    assert load_prompts(str(path)) == [PromptRecord("a?", "1"), PromptRecord("b?", "2")]
+    with pytest.raises(UserError, match="row 1 has no key 'prompt'"):
+        load_prompts(str(path), prompt_key="prompt")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("bad.jsonl", '{"question": "a", "answer": "1"}\n{"question": "b",\n', "line 2 is not valid JSON"),
+        ("list.jsonl", '["a", "1"]\n', "line 1 is a JSON list, not an object"),
+        ("keys.jsonl", '{"prompt": "a", "answer": "1"}\n', "no key 'question' (data.prompt_key); its keys are"),
+        ("answer.jsonl", '{"question": "a", "solution": "1"}\n', "no key 'answer' (data.answer_key)"),
+        ("type.jsonl", '{"question": ["a"], "answer": "1"}\n', "is a list, not a string"),
+        ("empty.jsonl", "\n", "holds no records"),
+        ("data.csv", "question,answer\n", "suffix '.csv'"),
+    ],
+)
+def test_bad_files(tmp_path: Path, name: str, text: str, expected: str) -> None:
+    path = write(tmp_path / name, text)
+    with pytest.raises(UserError, match="data.train_path") as err:
+        load_prompts(path)
+    assert expected in str(err.value)
+
+
+def test_missing_keys_are_listed(tmp_path: Path) -> None:
+    path = write(tmp_path / "keys.jsonl", '{"prompt": "a", "answer": "1"}\n')
+    with pytest.raises(UserError, match=r"its keys are \['answer', 'prompt'\]"):
+        load_prompts(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no such file"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained here on a few strings (no hub access)."""
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<user>", "<assistant>"])
+    tok.train_from_iterator(["one two three four five", "six seven"], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", chat_template=chat_template)
+
+
+PROMPTS = [PromptRecord(" ".join(["one", "two", "three", "four", "five"][:n]), str(n)) for n in (1, 4, 2, 5, 3)]
+
+
+def test_tokenize_drops_over_long_prompts() -> None:
+    tok = word_tokenizer()
+    kept, dropped = tokenize_prompts(PROMPTS, tok, apply_chat_template=False, max_prompt_tokens=3)
+    # Word counts 1, 4, 2, 5, 3: the 4- and 5-word prompts go; order and answers are kept.
+    assert dropped == 2
+    assert [p.record.answer for p in kept] == ["1", "2", "3"]
+    assert [p.tokens for p in kept] == [tok.convert_tokens_to_ids("one two three".split()[:n]) for n in (1, 2, 3)]
+    # No chat template: apply_chat_template falls back to plain encoding.
+    assert tokenize_prompts(PROMPTS, tok, apply_chat_template=True, max_prompt_tokens=3) == (kept, 2)
+
+
+def test_tokenize_with_chat_template_counts_template_tokens() -> None:
+    template = (
+        "{% for m in messages %}<user> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok = word_tokenizer(template)
+    kept, dropped = tokenize_prompts(PROMPTS, tok, apply_chat_template=True, max_prompt_tokens=4)
+    # The template adds 2 tokens: lengths 3, 6, 4, 7, 5, so only 1- and 2-word prompts fit in 4.
+    assert dropped == 3
+    assert kept[1].tokens == tok.convert_tokens_to_ids(["<user>", "one", "two", "<assistant>"])
+    assert tokenize_prompts([], tok, True, 4) == ([], 0)
+
+
+def test_token_budget_batches_by_hand() -> None:
+    # Descending: 8 (i2), 7 (i4), 5 (i0), 3 (i1), 2 (i3), 1 (i5); budget 10, first fit:
+    # 8 -> new [2] (room 2); 7 -> new [4] (room 3); 5 -> new [0] (room 5); 3 -> [4, 1] (room 0);
+    # 2 -> [2, 3] (room 0); 1 -> [0, 5] (room 4).
+    assert token_budget_batches([5, 3, 8, 2, 7, 1], 10) == [[2, 3], [4, 1], [0, 5]]
+    assert token_budget_batches([], 10) == []
+
+
+def test_token_budget_batches_respect_budget_and_cover_each_index_once() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 60))]
+        batches = token_budget_batches(lengths, 128)
+        assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in batch) <= 128 for batch in batches)
+        # First fit never leaves two batches that could have been one.
+        loads = sorted(sum(lengths[i] for i in batch) for batch in batches)
+        assert len(loads) < 2 or loads[0] + loads[1] > 128
+        assert token_budget_batches(lengths, 128) == batches
+
+
+def test_token_budget_batches_too_long_sequence() -> None:
+    with pytest.raises(UserError, match="actor.max_tokens_per_gpu = 10, but a sequence has 11 tokens"):
+        token_budget_batches([3, 11], 10, field="actor.max_tokens_per_gpu")
+
+
+def test_pack_sequences() -> None:
+    packed = pack_sequences([[5, 6, 7], [8], [9, 10]])
+    assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 6] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.tokens.dtype == packed.position_ids.dtype == torch.int64
+    assert packed.max_seqlen == 3
+    with pytest.raises(ValueError):
+        pack_sequences([[1], []])
+
+
+def test_loader_epochs_are_shuffled_permutations() -> None:
+    loader = PromptLoader(list(range(10)), batch_size=3, seed=1)
+    epochs = [[x for _ in range(3) for x in next(loader)] for _ in range(2)]
+    # 3 batches of 3 per epoch; the 10th item is the skipped tail, a different one each epoch here.
+    assert all(len(set(epoch)) == 9 for epoch in epochs)
+    assert epochs[0] != epochs[1]
+    assert loader.epoch == 1
+    assert next(PromptLoader(list(range(10)), batch_size=3, shuffle=False)) == [0, 1, 2]
+
+
+def test_loader_resume_matches_an_uninterrupted_run() -> None:
+    items = [f"p{i}" for i in range(10)]
+    uninterrupted = PromptLoader(items, batch_size=3, seed=7)
+    expected = [next(uninterrupted) for _ in range(8)]
+    first = PromptLoader(items, batch_size=3, seed=7)
+    for _ in range(5):  # stop mid-epoch (epoch 1, after its 2nd batch)
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint file
+    resumed = PromptLoader(items, batch_size=3, seed=12345)  # the checkpoint's seed wins
+    resumed.load_state_dict(state)
+    assert [next(resumed) for _ in range(3)] == expected[5:]
+
+
+def test_loader_errors() -> None:
+    with pytest.raises(UserError, match="data.num_prompts_per_step = 4, but the dataset has only 3"):
+        PromptLoader([1, 2, 3], batch_size=4)
+    state = PromptLoader(list(range(10)), batch_size=2).state_dict()
+    with pytest.raises(UserError, match="over 10 prompts"):
+        PromptLoader(list(range(9)), batch_size=2).load_state_dict(state)

@@ -1,0 +1,112 @@
+"""GSM8K verifier on real GSM8K answers, and reward lookup by import path."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from megarl.errors import UserError
+from megarl.rewards import gsm8k
+from megarl.rewards.gsm8k import extract_answer, format_reward, reward
+from megarl.rewards.registry import load_reward
+
+TEST_JSONL = Path(gsm8k.__file__).resolve().parent.parent / "data" / "gsm8k" / "test.jsonl"
+
+
+def gsm8k_rows(n: int) -> list[dict[str, str]]:
+    with TEST_JSONL.open() as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+def test_extract_answer_from_real_gsm8k_solutions() -> None:
+    # The first test problems: Janet's ducks (18), the robe (3), house flipping (70000), sprints (540), chickens (20).
+    assert [extract_answer(row["answer"]) for row in gsm8k_rows(5)] == ["18", "3", "70000", "540", "20"]
+
+
+def test_reward_on_real_gsm8k_answers() -> None:
+    answers = [row["answer"] for row in gsm8k_rows(5)]
+    completions = [
+        "She sells 16 - 3 - 4 = 9 eggs and makes 9 * 2 = $18.\n#### 18",  # right
+        "It takes 2 + 1 = 3 bolts.\n#### 4",  # wrong after ####
+        "Profit = 200,000 - 130,000.\n#### $70,000.00",  # right: $, comma and trailing zeros
+        "He runs 3 * 3 * 60 = 540 meters a week.",  # right: no ####, the final number
+        "",  # nothing to compare
+    ]
+    assert reward(completions, answers) == [1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("written", ["1,000", "1000", "1000.00", "$1,000", "#### 1000.0", "**1,000**"])
+def test_numeric_comparison_ignores_commas_dollars_trailing_zeros(written: str) -> None:
+    assert reward([f"#### {written}"], ["#### 1,000"]) == [1.0]
+    assert reward([f"#### {written}"], ["1000"]) == [1.0]
+
+
+def test_strict_hash_answer_wins_over_later_numbers() -> None:
+    # The last "####" decides, even with other numbers around it.
+    assert extract_answer("#### 5 first try\n#### 7 (because 3 + 4 = 7) 12") == "7"
+    assert extract_answer("-3 degrees\n#### -3") == "-3"
+
+
+def test_fallback_without_math_verify_is_last_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gsm8k, "_math_verify_parse", None)
+    assert extract_answer(r"The answer is \boxed{3}, found after 4 steps.") == "4"
+    assert extract_answer("#### none, so 12") == "12"
+    assert extract_answer("no digits") is None
+
+
+def test_fallback_with_math_verify_prefers_boxed() -> None:
+    pytest.importorskip("math_verify")
+    assert extract_answer(r"The answer is \boxed{3}, found after 4 steps.") == "3"
+    assert reward([r"so \boxed{\frac{1}{2}}"], ["0.5"]) == [1.0]
+
+
+def test_reward_works_outside_the_main_thread() -> None:
+    # math-verify's timeout uses SIGALRM, which only the main thread may set.
+    out: list[list[float]] = []
+    worker = threading.Thread(target=lambda: out.append(reward([r"\boxed{18}"], ["#### 18"])))
+    worker.start()
+    worker.join()
+    assert out == [[1.0]]
+
+
+def test_format_reward() -> None:
+    assert format_reward(["x\n#### 18", "#### $1,000", "the answer is 18", "#### eighteen"], [""] * 4) == [
+        0.1,
+        0.1,
+        0.0,
+        0.0,
+    ]
+
+
+def test_load_reward_by_import_path() -> None:
+    assert load_reward("megarl.rewards.gsm8k:reward") is reward
+    assert load_reward("megarl.rewards.gsm8k:format_reward") is format_reward
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("no_colon_here", "import path"),
+        ("megarl_no_such_module:fn", "no module named 'megarl_no_such_module'"),
+        ("megarl.rewards.no_such:fn", "no module named 'megarl.rewards.no_such'"),
+        ("megarl.rewards.gsm8k:nope", "has no attribute 'nope'"),
+        ("megarl.rewards.gsm8k:_NUMBER", "is a str, not a function"),
+    ],
+)
+def test_load_reward_errors_name_the_field(spec: str, expected: str) -> None:
+    with pytest.raises(UserError, match="trainer.reward") as err:
+        load_reward(spec)
+    assert expected in str(err.value) and repr(spec) in str(err.value)
+
+
+def test_load_reward_reports_broken_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "needs_dep.py").write_text("import megarl_missing_dependency\n")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="needs 'megarl_missing_dependency'"):
+        load_reward("needs_dep:fn")
+    with pytest.raises(UserError, match="RuntimeError: boom"):
+        load_reward("raises:fn")
