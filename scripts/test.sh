@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 VENV=${VENV:-.venv}
+export PATH="$(cd "$VENV/bin" && pwd):$PATH"  # hadolint and torchrun from the venv
 "$VENV/bin/ruff" check megarl tests benchmarks setup.py
 "$VENV/bin/mypy" megarl
 set +e
