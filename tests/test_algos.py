@@ -223,3 +223,17 @@ def test_kl_controller_from_config() -> None:
     assert isinstance(adaptive, AdaptiveKLController)
     adaptive.update(current_kl=1.0, n_steps=100)
     close(adaptive.value, 0.05 * 1.2)
+
+
+def test_token_weights_reproduce_every_aggregation_across_micro_batches():
+    from megarl.algos.losses import aggregate, token_weights
+
+    gen = torch.Generator().manual_seed(0)
+    loss = torch.randn(6, 7, generator=gen)
+    mask = (torch.rand(6, 7, generator=gen) > 0.3).float()
+    mask[2] = 0  # an empty sequence
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        w = token_weights(mask, mode)
+        # Split into micro-batches: the weighted parts add up to the global aggregate.
+        parts = sum(aggregate(loss[i:i + 2], w[i:i + 2], "weighted") for i in range(0, 6, 2))
+        assert torch.allclose(parts, aggregate(loss, mask, mode)), mode

@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "weighted"]
 
 # Log-ratios are clamped (as verl does) so exp() cannot overflow on a token whose probability moved
 # wildly; such a token, e^20 or e^-20 away from its old probability, then gets no gradient.
@@ -25,8 +25,12 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> 
     seq-mean-token-mean: mean per sequence, then mean over sequences (the original GRPO).
     Sequences with an empty mask are left out of the mean over sequences; with no tokens at all the
     result is 0 (still attached to the graph).
+    weighted: sum of loss * mask, where mask holds ``token_weights`` of the whole batch, so that
+    micro-batches and data-parallel ranks add up to the aggregate of the global batch.
     """
     masked = loss_mat * mask
+    if mode == "weighted":
+        return masked.sum()
     if mode == "token-mean":
         return masked.sum() / mask.sum().clamp(min=1)
     tokens = mask.sum(dim=1)
@@ -37,6 +41,19 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> 
         raise ValueError(f"aggregate: unknown mode {mode!r}")
     nonempty = (tokens > 0).to(per_seq.dtype)
     return (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1)
+
+
+def token_weights(mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+    """Per-token weights [B, T] of the whole batch with sum(loss * w) == aggregate(loss, mask, mode)."""
+    if mode == "token-mean":
+        return mask / mask.sum().clamp(min=1)
+    tokens = mask.sum(dim=1, keepdim=True)
+    nonempty = (tokens > 0).sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return mask / nonempty
+    if mode == "seq-mean-token-mean":
+        return mask / tokens.clamp(min=1) / nonempty
+    raise ValueError(f"token_weights: unknown mode {mode!r}")
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

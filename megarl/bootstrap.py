@@ -1,0 +1,58 @@
+"""Everything train.py needs before its first step: config, process groups, models, engine, data."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from megarl.config import load_config, validate_layout
+
+
+def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
+    cfg = load_config(config_path, overrides)
+    from megarl.models.spec import load_spec
+
+    spec = load_spec(cfg.model.hf_path)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size)
+    from transformers import AutoTokenizer
+
+    from megarl.data.batching import tokenize_prompts
+    from megarl.data.loader import PromptLoader
+    from megarl.data.prompts import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    records = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key)
+    prompts, dropped = tokenize_prompts(records, tokenizer, cfg.data.apply_chat_template,
+                                        cfg.rollout.max_prompt_tokens)
+    loader = PromptLoader(prompts, cfg.data.num_prompts_per_step, cfg.data.shuffle, cfg.data.seed)
+
+    from megarl.platform import init_platform
+
+    platform = init_platform()
+    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
+
+    init_distributed(platform, cfg.parallel.timeout_minutes)
+    p = cfg.parallel
+    groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
+                                              vpp=p.virtual_pipeline, order=p.rank_order), p.timeout_minutes)
+    model_parallel_seed(cfg.trainer.seed)
+    if groups.rank == 0:
+        print(f"megarl: {len(prompts)} prompts ({dropped} dropped: longer than rollout.max_prompt_tokens="
+              f"{cfg.rollout.max_prompt_tokens}); TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
+              flush=True)
+    from megarl.tracking import Tracker
+    from megarl.trainer import RLTrainer
+
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    trainer = RLTrainer(cfg, groups, stop_token_ids=stop)
+    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
+    tracker = Tracker(cfg, groups.rank, out_dir)
+
+    def decode(tokens: list[int]) -> str:
+        return str(tokenizer.decode(tokens, skip_special_tokens=True))
+
+    return cfg, trainer, loader, decode, tracker

@@ -1,0 +1,222 @@
+"""A Megatron model in an RL role: the actor and critic train, the reference only scores.
+
+Sequences are right-padded to the step's longest one (Megatron's pipeline schedule needs one
+micro-batch shape per call) and grouped into micro-batches of ``max_tokens // length``
+sequences; per-token tensors are aligned with the *predicted* tokens (positions 1..L-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import OptimizerConfig
+from megarl.models.forward import forward_only, pad_batch
+from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
+from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.models.spec import ModelSpec
+from megarl.parallel import ParallelGroups
+
+# loss_fn(output [b, L, *], tokens [b, L], extras {name: [b, L-1]}) -> (weighted loss sum, metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class Layout:
+    """How one step's sequences are padded and split into micro-batches."""
+
+    length: int
+    micro_batch_size: int
+    batches: list[list[int]]
+    """Sequence indices per micro-batch; the last may be short (padded with weight-0 copies)."""
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> Layout:
+    length = max(lengths)
+    size = max(1, max_tokens // length)
+    order = list(range(len(lengths)))
+    return Layout(length, size, [order[i: i + size] for i in range(0, len(order), size)])
+
+
+class MegatronModel:
+    """Actor, reference or critic: Megatron chunks, and for trainable roles DDP plus optimizer."""
+
+    def __init__(self, spec: ModelSpec, hf_dir: str, groups: ParallelGroups, opts: BuildOptions,
+                 optim: OptimizerConfig | None = None, num_steps: int = 1) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        self.spec, self.groups, self.opts = spec, groups, opts
+        self.chunks = build_model(spec, groups, opts)
+        load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
+        self.optimizer: Any = None
+        self.models: list[torch.nn.Module] = list(self.chunks)
+        if optim is None:
+            for chunk in self.chunks:
+                chunk.eval()
+                chunk.requires_grad_(False)
+            return
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                            use_distributed_optimizer=optim.use_distributed_optimizer)
+        self.models = [DistributedDataParallel(c.config, ddp, module=c) for c in self.chunks]
+        config: Any = self.chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer, self.scheduler = _optimizer(self.models, optim, opts.dtype, num_steps)
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by canonical Megatron name (what the resharder reads)."""
+        return {name: p.data for name, p in canonical_params(self.chunks, self.spec, self.groups).items()}
+
+    def _padded(self, sequences: Sequence[Sequence[int]], layout: Layout) -> list[torch.Tensor]:
+        out = []
+        for idx in layout.batches:
+            rows = [sequences[i] for i in idx] + [sequences[idx[0]]] * (layout.micro_batch_size - len(idx))
+            out.append(pad_batch(rows, layout.length))
+        return out
+
+    def _vocab_start(self) -> int:
+        padded = self.spec.padded_vocab_size(self.groups.dims.tp, self.opts.vocab_pad_multiple)
+        return self.groups.tp_rank * padded // self.groups.dims.tp
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, L, V_local] logits, [b, L] tokens -> [b, L-1] log p(token_t | prefix)."""
+        return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=self._vocab_start(),
+                                       vocab_size=self.spec.vocab_size, group=self.groups.tp_group)
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b, L, V_local] -> [b, L-1] entropy of the full-vocab distribution (gathers the vocab over TP)."""
+        logits = logits[:, :-1].float()
+        if self.groups.dims.tp > 1:
+            from torch.distributed.nn.functional import all_gather
+
+            logits = torch.cat(all_gather(logits, group=self.groups.tp_group), dim=-1)
+        logits = logits[..., : self.spec.vocab_size]
+        logp = torch.log_softmax(logits, dim=-1)
+        return -(logp.exp() * logp).sum(dim=-1)
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> list[torch.Tensor] | None:
+        """Per-sequence [len-1] logprobs (policy/reference) or [len-1] values (critic), last stage only.
+
+        Values are those of the positions that predict tokens 1..len-1, aligned like logprobs.
+        """
+        layout = plan_micro_batches([len(s) for s in sequences], max_tokens)
+
+        def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+            if self.opts.critic:
+                return output[:, :-1, 0].float().cpu()
+            return self.token_logprobs(output, tokens).cpu()
+
+        outputs = forward_only(self.chunks, self.groups, self._padded(sequences, layout), keep)
+        if outputs is None:
+            return None
+        rows = {}
+        for idx, out in zip(layout.batches, outputs, strict=True):
+            for j, i in enumerate(idx):
+                rows[i] = out[j, : len(sequences[i]) - 1]
+        return [rows[i] for i in range(len(sequences))]
+
+    def train_step(self, sequences: Sequence[Sequence[int]], extras: dict[str, list[torch.Tensor]],
+                   loss_fn: LossFn, max_tokens: int) -> dict[str, float]:
+        """One optimizer step over ``sequences`` (this DP rank's share).
+
+        ``extras`` holds per-sequence [len-1] tensors (advantages, old logprobs, weights, ...);
+        ``loss_fn`` returns the micro-batch's *weighted sum*, already normalised for the global
+        batch (see algos.losses.token_weights), so micro-batches and DP ranks simply add up.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        layout = plan_micro_batches([len(s) for s in sequences], max_tokens)
+        batches = self._padded(sequences, layout)
+        width = layout.length - 1
+        extra_batches = []
+        for idx in layout.batches:
+            part = {}
+            for name, rows in extras.items():
+                t = torch.zeros(layout.micro_batch_size, width)
+                for j, i in enumerate(idx):
+                    t[j, : rows[i].shape[0]] = rows[i]
+                part[name] = t  # padded rows and positions carry weight 0
+            extra_batches.append(part)
+        device = self.groups_device()
+        num_mb = len(batches)
+        dp = self.groups.dims.dp
+
+        def data() -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+            yield from zip(batches, extra_batches, strict=True)
+
+        def forward_step(it: Iterator, model: torch.nn.Module) -> Any:
+            tokens, part = next(it)
+            tokens = tokens.to(device)
+            part = {k: v.to(device) for k, v in part.items()}
+            positions = torch.arange(layout.length, device=device).unsqueeze(0).expand_as(tokens)
+            output = model(tokens, positions, None)
+
+            def loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                value, metrics = loss_fn(out, tokens, part)
+                # Megatron divides by the micro-batch count and DDP averages over DP; undo both so
+                # that the weighted sums add up to the global-batch loss.
+                return value * num_mb * dp, {"loss": value.detach().clone(), **metrics}
+
+            return output, loss
+
+        for m in self.models:
+            m.zero_grad_buffer()  # type: ignore[operator]
+        self.optimizer.zero_grad()
+        multi = len(self.models) > 1
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
+            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=layout.length,
+            micro_batch_size=layout.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        metrics = _sum_metrics(outputs, self.groups)
+        metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"],
+                    "update_skipped": float(not ok)}
+        return metrics
+
+    def groups_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sum_metrics(outputs: list[dict[str, torch.Tensor]], groups: ParallelGroups) -> dict[str, float]:
+    """Sum the micro-batch metrics (weighted sums) on the last stage, then share them with every rank."""
+    keys = sorted(outputs[0]) if outputs else []
+    names = [keys]
+    dist.broadcast_object_list(names, src=dist.get_global_rank(groups.pp_group, groups.dims.pp - 1),
+                               group=groups.pp_group)
+    keys = names[0]
+    values = torch.zeros(len(keys), dtype=torch.float64)
+    for out in outputs:
+        values += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(values, group=groups.pp_group)
+    dist.all_reduce(values, group=groups.dp_group)
+    return dict(zip(keys, values.tolist(), strict=True))
+
+
+def _optimizer(models: list[torch.nn.Module], optim: OptimizerConfig, dtype: torch.dtype,
+               num_steps: int) -> tuple[Any, Any]:
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = MegatronOptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, use_distributed_optimizer=optim.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(config, models)
+    style = {"constant": "constant", "cosine": "cosine", "linear": "linear"}[optim.lr_schedule]
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.num_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.num_warmup_steps, lr_decay_steps=max(num_steps, optim.num_warmup_steps + 1),
+        lr_decay_style=style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=max(num_steps, 1), wd_incr_style="constant")
+    return optimizer, scheduler

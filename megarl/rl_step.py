@@ -1,0 +1,123 @@
+"""The per-step RL computations between rollout and update, as functions of plain tensors.
+
+Sequences are prompt + response token lists; per-token tensors are [N, T] with T = longest
+sequence - 1, aligned with the *predicted* token (position t predicts token t+1), so response
+token j of sequence i sits at column prompt_len_i - 1 + j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algos.advantages import gae, grpo_advantages, whiten
+from megarl.algos.kl import kl_estimate, kl_penalized_rewards
+from megarl.algos.losses import aggregate, policy_loss, token_weights, value_loss
+from megarl.config import AlgorithmConfig
+from megarl.errors import UserError
+
+
+@dataclass
+class Batch:
+    """One step's samples, every per-token tensor [N, T] aligned with predicted tokens."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    mask: torch.Tensor
+    """1.0 on response tokens."""
+    rollout_logprobs: torch.Tensor
+    scores: torch.Tensor
+    """[N] outcome rewards."""
+
+    @staticmethod
+    def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+              rollout_logprobs: Sequence[Sequence[float]], scores: Sequence[float]) -> Batch:
+        sequences = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+        width = max(len(s) for s in sequences) - 1
+        mask = torch.zeros(len(sequences), width)
+        lp = torch.zeros(len(sequences), width)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            mask[i, len(p) - 1: len(p) - 1 + len(r)] = 1.0
+            lp[i, len(p) - 1: len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+        return Batch(sequences, [len(p) for p in prompts], mask, lp, torch.tensor(scores, dtype=torch.float32))
+
+    def stack(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-sequence [len-1] tensors -> [N, T] zero-padded."""
+        out = torch.zeros_like(self.mask)
+        for i, row in enumerate(rows):
+            out[i, : row.shape[0]] = row
+        return out
+
+    def rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[N, T] -> per-sequence [len-1] tensors."""
+        return [x[i, : len(s) - 1] for i, s in enumerate(self.sequences)]
+
+
+def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
+    """Rollout engine vs trainer log-probabilities of the sampled tokens (a broken weight update shows here)."""
+    diff = (batch.rollout_logprobs - trainer_logprobs).abs() * batch.mask
+    return {"logprob_diff_mean": float(diff.sum() / batch.mask.sum().clamp(min=1)),
+            "logprob_diff_max": float(diff.max())}
+
+
+def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
+    if step == 0 and drift["logprob_diff_max"] > bound:
+        raise UserError(f"step 0: rollout and trainer log-probabilities differ by up to "
+                        f"{drift['logprob_diff_max']:.3f} (mean {drift['logprob_diff_mean']:.4f}), above "
+                        f"rollout.logprob_diff_max = {bound}. The engine is not running the trainer's weights "
+                        "(a broken weight update, or a dtype/model mismatch); raise the bound only if the "
+                        "engine's numerics are known to differ that much.")
+
+
+def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int, kl_coef: float,
+                           ref_logprobs: torch.Tensor | None, trainer_logprobs: torch.Tensor,
+                           values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Advantages [N, T] (and returns for the critic) for GRPO or KL-PPO with GAE."""
+    metrics: dict[str, float] = {}
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_estimate(trainer_logprobs, ref_logprobs, "k1" if algo.kl_in_reward else algo.kl_estimator)
+        metrics["kl"] = float((kl * batch.mask).sum() / batch.mask.sum().clamp(min=1))
+    if algo.name == "grpo":
+        adv = grpo_advantages(batch.scores, group_size, std_normalize=algo.grpo_std_normalize)
+        return adv[:, None] * batch.mask, None, metrics
+    assert values is not None, "PPO needs the critic's values"
+    coef = kl_coef if (kl is not None and algo.kl_in_reward) else 0.0
+    rewards = kl_penalized_rewards(batch.scores, kl if kl is not None else torch.zeros_like(batch.mask),
+                                   batch.mask, coef)
+    adv, returns = gae(rewards, values * batch.mask, batch.mask, algo.gamma, algo.gae_lambda)
+    return whiten(adv, batch.mask), returns, metrics
+
+
+def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: AlgorithmConfig, kl_coef: float,
+               entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted PPO/GRPO actor loss of one micro-batch; extras: old_logprobs, advantages, weights[, ref_logprobs]."""
+    w = extras["weights"]
+    loss, _ = policy_loss(logprobs, extras["old_logprobs"], extras["advantages"], w, algo.clip_ratio_low,
+                          algo.clip_ratio_high, algo.dual_clip_c, aggregation="weighted")
+    ratio = torch.exp((logprobs - extras["old_logprobs"]).clamp(-20, 20)).detach()
+    adv = extras["advantages"]
+    clipped = ((ratio > 1 + algo.clip_ratio_high) & (adv > 0)) | ((ratio < 1 - algo.clip_ratio_low) & (adv < 0))
+    metrics = {"policy_loss": loss.detach(), "clip_fraction": (clipped.float() * w).sum()}
+    if "ref_logprobs" in extras and not algo.kl_in_reward:
+        kl_loss = aggregate(kl_estimate(logprobs, extras["ref_logprobs"], algo.kl_estimator), w, "weighted")
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    if entropy is not None:
+        ent = aggregate(entropy, w, "weighted")
+        loss = loss - algo.entropy_coef * ent
+        metrics["entropy"] = ent.detach()
+    return loss, metrics
+
+
+def critic_loss(values: torch.Tensor, extras: dict[str, torch.Tensor], algo: AlgorithmConfig
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss, _ = value_loss(values, extras["old_values"], extras["returns"], extras["weights"], algo.value_clip,
+                         aggregation="weighted")
+    return loss, {"value_loss": loss.detach()}
+
+
+def global_weights(batch: Batch, algo: AlgorithmConfig) -> torch.Tensor:
+    return token_weights(batch.mask, algo.loss_aggregation)

@@ -1,0 +1,56 @@
+"""Train a policy with GRPO or KL-PPO: `torchrun --nproc-per-node W megarl/train.py --config RECIPE [--set k=v ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun: make `megarl` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megarl.errors import run_main
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megarl/train.py", description=__doc__)
+    parser.add_argument("--config", required=True, help="recipe YAML (see README: Configuration)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    args = parser.parse_args(argv)
+
+    from megarl.bootstrap import setup
+
+    cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
+    from megarl.rl_step import advantages_and_returns, check_drift, global_weights, logprob_drift
+
+    algo = cfg.algorithm
+    for step in range(tracker.start_step, cfg.trainer.num_steps):
+        prompts = next(loader)
+        with tracker.phase("generate"):  # sample responses with the current policy and score them
+            batch, _ = trainer.rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], decode, step)
+        with tracker.phase("score"):  # old logprobs (trainer), reference logprobs, critic values
+            old = trainer.score(batch, trainer.actor)
+            ref = trainer.score(batch, trainer.reference)
+            values = trainer.score(batch, trainer.critic)
+        drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
+        check_drift(drift, cfg.rollout.logprob_diff_max, step)
+        advantages, returns, kl_metrics = advantages_and_returns(
+            batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values)
+        weights = global_weights(batch, algo)
+        extras = {"old_logprobs": old, "advantages": advantages, "weights": weights}
+        if ref is not None:
+            extras["ref_logprobs"] = ref
+        with tracker.phase("update"):  # clipped policy (and value) updates over the whole batch
+            metrics = trainer.update_actor(batch, extras)
+            if values is not None and returns is not None:
+                metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns, "weights": weights})
+        with tracker.phase("reshard"):  # new weights into the engine's layout, in place
+            trainer.push_weights()
+        if "kl" in kl_metrics:
+            trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
+        tracker.log(step, batch, metrics | drift | kl_metrics | {"kl_coef": trainer.kl.value})
+    tracker.close()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,169 @@
+"""One RL step: rollout -> reward -> reference/critic -> advantages -> updates -> reshard into the engine.
+
+World layout: the trainer mesh (TP x PP x DP) and, colocated on the same GPUs, engines of
+``rollout.tensor_parallel`` GPUs each. This version drives engines whose rank group is this
+process alone (rollout TP 1, one engine per rank; every CPU test and single-GPU run); each rank
+generates for its share of the prompts and all ranks then see the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos.kl import make_kl_controller
+from megarl.config import Config
+from megarl.errors import UserError
+from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
+from megarl.models.spec import load_spec
+from megarl.models.trainable import MegatronModel
+from megarl.parallel import ParallelGroups
+from megarl.reshard.executor import Resharder, engine_tensor_allocations
+from megarl.reshard.planner import make_plan
+from megarl.rewards.registry import load_reward
+from megarl.rl_step import Batch, actor_loss, critic_loss
+from megarl.rollout.base import RolloutEngine, SamplingParams
+
+
+def make_engine(cfg: Config, seed: int) -> RolloutEngine:
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from megarl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel,
+                          gpu_memory_fraction=r.gpu_memory_fraction,
+                          max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed)
+    from megarl.rollout.sglang import SGLangEngine
+
+    return SGLangEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
+                        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Any:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times[f"time/{phase}"] = time.perf_counter() - start
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config, groups: ParallelGroups, stop_token_ids: tuple[int, ...] = ()) -> None:
+        if cfg.rollout.tensor_parallel != 1:
+            raise UserError(f"rollout.tensor_parallel = {cfg.rollout.tensor_parallel}: this trainer drives "
+                            "one-GPU engines (rollout.tensor_parallel = 1) so far; multi-GPU engine groups "
+                            "are not wired into the RL loop yet.")
+        self.cfg, self.groups, self.stop_ids = cfg, groups, stop_token_ids
+        self.spec = load_spec(cfg.model.hf_path)
+        use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
+                                                          and transformer_engine_available())
+        opts = BuildOptions(dtype=DTYPES[cfg.model.dtype], vocab_pad_multiple=cfg.model.vocab_pad_multiple,
+                            transformer_engine=use_te, sequence_parallel=cfg.parallel.sequence_parallel,
+                            recompute_activations=cfg.model.recompute_activations)
+        algo, steps = cfg.algorithm, cfg.trainer.num_steps
+        self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps)
+        self.reference = (MegatronModel(self.spec, cfg.model.hf_path, groups, opts) if algo.kl_coef > 0 else None)
+        self.critic = None
+        if algo.name == "ppo":
+            critic_opts = dataclasses.replace(opts, critic=True)
+            self.critic = MegatronModel(self.spec, cfg.critic.hf_path or cfg.model.hf_path, groups, critic_opts,
+                                        cfg.critic.optimizer, steps)
+        self.kl = make_kl_controller(algo)
+        self.reward_fn = load_reward(cfg.trainer.reward)
+        self.engine = make_engine(cfg, cfg.rollout.seed + groups.rank)
+        plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
+                         gpus_per_node=cfg.parallel.gpus_per_node or groups.dims.world_size,
+                         element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
+                         bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
+                         vocab_pad_multiple=cfg.model.vocab_pad_multiple)
+        device = self.actor.groups_device()
+        self.engine_tensors = engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], device)
+        self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors)
+        self.push_weights()
+
+    def push_weights(self) -> None:
+        """Reshard the actor's current weights into the engine's layout and hand them over."""
+        self.resharder.refit()
+        self.engine.update_weights(self.engine_tensors)
+
+    def rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int
+                ) -> tuple[Batch, list[str]]:
+        """Wake the engine, generate this rank's share of the prompts, score the responses, sleep the
+        engine; every rank returns the whole batch (samples of one prompt contiguous)."""
+        r, g = self.cfg.rollout, self.groups
+        self.engine.wake()
+        mine = list(range(g.rank, len(prompts), g.dims.world_size))
+        params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + step * 100003 + g.rank,
+                                stop_token_ids=self.stop_ids)
+        done = self.engine.generate([prompts[i] for i in mine], params) if mine else []
+        self.engine.sleep()
+        local = [(mine[c.prompt_index], c.token_ids, c.logprobs) for c in done]
+        everything: list[Any] = [None] * g.dims.world_size
+        dist.all_gather_object(everything, local)
+        rows = sorted((row for part in everything for row in part), key=lambda x: x[0])  # stable per prompt
+        texts = [decode(tokens) for _, tokens, _ in rows]
+        scores = self.reward_fn(texts, [answers[i] for i, _, _ in rows])
+        batch = Batch.build([prompts[i] for i, _, _ in rows], [t for _, t, _ in rows], [lp for _, _, lp in rows],
+                            scores)
+        return batch, texts
+
+    def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
+        """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank."""
+        if model is None:
+            return None
+        budget = self.cfg.actor.max_tokens_per_gpu
+        return self._broadcast_rows(model.score(batch.sequences, budget), batch)
+
+    def _share(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], dict]:
+        """This DP rank's sequences and their per-token rows."""
+        g = self.groups
+        mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
+        rows = {k: batch.rows(v) for k, v in tensors.items()}
+        return [batch.sequences[i] for i in mine], {k: [r[i] for i in mine] for k, r in rows.items()}
+
+    def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
+        algo, actor = self.cfg.algorithm, self.actor
+        entropy_on = algo.entropy_coef > 0
+
+        def loss(logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]) -> Any:
+            logp = actor.token_logprobs(logits, tokens)
+            return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None)
+
+        seqs, rows = self._share(batch, extras)
+        metrics: dict[str, float] = {}
+        for _ in range(self.cfg.actor.num_ppo_epochs):
+            metrics = actor.train_step(seqs, rows, loss, self.cfg.actor.max_tokens_per_gpu)
+        return {f"actor/{k}": v for k, v in metrics.items()}
+
+    def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
+        if self.critic is None:
+            return {}
+        algo = self.cfg.algorithm
+        seqs, rows = self._share(batch, extras)
+        metrics: dict[str, float] = {}
+        for _ in range(self.cfg.critic.num_ppo_epochs):
+            metrics = self.critic.train_step(
+                seqs, rows, lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo),
+                self.cfg.critic.max_tokens_per_gpu)
+        return {f"critic/{k}": v for k, v in metrics.items()}
+
+    def _broadcast_rows(self, rows: list[torch.Tensor] | None, batch: Batch) -> torch.Tensor:
+        """Per-sequence results live on the last pipeline stage; give every rank the [N, T] tensor."""
+        g = self.groups
+        out = batch.stack(rows) if rows is not None else torch.zeros_like(batch.mask)
+        if g.dims.pp > 1:
+            dist.broadcast(out, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
+        return out

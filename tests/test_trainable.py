@@ -1,0 +1,25 @@
+"""A GRPO actor update gives the same loss, grad norm and new weights in every TP/PP/DP layout."""
+
+import json
+
+import pytest
+
+from helpers import make_hf_model, run_torchrun
+
+
+@pytest.mark.slow
+def test_actor_update_is_layout_invariant(tmp_path):
+    model = make_hf_model(tmp_path / "llama", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun(["tests/workers/trainable.py", str(out), str(model)], nproc=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {(r["tp"], r["pp"]): r for f in out.glob("rank*.json") for r in json.loads(f.read_text())}
+    assert set(rows) == {(1, 1), (2, 1), (1, 2), (2, 2)}
+    ref = rows[1, 1]  # 4 data-parallel replicas
+    assert 0 < ref["clip_fraction"] < 1 and ref["grad_norm"] > 0, ref
+    for layout, row in rows.items():
+        assert abs(row["loss"] - ref["loss"]) < 1e-5, layout
+        assert abs(row["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], layout
+        diff = max(abs(a - b) for a, b in zip(row["logprobs_after"], ref["logprobs_after"], strict=True))
+        assert diff < 1e-4, (layout, diff)

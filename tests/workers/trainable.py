@@ -1,0 +1,81 @@
+"""Multi-rank worker for test_trainable.py: one GRPO actor update in several TP/PP/DP layouts.
+
+torchrun --nproc-per-node 4 tests/workers/trainable.py OUT_DIR MODEL_DIR
+The same batch, advantages and global token weights in every layout; each layout reports the
+summed loss, grad norm and the updated model's logprobs, which must match the single-replica run.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megarl.platform import init_platform
+
+platform = init_platform()
+
+import torch.distributed as dist  # noqa: E402
+
+from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
+from megarl.models.gpt import BuildOptions  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
+from megarl.parallel import (  # noqa: E402
+    ParallelDims,
+    destroy_model_parallel,
+    init_distributed,
+    init_model_parallel,
+    model_parallel_seed,
+)
+from megarl.rl_step import Batch, actor_loss, global_weights  # noqa: E402
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def main() -> None:
+    out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
+    init_distributed(platform)
+    world = dist.get_world_size()
+    spec = load_spec(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 5, 4, 2, 6, 3, 4, 5)]
+    responses = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (4, 2, 6, 3, 1, 5, 2, 3)]
+    rollout_lp = [[-1.0] * len(r) for r in responses]
+    scores = torch.rand(len(prompts), generator=gen).tolist()
+    batch = Batch.build(prompts, responses, rollout_lp, scores)
+    algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_aggregation="seq-mean-token-mean")
+    advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
+    weights = global_weights(batch, algo)
+    results = []
+    for tp, pp in LAYOUTS:
+        dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
+        groups = init_model_parallel(dims)
+        model_parallel_seed(0)
+        actor = MegatronModel(spec, model_dir, groups, BuildOptions(),
+                              OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
+        old = batch.stack(actor.score(batch.sequences, 64) or [torch.zeros(len(s) - 1) for s in batch.sequences])
+        if pp > 1:
+            dist.broadcast(old, src=dist.get_global_rank(groups.pp_group, pp - 1), group=groups.pp_group)
+        # A shifted "old" policy makes the ratios differ from 1, so clipping is exercised.
+        extras = {"old_logprobs": old - 0.5 * advantages, "advantages": advantages, "weights": weights}
+        mine = list(range(groups.dp_rank, len(batch.sequences), dims.dp))
+        rows = {k: [batch.rows(v)[i] for i in mine] for k, v in extras.items()}
+
+        def loss(logits, tokens, ex, a=actor):
+            return actor_loss(a.token_logprobs(logits, tokens), ex, algo, 0.0)
+
+        metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, max_tokens=24)
+        after = actor.score(batch.sequences, 64)
+        if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
+            results.append({"tp": tp, "pp": pp, "dp": dims.dp, "loss": metrics["loss"],
+                            "grad_norm": metrics["grad_norm"], "clip_fraction": metrics["clip_fraction"],
+                            "logprobs_after": torch.cat(after).tolist()})
+        destroy_model_parallel()
+    if results:
+        (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
