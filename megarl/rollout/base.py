@@ -29,10 +29,21 @@ class SamplingParams:
     """Base sampling seed (request i uses seed + i); None = engine's own randomness."""
 
     def __post_init__(self) -> None:
-        checks = [("n", self.n >= 1, ">= 1"), ("temperature", self.temperature >= 0, ">= 0"),
-                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("top_k", self.top_k == -1 or self.top_k >= 1,
-                                                                 "-1 or >= 1"),
-                  ("max_new_tokens", self.max_new_tokens >= 1, ">= 1")]
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def number(value: object) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # not NaN
+
+        checks = [("n", integer(self.n) and self.n >= 1, "an integer >= 1"),
+                  ("temperature", number(self.temperature) and self.temperature >= 0, "a number >= 0"),
+                  ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+                  ("top_k", integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 or an integer >= 1"),
+                  ("max_new_tokens", integer(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+                  ("stop_token_ids", isinstance(self.stop_token_ids, Sequence)
+                   and not isinstance(self.stop_token_ids, str | bytes)
+                   and all(integer(t) and t >= 0 for t in self.stop_token_ids), "a list of token ids >= 0"),
+                  ("seed", self.seed is None or integer(self.seed), "an integer or null")]
         for name, ok, must in checks:
             if not ok:
                 raise UserError(f"sampling `{name}` = {getattr(self, name)!r} must be {must}.")
@@ -47,8 +58,25 @@ class Completion:
     finish_reason: Literal["stop", "length"]
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int,
+                  vocab_size: int | None = None) -> None:
+    """Reject, never truncate: an empty prompt, a token id outside the vocabulary, or a prompt that leaves
+    no room for ``max_new_tokens`` within the engine's ``max_model_len``."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise UserError(f"prompt {i} is empty; every prompt needs at least one token.")
+        if vocab_size is not None and not 0 <= min(prompt) <= max(prompt) < vocab_size:
+            raise UserError(f"prompt {i} holds token ids outside [0, {vocab_size}) (min {min(prompt)}, max "
+                            f"{max(prompt)}); it was tokenized for another model.")
+        if len(prompt) + params.max_new_tokens > max_model_len:
+            raise UserError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                            f"{params.max_new_tokens} it exceeds the engine's limit of {max_model_len} "
+                            "tokens. Raise the limit or drop long prompts (data.max_prompt_tokens).")
+
+
 class RolloutEngine(Protocol):
     max_model_len: int
+    """Most tokens (prompt + generated) one sequence may hold."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]: ...
 

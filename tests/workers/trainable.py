@@ -44,7 +44,8 @@ def main() -> None:
     rollout_lp = [[-1.0] * len(r) for r in responses]
     scores = torch.rand(len(prompts), generator=gen).tolist()
     batch = Batch.build(prompts, responses, rollout_lp, scores)
-    algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_aggregation="seq-mean-token-mean")
+    algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                           loss_aggregation="seq-mean-token-mean")
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     weights = global_weights(batch, algo)
     results = []
