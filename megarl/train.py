@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script by torchrun: make `megarl` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):
+    # Run as a script (torchrun megarl/train.py): Python put megarl/ first on sys.path, where our
+    # `platform` package would shadow the standard library's. Put the repository root there instead.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from megarl.errors import run_main
+import argparse  # noqa: E402
+
+from megarl.errors import run_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

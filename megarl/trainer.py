@@ -66,6 +66,7 @@ class RLTrainer:
                             "one-GPU engines (rollout.tensor_parallel = 1) so far; multi-GPU engine groups "
                             "are not wired into the RL loop yet.")
         self.cfg, self.groups, self.stop_ids = cfg, groups, stop_token_ids
+        self._engine_awake = True  # engines start awake
         self.spec = load_spec(cfg.model.hf_path)
         use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                           and transformer_engine_available())
@@ -94,22 +95,26 @@ class RLTrainer:
         self.push_weights()
 
     def push_weights(self) -> None:
-        """Reshard the actor's current weights into the engine's layout and hand them over."""
+        """Wake the engine, reshard the actor's current weights into its layout and hand them over."""
+        if not self._engine_awake:
+            self.engine.wake()
+            self._engine_awake = True
         self.resharder.refit()
         self.engine.update_weights(self.engine_tensors)
 
     def rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int
                 ) -> tuple[Batch, list[str]]:
-        """Wake the engine, generate this rank's share of the prompts, score the responses, sleep the
-        engine; every rank returns the whole batch (samples of one prompt contiguous)."""
+        """Generate this rank's share of the prompts, put the engine to sleep, score the responses;
+        every rank returns the whole batch (samples of one prompt contiguous)."""
         r, g = self.cfg.rollout, self.groups
-        self.engine.wake()
+        assert self._engine_awake, "push_weights() wakes the engine before every rollout"
         mine = list(range(g.rank, len(prompts), g.dims.world_size))
         params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, seed=r.seed + step * 100003 + g.rank,
                                 stop_token_ids=self.stop_ids)
         done = self.engine.generate([prompts[i] for i in mine], params) if mine else []
-        self.engine.sleep()
+        self.engine.sleep()  # colocation: the trainer gets the memory back until the next push_weights
+        self._engine_awake = False
         local = [(mine[c.prompt_index], c.token_ids, c.logprobs) for c in done]
         everything: list[Any] = [None] * g.dims.world_size
         dist.all_gather_object(everything, local)

