@@ -25,3 +25,18 @@ def test_tiny_grpo_recipe_reward_rises(tmp_path):
     assert last > first + 0.1, (first, last)
     # The engine runs the trainer's weights: its sampled-token logprobs match the trainer's.
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
+
+
+@pytest.mark.slow
+def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
+    steps = 50
+    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_ppo.yaml",
+                         "--set", f"trainer.num_steps={steps}", "--set", f"checkpoint.dir={tmp_path}"], nproc=1,
+                        timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    # Measured over 200 steps: 0.02 (steps 0-9), 0.75 (40-49), 0.99 (190-199).
+    assert last > first + 0.3, (first, last)
+    assert all(r["critic/grad_norm"] > 0 for r in rows) and "kl" in rows[-1]
