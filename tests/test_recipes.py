@@ -1,0 +1,28 @@
+"""Every shipped recipe loads, and the 8-GPU recipes validate for their model on 8 GPUs."""
+
+import json
+
+import pytest
+
+from helpers import REPO
+from megarl.config import load_config, validate_layout
+from megarl.models.presets import PRESETS, preset_or_hf_spec
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_loads(recipe):
+    load_config(recipe)
+
+
+@pytest.mark.parametrize("recipe,preset", [("llama3_8b_ppo.yaml", "llama3-8b"), ("qwen2_7b_grpo.yaml", "qwen2-7b")])
+def test_8b_recipes_validate_for_8_gpus(tmp_path, recipe, preset):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
+    cfg = load_config(REPO / "recipes" / recipe, [f"model.hf_path={tmp_path}"])
+    spec = preset_or_hf_spec(str(tmp_path))
+    dp = validate_layout(cfg, 8, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size)
+    assert dp == 4
+    assert cfg.algorithm.kl_coef == 0.02 and cfg.algorithm.entropy_coef == 0.01
+    assert cfg.rollout.gpu_memory_fraction == 0.7 and cfg.actor.dynamic_batch
