@@ -37,7 +37,7 @@ def make_engine(cfg: Config, seed: int) -> RolloutEngine:
 
         return VLLMEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel,
                           gpu_memory_fraction=r.gpu_memory_fraction,
-                          max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed)
+                          max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed, dtype=cfg.model.dtype)
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,

