@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from megarl import checkpoint
 from megarl.config import load_config, validate_layout
 
 
@@ -49,8 +50,18 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
 
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     trainer = RLTrainer(cfg, groups, stop_token_ids=stop)
+    start_step = 0
+    resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, trainer.trained_models())
+        loader.load_state_dict(state["loader"])
+        trainer.kl.load_state_dict(state["kl"])
+        trainer.push_weights()  # the engine must generate with the restored weights
+        start_step = state["step"] + 1
+        if groups.rank == 0:
+            print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
     out_dir = Path(cfg.checkpoint.dir or "runs/latest")
-    tracker = Tracker(cfg, groups.rank, out_dir)
+    tracker = Tracker(cfg, groups.rank, out_dir, start_step)
 
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))

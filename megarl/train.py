@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.bootstrap import setup
 
     cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
+    from megarl import checkpoint
     from megarl.rl_step import advantages_and_returns, check_drift, global_weights, logprob_drift
 
     algo = cfg.algorithm
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         if "kl" in kl_metrics:
             trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
         tracker.log(step, batch, metrics | drift | kl_metrics | {"kl_coef": trainer.kl.value})
+        every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
+        if every and ((step + 1) % every == 0 or last):  # atomic: a crash mid-save keeps the previous one
+            state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict()}
+            checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last)
     tracker.close()
 
 

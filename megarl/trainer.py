@@ -94,6 +94,10 @@ class RLTrainer:
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors)
         self.push_weights()
 
+    def trained_models(self) -> dict[str, MegatronModel]:
+        """The models whose weights and optimizer state a checkpoint holds."""
+        return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
+
     def push_weights(self) -> None:
         """Wake the engine, reshard the actor's current weights into its layout and hand them over."""
         if not self._engine_awake:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megarl.models.critic import ValueHead
 from megarl.models.hf_io import HFReader
-from megarl.models.mapping import VOCAB, ParamRule, hf_shapes, param_rules, to_mcore_shard
+from megarl.models.mapping import VOCAB, ParamRule, Reader, hf_shapes, param_rules, to_mcore_shard
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelGroups
 
@@ -173,17 +173,22 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str, groups: ParallelGroups,
                     opts: BuildOptions) -> None:
     """Fill this rank's chunks from a HF checkpoint, reading only the slices this rank owns."""
+    load_weights(chunks, spec, HFReader(hf_dir, spec, hf_shapes(spec)).read, groups, opts)
+
+
+def load_weights(chunks: list[torch.nn.Module], spec: ModelSpec, read: Reader, groups: ParallelGroups,
+                 opts: BuildOptions) -> None:
+    """Fill this rank's chunks from HF-named tensors served by ``read`` (see mapping.Reader)."""
     rules = {r.mcore: r for r in param_rules(spec, include_output=not opts.critic)}
     if spec.tie_word_embeddings and not opts.critic:
         # With PP > 1 the last stage keeps its own copy of the tied embedding as its output layer.
         rules["output_layer.weight"] = ParamRule("output_layer.weight", ("model.embed_tokens.weight",), VOCAB)
-    reader = HFReader(hf_dir, spec, hf_shapes(spec))
     padded_vocab = spec.padded_vocab_size(groups.dims.tp, opts.vocab_pad_multiple)
     with torch.no_grad():
         for name, param in canonical_params(chunks, spec, groups).items():
             if opts.critic and name.startswith("output_layer."):
                 continue  # the value head starts fresh
             assert name in rules, f"no HF mapping for Megatron parameter {name}"
-            shard = to_mcore_shard(rules[name], spec, reader.read, groups.tp_rank, groups.dims.tp, padded_vocab)
+            shard = to_mcore_shard(rules[name], spec, read, groups.tp_rank, groups.dims.tp, padded_vocab)
             assert shard.shape == param.shape, (name, shard.shape, param.shape)
             param.copy_(shard)

@@ -210,9 +210,10 @@ class VLLMEngine:
                 if sample.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a sample of prompt {i} with {sample.finish_reason!r}")
                 ids = list(sample.token_ids)
+                entries: Any = sample.logprobs  # one {token id: Logprob} per generated token (logprobs=0)
                 completions.append(Completion(
-                    prompt_index=i, token_ids=ids, finish_reason=sample.finish_reason,
-                    logprobs=[float(entry[t].logprob) for t, entry in zip(ids, sample.logprobs, strict=True)]))
+                    prompt_index=i, token_ids=ids, finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                    logprobs=[float(entry[t].logprob) for t, entry in zip(ids, entries, strict=True)]))
         return completions
 
     def _check_layout(self, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
