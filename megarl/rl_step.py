@@ -14,7 +14,7 @@ import torch
 
 from megarl.algos.advantages import gae, grpo_advantages, whiten
 from megarl.algos.kl import kl_estimate, kl_penalized_rewards
-from megarl.algos.losses import aggregate, policy_loss, token_weights, value_loss
+from megarl.algos.losses import aggregate, policy_loss, value_loss
 from megarl.config import AlgorithmConfig
 from megarl.errors import UserError
 
@@ -117,7 +117,3 @@ def critic_loss(values: torch.Tensor, extras: dict[str, torch.Tensor], algo: Alg
     loss, _ = value_loss(values, extras["old_values"], extras["returns"], extras["weights"], algo.value_clip,
                          aggregation="weighted")
     return loss, {"value_loss": loss.detach()}
-
-
-def global_weights(batch: Batch, algo: AlgorithmConfig) -> torch.Tensor:
-    return token_weights(batch.mask, algo.loss_aggregation)

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
     from megarl import checkpoint
-    from megarl.rl_step import advantages_and_returns, check_drift, global_weights, logprob_drift
+    from megarl.rl_step import advantages_and_returns, check_drift, logprob_drift
 
     algo = cfg.algorithm
     for step in range(tracker.start_step, cfg.trainer.num_steps):
@@ -40,14 +40,13 @@ def main(argv: list[str] | None = None) -> None:
         check_drift(drift, cfg.rollout.logprob_diff_max, step)
         advantages, returns, kl_metrics = advantages_and_returns(
             batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values)
-        weights = global_weights(batch, algo)
-        extras = {"old_logprobs": old, "advantages": advantages, "weights": weights}
+        extras = {"old_logprobs": old, "advantages": advantages}
         if ref is not None:
             extras["ref_logprobs"] = ref
-        with tracker.phase("update"):  # clipped policy (and value) updates over the whole batch
+        with tracker.phase("update"):  # clipped policy (and value) updates, epochs x mini-batches
             metrics = trainer.update_actor(batch, extras)
             if values is not None and returns is not None:
-                metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns, "weights": weights})
+                metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns})
         with tracker.phase("reshard"):  # new weights into the engine's layout, in place
             trainer.push_weights()
         if "kl" in kl_metrics:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos.kl import make_kl_controller
-from megarl.config import Config
+from megarl.algos.losses import token_weights
+from megarl.config import Config, UpdateConfig
 from megarl.errors import UserError
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
 from megarl.models.spec import load_spec
@@ -136,14 +137,27 @@ class RLTrainer:
         budget = self.cfg.actor.max_tokens_per_gpu
         return self._broadcast_rows(model.score(batch.sequences, budget), batch)
 
-    def _share(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], dict]:
-        """This DP rank's sequences and their per-token rows."""
-        g = self.groups
-        mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
-        rows = {k: batch.rows(v) for k, v in tensors.items()}
-        return [batch.sequences[i] for i in mine], {k: [r[i] for i in mine] for k, r in rows.items()}
+    def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
+                  loss: Any) -> dict[str, float]:
+        """``num_ppo_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` samples, one
+        optimizer step each. Token weights are normalised per mini-batch over all DP ranks, so each step
+        optimises the configured aggregation of its mini-batch; each DP rank trains on its share."""
+        g, n = self.groups, len(batch.sequences)
+        size = section.mini_batch_size or n
+        metrics: dict[str, float] = {}
+        for _ in range(section.num_ppo_epochs):
+            for start in range(0, n, size):
+                index = list(range(start, min(start + size, n)))
+                weights = token_weights(batch.mask[index], self.cfg.algorithm.loss_aggregation)
+                mine = list(range(g.dp_rank, len(index), g.dims.dp))
+                seqs = [batch.sequences[index[j]] for j in mine]
+                rows = {k: [v[index[j], : len(seqs[m]) - 1] for m, j in enumerate(mine)] for k, v in extras.items()}
+                rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
+                metrics = model.train_step(seqs, rows, loss, section.max_tokens_per_gpu)
+        return metrics
 
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs] as [N, T]."""
         algo, actor = self.cfg.algorithm, self.actor
         entropy_on = algo.entropy_coef > 0
 
@@ -151,22 +165,16 @@ class RLTrainer:
             logp = actor.token_logprobs(logits, tokens)
             return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None)
 
-        seqs, rows = self._share(batch, extras)
-        metrics: dict[str, float] = {}
-        for _ in range(self.cfg.actor.num_ppo_epochs):
-            metrics = actor.train_step(seqs, rows, loss, self.cfg.actor.max_tokens_per_gpu)
+        metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss)
         return {f"actor/{k}": v for k, v in metrics.items()}
 
     def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clipped value updates; extras: old_values, returns as [N, T]."""
         if self.critic is None:
             return {}
         algo = self.cfg.algorithm
-        seqs, rows = self._share(batch, extras)
-        metrics: dict[str, float] = {}
-        for _ in range(self.cfg.critic.num_ppo_epochs):
-            metrics = self.critic.train_step(
-                seqs, rows, lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo),
-                self.cfg.critic.max_tokens_per_gpu)
+        metrics = self._optimize(self.critic, self.cfg.critic, batch, extras,
+                                 lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo))
         return {f"critic/{k}": v for k, v in metrics.items()}
 
     def _broadcast_rows(self, rows: list[torch.Tensor] | None, batch: Batch) -> torch.Tensor:

@@ -17,6 +17,7 @@ platform = init_platform()
 
 import torch.distributed as dist  # noqa: E402
 
+from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
@@ -28,7 +29,7 @@ from megarl.parallel import (  # noqa: E402
     init_model_parallel,
     model_parallel_seed,
 )
-from megarl.rl_step import Batch, actor_loss, global_weights  # noqa: E402
+from megarl.rl_step import Batch, actor_loss  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -47,7 +48,7 @@ def main() -> None:
     algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.28,
                            loss_aggregation="seq-mean-token-mean")
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
-    weights = global_weights(batch, algo)
+    weights = token_weights(batch.mask, algo.loss_aggregation)
     results = []
     for tp, pp in LAYOUTS:
         dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
