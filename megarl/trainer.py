@@ -9,8 +9,6 @@ generates for its share of the prompts and all ranks then see the whole batch.
 from __future__ import annotations
 
 import dataclasses
-import time
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,21 +41,6 @@ def make_engine(cfg: Config, seed: int) -> RolloutEngine:
 
     return SGLangEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
                         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed)
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Any:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.times[f"time/{phase}"] = time.perf_counter() - start
 
 
 class RLTrainer:

@@ -290,10 +290,3 @@ def allocate_flat_buckets(plan: Plan, rank: int, dtype: torch.dtype, device: tor
                    for name, shape, off in group}
         out.append(FlatBucket(buffer, tensors))
     return out
-
-
-def plan_bytes_on(plan: Plan, rank: int) -> int:
-    """Engine bytes rank ``rank`` receives per refit (locally copied or transferred)."""
-    return sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank)
-
-
