@@ -25,16 +25,18 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
 
     ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, or
     [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
-    order on the last pipeline stage, None elsewhere. All micro-batches must share one shape.
+    order on the last pipeline stage, None elsewhere. With pipeline parallelism all micro-batches
+    must share one shape.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    micro_batch_size, length = batches[0].shape
+    # Pipeline stages need one shape for all micro-batches; without pipelining shapes may vary.
+    micro_batch_size, length = max(b.shape[0] for b in batches), max(b.shape[1] for b in batches)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def forward_step(data: Iterator[torch.Tensor], model: torch.nn.Module) -> Any:
         tokens = next(data).to(device)
-        positions = torch.arange(length, device=device).unsqueeze(0).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
 
         def keep(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
             assert non_loss_data

@@ -1,8 +1,7 @@
 """A Megatron model in an RL role: the actor and critic train, the reference only scores.
 
-Sequences are right-padded to the step's longest one (Megatron's pipeline schedule needs one
-micro-batch shape per call) and grouped into micro-batches of ``max_tokens // length``
-sequences; per-token tensors are aligned with the *predicted* tokens (positions 1..L-1).
+Sequences are grouped into token-budget micro-batches (``plan_micro_batches``) and right-padded;
+per-token tensors are aligned with the *predicted* tokens (positions 1..L-1).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimizerConfig
+from megarl.data.batching import token_budget_batches
 from megarl.models.forward import forward_only, pad_batch
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_logprobs
@@ -27,19 +27,31 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[t
 
 @dataclass
 class Layout:
-    """How one step's sequences are padded and split into micro-batches."""
+    """How one step's sequences are grouped into micro-batches and padded."""
 
-    length: int
-    micro_batch_size: int
     batches: list[list[int]]
-    """Sequence indices per micro-batch; the last may be short (padded with weight-0 copies)."""
+    """Sequence indices per micro-batch."""
+    lengths: list[int]
+    """Padded length of each micro-batch."""
+    rows: list[int]
+    """Rows of each micro-batch (more than its sequences when filled with weight-0 copies)."""
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> Layout:
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, uniform: bool) -> Layout:
+    """Token-budget micro-batches of at most ``max_tokens`` padded tokens each.
+
+    Without pipelining every micro-batch is packed first-fit-decreasing by length and padded only
+    to its own longest sequence. Pipeline stages exchange fixed-shape activations, so with
+    ``uniform`` every micro-batch has the same rows and the step's longest length.
+    """
+    if not uniform:
+        batches = token_budget_batches(lengths, max_tokens, field="max_tokens_per_gpu")
+        return Layout(batches, [max(lengths[i] for i in b) for b in batches], [len(b) for b in batches])
     length = max(lengths)
     size = max(1, max_tokens // length)
     order = list(range(len(lengths)))
-    return Layout(length, size, [order[i: i + size] for i in range(0, len(order), size)])
+    batches = [order[i: i + size] for i in range(0, len(order), size)]
+    return Layout(batches, [length] * len(batches), [size] * len(batches))
 
 
 class MegatronModel:
@@ -76,10 +88,13 @@ class MegatronModel:
 
     def _padded(self, sequences: Sequence[Sequence[int]], layout: Layout) -> list[torch.Tensor]:
         out = []
-        for idx in layout.batches:
-            rows = [sequences[i] for i in idx] + [sequences[idx[0]]] * (layout.micro_batch_size - len(idx))
-            out.append(pad_batch(rows, layout.length))
+        for idx, length, rows in zip(layout.batches, layout.lengths, layout.rows, strict=True):
+            chosen = [sequences[i] for i in idx] + [sequences[idx[0]]] * (rows - len(idx))
+            out.append(pad_batch(chosen, length))
         return out
+
+    def _layout(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> Layout:
+        return plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1)
 
     def _vocab_start(self) -> int:
         padded = self.spec.padded_vocab_size(self.groups.dims.tp, self.opts.vocab_pad_multiple)
@@ -107,7 +122,7 @@ class MegatronModel:
 
         Values are those of the positions that predict tokens 1..len-1, aligned like logprobs.
         """
-        layout = plan_micro_batches([len(s) for s in sequences], max_tokens)
+        layout = self._layout(sequences, max_tokens)
 
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
@@ -133,14 +148,13 @@ class MegatronModel:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        layout = plan_micro_batches([len(s) for s in sequences], max_tokens)
+        layout = self._layout(sequences, max_tokens)
         batches = self._padded(sequences, layout)
-        width = layout.length - 1
         extra_batches = []
-        for idx in layout.batches:
+        for idx, length, num_rows in zip(layout.batches, layout.lengths, layout.rows, strict=True):
             part = {}
             for name, rows in extras.items():
-                t = torch.zeros(layout.micro_batch_size, width)
+                t = torch.zeros(num_rows, length - 1)
                 for j, i in enumerate(idx):
                     t[j, : rows[i].shape[0]] = rows[i]
                 part[name] = t  # padded rows and positions carry weight 0
@@ -156,7 +170,7 @@ class MegatronModel:
             tokens, part = next(it)
             tokens = tokens.to(device)
             part = {k: v.to(device) for k, v in part.items()}
-            positions = torch.arange(layout.length, device=device).unsqueeze(0).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
             output = model(tokens, positions, None)
 
             def loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -173,8 +187,8 @@ class MegatronModel:
         multi = len(self.models) > 1
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
-            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=layout.length,
-            micro_batch_size=layout.micro_batch_size, forward_only=False)
+            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=max(layout.lengths),
+            micro_batch_size=max(layout.rows), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = _sum_metrics(outputs, self.groups)
