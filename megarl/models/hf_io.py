@@ -6,7 +6,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from megarl.errors import UserError
 from megarl.models.spec import ModelSpec
 
 INDEX = "model.safetensors.index.json"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
@@ -81,15 +82,35 @@ class HFReader:
         return view[index]
 
 
-def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec,
-             source_dir: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write a HF checkpoint atomically: a temporary directory renamed to ``out_dir`` at the end."""
-    out = Path(out_dir)
+def copy_model_files(src: Path, dst: Path) -> None:
+    """Copy config.json and the tokenizer files that exist in ``src`` (byte for byte) into ``dst``."""
+    for fname in ("config.json", *TOKENIZER_FILES):
+        if (src / fname).is_file():
+            shutil.copy2(src / fname, dst / fname)
+
+
+@contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out``, renamed to ``out`` when the block succeeds and removed
+    when it fails, so a crash never leaves a half-written ``out``. ``out`` must not hold files."""
     if out.exists() and any(out.iterdir()):
         raise UserError(f"output directory `{out}` exists and is not empty. Choose a new --out path.")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec,
+             source_dir: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write a HF checkpoint atomically: a temporary directory renamed to ``out_dir`` at the end."""
+    with atomic_dir(Path(out_dir)) as tmp:
         shard: dict[str, torch.Tensor] = {}
         shard_bytes, shards = 0, []
         for name, tensor in tensors:
@@ -111,12 +132,4 @@ def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], s
                                                 indent=2))
         (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
         if source_dir is not None:
-            for fname in ("config.json", *_TOKENIZER_FILES):
-                if (Path(source_dir) / fname).is_file():
-                    shutil.copy2(Path(source_dir) / fname, tmp / fname)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            copy_model_files(Path(source_dir), tmp)

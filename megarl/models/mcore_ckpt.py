@@ -9,9 +9,6 @@ Layout of a checkpoint directory:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megarl.errors import UserError
-from megarl.models.hf_io import _TOKENIZER_FILES, HFReader
+from megarl.models.hf_io import HFReader, atomic_dir, copy_model_files
 from megarl.models.mapping import hf_shapes, param_rules, pipeline_stage, to_hf, to_mcore_shard
 from megarl.models.spec import ModelSpec, load_spec
 
@@ -54,7 +51,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vocab
     padded = spec.padded_vocab_size(tp, vocab_pad_multiple)
     rules = param_rules(spec)
 
-    def write(tmp: Path) -> None:
+    with atomic_dir(Path(out_dir)) as tmp:
         for p in range(pp):
             stage_rules = [r for r in rules if pipeline_stage(r.mcore, spec, pp) == p]
             for t in range(tp):
@@ -66,26 +63,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vocab
         meta = {"format": FORMAT, "version": VERSION, "tp": tp, "pp": pp,
                 "vocab_pad_multiple": vocab_pad_multiple, "padded_vocab_size": padded}
         (tmp / META).write_text(json.dumps(meta, indent=2))
-        for fname in ("config.json", *_TOKENIZER_FILES):
-            if (Path(hf_dir) / fname).is_file():
-                shutil.copy2(Path(hf_dir) / fname, tmp / fname)
-
-    _atomic_dir(Path(out_dir), write)
-
-
-def _atomic_dir(out: Path, write: object) -> None:
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"output directory `{out}` exists and is not empty. Choose a new --out path.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        write(tmp)  # type: ignore[operator]
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        copy_model_files(Path(hf_dir), tmp)
 
 
 def read_meta(ckpt_dir: str | Path) -> dict[str, int]:
