@@ -47,3 +47,28 @@ def run_torchrun(target: list[str], nproc: int, timeout: float = 600, env: dict[
            "--standalone", *target]
     full_env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | (env or {})
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_worker(worker: str, tmp_path: Path, *args: object, nproc: int = 4) -> list[dict]:
+    """torchrun ``tests/workers/<worker>`` with an output folder; the rows its ranks wrote to rank*.json."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_torchrun([f"tests/workers/{worker}", str(out), *map(str, args)], nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows: list[dict] = []
+    for f in sorted(out.glob("rank*.json")):
+        data = json.loads(f.read_text())
+        rows += data if isinstance(data, list) else [data]
+    return rows
+
+
+def train_recipe(recipe: str, ckpt_dir: Path, *overrides: str) -> list[dict]:
+    """Run ``megarl/train.py`` on one rank with ``checkpoint.dir`` = ckpt_dir; the metrics rows it logged."""
+    import json
+
+    sets = [arg for override in (f"checkpoint.dir={ckpt_dir}", *overrides) for arg in ("--set", override)]
+    proc = run_torchrun(["megarl/train.py", "--config", recipe, *sets], nproc=1, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]

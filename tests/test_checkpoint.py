@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, make_hf_model, run_torchrun
+from helpers import REPO, make_hf_model, run_torchrun, run_worker
 
 KEYS = ["reward_mean", "actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "kl"]
 
@@ -53,9 +53,5 @@ def test_resume_equals_uninterrupted_run_and_crash_leftovers_are_ignored(tmp_pat
 @pytest.mark.slow
 def test_weights_load_into_another_layout(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = run_torchrun(["tests/workers/checkpoint_layout.py", str(out), str(model)], nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(f.read_text()) for f in out.glob("rank*.json")]
+    rows = run_worker("checkpoint_layout.py", tmp_path, model)
     assert rows and all(r["max_diff"] < 1e-5 and r["changed"] > 1e-3 for r in rows), rows

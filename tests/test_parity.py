@@ -1,10 +1,9 @@
 """megarl's Megatron models equal HF transformers across TP/PP/VPP layouts (float32, CPU, gloo)."""
 
-import json
 
 import pytest
 
-from helpers import make_hf_model, run_torchrun
+from helpers import make_hf_model, run_worker
 
 # float32 on CPU: the observed worst case is ~1e-6 (summation order differs across TP shards).
 MAX_ABS_DIFF = 1e-4
@@ -14,11 +13,7 @@ MAX_ABS_DIFF = 1e-4
 def test_logits_logprobs_values_match_transformers(tmp_path):
     llama = make_hf_model(tmp_path / "llama", "llama")
     qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2", max_shard_size="100KB")  # sharded, with an index
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = run_torchrun(["tests/workers/parity.py", str(out), str(llama), str(qwen2)], nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [row for f in sorted(out.glob("rank*.json")) for row in json.loads(f.read_text())]
+    results = run_worker("parity.py", tmp_path, llama, qwen2)
     seen = {(r["model"], r["tp"], r["pp"], r["vpp"]) for r in results}
     layouts = {(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)}
     assert seen == {(m, *layout) for m in ("llama", "qwen2") for layout in layouts}

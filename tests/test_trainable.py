@@ -1,20 +1,15 @@
 """A GRPO actor update gives the same loss, grad norm and new weights in every TP/PP/DP layout."""
 
-import json
 
 import pytest
 
-from helpers import make_hf_model, run_torchrun
+from helpers import make_hf_model, run_worker
 
 
 @pytest.mark.slow
 def test_actor_update_is_layout_invariant(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = run_torchrun(["tests/workers/trainable.py", str(out), str(model)], nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = {(r["tp"], r["pp"]): r for f in out.glob("rank*.json") for r in json.loads(f.read_text())}
+    rows = {(r["tp"], r["pp"]): r for r in run_worker("trainable.py", tmp_path, model)}
     assert set(rows) == {(1, 1), (2, 1), (1, 2), (2, 2)}
     ref = rows[1, 1]  # 4 data-parallel replicas
     assert 0 < ref["clip_fraction"] < 1 and ref["grad_norm"] > 0, ref
