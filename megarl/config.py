@@ -203,6 +203,9 @@ class RolloutConfig:
     """Bucket size of the trainer-to-engine weight transfer; the pool holds two."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed unchanged to sglang.Engine or vllm.LLM, e.g.
+    {attention_backend: triton}; they override megarl's own engine settings."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")

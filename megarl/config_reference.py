@@ -33,7 +33,7 @@ def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         return f"`{field.default!r}`" if field.default is not None else "`null`"
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return "(section)"
+        return "`{}`" if field.default_factory is dict else "(section)"
     return "**required**"
 
 

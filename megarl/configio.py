@@ -118,6 +118,11 @@ def _convert(value: object, tp: Any, path: str, nullable: bool = False) -> objec
             return None
         (inner,) = [a for a in get_args(tp) if a is not type(None)]
         return _convert(value, inner, path, nullable=True)
+    if origin is dict:
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise FieldError(path, f"= {show(value)} must be a mapping of names to values. Fix: write `"
+                               f"{path.rsplit('.', 1)[-1]}:` followed by indented `name: value` lines.")
     if origin is Literal:
         choices = [str(a) for a in get_args(tp)]
         if isinstance(value, str) and value in choices:

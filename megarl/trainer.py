@@ -9,7 +9,7 @@ generates for its share of the prompts and all ranks then see the whole batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, critic_loss
-from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.base import InEngineCopy, RolloutEngine, SamplingParams
 
 
 def make_engine(cfg: Config, seed: int) -> RolloutEngine:
@@ -36,11 +36,13 @@ def make_engine(cfg: Config, seed: int) -> RolloutEngine:
 
         return VLLMEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel,
                           gpu_memory_fraction=r.gpu_memory_fraction,
-                          max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed, dtype=cfg.model.dtype)
+                          max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed,
+                          **({"dtype": cfg.model.dtype} | r.engine_args))
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
-                        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed)
+                        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed,
+                        **({"dtype": cfg.model.dtype} | r.engine_args))
 
 
 class RLTrainer:
@@ -74,8 +76,13 @@ class RLTrainer:
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)
         device = self.actor.groups_device()
-        self.engine_tensors = engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], device)
-        self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors)
+        # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
+        self.engine_tensors = (None if self.engine.copies_in_engine
+                               else engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], device))
+        self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
+                                   in_engine=self.engine.copies_in_engine)
+        if self.engine.copies_in_engine:
+            cast(InEngineCopy, self.engine).attach(self.resharder.engine_copy())
         self.push_weights()
 
     def trained_models(self) -> dict[str, MegatronModel]:
@@ -88,7 +95,10 @@ class RLTrainer:
             self.engine.wake()
             self._engine_awake = True
         self.resharder.refit()
-        self.engine.update_weights(self.engine_tensors)
+        if self.engine_tensors is None:
+            cast(InEngineCopy, self.engine).apply()
+        else:
+            self.engine.update_weights(self.engine_tensors)
 
     def rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int
                 ) -> tuple[Batch, list[str]]:

@@ -219,6 +219,8 @@ def test_overrides(tmp_path: Path) -> None:
     assert cfg.checkpoint.dir is None and cfg.tracking.run_name == "my-run"
     assert cfg.rollout.num_samples_per_prompt == 8 and cfg.model.dtype == "float16"
     assert load_config(path, ["tracking.run_name=x", "tracking.run_name=null"]).tracking.run_name is None
+    engine = load_config(path, ["rollout.engine_args.attention_backend=triton"]).rollout
+    assert engine.engine_args == {"attention_backend": "triton"}
 
 
 def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
@@ -313,6 +315,7 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
             ["`critic.mini_batch_size`", "= 5"],
         ),
         (with_changes(actor={"max_tokens_per_gpu": 1000}), ["`actor.max_tokens_per_gpu`", "2048"]),
+        (with_changes(rollout={"engine_args": "triton"}), ["`rollout.engine_args`", "must be a mapping"]),
     ],
 )
 def test_bad_values(data: dict[str, Any], expected: list[str]) -> None:

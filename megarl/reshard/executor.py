@@ -8,6 +8,11 @@ part of those segment tables). A refit then only launches kernels and posts P2P 
 On GPU, three streams overlap the pipeline: pack(k+1) on the pack stream, transfer(k) on the
 communication stream, unpack(k-1) on the unpack stream, ordered by events; buffer k % 2 is
 reused only after bucket k-2 finished with it. On CPU (gloo) the same schedule runs in order.
+
+``in_engine=True`` splits the work with an engine process (megarl.reshard.handover): this side only
+packs and sends, and receives into a landing buffer that holds every remote byte of this rank;
+``engine_copy()`` describes the rest (local copies from the trainer tensors, unpacking from the
+landing buffer) as one segment table, which the engine rank runs into its own parameters.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from megarl.errors import UserError
 from megarl.kernels import Segment, extension, segment_table
+from megarl.reshard.handover import EngineCopy
 from megarl.reshard.planner import Plan, Transfer, row_bytes
 
 
@@ -34,6 +40,8 @@ class _Bucket:
     """(peer, offset, nbytes) regions of this bucket's send buffer."""
     recvs: list[tuple[int, int, int]]
     buffer: int
+    landing: int | None = None
+    """Offset of this bucket's receive regions in the landing buffer (``in_engine`` mode)."""
 
 
 def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], element_size: int,
@@ -60,26 +68,32 @@ class Resharder:
 
     ``src`` maps canonical Megatron names to this rank's trainer parameters; ``dst`` maps engine
     names to this rank's engine parameters (the engine's own tensors, written in place). Both
-    must stay allocated at the same address for the Resharder's life.
+    must stay allocated at the same address for the Resharder's life. With ``in_engine`` there is
+    no ``dst``: the engine rank writes its parameters itself from ``engine_copy()``.
     """
 
-    def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
-                 group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
-        self.plan, self.rank, self.group = plan, rank, group
-        self.device = device or next(iter(dst.values())).device
+    def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
+                 group: dist.ProcessGroup | None = None, device: torch.device | None = None, *,
+                 in_engine: bool = False) -> None:
+        assert (dst is None) == in_engine, "pass engine tensors (dst) exactly when the engine does not copy itself"
+        self.plan, self.rank, self.group, self.in_engine = plan, rank, group, in_engine
+        self.device = device or next(iter((dst or src).values())).device
         self._check(src, dst)
         ext = extension()
         self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
         self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank})
         self._src = [src[n] for n in self.src_names]
-        self._dst = [dst[n] for n in self.dst_names]
+        self._dst = [dst[n] for n in self.dst_names] if dst is not None else []
         src_index = {n: i for i, n in enumerate(self.src_names)}
         dst_index = {n: i for i, n in enumerate(self.dst_names)}
         es = plan.element_size
         dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
         needs_pool = any(not t.local and rank in (t.src_rank, t.dst_rank) for b in plan.buckets for t in b)
-        self.pool = ext.BufferPool(4, plan.bucket_bytes, str(self.device)) if needs_pool else None
+        # In-engine mode receives into the landing buffer, so only the two send buffers are needed.
+        self.pool = ext.BufferPool(2 if in_engine else 4, plan.bucket_bytes, str(self.device)) if needs_pool else None
         self.buckets: list[_Bucket] = []
+        engine_segments: list[Segment] = []
+        landed = 0
         for k, transfers in enumerate(plan.buckets):
             buf = k % 2
             local, packs, unpacks = [], [], []
@@ -110,12 +124,26 @@ class Resharder:
                     offset += t.nbytes
                 recv_regions.append((peer, start, offset - start))
             assert max(sum(r[2] for r in send_regions), sum(r[2] for r in recv_regions)) <= plan.bucket_bytes
+            if in_engine:
+                # Sources of the engine's copy: this rank's trainer tensors, then the landing buffer.
+                engine_segments += local
+                engine_segments += [s._replace(src_index=len(self._src), src_offset=s.src_offset + landed)
+                                    for s in unpacks]
+                self.buckets.append(_Bucket(
+                    local=None, unpack=None, sends=send_regions, recvs=recv_regions, buffer=buf, landing=landed,
+                    pack=ext.SegmentCopy(self._src, [self._send(buf)], segment_table(packs)) if packs else None))
+                landed += offset
+                continue
             self.buckets.append(_Bucket(
                 local=ext.SegmentCopy(self._src, self._dst, segment_table(local)) if local else None,
                 pack=ext.SegmentCopy(self._src, [self._send(buf)], segment_table(packs)) if packs else None,
-                unpack=ext.SegmentCopy([self._recv(buf)], self._dst, segment_table(unpacks)) if unpacks else None,
+                unpack=(ext.SegmentCopy([self._recv_buffer(buf)], self._dst, segment_table(unpacks)) if unpacks
+                        else None),
                 sends=send_regions, recvs=recv_regions, buffer=buf))
-        self._zero_padding(dst, dst_shapes)
+        self.landing = torch.empty(landed, dtype=torch.uint8, device=self.device) if landed else None
+        self._engine_segments = engine_segments
+        if dst is not None:
+            _zero_padding(dst, padding_rows(plan, rank))
         cuda = self.device.type == "cuda"
         self._streams = [torch.cuda.Stream(self.device) for _ in range(3)] if cuda else None
 
@@ -123,45 +151,36 @@ class Resharder:
         assert self.pool is not None
         return self.pool.buffer(buf)
 
-    def _recv(self, buf: int) -> torch.Tensor:
+    def _recv_buffer(self, buf: int) -> torch.Tensor:
         assert self.pool is not None
         return self.pool.buffer(2 + buf)
 
-    def _check(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> None:
+    def _recv(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.landing is not None:
+            assert self.landing is not None
+            return self.landing[bucket.landing:]
+        return self._recv_buffer(bucket.buffer)
+
+    def _check(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None) -> None:
         plan, rank = self.plan, self.rank
         expected_src = {t.src_name for b in plan.buckets for t in b if t.src_rank == rank}
-        expected_dst = plan.dst_shapes[plan.engine_rank(rank)]
-        for names, given, shapes, side in ((expected_src, src, plan.src_shapes, "trainer"),
-                                           (set(expected_dst), dst, expected_dst, "engine")):
-            for name in sorted(names):
-                if name not in given:
-                    raise UserError(f"{side} tensor `{name}` is missing on rank {rank}; the model does not match "
-                                    "the resharding plan (check the model config and parallel layout).")
-                tensor = given[name]
-                if tuple(tensor.shape) != tuple(shapes[name]) or tensor.element_size() != plan.element_size:
-                    raise UserError(f"{side} tensor `{name}` on rank {rank} has shape {list(tensor.shape)} and "
-                                    f"{tensor.element_size()}-byte elements; the plan expects "
-                                    f"{list(shapes[name])} and {plan.element_size}-byte elements. The model and "
-                                    "the trainer/engine layout disagree.")
-                if not tensor.is_contiguous():
-                    raise UserError(f"{side} tensor `{name}` on rank {rank} is not contiguous.")
+        check_tensors(src, {n: plan.src_shapes[n] for n in expected_src}, plan.element_size, f"trainer, rank {rank}")
+        if dst is not None:
+            check_tensors(dst, plan.dst_shapes[plan.engine_rank(rank)], plan.element_size, f"engine, rank {rank}")
 
-    def _zero_padding(self, dst: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
-        """Engine vocab rows past the real vocab are never sent: zero them once, here."""
-        covered: dict[str, int] = {}
-        for b in self.plan.buckets:
-            for t in b:
-                if t.dst_rank == self.rank and t.dim == 0:
-                    covered[t.dst_name] = max(covered.get(t.dst_name, 0), t.dst_offset + t.length)
-        with torch.no_grad():
-            for name in ("model.embed_tokens.weight", "lm_head.weight"):
-                if name in dst and covered.get(name, 0) < shapes[name][0]:
-                    dst[name][covered.get(name, 0):].zero_()
+    def engine_copy(self) -> EngineCopy:
+        """The engine rank's share of the refit on this GPU (``in_engine`` mode): from ``sources`` (this
+        rank's trainer tensors, then the landing buffer) into its parameters, after ``refit()``."""
+        assert self.in_engine
+        shapes = self.plan.dst_shapes[self.plan.engine_rank(self.rank)]
+        return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else []),
+                          dst_names=self.dst_names, dst_shapes=shapes, element_size=self.plan.element_size,
+                          table=segment_table(self._engine_segments), zero_rows=padding_rows(self.plan, self.rank))
 
     def _p2p(self, bucket: _Bucket) -> list[Any]:
         ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), peer, self.group)
                for peer, off, n in bucket.sends]
-        ops += [dist.P2POp(dist.irecv, self._recv(bucket.buffer).narrow(0, off, n), peer, self.group)
+        ops += [dist.P2POp(dist.irecv, self._recv(bucket).narrow(0, off, n), peer, self.group)
                 for peer, off, n in bucket.recvs]
         return dist.batch_isend_irecv(ops) if ops else []
 
@@ -248,6 +267,40 @@ class Resharder:
     @property
     def pool_bytes(self) -> int:
         return 0 if self.pool is None else int(self.pool.total_bytes)
+
+
+def padding_rows(plan: Plan, rank: int) -> dict[str, int]:
+    """Engine vocab tensors of ``rank`` whose rows from the given index on (the vocab padding) are never sent."""
+    covered: dict[str, int] = {}
+    for b in plan.buckets:
+        for t in b:
+            if t.dst_rank == rank and t.dim == 0:
+                covered[t.dst_name] = max(covered.get(t.dst_name, 0), t.dst_offset + t.length)
+    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    return {name: covered.get(name, 0) for name in ("model.embed_tokens.weight", "lm_head.weight")
+            if name in shapes and covered.get(name, 0) < shapes[name][0]}
+
+
+@torch.no_grad()
+def _zero_padding(dst: dict[str, torch.Tensor], rows: dict[str, int]) -> None:
+    for name, start in rows.items():
+        dst[name][start:].zero_()
+
+
+def check_tensors(given: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], element_size: int,
+                  side: str) -> None:
+    """Every planned tensor is present, contiguous, and has the planned shape and element size."""
+    for name in sorted(shapes):
+        if name not in given:
+            raise UserError(f"{side}: tensor `{name}` is missing; the model does not match the resharding plan "
+                            "(check the model config and parallel layout).")
+        tensor = given[name]
+        if tuple(tensor.shape) != tuple(shapes[name]) or tensor.element_size() != element_size:
+            raise UserError(f"{side}: tensor `{name}` has shape {list(tensor.shape)} and {tensor.element_size()}-"
+                            f"byte elements; the plan expects {list(shapes[name])} and {element_size}-byte "
+                            "elements. The model and the trainer/engine layout disagree.")
+        if not tensor.is_contiguous():
+            raise UserError(f"{side}: tensor `{name}` is not contiguous.")
 
 
 def engine_tensor_allocations(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
 
 from megarl.errors import UserError
+from megarl.reshard.handover import EngineCopy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,9 +77,20 @@ def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_
                             "tokens. Raise the limit or drop long prompts (data.max_prompt_tokens).")
 
 
+def importable_by_engine_processes() -> None:
+    """Engines import megarl's loader by name in processes they may start with ``spawn``; put megarl's
+    root on their PYTHONPATH in case megarl is importable here only through this process's sys.path."""
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+
+
 class RolloutEngine(Protocol):
     max_model_len: int
     """Most tokens (prompt + generated) one sequence may hold."""
+    copies_in_engine: bool
+    """True for engines that are ``InEngineCopy`` too (the resharder then leaves them the last copy)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]: ...
 
@@ -87,3 +101,11 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class InEngineCopy(Protocol):
+    """Engines that copy the trainer's tensors into their own parameters (megarl.reshard.handover)."""
+
+    def attach(self, copy: EngineCopy) -> None: ...
+
+    def apply(self) -> None: ...

@@ -1,9 +1,13 @@
 """SGLang rollout engine: one ``sglang.Engine`` per rollout group, colocated with the trainer.
 
-Weights arrive already in SGLang's per-rank layout (megarl.reshard writes them), so the update
-is ``update_weights_from_tensor(load_format="direct")`` with one ``LocalSerializedTensor`` per
-parameter: every engine rank opens the CUDA IPC handle of the tensor that lives on its own GPU
-and copies it into its parameter, with no slicing and no conversion. SGLang >= 0.5.22 requires
+Two ways to hand weights over, both already in SGLang's per-rank layout:
+- in-engine copy (``attach`` once, then ``apply`` per update; what the RL loop uses): megarl's
+  loader (megarl.rollout.sglang_loader, registered as a custom weight loader) runs inside every
+  engine rank, keeps the trainer tensors on its GPU open by CUDA IPC and replays one compiled copy
+  kernel from them into its parameters (megarl.reshard.handover);
+- ``update_weights(named_tensors)``: engine-layout tensors filled by the resharder, delivered by
+  ``update_weights_from_tensor(load_format="direct")``, one IPC handle per tensor per update.
+SGLang >= 0.5.22 requires
 ``begin_weight_update`` / ``end_weight_update`` around updates; 0.5.17 lacks them, so both are
 called only when present. Colocation: ``sleep`` releases weights and KV cache (torch memory
 saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them.
@@ -12,6 +16,7 @@ saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,13 +25,17 @@ import torch
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
-from megarl.rollout.base import Completion, SamplingParams, check_prompts
+from megarl.reshard.handover import EngineCopy, apply_message
+from megarl.rollout.base import Completion, SamplingParams, check_prompts, importable_by_engine_processes
+from megarl.rollout.sglang_loader import LOADER
 
 log = logging.getLogger(__name__)
 
 
 class SGLangEngine:
     """A real SGLang engine over ``tensor_parallel`` GPUs (this process drives it)."""
+
+    copies_in_engine = True
 
     def __init__(self, hf_dir: str, *, tensor_parallel: int = 1, gpu_memory_fraction: float = 0.7,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
@@ -44,13 +53,16 @@ class SGLangEngine:
         args = dict(model_path=hf_dir, tp_size=tensor_parallel, skip_tokenizer_init=True,
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
-                    load_format=load_format) | engine_args
+                    load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
+        importable_by_engine_processes()
         try:
             self.engine = sglang.Engine(**args)
         except Exception as err:  # the engine's own exception carries its log tail
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
                             f"{str(err)[-2000:]}") from None
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
+        self._attached: str | None = None
+        self._token: torch.Tensor | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, params, self.max_model_len, self.vocab_size)
@@ -83,9 +95,28 @@ class SGLangEngine:
 
         assert len(per_rank) == self.tensor_parallel
         payload = [(name, LocalSerializedTensor(values=[rank[name] for rank in per_rank])) for name in per_rank[0]]
+        self._update(payload, "direct", flush_cache=True)
+
+    def attach(self, copy: EngineCopy) -> None:
+        """Hand the engine (tensor_parallel 1) this GPU's trainer tensors and the copy into its parameters;
+        they must stay allocated at the same addresses until the next ``attach``."""
+        assert self.tensor_parallel == 1, "engines over several GPUs need one EngineCopy per rank"
+        key = uuid.uuid4().hex
+        self._update(copy.to_wire(key), LOADER, flush_cache=False)
+        self._attached = key
+        self._token = torch.zeros(1, device=copy.sources[0].device)
+
+    def apply(self) -> None:
+        """Copy the attached trainer tensors' current values into the engine's parameters."""
+        assert self._attached is not None and self._token is not None, "attach() first"
+        torch.cuda.synchronize()  # the engine reads what this process's streams wrote
+        self._update(apply_message(self._attached, self._token), LOADER, flush_cache=True)
+
+    def _update(self, payload: list, load_format: str, flush_cache: bool) -> None:
         if self._versioned_updates:
             self.engine.begin_weight_update(selector="all")
-        ok, message = self.engine.update_weights_from_tensor(payload, load_format="direct", flush_cache=True)
+        ok, message = self.engine.update_weights_from_tensor(payload, load_format=load_format,
+                                                             flush_cache=flush_cache)
         if self._versioned_updates:
             self.engine.end_weight_update()
         if not ok:

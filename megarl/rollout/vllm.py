@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
-from megarl.rollout.base import Completion, SamplingParams, check_prompts
+from megarl.rollout.base import Completion, SamplingParams, check_prompts, importable_by_engine_processes
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,10 @@ class _LogTail:
         return " | ".join(found[:3] if found else list(self.lines)[-8:])
 
 
-def _importable_by_workers() -> None:
-    """vLLM imports the worker extension by name in processes it may start with ``spawn``; put megarl's
-    root on their PYTHONPATH in case megarl is importable here only through this process's sys.path."""
-    root = str(Path(__file__).resolve().parents[2])
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
-
-
 class VLLMEngine:
     """A vLLM engine over ``tensor_parallel`` devices (GPUs, or this host's CPU)."""
+
+    copies_in_engine = False
 
     def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
@@ -164,7 +157,7 @@ class VLLMEngine:
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
         args |= engine_args
-        _importable_by_workers()
+        importable_by_engine_processes()
         tail = _LogTail()
         try:
             self.llm = vllm.LLM(**args)

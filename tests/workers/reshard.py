@@ -4,7 +4,8 @@ torchrun --nproc-per-node 4 tests/workers/reshard.py OUT_DIR MODEL_DIR...
 For every model, trainer layout (TP, PP, DP over 4 ranks) and rollout TP R in {1, 2, 4}, loads the
 HF weights into Megatron, refits into fresh engine tensors (filled with NaN so an unwritten byte
 shows), compares every engine tensor with an independent reference computed from the full HF
-tensors, doubles the trainer weights, refits again and checks the pool was reused.
+tensors, doubles the trainer weights, refits again and checks the pool was reused; then the
+same in in-engine mode (this side sends and lands remote bytes, an EngineApplier copies the rest).
 """
 
 import json
@@ -31,6 +32,7 @@ from megarl.parallel import (  # noqa: E402
     model_parallel_seed,
 )
 from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
+from megarl.reshard.handover import EngineApplier  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
 
 
@@ -112,7 +114,15 @@ def main() -> None:
                     doubled = all(torch.equal(dst[n], ref[n] * 2) for n in ref)
                     for t in src.values():
                         t.div_(2)
-                    results.append({"model": Path(model_dir).name, "tp": tp, "pp": pp, "dp": dims.dp, "R": R,
+                    # In-engine mode: this side sends and lands remote bytes, the "engine" copies the rest.
+                    engine_side = Resharder(plan, rank, src, None, in_engine=True)
+                    engine_side.refit()
+                    params = engine_tensor_allocations(plan, rank, torch.float32, torch.device("cpu"))
+                    for t in params.values():
+                        t.fill_(float("nan"))
+                    EngineApplier(engine_side.engine_copy(), params).run()
+                    in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
+                    results.append({"in_engine": in_engine, "model": Path(model_dir).name, "tp": tp, "pp": pp, "dp": dims.dp, "R": R,
                                     "rank": rank, "exact": exact, "second_refit": doubled,
                                     "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
                                     "pool_bytes": resharder.pool_bytes})

@@ -1,0 +1,122 @@
+"""The last step of a refit run by the engine itself: one kernel from trainer memory into its parameters.
+
+Engines with a sleep mode allocate their weights through CUDA virtual memory (SGLang's torch memory
+saver, vLLM's CuMemAllocator), which cannot be exported by CUDA IPC; the trainer's tensors come
+from torch's caching allocator, which can. So the engine rank opens the trainer tensors on its GPU
+once (``attach``) and compiles one ``SegmentCopy`` from them into its parameters; every weight update
+after that is one call that replays the kernel (``apply``): no per-tensor IPC, no staging copy, and
+the parameters stay at the addresses the engine's CUDA graphs captured (the memory saver maps them
+back at the same addresses after a sleep).
+
+Wire format: engines such as SGLang accept only ``(name, tensor)`` pairs from outside (their
+unpickler allows no other classes), so an ``EngineCopy`` travels as named tensors (``to_wire``):
+its metadata as a JSON byte tensor, its segment table, then its sources. This module runs inside the
+engine process: it imports torch and megarl.kernels only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from megarl.kernels import SegmentCopy, make_segment_copy
+
+PREFIX = "megarl.handover."
+
+
+@dataclass
+class EngineCopy:
+    """One engine rank's copy: segments (megarl.kernels.Segment rows) from ``sources`` (trainer
+    tensors on its GPU) into its parameters ``dst_names`` (destination index = position in that list)."""
+
+    sources: list[torch.Tensor]
+    dst_names: list[str]
+    dst_shapes: dict[str, tuple[int, ...]]
+    """Every engine parameter of this rank the refit writes, with its shape (checked when attached)."""
+    element_size: int
+    table: torch.Tensor
+    """int64 [num_segments, 8] CPU segment table."""
+    zero_rows: dict[str, int]
+    """Engine vocab tensors whose rows from this index on are padding: zeroed on every apply, since
+    an engine's memory after a sleep holds no defined values."""
+
+    def to_wire(self, key: str) -> list[tuple[str, torch.Tensor]]:
+        """Named tensors carrying this copy; ``key`` names the attachment for later ``apply`` calls."""
+        meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes,
+                "element_size": self.element_size, "zero_rows": self.zero_rows, "num_sources": len(self.sources)}
+        device = self.sources[0].device if self.sources else torch.device("cpu")
+        encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+        # Small tensors travel on the GPU too: CUDA tensors cross processes as IPC handles, CPU tensors
+        # would need file-descriptor passing.
+        return ([(PREFIX + "attach", encoded.to(device)), (PREFIX + "table", self.table.to(device))]
+                + [(PREFIX + "source", t) for t in self.sources])
+
+    @staticmethod
+    def from_wire(named: list[tuple[str, torch.Tensor]]) -> tuple[str, EngineCopy]:
+        names = [n for n, _ in named]
+        if names[:2] != [PREFIX + "attach", PREFIX + "table"]:
+            raise ValueError(f"not a megarl attach payload: {names[:2]}")
+        meta = json.loads(bytes(named[0][1].cpu().numpy()).decode())
+        sources = [t for _, t in named[2:2 + meta["num_sources"]]]
+        return meta["key"], EngineCopy(
+            sources=sources, dst_names=meta["dst_names"], element_size=meta["element_size"],
+            dst_shapes={n: tuple(s) for n, s in meta["dst_shapes"].items()},
+            table=named[1][1].cpu(), zero_rows=meta["zero_rows"])
+
+
+def apply_message(key: str, token: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors asking the engine to replay attachment ``key`` (``token``: any small tensor)."""
+    return [(PREFIX + "apply." + key, token)]
+
+
+class EngineApplier:
+    """Engine side of an ``EngineCopy``: validated and compiled once, replayed by ``run``."""
+
+    def __init__(self, copy: EngineCopy, params: dict[str, torch.Tensor]) -> None:
+        for name, shape in copy.dst_shapes.items():
+            if name not in params:
+                raise ValueError(f"the engine has no parameter `{name}`; the engine's model and the trainer's "
+                                 "resharding plan disagree")
+            p = params[name]
+            if tuple(p.shape) != tuple(shape) or p.element_size() != copy.element_size or not p.is_contiguous():
+                raise ValueError(f"engine parameter `{name}` is {list(p.shape)} with {p.element_size()}-byte "
+                                 f"elements (contiguous: {p.is_contiguous()}); the plan writes a contiguous "
+                                 f"{list(shape)} of {copy.element_size}-byte elements")
+        self.sources = copy.sources  # holds the IPC mappings open
+        self.zero = [(params[n], start) for n, start in copy.zero_rows.items()]
+        self.copy: SegmentCopy = make_segment_copy(copy.sources, [params[n].data for n in copy.dst_names],
+                                                   copy.table)
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Write the trainer's current weights into the parameters; returns once they are written."""
+        for param, start in self.zero:
+            param.data[start:].zero_()
+        self.copy.run()
+        if self.copy.total_bytes and self.sources and self.sources[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the trainer may change its tensors once we return
+
+
+class HandoverState:
+    """The attachments of one engine rank, keyed by the trainer's key."""
+
+    def __init__(self) -> None:
+        self.appliers: dict[str, EngineApplier] = {}
+
+    def handle(self, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Serve one message for ``model``: an attachment (replacing any under the same key) or an apply."""
+        first = named[0][0] if named else ""
+        if first == PREFIX + "attach":
+            key, copy = EngineCopy.from_wire(named)
+            self.appliers.pop(key, None)  # drop the old mappings before opening new ones
+            self.appliers[key] = EngineApplier(copy, dict(model.named_parameters()))
+        elif first.startswith(PREFIX + "apply."):
+            key = first[len(PREFIX + "apply."):]
+            if key not in self.appliers:
+                raise ValueError(f"no megarl attachment `{key}` in this engine (attached: {sorted(self.appliers)}); "
+                                 "attach before applying")
+            self.appliers[key].run()
+        else:
+            raise ValueError(f"not a megarl hand-over message: {first!r}")

@@ -1,0 +1,67 @@
+"""In-engine hand-over: the wire format, the engine-side copy and its errors (one process, CPU)."""
+
+import pytest
+import torch
+
+from megarl.models.presets import preset_or_hf_spec
+from megarl.parallel import ParallelDims
+from megarl.reshard.executor import Resharder, engine_tensor_allocations
+from megarl.reshard.handover import HandoverState, apply_message
+from megarl.reshard.planner import make_plan
+
+TINY = preset_or_hf_spec("tiny")  # vocab 1000: the engine's vocab rows past it are padding
+
+
+class FakeEngineModel:
+    """What the loader sees of an engine's model: named parameters."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+def _setup():
+    plan = make_plan(TINY, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=4)
+    src = {name: torch.randn(shape) for name, shape in plan.src_shapes.items()}
+    expected = engine_tensor_allocations(plan, 0, torch.float32, torch.device("cpu"))
+    Resharder(plan, 0, src, expected).refit()
+    params = engine_tensor_allocations(plan, 0, torch.float32, torch.device("cpu"))
+    return plan, src, expected, params
+
+
+def test_attach_then_apply_writes_engine_parameters_and_rewrites_after_a_sleep():
+    plan, src, expected, params = _setup()
+    model, state = FakeEngineModel(params), HandoverState()
+    resharder = Resharder(plan, 0, src, None, in_engine=True)
+    state.handle(model, resharder.engine_copy().to_wire("k"))
+    for p in params.values():
+        p.fill_(float("nan"))  # an engine's memory after a sleep holds no defined values
+    resharder.refit()
+    state.handle(model, apply_message("k", torch.zeros(1)))
+    for name, want in expected.items():
+        assert torch.equal(params[name], want), name
+    assert params["model.embed_tokens.weight"].shape[0] > TINY.vocab_size  # padding rows were checked too
+    for t in src.values():
+        t.mul_(3)
+    state.handle(model, apply_message("k", torch.zeros(1)))
+    for name, want in expected.items():
+        assert torch.equal(params[name], want * 3), name
+
+
+def test_engine_side_errors_name_the_problem():
+    plan, src, _, params = _setup()
+    copy = Resharder(plan, 0, src, None, in_engine=True).engine_copy()
+    state = HandoverState()
+    with pytest.raises(ValueError, match="no megarl attachment `k`"):
+        state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
+    missing = dict(params)
+    del missing["model.norm.weight"]
+    with pytest.raises(ValueError, match="no parameter `model.norm.weight`"):
+        state.handle(FakeEngineModel(missing), copy.to_wire("k"))
+    bad = dict(params, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"model.norm.weight` is \[3\]"):
+        state.handle(FakeEngineModel(bad), copy.to_wire("k"))
+    with pytest.raises(ValueError, match="not a megarl hand-over message"):
+        state.handle(FakeEngineModel(params), [("model.norm.weight", torch.zeros(1))])
