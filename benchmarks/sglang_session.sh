@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# SGLang on one H200 with SGLang installed (PYTHONPATH may point at a staged copy): the adapter checks
+# and hand-over timings (benchmarks/sglang_refit.py), then the RL loop end to end on SGLang (the tiny
+# GRPO recipe in bf16, in-engine hand-over every step). megatron-core and rich travel as wheels in .whl/.
+# Writes to $OUT: env.txt, log.txt, sglang_refit.json, train_tiny_sglang/metrics.jsonl.
+set -uo pipefail
+OUT=${OUT:?set OUT to the results folder}
+STEPS=${STEPS:-40}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V;
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; cat .git_rev 2>/dev/null; } \
+  > "$OUT/env.txt"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
+start=$SECONDS
+python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"
+
+echo "== SGLang adapter and hand-over timings"
+timeout 330 python3 benchmarks/sglang_refit.py --work /tmp/megarl-sgl --iters 20 --json "$OUT/sglang_refit.json"
+
+echo "== RL loop on SGLang: tiny GRPO recipe, $STEPS steps"
+timeout 200 torchrun --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml \
+  --set rollout.engine=sglang --set model.dtype=bfloat16 --set rollout.logprob_diff_max=1.0 \
+  --set trainer.num_steps="$STEPS" --set checkpoint.dir=/tmp/train_tiny_sglang --set tracking.backend=none \
+  --set rollout.engine_args.disable_cuda_graph=true --set rollout.engine_args.attention_backend=triton \
+  --set rollout.engine_args.sampling_backend=pytorch --set rollout.engine_args.grammar_backend=none
+mkdir -p "$OUT/train_tiny_sglang" && cp /tmp/train_tiny_sglang/metrics.jsonl "$OUT/train_tiny_sglang/" 2>/dev/null
+echo "[h200] done in $SECONDS s"
