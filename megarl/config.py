@@ -352,16 +352,19 @@ class CheckpointConfig:
 @dataclass(kw_only=True, slots=True)
 class TrackingConfig:
     backend: Literal["mlflow", "none"] = "mlflow"
-    """Experiment tracker; none = console only."""
-    uri: str = "sqlite:///mlruns.db"
-    """MLflow tracking URI (a local SQLite store by default)."""
+    """Experiment tracker; none = console and metrics.jsonl only."""
+    uri: str | None = None
+    """MLflow tracking URI, e.g. sqlite:////abs/path/mlflow.db or http://host:5000; null = a SQLite store
+    mlflow.db in checkpoint.dir (runs/latest without one), beside metrics.jsonl."""
     experiment: str = "megarl"
     """MLflow experiment name."""
     run_name: str | None = None
     """MLflow run name; null = generated."""
 
     def __post_init__(self) -> None:
-        _nonempty(self, "uri", "experiment")
+        _nonempty(self, "experiment")
+        if self.uri is not None:
+            _nonempty(self, "uri")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,4 +1,12 @@
-"""Run tracking: per-step metrics to the console (rich), to metrics.jsonl, and to mlflow when enabled."""
+"""Run tracking: per-step metrics to the console (rich), to metrics.jsonl, and to mlflow when enabled.
+
+Every step logs, under the same names in metrics.jsonl and mlflow: reward_mean, reward_std, response_length,
+entropy (mean -log p of the sampled response tokens: the policy's entropy in expectation when sampling at
+temperature 1, with no extra forward pass), logprob_diff_mean/max (rollout engine vs trainer), kl and kl_coef
+(with a reference model), actor/* and critic/* from the updates (loss, policy_loss, clip_fraction, value_loss,
+grad_norm, lr, ...), time/<phase> in seconds (generate, score: old logprobs, reference, critic: values and
+update, update: the actor's, reshard) and tokens_per_s (prompt + response tokens over the step's time).
+"""
 
 from __future__ import annotations
 
@@ -30,35 +38,30 @@ class Tracker:
         self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True, soft_wrap=True)  # one line per step in captured logs too
         if cfg.tracking.backend == "mlflow":
-            try:
-                import mlflow
-            except ImportError:
-                raise UserError("tracking.backend = mlflow but mlflow is not installed. Fix: `pip install "
-                                "mlflow`, or set tracking.backend: none (metrics still go to metrics.jsonl).") from None
-            mlflow.set_tracking_uri(cfg.tracking.uri)
-            mlflow.set_experiment(cfg.tracking.experiment)
-            mlflow.start_run(run_name=cfg.tracking.run_name)
-            mlflow.log_params({k: str(v) for k, v in cfg.to_flat_dict().items()})
-            self.mlflow = mlflow
+            self.mlflow = start_mlflow(cfg, out_dir)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the step; a phase entered twice in one step (the critic's) adds up."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.times[f"time/{name}"] = time.perf_counter() - start
+        key = f"time/{name}"
+        self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
     def log(self, step: int, batch: Any, metrics: dict[str, float]) -> None:
         tokens = sum(len(s) for s in batch.sequences)
-        elapsed = sum(self.times.values())
+        times, self.times = self.times, {}
+        response_tokens = batch.mask.sum().clamp(min=1)
         row = {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
-               "response_length": float(batch.mask.sum(dim=1).mean()), "tokens_per_s": tokens / max(elapsed, 1e-9),
-               **metrics, **self.times}
+               "response_length": float(batch.mask.sum(dim=1).mean()),
+               "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
+               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **metrics, **times}
         self.history.append(row)
         if self.rank != 0:
             return
@@ -66,16 +69,47 @@ class Tracker:
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.mlflow is not None:
-            self.mlflow.log_metrics({k.replace("/", "_"): v for k, v in row.items() if k != "step"}, step=step)
+            self.mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+        if (step + 1) % self.cfg.trainer.log_every and step + 1 != self.cfg.trainer.num_steps:
+            return
         self.console.print(
             f"[bold]step {step + 1}/{self.cfg.trainer.num_steps}[/] reward {row['reward_mean']:.3f} "
             f"len {row['response_length']:.1f} kl {row.get('kl', 0.0):.4f} "
             f"clip {row.get('actor/clip_fraction', 0.0):.3f} gnorm {row.get('actor/grad_norm', 0.0):.3f} "
             f"lp-diff {row['logprob_diff_max']:.2e} | " + " ".join(
-                f"{k[5:]} {v:.2f}s" for k, v in self.times.items()) + f" | {row['tokens_per_s']:.0f} tok/s")
+                f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | {row['tokens_per_s']:.0f} tok/s")
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.mlflow is not None:
             self.mlflow.end_run()
+
+
+def start_mlflow(cfg: Config, out_dir: Path) -> Any:
+    """Open the store, start a run and log the flattened config as params; the mlflow module."""
+    t = cfg.tracking
+    try:
+        import mlflow
+        from mlflow.exceptions import MlflowException
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+        from sqlalchemy.exc import SQLAlchemyError
+    except ImportError as err:
+        raise UserError(f"tracking.backend = mlflow but {err.name} is not installed. Fix: `pip install -r "
+                        "requirements.txt`, or set tracking.backend: none (metrics still go to metrics.jsonl)."
+                        ) from None
+    uri = t.uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
+    # mlflow caps param values; the full config is in the recipe, so a long value (a path) is cut, marked with ...
+    params = {k: str(v) if len(str(v)) <= MAX_PARAM_VAL_LENGTH else str(v)[: MAX_PARAM_VAL_LENGTH - 3] + "..."
+              for k, v in cfg.to_flat_dict().items()}
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(t.experiment)
+        mlflow.start_run(run_name=t.run_name)
+        mlflow.log_params(params)
+    except (MlflowException, SQLAlchemyError, OSError) as err:
+        detail = " ".join(str(err).split())[:300]
+        raise UserError(f"tracking.uri = {t.uri!r}: mlflow could not open the store {uri!r} ({type(err).__name__}: "
+                        f"{detail}). Fix: set tracking.uri to a writable sqlite:////abs/path/mlflow.db or a reachable "
+                        "http(s):// server, null for mlflow.db in checkpoint.dir, or tracking.backend: none.") from err
+    return mlflow

@@ -32,9 +32,11 @@ def main(argv: list[str] | None = None) -> None:
         prompts = next(loader)
         with tracker.phase("generate"):  # sample responses with the current policy and score them
             batch, _ = trainer.rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], decode, step)
-        with tracker.phase("score"):  # old logprobs (trainer), reference logprobs, critic values
+        with tracker.phase("score"):  # old logprobs: the trainer's view of the sampled tokens
             old = trainer.score(batch, trainer.actor)
+        with tracker.phase("reference"):
             ref = trainer.score(batch, trainer.reference)
+        with tracker.phase("critic"):  # values here, plus the critic's update below
             values = trainer.score(batch, trainer.critic)
         drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
         check_drift(drift, cfg.rollout.logprob_diff_max, step)
@@ -43,8 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         extras = {"old_logprobs": old, "advantages": advantages}
         if ref is not None:
             extras["ref_logprobs"] = ref
-        with tracker.phase("update"):  # clipped policy (and value) updates, epochs x mini-batches
+        with tracker.phase("update"):  # clipped policy updates, epochs x mini-batches
             metrics = trainer.update_actor(batch, extras)
+        with tracker.phase("critic"):
             if values is not None and returns is not None:
                 metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns})
         with tracker.phase("reshard"):  # new weights into the engine's layout, in place

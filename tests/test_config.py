@@ -186,7 +186,7 @@ def test_defaults() -> None:
     assert cfg.actor.optimizer.lr == 1e-6 and cfg.critic.optimizer.lr == 1e-5
     assert cfg.critic.hf_path is None and cfg.actor.mini_batch_size is None
     assert cfg.trainer.reward == "megarl.rewards.gsm8k:reward"
-    assert cfg.tracking.uri == "sqlite:///mlruns.db"
+    assert cfg.tracking.uri is None
 
 
 def test_python_construction_with_defaults_is_valid() -> None:
