@@ -4,13 +4,16 @@ Layout of a checkpoint directory:
   megarl_checkpoint.json     format, version, tp, pp, vocab_pad_multiple, padded_vocab_size
   config.json + tokenizer    the HF files of the source model, so export needs nothing else
   tp{T:02d}_pp{P:02d}.safetensors  that shard's parameters by canonical Megatron name (global layer index)
+Any TP/PP layout loads it (``reshard``): each parameter's TP shards are merged into its HF tensors
+and split again, and names are found in whichever PP file holds them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,7 +21,7 @@ from safetensors.torch import save_file
 
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader, atomic_dir, copy_model_files
-from megarl.models.mapping import hf_shapes, param_rules, pipeline_stage, to_hf, to_mcore_shard
+from megarl.models.mapping import VOCAB, ParamRule, hf_shapes, param_rules, pipeline_stage, to_hf, to_mcore_shard
 from megarl.models.spec import ModelSpec, load_spec
 
 META = "megarl_checkpoint.json"
@@ -84,31 +87,79 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, int]:
     return meta
 
 
-def open_mcore(ckpt_dir: str | Path) -> tuple[ModelSpec, Iterator[tuple[str, torch.Tensor]]]:
-    """The model spec of a megarl Megatron checkpoint and its HF tensors, merged from the TP shards
-    one parameter at a time. The checkpoint is validated before this returns."""
+def saved_shards(ckpt_dir: str | Path) -> Callable[[int, str], torch.Tensor]:
+    """get(tp_rank, canonical name): the tensor a checkpoint saved for that TP rank, read on demand.
+
+    Names are looked up in whichever PP file holds them rather than by layer index, since an
+    interleaved (virtual) pipeline stores non-adjacent layers in one file.
+    """
     ckpt = Path(ckpt_dir)
     meta = read_meta(ckpt)
-    spec = load_spec(ckpt)
-    tp, pp = meta["tp"], meta["pp"]
-    handles = {}
-    for t in range(tp):
-        for p in range(pp):
+    where: dict[tuple[int, str], Any] = {}
+    for t in range(meta["tp"]):
+        for p in range(meta["pp"]):
             path = ckpt / shard_file(t, p)
             try:
-                handles[t, p] = safe_open(str(path), framework="pt")
+                handle = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as err:
                 raise UserError(f"checkpoint shard `{path}` is missing or unreadable ({err}). "
                                 "The checkpoint is incomplete; re-create it.") from None
-    return spec, _merged(ckpt, spec, handles, tp, pp)
+            where |= {(t, name): handle for name in handle.keys()}
+
+    def get(tp_rank: int, name: str) -> torch.Tensor:
+        if (tp_rank, name) not in where:
+            raise UserError(f"checkpoint `{ckpt}` lacks `{name}` (TP rank {tp_rank}). The checkpoint does not "
+                            "match its config.json; re-create it.")
+        return where[tp_rank, name].get_tensor(name)
+
+    return get
 
 
-def _merged(ckpt: Path, spec: ModelSpec, handles: dict, tp: int, pp: int) -> Iterator[tuple[str, torch.Tensor]]:
-    for rule in param_rules(spec):
-        p = pipeline_stage(rule.mcore, spec, pp)
-        try:
-            shards = [handles[t, p].get_tensor(rule.mcore) for t in range(tp)]
-        except SafetensorError:
-            raise UserError(f"checkpoint shard `{ckpt / shard_file(0, p)}` lacks `{rule.mcore}`. "
-                            "The checkpoint does not match its config.json; re-create it.") from None
-        yield from to_hf(rule, spec, shards).items()
+def open_mcore(ckpt_dir: str | Path) -> tuple[ModelSpec, Iterator[tuple[str, torch.Tensor]]]:
+    """The model spec of a megarl Megatron checkpoint and its HF tensors, merged from the TP shards
+    one parameter at a time. The checkpoint is validated before this returns."""
+    tp = read_meta(ckpt_dir)["tp"]
+    spec, get = load_spec(ckpt_dir), saved_shards(ckpt_dir)
+
+    def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        for rule in param_rules(spec):
+            yield from to_hf(rule, spec, [get(t, rule.mcore) for t in range(tp)]).items()
+
+    return spec, merged()
+
+
+def reshard(spec: ModelSpec, get: Callable[[int, str], torch.Tensor], saved: dict[str, int], names: Iterable[str],
+            tp_rank: int, tp: int, padded_vocab: int, critic: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """This TP rank's shard of each canonical parameter in ``names``, from shards saved in another layout.
+
+    ``get`` serves the saved shards (see saved_shards) and ``saved`` is that layout's meta (tp,
+    padded_vocab_size). Each parameter's saved TP shards are merged into its HF tensors and split
+    again, one parameter at a time. The mapping only moves elements, so it serves any tensor shaped
+    like the parameters (Adam moments, fp32 master weights) as well as the weights.
+    """
+    tied = spec.tie_word_embeddings and not critic
+    if (saved["tp"], saved["padded_vocab_size"]) == (tp, padded_vocab):
+        for name in names:
+            # A run saved without PP has no separate copy of a tied output layer.
+            yield name, get(tp_rank, "embedding.word_embeddings.weight" if tied and name == "output_layer.weight"
+                            else name)
+        return
+    rules = {r.mcore: r for r in param_rules(spec, include_output=not critic)}
+    if tied:
+        # With PP > 1 the last stage keeps its own copy of the tied embedding as its output layer.
+        rules["output_layer.weight"] = ParamRule("output_layer.weight", ("model.embed_tokens.weight",), VOCAB)
+    producer = {hf: rule for rule in param_rules(spec, include_output=not critic) for hf in rule.hf}
+    merged: dict[str, torch.Tensor] = {}
+
+    def read(hf: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        if hf not in merged:  # q, k, v (gate, up) are read in turn from one merged parameter
+            rule = producer[hf]
+            merged.clear()
+            merged.update(to_hf(rule, spec, [get(t, rule.mcore) for t in range(saved["tp"])]))
+        return merged[hf] if dim is None else merged[hf].narrow(dim, start, stop - start)
+
+    for name in names:
+        if name in rules:
+            yield name, to_mcore_shard(rules[name], spec, read, tp_rank, tp, padded_vocab)
+        else:  # the critic's value head, replicated over TP
+            yield name, get(0, name)
