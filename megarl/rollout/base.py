@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -77,13 +78,29 @@ def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_
                             "tokens. Raise the limit or drop long prompts (data.max_prompt_tokens).")
 
 
-def importable_by_engine_processes() -> None:
-    """Engines import megarl's loader by name in processes they may start with ``spawn``; put megarl's
-    root on their PYTHONPATH in case megarl is importable here only through this process's sys.path."""
+@contextmanager
+def engine_process_env() -> Iterator[None]:
+    """The environment an engine starts its processes in.
+
+    - megarl's root goes on PYTHONPATH: engines import megarl's loader by name in processes they may
+      start with ``spawn``, and megarl may be importable here only through this process's sys.path.
+    - torchrun's TORCHELASTIC_USE_AGENT_STORE is hidden: inherited by the engine's processes, it turns
+      every ``tcp://`` rendezvous of their own torch.distributed world into a client of a store that
+      nobody serves, and the engine hangs while starting.
+    """
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCHELASTIC_USE_AGENT_STORE")}
     root = str(Path(__file__).resolve().parents[2])
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *(p for p in paths if p != root)])
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class RolloutEngine(Protocol):

@@ -26,7 +26,7 @@ from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import EngineCopy, apply_message
-from megarl.rollout.base import Completion, SamplingParams, check_prompts, importable_by_engine_processes
+from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
 from megarl.rollout.sglang_loader import LOADER
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,9 @@ class SGLangEngine:
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
                     load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
-        importable_by_engine_processes()
         try:
-            self.engine = sglang.Engine(**args)
+            with engine_process_env():
+                self.engine = sglang.Engine(**args)
         except Exception as err:  # the engine's own exception carries its log tail
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
                             f"{str(err)[-2000:]}") from None

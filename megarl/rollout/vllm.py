@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
-from megarl.rollout.base import Completion, SamplingParams, check_prompts, importable_by_engine_processes
+from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +157,10 @@ class VLLMEngine:
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
         args |= engine_args
-        importable_by_engine_processes()
         tail = _LogTail()
         try:
-            self.llm = vllm.LLM(**args)
+            with engine_process_env():
+                self.llm = vllm.LLM(**args)
         except Exception as err:  # config errors are raised here; worker failures only in their log
             tail.restore()
             tail.drain()

@@ -122,8 +122,8 @@ def main() -> None:
                         t.fill_(float("nan"))
                     EngineApplier(engine_side.engine_copy(), params).run()
                     in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
-                    results.append({"in_engine": in_engine, "model": Path(model_dir).name, "tp": tp, "pp": pp, "dp": dims.dp, "R": R,
-                                    "rank": rank, "exact": exact, "second_refit": doubled,
+                    results.append({"model": Path(model_dir).name, "tp": tp, "pp": pp, "dp": dims.dp, "R": R,
+                                    "in_engine": in_engine, "rank": rank, "exact": exact, "second_refit": doubled,
                                     "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
                                     "pool_bytes": resharder.pool_bytes})
                 destroy_model_parallel()

@@ -1,0 +1,37 @@
+"""Engines started under torchrun: their processes must be able to form their own torch.distributed world."""
+
+import os
+import socket
+import subprocess
+import sys
+
+from megarl.rollout.base import engine_process_env
+
+# What an engine's worker does at start: a one-rank world through a tcp:// rendezvous of its own.
+RENDEZVOUS = """
+import datetime, sys, torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=3))
+print("ok")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_child() -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RENDEZVOUS, str(_free_port())], env=dict(os.environ),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_engine_processes_rendezvous_under_torchrun(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets for its workers
+    assert _engine_child().returncode != 0  # the failure engine_process_env exists for
+    with engine_process_env():
+        child = _engine_child()
+        assert str(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) in os.environ["PYTHONPATH"]
+    assert child.returncode == 0 and "ok" in child.stdout, child.stderr
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # restored for this process
