@@ -12,19 +12,27 @@ exec > >(tee "$OUT/log.txt") 2>&1
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; cat .git_rev 2>/dev/null; } \
   > "$OUT/env.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
 start=$SECONDS
 python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"
 
-echo "== SGLang adapter and hand-over timings"
-timeout 330 python3 benchmarks/sglang_refit.py --work /tmp/megarl-sgl --iters 20 --json "$OUT/sglang_refit.json"
+if [ -z "${SKIP_REFIT:-}" ]; then
+  echo "== SGLang adapter and hand-over timings"
+  timeout 330 python3 benchmarks/sglang_refit.py --work /tmp/megarl-sgl --iters 20 --json "$OUT/sglang_refit.json"
+fi
 
 echo "== RL loop on SGLang: tiny GRPO recipe, $STEPS steps"
-timeout 200 torchrun --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml \
+timeout 300 torchrun --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml \
   --set rollout.engine=sglang --set model.dtype=bfloat16 --set rollout.logprob_diff_max=1.0 \
   --set trainer.num_steps="$STEPS" --set checkpoint.dir=/tmp/train_tiny_sglang --set tracking.backend=none \
   --set rollout.engine_args.disable_cuda_graph=true --set rollout.engine_args.attention_backend=triton \
-  --set rollout.engine_args.sampling_backend=pytorch --set rollout.engine_args.grammar_backend=none
+  --set rollout.engine_args.sampling_backend=pytorch --set rollout.engine_args.grammar_backend=none &
+train=$!
+# A stalled run shows where it waits (py-spy travels in .whl/ when wanted).
+( sleep "${STALL_S:-200}"; if kill -0 $train 2>/dev/null && command -v py-spy >/dev/null; then
+    for p in $(pgrep -f "megarl|sglang"); do echo "--- py-spy $p"; py-spy dump --pid "$p" 2>&1 | head -40; done; fi ) &
+wait $train
+echo "[h200] train exit code $?"
 mkdir -p "$OUT/train_tiny_sglang" && cp /tmp/train_tiny_sglang/metrics.jsonl "$OUT/train_tiny_sglang/" 2>/dev/null
 echo "[h200] done in $SECONDS s"
