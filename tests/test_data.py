@@ -1,17 +1,15 @@
-"""Prompt loading (vendored GSM8K, jsonl, parquet, bad files), tokenization, batching, packing, loader resume."""
+"""Prompt loading (vendored GSM8K, jsonl, parquet, bad files), tokenization, loader resume."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megarl.data.batching import pack_sequences, token_budget_batches, tokenize_prompts
+from megarl.data.batching import tokenize_prompts
 from megarl.data.loader import PromptLoader
 from megarl.data.prompts import PromptRecord, load_prompts
 from megarl.errors import UserError
@@ -115,43 +113,6 @@ def test_tokenize_with_chat_template_counts_template_tokens() -> None:
     assert dropped == 3
     assert kept[1].tokens == tok.convert_tokens_to_ids(["<user>", "one", "two", "<assistant>"])
     assert tokenize_prompts([], tok, True, 4) == ([], 0)
-
-
-def test_token_budget_batches_by_hand() -> None:
-    # Descending: 8 (i2), 7 (i4), 5 (i0), 3 (i1), 2 (i3), 1 (i5); budget 10, first fit:
-    # 8 -> new [2] (room 2); 7 -> new [4] (room 3); 5 -> new [0] (room 5); 3 -> [4, 1] (room 0);
-    # 2 -> [2, 3] (room 0); 1 -> [0, 5] (room 4).
-    assert token_budget_batches([5, 3, 8, 2, 7, 1], 10) == [[2, 3], [4, 1], [0, 5]]
-    assert token_budget_batches([], 10) == []
-
-
-def test_token_budget_batches_respect_budget_and_cover_each_index_once() -> None:
-    rng = random.Random(0)
-    for _ in range(50):
-        lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 60))]
-        batches = token_budget_batches(lengths, 128)
-        assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
-        assert all(sum(lengths[i] for i in batch) <= 128 for batch in batches)
-        # First fit never leaves two batches that could have been one.
-        loads = sorted(sum(lengths[i] for i in batch) for batch in batches)
-        assert len(loads) < 2 or loads[0] + loads[1] > 128
-        assert token_budget_batches(lengths, 128) == batches
-
-
-def test_token_budget_batches_too_long_sequence() -> None:
-    with pytest.raises(UserError, match="actor.max_tokens_per_gpu = 10, but a sequence has 11 tokens"):
-        token_budget_batches([3, 11], 10, field="actor.max_tokens_per_gpu")
-
-
-def test_pack_sequences() -> None:
-    packed = pack_sequences([[5, 6, 7], [8], [9, 10]])
-    assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 10]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
-    assert packed.cu_seqlens.tolist() == [0, 3, 4, 6] and packed.cu_seqlens.dtype == torch.int32
-    assert packed.tokens.dtype == packed.position_ids.dtype == torch.int64
-    assert packed.max_seqlen == 3
-    with pytest.raises(ValueError):
-        pack_sequences([[1], []])
 
 
 def test_loader_epochs_are_shuffled_permutations() -> None:

@@ -1,7 +1,8 @@
-"""From prompt records to model inputs: tokenization, token-budget micro-batches, sequence packing."""
+"""From prompt records to model inputs: tokenization, token-budget micro-batches with sequence packing."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -50,61 +51,129 @@ def tokenize_prompts(
     return kept, len(records) - len(kept)
 
 
-def token_budget_batches(lengths: Sequence[int], max_tokens: int, field: str = "max_tokens_per_gpu") -> list[list[int]]:
-    """Group sequence indices into micro-batches whose lengths sum to at most max_tokens.
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where one step's sequences go: micro-batch -> row -> sequence indices laid end to end."""
 
-    First-fit decreasing: longest first, each into the first micro-batch with room, which keeps the
-    number of micro-batches near the minimum and fills them evenly. Ties keep index order, so the
-    result depends only on the input. A sequence longer than max_tokens is a UserError naming `field`.
+    micro_batches: list[list[list[int]]]
+    widths: list[int]
+    """Row length of each micro-batch."""
+    num_rows: list[int]
+    """Rows of each micro-batch, at least its filled ones (under ``uniform`` empty rows even out the count)."""
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int, *, uniform: bool, pack: bool,
+                       field: str = "max_tokens_per_gpu") -> Layout:
+    """Token-budget micro-batches of rows x width <= max_tokens token slots, padding included.
+
+    Sequences are placed longest first. A micro-batch's rows are as long as its first (longest)
+    sequence and it has max_tokens // width of them; sequences that fit nowhere start the next one.
+    With ``pack`` several sequences share a row (best-fit decreasing) instead of padding one each.
+    Rows are as long as the longest sequence rather than max_tokens because attention over a row
+    costs width^2: wider rows would trade padding for masked-out attention. Pipeline stages exchange
+    fixed-shape activations, so with ``uniform`` all rows are as long as the step's longest sequence
+    and are dealt out evenly, every micro-batch getting the same row count (empty rows fill the last
+    one). Ties keep index order, so the result depends only on the input. A sequence longer than
+    max_tokens is a UserError naming ``field``.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    if order and lengths[order[0]] > max_tokens:
+    if not order:
+        return Layout([], [], [])
+    if lengths[order[0]] > max_tokens:
         longest = lengths[order[0]]
         raise UserError(
             f"{field} = {max_tokens}, but a sequence has {longest} tokens and cannot fit in one micro-batch. "
             f"Fix: raise {field} to at least {longest}."
         )
-    batches: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        slot = next((b for b, free in enumerate(room) if lengths[i] <= free), None)
-        if slot is None:
-            batches.append([])
-            room.append(max_tokens)
-            slot = len(batches) - 1
-        batches[slot].append(i)
-        room[slot] -= lengths[i]
-    return batches
+    if uniform:
+        width = lengths[order[0]]
+        rows, _ = _best_fit(order, lengths, width, len(order), pack)
+        count = -(-len(rows) // (max_tokens // width))
+        size = -(-len(rows) // count)
+        return Layout([rows[k: k + size] for k in range(0, len(rows), size)], [width] * count, [size] * count)
+    batches: list[list[list[int]]] = []
+    widths: list[int] = []
+    while order:
+        widths.append(lengths[order[0]])
+        rows, order = _best_fit(order, lengths, widths[-1], max_tokens // widths[-1], pack)
+        batches.append(rows)
+    return Layout(batches, widths, [len(rows) for rows in batches])
+
+
+def _best_fit(order: list[int], lengths: Sequence[int], width: int, max_rows: int, pack: bool
+              ) -> tuple[list[list[int]], list[int]]:
+    """Sequences ``order`` (longest first) into at most ``max_rows`` rows of ``width`` tokens, each into
+    the fullest row it fits in (with ``pack``) or a row of its own; returns (rows, sequences left over)."""
+    smallest = lengths[order[-1]]
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (room, row) of the rows that can still take the shortest sequence
+    rest: list[int] = []
+    for pos, i in enumerate(order):
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if pack and k < len(free):
+            room, slot = free.pop(k)
+        elif len(rows) < max_rows:
+            room, slot = width, len(rows)
+            rows.append([])
+        else:
+            rest.append(i)
+            continue
+        rows[slot].append(i)
+        room -= lengths[i]
+        if pack and room >= smallest:
+            bisect.insort(free, (room, slot))
+        if len(rows) == max_rows and not free:
+            return rows, rest + order[pos + 1:]  # full: nothing further can be placed
+    return rows, rest
 
 
 @dataclass(frozen=True, slots=True)
-class PackedBatch:
-    """Sequences laid end to end, as varlen attention (THD format) takes them."""
+class MicroBatch:
+    """Token rows, each holding one or more sequences end to end, right-padded with token 0."""
 
     tokens: torch.Tensor
-    """[1, total] int64."""
-    position_ids: torch.Tensor
-    """[1, total] int64, restarting at 0 for each sequence."""
-    cu_seqlens: torch.Tensor
-    """[n + 1] int32: sequence i is tokens[0, cu_seqlens[i]:cu_seqlens[i + 1]]."""
-    max_seqlen: int
+    """[r, s] int64."""
+    segments: torch.Tensor | None
+    """[r, s] int64: k + 1 on the tokens of the k-th sequence of a row, 0 on padding. None when no
+    row holds two sequences: plain causal attention is then already exact."""
+    spans: list[tuple[int, int, int, int]]
+    """(sequence index, row, start, length) of each sequence here."""
+
+    def place(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-sequence [len-1] tensors (``values[i]`` for sequence i) -> [r, s-1], 0 at every other position.
+
+        Position start+len-1, where a sequence's last token "predicts" the next sequence's first,
+        and padding get 0, so a weight of 0 keeps them out of every loss.
+        """
+        out = torch.zeros(self.tokens.shape[0], self.tokens.shape[1] - 1, dtype=values[self.spans[0][0]].dtype)
+        for i, row, start, n in self.spans:
+            out[row, start: start + n - 1] = values[i]
+        return out
+
+    def take(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
+        """[r, s-1, ...] per-position results -> {sequence index: its [len-1, ...] slice}."""
+        return {i: out[row, start: start + n - 1] for i, row, start, n in self.spans}
+
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return sum(n for _, _, _, n in self.spans)
 
 
-def pack_sequences(seqs: Sequence[Sequence[int]]) -> PackedBatch:
-    """Pack n non-empty token sequences into one row with per-sequence positions and boundaries."""
-    if not seqs or any(len(seq) == 0 for seq in seqs):
-        raise ValueError("pack_sequences: needs at least one sequence and no empty ones")
-    lengths = torch.tensor([len(seq) for seq in seqs])
-    cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = lengths.cumsum(0)
-    total = int(cu_seqlens[-1])
-    # Position of each token = its index minus the start of its sequence.
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-    positions = torch.arange(total) - starts
-    tokens = torch.tensor([token for seq in seqs for token in seq], dtype=torch.long)
-    return PackedBatch(
-        tokens=tokens.unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
-        cu_seqlens=cu_seqlens,
-        max_seqlen=int(lengths.max()),
-    )
+def build_micro_batches(sequences: Sequence[Sequence[int]], layout: Layout) -> list[MicroBatch]:
+    """The token rows of ``layout`` filled with ``sequences``."""
+    out = []
+    for rows, width, num_rows in zip(layout.micro_batches, layout.widths, layout.num_rows, strict=True):
+        tokens = torch.zeros(num_rows, width, dtype=torch.long)
+        segments = torch.zeros_like(tokens)
+        spans = []
+        for r, row in enumerate(rows):
+            start = 0
+            for k, i in enumerate(row):
+                n = len(sequences[i])
+                tokens[r, start: start + n] = torch.as_tensor(sequences[i], dtype=torch.long)
+                segments[r, start: start + n] = k + 1
+                spans.append((i, r, start, n))
+                start += n
+        packed = any(len(row) > 1 for row in rows)
+        out.append(MicroBatch(tokens, segments if packed else None, spans))
+    return out

@@ -7,21 +7,43 @@ from typing import Any
 
 import torch
 
+from megarl.data.batching import Layout, MicroBatch, build_micro_batches
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelGroups
 
 
-def pad_batch(sequences: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> torch.Tensor:
-    out = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        out[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-    return out
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[b, s] segment ids -> [b, 1, s, s] bool attention mask, True = masked out.
+
+    A token attends to itself and the earlier tokens of its own segment only, so sequences packed
+    into one row do not see each other. Megatron's local DotProductAttention applies this mask as
+    given (masked_fill with -10000, whose softmax weight underflows to exactly 0). Its memory,
+    b * s^2 bytes, is a quarter of one head's float32 attention scores, which that path materialises anyway.
+    """
+    s = segments.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    same = segments.unsqueeze(2) == segments.unsqueeze(1)
+    return ~(same & causal).unsqueeze(1)
 
 
-def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches: list[torch.Tensor],
+def model_inputs(batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(tokens, position ids, attention mask) of GPTModel.forward for one micro-batch.
+
+    GPTModel's RoPE rotates by row position 0..s-1 whatever the position ids say, so a sequence
+    packed at offset o is rotated by o more than alone. Attention scores under RoPE depend only on
+    the distance between two tokens, and the mask keeps attention within a sequence, so scores,
+    and everything after them, equal the unpacked ones up to float rounding.
+    """
+    tokens = batch.tokens.to(device)
+    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    mask = None if batch.segments is None else block_causal_mask(batch.segments.to(device))
+    return tokens, positions, mask
+
+
+def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches: list[MicroBatch],
                  collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
-    """Run [B, S] token micro-batches through the pipeline without grad.
+    """Run micro-batches of [B, S] token rows through the pipeline without grad.
 
     ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, or
     [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
@@ -31,18 +53,18 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     # Pipeline stages need one shape for all micro-batches; without pipelining shapes may vary.
-    micro_batch_size, length = max(b.shape[0] for b in batches), max(b.shape[1] for b in batches)
+    micro_batch_size = max(b.tokens.shape[0] for b in batches)
+    length = max(b.tokens.shape[1] for b in batches)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def forward_step(data: Iterator[torch.Tensor], model: torch.nn.Module) -> Any:
-        tokens = next(data).to(device)
-        positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module) -> Any:
+        tokens, positions, mask = model_inputs(next(data), device)
 
         def keep(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
             assert non_loss_data
             return collect(tokens, output)
 
-        return model(tokens, positions, None), keep
+        return model(tokens, positions, mask), keep
 
     multi = len(chunks) > 1
     with torch.no_grad():
@@ -59,15 +81,12 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     return list(outputs) if groups.is_last_stage else None
 
 
-def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int) -> list[torch.Tensor]:
-    """Right-padded [B, S] micro-batches of equal shape; a short last one is filled with copies."""
-    length = max(len(s) for s in sequences)
-    batches = [pad_batch(sequences[i: i + micro_batch_size], length)
-               for i in range(0, len(sequences), micro_batch_size)]
-    short = micro_batch_size - batches[-1].shape[0]
-    if short:
-        batches[-1] = torch.cat([batches[-1], batches[-1][:1].expand(short, -1)])
-    return batches
+def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int) -> list[MicroBatch]:
+    """Micro-batches of ``micro_batch_size`` rows, one sequence per row in input order, all padded to
+    the longest sequence; a short last one is filled with empty rows."""
+    width, n = max(len(s) for s in sequences), len(sequences)
+    rows = [[[i] for i in range(start, min(start + micro_batch_size, n))] for start in range(0, n, micro_batch_size)]
+    return build_micro_batches(sequences, Layout(rows, [width] * len(rows), [micro_batch_size] * len(rows)))
 
 
 def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: ParallelGroups,

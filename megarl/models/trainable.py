@@ -1,21 +1,21 @@
 """A Megatron model in an RL role: the actor and critic train, the reference only scores.
 
-Sequences are grouped into token-budget micro-batches (``plan_micro_batches``) and right-padded;
-per-token tensors are aligned with the *predicted* tokens (positions 1..L-1).
+Sequences are grouped into token-budget micro-batches (``plan_micro_batches``), several short ones
+packed into each row with a block-diagonal causal mask; per-token tensors are aligned with the
+*predicted* tokens (positions 1..L-1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megarl.config import OptimizerConfig
-from megarl.data.batching import token_budget_batches
-from megarl.models.forward import forward_only, pad_batch
+from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
+from megarl.models.forward import forward_only, model_inputs
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
@@ -23,35 +23,6 @@ from megarl.parallel import ParallelGroups
 
 # loss_fn(output [b, L, *], tokens [b, L], extras {name: [b, L-1]}) -> (weighted loss sum, metrics)
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-@dataclass
-class Layout:
-    """How one step's sequences are grouped into micro-batches and padded."""
-
-    batches: list[list[int]]
-    """Sequence indices per micro-batch."""
-    lengths: list[int]
-    """Padded length of each micro-batch."""
-    rows: list[int]
-    """Rows of each micro-batch (more than its sequences when filled with weight-0 copies)."""
-
-
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int, uniform: bool) -> Layout:
-    """Token-budget micro-batches of at most ``max_tokens`` padded tokens each.
-
-    Without pipelining every micro-batch is packed first-fit-decreasing by length and padded only
-    to its own longest sequence. Pipeline stages exchange fixed-shape activations, so with
-    ``uniform`` every micro-batch has the same rows and the step's longest length.
-    """
-    if not uniform:
-        batches = token_budget_batches(lengths, max_tokens, field="max_tokens_per_gpu")
-        return Layout(batches, [max(lengths[i] for i in b) for b in batches], [len(b) for b in batches])
-    length = max(lengths)
-    size = max(1, max_tokens // length)
-    order = list(range(len(lengths)))
-    batches = [order[i: i + size] for i in range(0, len(order), size)]
-    return Layout(batches, [length] * len(batches), [size] * len(batches))
 
 
 class MegatronModel:
@@ -86,15 +57,14 @@ class MegatronModel:
         """This rank's parameters by canonical Megatron name (what the resharder reads)."""
         return {name: p.data for name, p in canonical_params(self.chunks, self.spec, self.groups).items()}
 
-    def _padded(self, sequences: Sequence[Sequence[int]], layout: Layout) -> list[torch.Tensor]:
-        out = []
-        for idx, length, rows in zip(layout.batches, layout.lengths, layout.rows, strict=True):
-            chosen = [sequences[i] for i in idx] + [sequences[idx[0]]] * (rows - len(idx))
-            out.append(pad_batch(chosen, length))
-        return out
-
-    def _layout(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> Layout:
-        return plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1)
+    def _micro_batches(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> list[MicroBatch]:
+        # Transformer Engine's attention, built with the causal mask type, applies its own causal mask,
+        # not a dense one, so packed rows would attend across sequences; packing there needs THD
+        # PackedSeqParams (cu_seqlens), which no CPU test can run. Until then TE rows hold one
+        # sequence each, right-padded.
+        layout = plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1,
+                                    pack=not self.opts.transformer_engine)
+        return build_micro_batches(sequences, layout)
 
     def _vocab_start(self) -> int:
         padded = self.spec.padded_vocab_size(self.groups.dims.tp, self.opts.vocab_pad_multiple)
@@ -122,20 +92,19 @@ class MegatronModel:
 
         Values are those of the positions that predict tokens 1..len-1, aligned like logprobs.
         """
-        layout = self._layout(sequences, max_tokens)
+        batches = self._micro_batches(sequences, max_tokens)
 
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
                 return output[:, :-1, 0].float().cpu()
             return self.token_logprobs(output, tokens).cpu()
 
-        outputs = forward_only(self.chunks, self.groups, self._padded(sequences, layout), keep)
+        outputs = forward_only(self.chunks, self.groups, batches, keep)
         if outputs is None:
             return None
-        rows = {}
-        for idx, out in zip(layout.batches, outputs, strict=True):
-            for j, i in enumerate(idx):
-                rows[i] = out[j, : len(sequences[i]) - 1]
+        rows: dict[int, torch.Tensor] = {}
+        for batch, out in zip(batches, outputs, strict=True):
+            rows |= batch.take(out)
         return [rows[i] for i in range(len(sequences))]
 
     def train_step(self, sequences: Sequence[Sequence[int]], extras: dict[str, list[torch.Tensor]],
@@ -148,30 +117,21 @@ class MegatronModel:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        layout = self._layout(sequences, max_tokens)
-        batches = self._padded(sequences, layout)
-        extra_batches = []
-        for idx, length, num_rows in zip(layout.batches, layout.lengths, layout.rows, strict=True):
-            part = {}
-            for name, rows in extras.items():
-                t = torch.zeros(num_rows, length - 1)
-                for j, i in enumerate(idx):
-                    t[j, : rows[i].shape[0]] = rows[i]
-                part[name] = t  # padded rows and positions carry weight 0
-            extra_batches.append(part)
+        batches = self._micro_batches(sequences, max_tokens)
+        # Padding and the position where one packed sequence "predicts" the next get 0 extras: weight 0.
+        extra_batches = [{name: b.place(rows) for name, rows in extras.items()} for b in batches]
         device = self.groups_device()
         num_mb = len(batches)
         dp = self.groups.dims.dp
 
-        def data() -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        def data() -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor]]]:
             yield from zip(batches, extra_batches, strict=True)
 
         def forward_step(it: Iterator, model: torch.nn.Module) -> Any:
-            tokens, part = next(it)
-            tokens = tokens.to(device)
+            batch, part = next(it)
+            tokens, positions, mask = model_inputs(batch, device)
             part = {k: v.to(device) for k, v in part.items()}
-            positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-            output = model(tokens, positions, None)
+            output = model(tokens, positions, mask)
 
             def loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 value, metrics = loss_fn(out, tokens, part)
@@ -185,19 +145,28 @@ class MegatronModel:
             m.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
         multi = len(self.models) > 1
+        rows, width = max(b.tokens.shape[0] for b in batches), max(b.tokens.shape[1] for b in batches)
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
-            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=max(layout.lengths),
-            micro_batch_size=max(layout.rows), forward_only=False)
+            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=width,
+            micro_batch_size=rows, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = _sum_metrics(outputs, self.groups)
         metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"],
-                    "update_skipped": float(not ok)}
+                    "update_skipped": float(not ok), "padding_fraction": _padding_fraction(batches, self.groups)}
         return metrics
 
     def groups_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _padding_fraction(batches: list[MicroBatch], groups: ParallelGroups) -> float:
+    """Share of the token slots this step ran that held padding, over all data-parallel ranks."""
+    counts = torch.tensor([sum(b.num_tokens() for b in batches), sum(b.tokens.numel() for b in batches)],
+                          dtype=torch.float64)
+    dist.all_reduce(counts, group=groups.dp_group)
+    return float(1 - counts[0] / counts[1])
 
 
 def _sum_metrics(outputs: list[dict[str, torch.Tensor]], groups: ParallelGroups) -> dict[str, float]:

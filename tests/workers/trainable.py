@@ -1,13 +1,17 @@
-"""Multi-rank worker for test_trainable.py: one GRPO actor update in several TP/PP/DP layouts.
+"""Multi-rank worker for test_trainable.py: one GRPO actor update in several TP/PP/DP layouts,
+with sequences packed into shared rows and without (one padded row each).
 
 torchrun --nproc-per-node 4 tests/workers/trainable.py OUT_DIR MODEL_DIR
 The same batch, advantages and global token weights in every layout; each layout reports the
-summed loss, grad norm and the updated model's logprobs, which must match the single-replica run.
+logprobs before the update, the summed loss, grad norm, padding fraction and the updated model's
+logprobs, which must match the single-replica run and, packed, the unpacked one.
 """
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -19,6 +23,8 @@ import torch.distributed as dist  # noqa: E402
 
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
+from megarl.data.batching import plan_micro_batches  # noqa: E402
+from megarl.models import trainable  # noqa: E402
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.models.trainable import MegatronModel  # noqa: E402
@@ -34,14 +40,18 @@ from megarl.rl_step import Batch, actor_loss  # noqa: E402
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
+def unpacked(*args, **kwargs):
+    return plan_micro_batches(*args, **kwargs | {"pack": False})
+
+
 def main() -> None:
     out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
     init_distributed(platform)
     world = dist.get_world_size()
     spec = load_spec(model_dir)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 5, 4, 2, 6, 3, 4, 5)]
-    responses = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (4, 2, 6, 3, 1, 5, 2, 3)]
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 5, 4, 2, 6, 3, 4, 14)]
+    responses = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (4, 2, 6, 3, 1, 5, 2, 6)]
     rollout_lp = [[-1.0] * len(r) for r in responses]
     scores = torch.rand(len(prompts), generator=gen).tolist()
     batch = Batch.build(prompts, responses, rollout_lp, scores)
@@ -50,29 +60,32 @@ def main() -> None:
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     weights = token_weights(batch.mask, algo.loss_aggregation)
     results = []
-    for tp, pp in LAYOUTS:
+    for (tp, pp), pack in ((layout, pack) for layout in LAYOUTS for pack in (True, False)):
         dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
         groups = init_model_parallel(dims)
         model_parallel_seed(0)
-        actor = MegatronModel(spec, model_dir, groups, BuildOptions(),
-                              OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
-        old = batch.stack(actor.score(batch.sequences, 64) or [torch.zeros(len(s) - 1) for s in batch.sequences])
-        if pp > 1:
-            dist.broadcast(old, src=dist.get_global_rank(groups.pp_group, pp - 1), group=groups.pp_group)
-        # A shifted "old" policy makes the ratios differ from 1, so clipping is exercised.
-        extras = {"old_logprobs": old - 0.5 * advantages, "advantages": advantages, "weights": weights}
-        mine = list(range(groups.dp_rank, len(batch.sequences), dims.dp))
-        rows = {k: [batch.rows(v)[i] for i in mine] for k, v in extras.items()}
+        with contextlib.nullcontext() if pack else mock.patch.object(trainable, "plan_micro_batches", unpacked):
+            actor = MegatronModel(spec, model_dir, groups, BuildOptions(),
+                                  OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
+            before = actor.score(batch.sequences, 64)
+            old = batch.stack(before or [torch.zeros(len(s) - 1) for s in batch.sequences])
+            if pp > 1:
+                dist.broadcast(old, src=dist.get_global_rank(groups.pp_group, pp - 1), group=groups.pp_group)
+            # A shifted "old" policy makes the ratios differ from 1, so clipping is exercised.
+            extras = {"old_logprobs": old - 0.5 * advantages, "advantages": advantages, "weights": weights}
+            mine = list(range(groups.dp_rank, len(batch.sequences), dims.dp))
+            rows = {k: [batch.rows(v)[i] for i in mine] for k, v in extras.items()}
 
-        def loss(logits, tokens, ex, a=actor):
-            return actor_loss(a.token_logprobs(logits, tokens), ex, algo, 0.0)
+            def loss(logits, tokens, ex, a=actor):
+                return actor_loss(a.token_logprobs(logits, tokens), ex, algo, 0.0)
 
-        metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, max_tokens=24)
-        after = actor.score(batch.sequences, 64)
+            metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, max_tokens=40)
+            after = actor.score(batch.sequences, 64)
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
-            results.append({"tp": tp, "pp": pp, "dp": dims.dp, "loss": metrics["loss"],
+            results.append({"tp": tp, "pp": pp, "dp": dims.dp, "pack": pack, "loss": metrics["loss"],
                             "grad_norm": metrics["grad_norm"], "clip_fraction": metrics["clip_fraction"],
-                            "logprobs_after": torch.cat(after).tolist()})
+                            "padding_fraction": metrics["padding_fraction"],
+                            "logprobs_before": torch.cat(before).tolist(), "logprobs_after": torch.cat(after).tolist()})
         destroy_model_parallel()
     if results:
         (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
