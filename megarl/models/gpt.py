@@ -143,6 +143,12 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
         if opts.critic and last:
             model.output_layer = ValueHead(config, groups.tp_group)
+        # torch's RMSNorm (local spec) makes fp32 weights whatever params_dtype says. Megatron's own 16-bit
+        # training casts the whole model (Float16Module), and engines hold every weight in the training
+        # dtype, which lets the resharder move bytes without converting them.
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != opts.dtype:
+                param.data = param.data.to(opts.dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -76,6 +76,49 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
     return out
 
 
+def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype: torch.dtype) -> list[dict]:
+    """Every rollout TP of one trainer layout; ``dtype`` is the training dtype (the engine's too)."""
+    spec, rank = load_spec(model_dir), dist.get_rank()
+    groups = init_model_parallel(dims)
+    model_parallel_seed(1)
+    opts = BuildOptions(dtype=dtype)
+    chunks = build_model(spec, groups, opts)
+    load_hf_weights(chunks, spec, model_dir, groups, opts)
+    src = {n: p.data for n, p in canonical_params(chunks, spec, groups).items()}
+    results = []
+    for R in (1, 2, 4):
+        plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=dtype.itemsize, bucket_bytes=48 * 1024)
+        dst = engine_tensor_allocations(plan, rank, dtype, torch.device("cpu"))
+        for t in dst.values():
+            t.fill_(float("nan"))
+        resharder = Resharder(plan, rank, src, dst)
+        resharder.refit()
+        ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, R, rank % R).items()}
+        exact = sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref)
+        pool = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
+        for t in src.values():
+            t.mul_(2)
+        resharder.refit()
+        pool_again = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
+        doubled = all(torch.equal(dst[n], ref[n] * 2) for n in ref)
+        for t in src.values():
+            t.div_(2)
+        # In-engine mode: this side sends and lands remote bytes, the "engine" copies the rest.
+        engine_side = Resharder(plan, rank, src, None, in_engine=True)
+        engine_side.refit()
+        params = engine_tensor_allocations(plan, rank, dtype, torch.device("cpu"))
+        for t in params.values():
+            t.fill_(float("nan"))
+        EngineApplier(engine_side.engine_copy(), params).run()
+        in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
+        results.append({"model": Path(model_dir).name, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "R": R,
+                        "dtype": str(dtype), "in_engine": in_engine, "rank": rank, "exact": exact,
+                        "second_refit": doubled, "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
+                        "pool_bytes": resharder.pool_bytes})
+    destroy_model_parallel()
+    return results
+
+
 def main() -> None:
     out_dir, model_dirs = Path(sys.argv[1]), sys.argv[2:]
     init_distributed(platform)
@@ -91,42 +134,10 @@ def main() -> None:
             for pp in (1, 2):
                 if spec.num_kv_heads % tp or world % (tp * pp):
                     continue
-                dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
-                groups = init_model_parallel(dims)
-                model_parallel_seed(1)
-                chunks = build_model(spec, groups, BuildOptions())
-                load_hf_weights(chunks, spec, model_dir, groups, BuildOptions())
-                src = {n: p.data for n, p in canonical_params(chunks, spec, groups).items()}
-                for R in (1, 2, 4):
-                    plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=4, bucket_bytes=48 * 1024)
-                    dst = engine_tensor_allocations(plan, rank, torch.float32, torch.device("cpu"))
-                    for t in dst.values():
-                        t.fill_(float("nan"))
-                    resharder = Resharder(plan, rank, src, dst)
-                    resharder.refit()
-                    ref = reference_engine(hf, cfg, R, rank % R)
-                    exact = sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref)
-                    pool = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
-                    for t in src.values():
-                        t.mul_(2)
-                    resharder.refit()
-                    pool_again = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
-                    doubled = all(torch.equal(dst[n], ref[n] * 2) for n in ref)
-                    for t in src.values():
-                        t.div_(2)
-                    # In-engine mode: this side sends and lands remote bytes, the "engine" copies the rest.
-                    engine_side = Resharder(plan, rank, src, None, in_engine=True)
-                    engine_side.refit()
-                    params = engine_tensor_allocations(plan, rank, torch.float32, torch.device("cpu"))
-                    for t in params.values():
-                        t.fill_(float("nan"))
-                    EngineApplier(engine_side.engine_copy(), params).run()
-                    in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
-                    results.append({"model": Path(model_dir).name, "tp": tp, "pp": pp, "dp": dims.dp, "R": R,
-                                    "in_engine": in_engine, "rank": rank, "exact": exact, "second_refit": doubled,
-                                    "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
-                                    "pool_bytes": resharder.pool_bytes})
-                destroy_model_parallel()
+                results += check_layout(model_dir, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)),
+                                        torch.float32)
+        # 16-bit training: every trainer tensor (norm weights included) is in the training dtype.
+        results += check_layout(model_dir, hf, cfg, ParallelDims(tp=2, pp=2, dp=world // 4), torch.bfloat16)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
