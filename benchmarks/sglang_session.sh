@@ -2,7 +2,7 @@
 # SGLang on one H200 with SGLang installed (PYTHONPATH may point at a staged copy): the adapter checks
 # and hand-over timings (benchmarks/sglang_refit.py), then the RL loop end to end on SGLang (the tiny
 # GRPO recipe in bf16, in-engine hand-over every step). megatron-core and rich travel as wheels in .whl/.
-# Writes to $OUT: env.txt, log.txt, sglang_refit.json, train_tiny_sglang/metrics.jsonl.
+# Writes to $OUT: env.txt, log.txt, sglang_refit.json, train_tiny_sglang/metrics.jsonl (parity_bf16.json with PARITY=1).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 STEPS=${STEPS:-40}
@@ -35,4 +35,16 @@ train=$!
 wait $train
 echo "[h200] train exit code $?"
 mkdir -p "$OUT/train_tiny_sglang" && cp /tmp/train_tiny_sglang/metrics.jsonl "$OUT/train_tiny_sglang/" 2>/dev/null
+if [ -n "${PARITY:-}" ]; then
+  echo "== bf16 parity vs transformers (TP1 PP1)"
+  mkdir -p /tmp/parity/out
+  timeout 60 python3 -c "
+import sys, torch; sys.path.insert(0, 'tests')
+from pathlib import Path
+from helpers import make_hf_model
+make_hf_model(Path('/tmp/parity/llama'), 'llama', dtype=torch.bfloat16)
+make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)"
+  PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
+    /tmp/parity/llama /tmp/parity/qwen2 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
+fi
 echo "[h200] done in $SECONDS s"
