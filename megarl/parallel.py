@@ -81,6 +81,11 @@ class ParallelGroups:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.dims.pp - 1
 
+    @property
+    def device(self) -> torch.device:
+        """Where tensors for these groups' collectives must live (NCCL takes CUDA tensors only)."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
 
 def init_distributed(platform: Platform, timeout_minutes: int = 30) -> None:
     """Join the torchrun job (env:// rendezvous) once per process; a hung collective times out."""

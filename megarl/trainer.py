@@ -75,7 +75,7 @@ class RLTrainer:
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)
-        device = self.actor.groups_device()
+        device = groups.device
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
         self.engine_tensors = (None if self.engine.copies_in_engine
                                else engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], device))
@@ -175,5 +175,7 @@ class RLTrainer:
         g = self.groups
         out = batch.stack(rows) if rows is not None else torch.zeros_like(batch.mask)
         if g.dims.pp > 1:
-            dist.broadcast(out, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
+            shared = out.to(g.device)  # NCCL broadcasts CUDA tensors only
+            dist.broadcast(shared, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
+            out = shared.cpu()
         return out

@@ -120,7 +120,7 @@ class MegatronModel:
         batches = self._micro_batches(sequences, max_tokens)
         # Padding and the position where one packed sequence "predicts" the next get 0 extras: weight 0.
         extra_batches = [{name: b.place(rows) for name, rows in extras.items()} for b in batches]
-        device = self.groups_device()
+        device = self.groups.device
         num_mb = len(batches)
         dp = self.groups.dims.dp
 
@@ -157,14 +157,11 @@ class MegatronModel:
                     "update_skipped": float(not ok), "padding_fraction": _padding_fraction(batches, self.groups)}
         return metrics
 
-    def groups_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
 
 def _padding_fraction(batches: list[MicroBatch], groups: ParallelGroups) -> float:
     """Share of the token slots this step ran that held padding, over all data-parallel ranks."""
     counts = torch.tensor([sum(b.num_tokens() for b in batches), sum(b.tokens.numel() for b in batches)],
-                          dtype=torch.float64)
+                          dtype=torch.float64, device=groups.device)
     dist.all_reduce(counts, group=groups.dp_group)
     return float(1 - counts[0] / counts[1])
 
@@ -176,9 +173,9 @@ def _sum_metrics(outputs: list[dict[str, torch.Tensor]], groups: ParallelGroups)
     dist.broadcast_object_list(names, src=dist.get_global_rank(groups.pp_group, groups.dims.pp - 1),
                                group=groups.pp_group)
     keys = names[0]
-    values = torch.zeros(len(keys), dtype=torch.float64)
+    values = torch.zeros(len(keys), dtype=torch.float64, device=groups.device)
     for out in outputs:
-        values += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64)
+        values += torch.tensor([float(out[k]) for k in keys], dtype=torch.float64, device=groups.device)
     dist.all_reduce(values, group=groups.pp_group)
     dist.all_reduce(values, group=groups.dp_group)
     return dict(zip(keys, values.tolist(), strict=True))
