@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict()}
             checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last)
     tracker.close()
+    trainer.close()
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ class RLTrainer:
             cast(InEngineCopy, self.engine).attach(self.resharder.engine_copy())
         self.push_weights()
 
+    def close(self) -> None:
+        """Stop the engine before this process ends: its processes still map the actor's memory."""
+        self.engine.shutdown()
+
     def trained_models(self) -> dict[str, MegatronModel]:
         """The models whose weights and optimizer state a checkpoint holds."""
         return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
