@@ -98,7 +98,7 @@ def tiny_checks(work: Path, result: dict) -> None:
     plan = make_plan(spec, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=2)
     shards_b = megatron_shards(b, plan)
     in_engine = Resharder(plan, 0, shards_b, None, in_engine=True)
-    engine.attach(in_engine.engine_copy())
+    attach(engine, in_engine)
     in_engine.refit()
     engine.apply()
     got_b = [c.token_ids for c in engine.generate(prompts, greedy)]
@@ -118,6 +118,13 @@ def tiny_checks(work: Path, result: dict) -> None:
     engine.shutdown()
     del engine, in_engine, dst, shards_b
     torch.cuda.empty_cache()
+
+
+def attach(engine, resharder) -> None:
+    from megarl.rollout.sglang import serialize_wire
+
+    copy = resharder.engine_copy()
+    engine.attach([serialize_wire(copy, "bench", len(copy.sources))], "bench")
 
 
 def divergence_margins(model_dir: Path, prompts: list[list[int]], got: list[list[int]], ref: list[list[int]]
@@ -163,7 +170,7 @@ def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
     direct = Resharder(plan, 0, src, dst)
     in_engine = Resharder(plan, 0, src, None, in_engine=True)
     t0 = time.perf_counter()
-    engine.attach(in_engine.engine_copy())
+    attach(engine, in_engine)
     result["8b_attach_ms"] = (time.perf_counter() - t0) * 1e3
 
     def ours() -> None:

@@ -1,15 +1,15 @@
 """One RL step: rollout -> reward -> reference/critic -> advantages -> updates -> reshard into the engine.
 
-World layout: the trainer mesh (TP x PP x DP) and, colocated on the same GPUs, engines of
-``rollout.tensor_parallel`` GPUs each. This version drives engines whose rank group is this
-process alone (rollout TP 1, one engine per rank; every CPU test and single-GPU run); each rank
-generates for its share of the prompts and all ranks then see the whole batch.
+World layout: the trainer mesh (TP x PP x DP) and, colocated on the same GPUs, world / R engines
+of R = ``rollout.tensor_parallel`` GPUs each (megarl.rollout.group): each engine's first rank drives
+it and generates for the engine's share of the prompts, every rank hands its own engine rank's
+weights over, and all ranks then see the whole batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,6 @@ import torch.distributed as dist
 from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
 from megarl.config import Config, UpdateConfig
-from megarl.errors import UserError
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
@@ -26,31 +25,31 @@ from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, critic_loss
-from megarl.rollout.base import InEngineCopy, RolloutEngine, SamplingParams
+from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.group import GroupEngine, engine_group
 
 
-def make_engine(cfg: Config, seed: int) -> RolloutEngine:
-    r = cfg.rollout
-    if r.engine == "vllm":
+def engine_class(cfg: Config) -> Any:
+    if cfg.rollout.engine == "vllm":
         from megarl.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel,
-                          gpu_memory_fraction=r.gpu_memory_fraction,
-                          max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed,
-                          **({"dtype": cfg.model.dtype} | r.engine_args))
+        return VLLMEngine
     from megarl.rollout.sglang import SGLangEngine
 
-    return SGLangEngine(cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
-                        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed,
-                        **({"dtype": cfg.model.dtype} | r.engine_args))
+    return SGLangEngine
+
+
+def make_engine(cfg: Config, seed: int, devices: list[int] | None) -> RolloutEngine:
+    r = cfg.rollout
+    engine: RolloutEngine = engine_class(cfg)(
+        cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
+        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed, devices=devices,
+        **({"dtype": cfg.model.dtype} | r.engine_args))
+    return engine
 
 
 class RLTrainer:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_token_ids: tuple[int, ...] = ()) -> None:
-        if cfg.rollout.tensor_parallel != 1:
-            raise UserError(f"rollout.tensor_parallel = {cfg.rollout.tensor_parallel}: this trainer drives "
-                            "one-GPU engines (rollout.tensor_parallel = 1) so far; multi-GPU engine groups "
-                            "are not wired into the RL loop yet.")
         self.cfg, self.groups, self.stop_ids = cfg, groups, stop_token_ids
         self._engine_awake = True  # engines start awake
         self.spec = load_spec(cfg.model.hf_path)
@@ -69,20 +68,22 @@ class RLTrainer:
                                         cfg.critic.optimizer, steps)
         self.kl = make_kl_controller(algo)
         self.reward_fn = load_reward(cfg.trainer.reward)
-        self.engine = make_engine(cfg, cfg.rollout.seed + groups.rank)
+        group = engine_group(groups.rank, groups.dims.world_size, cfg.rollout.tensor_parallel)
+        in_engine = engine_class(cfg).copies_in_engine
+        self.engine = GroupEngine(group, make_engine(cfg, cfg.rollout.seed + group.index, group.devices())
+                                  if group.driver else None, in_engine)
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node or groups.dims.world_size,
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)
-        device = groups.device
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
-        self.engine_tensors = (None if self.engine.copies_in_engine
-                               else engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], device))
+        self.engine_tensors = (None if in_engine else
+                               engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], groups.device))
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
-                                   in_engine=self.engine.copies_in_engine)
-        if self.engine.copies_in_engine:
-            cast(InEngineCopy, self.engine).attach(self.resharder.engine_copy())
+                                   in_engine=in_engine)
+        if in_engine:
+            self.engine.attach(self.resharder.engine_copy())
         self.push_weights()
 
     def close(self) -> None:
@@ -99,22 +100,19 @@ class RLTrainer:
             self.engine.wake()
             self._engine_awake = True
         self.resharder.refit()
-        if self.engine_tensors is None:
-            cast(InEngineCopy, self.engine).apply()
-        else:
-            self.engine.update_weights(self.engine_tensors)
+        self.engine.deliver(self.engine_tensors)
 
     def rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int
                 ) -> tuple[Batch, list[str]]:
-        """Generate this rank's share of the prompts, put the engine to sleep, score the responses;
-        every rank returns the whole batch (samples of one prompt contiguous)."""
-        r, g = self.cfg.rollout, self.groups
+        """Generate this engine's share of the prompts (on its driver), put the engine to sleep, score the
+        responses; every rank returns the whole batch (samples of one prompt contiguous)."""
+        r, g, eg = self.cfg.rollout, self.groups, self.engine.group
         assert self._engine_awake, "push_weights() wakes the engine before every rollout"
-        mine = list(range(g.rank, len(prompts), g.dims.world_size))
+        mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
         params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, seed=r.seed + step * 100003 + g.rank,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + step * 100003 + eg.index,
                                 stop_token_ids=self.stop_ids)
-        done = self.engine.generate([prompts[i] for i in mine], params) if mine else []
+        done = self.engine.generate([prompts[i] for i in mine], params)
         self.engine.sleep()  # colocation: the trainer gets the memory back until the next push_weights
         self._engine_awake = False
         local = [(mine[c.prompt_index], c.token_ids, c.logprobs) for c in done]

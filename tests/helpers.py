@@ -64,11 +64,11 @@ def run_worker(worker: str, tmp_path: Path, *args: object, nproc: int = 4) -> li
     return rows
 
 
-def train_recipe(recipe: str, ckpt_dir: Path, *overrides: str) -> list[dict]:
-    """Run ``megarl/train.py`` on one rank with ``checkpoint.dir`` = ckpt_dir; the metrics rows it logged."""
+def train_recipe(recipe: str, ckpt_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]:
+    """Run ``megarl/train.py`` on ``nproc`` ranks with ``checkpoint.dir`` = ckpt_dir; the metrics rows it logged."""
     import json
 
     sets = [arg for override in (f"checkpoint.dir={ckpt_dir}", *overrides) for arg in ("--set", override)]
-    proc = run_torchrun(["megarl/train.py", "--config", recipe, *sets], nproc=1, timeout=900)
+    proc = run_torchrun(["megarl/train.py", "--config", recipe, *sets], nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.vllm import VLLMEngine, _LogTail
+from megarl.rollout.vllm import VLLMEngine, _LogTail, engine_rank_layout
 from megarl.rollout.vllm_worker import load_engine_tensors
 
 # vLLM's CPU attention needs head_dim 64 (16 is rejected). ~2.4M parameters (9.5 MB in float32), so that a
@@ -96,9 +96,9 @@ class _Model(torch.nn.Module):
         self.processed += 1
 
 
-def _engine_layout(hf: dict, spec) -> dict:
+def _engine_layout(hf: dict, spec, tp: int = 1, rank: int = 0) -> dict:
     out = {}
-    for t in engine_tensors(spec, 1, 0):
+    for t in engine_tensors(spec, tp, rank):
         out[t.name] = torch.zeros(t.shape)
         for p in t.pieces:
             out[t.name].narrow(p.dim, p.offset, p.length).copy_(hf[p.hf].narrow(p.dim, p.start, p.length))
@@ -107,30 +107,44 @@ def _engine_layout(hf: dict, spec) -> dict:
 
 def test_worker_loader_paths(tmp_path):
     """The loader inside vLLM's workers, on stand-in models: in place when parameters have the engine shapes
-    (GPU), else HF tensors through the reload (CPU: q/k/v and gate/up split, vocab padding dropped)."""
+    (GPU), else HF tensors through the reload (CPU: q/k/v and gate/up split, vocab padding dropped; with
+    tensor parallelism each rank's slices in place and the rest zero)."""
     from safetensors.torch import load_file
 
     path = make_hf_model(tmp_path / "m", "qwen2", **SHAPE)
     spec, hf = load_spec(path), load_file(path / "model.safetensors")
     tensors = _engine_layout(hf, spec)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    dims = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "vocab_size": spec.vocab_size}
+    layout = engine_rank_layout(spec, 1, 0)
 
     def never(weights):
         raise AssertionError("reload called")
 
     gpu = _Model({n: torch.nn.Parameter(torch.empty(s)) for n, s in shapes.items()})
-    assert load_engine_tensors(gpu, shapes, tensors.__getitem__, dims, 1, never) == "in_place"
+    assert load_engine_tensors(gpu, shapes, tensors.__getitem__, layout, never) == "in_place"
     assert all(torch.equal(p, tensors[n]) for n, p in gpu.named_parameters()) and gpu.processed == 0
 
     # vLLM's CPU backend repacks linear weights and leaves the parameters empty.
     cpu = _Model({n: torch.nn.Parameter(torch.empty(0 if n.endswith("proj.weight") else s)) for n, s in shapes.items()})
     loaded: dict = {}
-    assert load_engine_tensors(cpu, shapes, tensors.__getitem__, dims, 1, loaded.update) == "load"
+    assert load_engine_tensors(cpu, shapes, tensors.__getitem__, layout, loaded.update) == "load"
     assert loaded.keys() == hf.keys() and all(torch.equal(loaded[n], hf[n]) for n in hf)
     assert cpu.processed == 1  # the tied head's packed copy of the embedding is rebuilt
-    with pytest.raises(ValueError, match="tensor_parallel 1"):
-        load_engine_tensors(cpu, shapes, tensors.__getitem__, dims, 2, never)
+
+    # Engine rank 1 of 4 (kv heads replicated): its slices where vLLM's loader will read them, zeros elsewhere.
+    rank1 = _engine_layout(hf, spec, 4, 1)
+    loaded = {}
+    load_engine_tensors(cpu, {n: tuple(t.shape) for n, t in rank1.items()}, rank1.__getitem__,
+                        engine_rank_layout(spec, 4, 1), loaded.update)
+    assert loaded.keys() == hf.keys()
+    covered = {n: torch.zeros_like(t, dtype=torch.bool) for n, t in hf.items()}
+    for t in engine_tensors(spec, 4, 1):
+        for p in t.pieces:
+            want = hf[p.hf].narrow(p.dim, p.start, p.length)
+            assert torch.equal(loaded[p.hf].narrow(p.dim, p.start, p.length), want), p
+            covered[p.hf].narrow(p.dim, p.start, p.length).fill_(True)
+    assert all(not loaded[n][~covered[n]].any() for n in hf)
+    assert any(not c.all() for c in covered.values())  # the other ranks' slices exist and stayed zero
 
 
 # ---- slow: one real engine for the module ----

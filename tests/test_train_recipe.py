@@ -31,3 +31,17 @@ def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
     # Measured over 200 steps: 0.02 (steps 0-9), 0.75 (40-49), 0.99 (190-199).
     assert last > first + 0.3, (first, last)
     assert all(r["critic/grad_norm"] > 0 for r in rows) and "kl" in rows[-1]
+
+
+@pytest.mark.slow
+def test_engine_over_two_ranks_takes_weights_from_a_pipeline(tmp_path):
+    """rollout.tensor_parallel = 2: one vLLM engine over both ranks, driven by rank 0. The trainer is PP2, so
+    each engine rank's layers come from both trainer ranks (across processes) every step."""
+    steps = 4
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}",
+                        "parallel.pipeline_parallel=2", "rollout.tensor_parallel=2", "data.num_prompts_per_step=8",
+                        nproc=2)
+    assert [r["step"] for r in rows] == list(range(steps))
+    # Both engine ranks hold the trainer's current weights: a missing or stale slice would show here.
+    assert max(r["logprob_diff_max"] for r in rows) < 0.05
+    assert rows[-1]["actor/grad_norm"] > 0

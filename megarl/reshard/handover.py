@@ -42,16 +42,19 @@ class EngineCopy:
     """Engine vocab tensors whose rows from this index on are padding: zeroed on every apply, since
     an engine's memory after a sleep holds no defined values."""
 
-    def to_wire(self, key: str) -> list[tuple[str, torch.Tensor]]:
-        """Named tensors carrying this copy; ``key`` names the attachment for later ``apply`` calls."""
+    def to_wire(self, key: str, num_sources: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Named tensors carrying this copy; ``key`` names the attachment for later ``apply`` calls.
+        ``num_sources`` pads the sources with placeholders (an engine over several GPUs takes the same
+        names from every rank)."""
         meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes,
                 "element_size": self.element_size, "zero_rows": self.zero_rows, "num_sources": len(self.sources)}
         device = self.sources[0].device if self.sources else torch.device("cpu")
         encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         # Small tensors travel on the GPU too: CUDA tensors cross processes as IPC handles, CPU tensors
         # would need file-descriptor passing.
+        padding = [torch.zeros(1, dtype=torch.uint8, device=device)] * ((num_sources or 0) - len(self.sources))
         return ([(PREFIX + "attach", encoded.to(device)), (PREFIX + "table", self.table.to(device))]
-                + [(PREFIX + "source", t) for t in self.sources])
+                + [(PREFIX + "source", t) for t in self.sources + padding])
 
     @staticmethod
     def from_wire(named: list[tuple[str, torch.Tensor]]) -> tuple[str, EngineCopy]:

@@ -12,7 +12,6 @@ from typing import Literal, Protocol
 import torch
 
 from megarl.errors import UserError
-from megarl.reshard.handover import EngineCopy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,8 +78,9 @@ def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_
 
 
 @contextmanager
-def engine_process_env() -> Iterator[None]:
-    """The environment an engine starts its processes in.
+def engine_process_env(**env: str) -> Iterator[None]:
+    """The environment an engine starts its processes in; ``env`` adds variables (such as the group's
+    CUDA_VISIBLE_DEVICES). Everything is restored afterwards.
 
     - megarl's root goes on PYTHONPATH: engines import megarl's loader by name in processes they may
       start with ``spawn``, and megarl may be importable here only through this process's sys.path.
@@ -88,11 +88,12 @@ def engine_process_env() -> Iterator[None]:
       every ``tcp://`` rendezvous of their own torch.distributed world into a client of a store that
       nobody serves, and the engine hangs while starting.
     """
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCHELASTIC_USE_AGENT_STORE")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCHELASTIC_USE_AGENT_STORE", *env)}
     root = str(Path(__file__).resolve().parents[2])
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *(p for p in paths if p != root)])
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.update(env)
     try:
         yield
     finally:
@@ -123,6 +124,6 @@ class RolloutEngine(Protocol):
 class InEngineCopy(Protocol):
     """Engines that copy the trainer's tensors into their own parameters (megarl.reshard.handover)."""
 
-    def attach(self, copy: EngineCopy) -> None: ...
+    def attach(self, per_rank: list[list[tuple[str, bytes]]], key: str) -> None: ...
 
     def apply(self) -> None: ...

@@ -16,7 +16,6 @@ saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import EngineCopy, apply_message
 from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
+from megarl.rollout.group import visible_devices_env
 from megarl.rollout.sglang_loader import LOADER
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ class SGLangEngine:
 
     def __init__(self, hf_dir: str, *, tensor_parallel: int = 1, gpu_memory_fraction: float = 0.7,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
-                 load_format: str = "auto", **engine_args: Any) -> None:
+                 load_format: str = "auto", devices: list[int] | None = None, **engine_args: Any) -> None:
+        """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
+        visible ones); ``engine_args`` go to ``sglang.Engine`` unchanged."""
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
         check_rollout_tp(spec, tensor_parallel)
         try:
@@ -55,7 +57,8 @@ class SGLangEngine:
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
                     load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
         try:
-            with engine_process_env():
+            env = visible_devices_env(devices)
+            with engine_process_env(**env):
                 self.engine = sglang.Engine(**args)
         except Exception as err:  # the engine's own exception carries its log tail
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
@@ -97,14 +100,17 @@ class SGLangEngine:
         payload = [(name, LocalSerializedTensor(values=[rank[name] for rank in per_rank])) for name in per_rank[0]]
         self._update(payload, "direct", flush_cache=True)
 
-    def attach(self, copy: EngineCopy) -> None:
-        """Hand the engine (tensor_parallel 1) this GPU's trainer tensors and the copy into its parameters;
-        they must stay allocated at the same addresses until the next ``attach``."""
-        assert self.tensor_parallel == 1, "engines over several GPUs need one EngineCopy per rank"
-        key = uuid.uuid4().hex
-        self._update(copy.to_wire(key), LOADER, flush_cache=False)
+    def attach(self, per_rank: list[list[tuple[str, bytes]]], key: str) -> None:
+        """Hand every engine rank its trainer tensors and copy (``serialize_wire`` on each rank's process);
+        they must stay allocated at the same addresses until the next ``attach`` under ``key``."""
+        assert len(per_rank) == self.tensor_parallel
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+        payload = [(name, LocalSerializedTensor(values=[rank[i][1] for rank in per_rank]))
+                   for i, (name, _) in enumerate(per_rank[0])]
+        self._update(payload, LOADER, flush_cache=False)
         self._attached = key
-        self._token = torch.zeros(1, device=copy.sources[0].device)
+        self._token = torch.zeros(1, device="cuda")
 
     def apply(self) -> None:
         """Copy the attached trainer tensors' current values into the engine's parameters."""
@@ -132,8 +138,19 @@ class SGLangEngine:
         self.engine.shutdown()
 
 
+def serialize_wire(copy: EngineCopy, key: str, num_sources: int) -> list[tuple[str, bytes]]:
+    """This rank's part of an ``attach``: CUDA IPC handles of its trainer tensors, no data copied."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # devices travel as UUIDs: engine processes see other device indices
+    return [(name, MultiprocessingSerializer.serialize(t)) for name, t in copy.to_wire(key, num_sources)]
+
+
 def serialize_for_engine(named_tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
     """CUDA IPC handles of this GPU's engine-layout tensors (no data is copied)."""
     from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+    monkey_patch_torch_reductions()
     return {name: MultiprocessingSerializer.serialize(t.detach()) for name, t in named_tensors.items()}

@@ -37,9 +37,11 @@ import torch
 from safetensors.torch import save_file
 
 from megarl.errors import UserError
-from megarl.models.spec import load_spec
+from megarl.models.mapping import hf_shapes
+from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
 from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
+from megarl.rollout.group import visible_devices_env
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,22 @@ class _LogTail:
         return " | ".join(found[:3] if found else list(self.lines)[-8:])
 
 
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
+"""Where weight files go: RAM-backed, so an update writes no disk."""
+
+
+def write_engine_file(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """One engine rank's engine-layout tensors as a safetensors file, for ``VLLMEngine.load_files``."""
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, path)
+
+
+def engine_rank_layout(spec: ModelSpec, tensor_parallel: int, rank: int) -> dict[str, Any]:
+    """Where engine rank ``rank``'s tensors sit in the HF tensors (the loader's ``Layout``)."""
+    pieces = {t.name: [[p.hf, p.dim, p.start, p.stop, p.offset] for p in t.pieces]
+              for t in engine_tensors(spec, tensor_parallel, rank)}
+    return {"hf_shapes": {k: list(v) for k, v in hf_shapes(spec).items()}, "pieces": pieces}
+
+
 class VLLMEngine:
     """A vLLM engine over ``tensor_parallel`` devices (GPUs, or this host's CPU)."""
 
@@ -115,12 +133,13 @@ class VLLMEngine:
 
     def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
-                 dtype: str = "auto", **engine_args: Any) -> None:
+                 dtype: str = "auto", devices: list[int] | None = None, **engine_args: Any) -> None:
         """``gpu_memory_fraction``: see DEFAULT_MEMORY_FRACTION (None: 0.2 on CPU, 0.5 on GPU).
         ``max_model_len``: prompt + completion tokens per sequence (None: the model's max_position_embeddings).
         ``dtype``: "auto" is vLLM's choice: the checkpoint's, except that float32 checkpoints run in bfloat16
-        (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``engine_args`` go to
-        ``vllm.LLM`` unchanged."""
+        (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``devices``: the GPUs
+        (this node's indices) the engine's workers run on (None: the first ``tensor_parallel`` visible ones).
+        ``engine_args`` go to ``vllm.LLM`` unchanged."""
         # Everything the engine would reject, rejected here, before a process starts.
         self.spec = spec = load_spec(hf_dir)
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -151,15 +170,19 @@ class VLLMEngine:
             model=str(hf_dir), tensor_parallel_size=tensor_parallel, dtype=dtype,
             gpu_memory_utilization=fraction, max_model_len=max_model_len, seed=seed,
             enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION)
+        env = visible_devices_env(devices)
         if current_platform.is_cpu():
             # Eager (no torch.compile): a tiny model starts in about 20 s instead of 45 s on 2 cores, and CPU
             # engines serve tests and small runs. Weight updates work in both modes (checked: same tokens).
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
+            if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                # vLLM binds each CPU worker to a NUMA node of its own and refuses when there are fewer.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         args |= engine_args
         tail = _LogTail()
         try:
-            with engine_process_env():
+            with engine_process_env(**env):
                 self.llm = vllm.LLM(**args)
         except Exception as err:  # config errors are raised here; worker failures only in their log
             tail.restore()
@@ -169,8 +192,7 @@ class VLLMEngine:
                             f"{tail.summary()[-1500:]}") from None
         tail.restore()
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
-        self._dims = {"num_heads": spec.num_attention_heads, "num_kv_heads": spec.num_kv_heads,
-                      "head_dim": spec.head_dim, "vocab_size": spec.vocab_size}
+        self._hf_layouts = [engine_rank_layout(spec, tensor_parallel, r) for r in range(tensor_parallel)]
         self._layouts = [{t.name: t.shape for t in engine_tensors(spec, tensor_parallel, r)}
                          for r in range(tensor_parallel)]
 
@@ -231,12 +253,18 @@ class VLLMEngine:
                             f"tensor_parallel={self.tensor_parallel}.")
         for rank, tensors in enumerate(per_rank):
             self._check_layout(rank, tensors)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # RAM-backed: no disk write
-        with tempfile.TemporaryDirectory(dir=shm, prefix="megarl-vllm-") as tmp:
+        with tempfile.TemporaryDirectory(dir=SHM, prefix="megarl-vllm-") as tmp:
             paths = [os.path.join(tmp, f"rank{r}.safetensors") for r in range(len(per_rank))]
             for path, tensors in zip(paths, per_rank, strict=True):
-                save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, path)
-            self.llm.collective_rpc("megarl_load_weights", args=(paths, self._dims, self.tensor_parallel))
+                write_engine_file(tensors, path)
+            self.load_files(paths)
+
+    def load_files(self, paths: Sequence[str]) -> None:
+        """Load one safetensors file of engine-layout tensors per engine rank (``write_engine_file``; the
+        files may come from other processes), then drop the prefix cache computed with the old weights."""
+        self._check_awake("update_weights")
+        assert len(paths) == self.tensor_parallel
+        self.llm.collective_rpc("megarl_load_weights", args=(list(paths), self._hf_layouts))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 

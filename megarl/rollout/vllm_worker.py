@@ -13,10 +13,11 @@ Two ways in, chosen by parameter shapes (``load_engine_tensors``):
 - in place: every parameter has its engine-layout shape (GPU engines): ``param.copy_`` per tensor,
   no conversion, no reallocation (CUDA graphs keep pointing at the same memory);
 - load path: vLLM's CPU backend repacks linear weights after loading (oneDNN handles; the
-  parameters become empty, shape [0]), so a copy would not reach the kernels. The tensors are
-  renamed and split back into HF tensors (qkv_proj -> q/k/v, gate_up_proj -> gate/up, vocab padding
-  dropped) and go through vLLM's in-place reload (``Worker.reload_weights``), which runs the
-  model's ``load_weights`` layer by layer and repacks each layer. Needs full tensors (tensor_parallel 1).
+  parameters become empty, shape [0]), so a copy would not reach the kernels. Each engine tensor's
+  pieces go back to their places in full-size HF tensors (qkv_proj -> q/k/v, gate_up_proj -> gate/up,
+  vocab padding dropped; with tensor parallelism the other ranks' slices stay zero, since vLLM's loaders
+  read only their own) and through vLLM's in-place reload (``Worker.reload_weights``), which runs the
+  model's ``load_weights`` layer by layer and repacks each layer.
 """
 
 from __future__ import annotations
@@ -30,34 +31,32 @@ import torch
 from safetensors import safe_open
 
 Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+Layout = dict[str, Any]
+"""{"hf_shapes": {hf name: shape}, "pieces": {engine name: [[hf name, dim, start, stop, offset], ...]}}"""
 
 
-def _to_hf(names: list[str], get: Callable[[str], torch.Tensor], dims: dict[str, int]
+def _to_hf(names: list[str], get: Callable[[str], torch.Tensor], layout: Layout
            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors from engine-layout tensors of a tensor-parallel-1 engine, in the given order.
-    Forward order or sorted names (as safetensors lists them) keep each layer's tensors together, so vLLM's
-    layer-wise reload holds one layer at a time."""
-    q, kv = dims["num_heads"] * dims["head_dim"], dims["num_kv_heads"] * dims["head_dim"]
+    """Full-size HF tensors holding this engine rank's pieces, in the order of ``names``.
+
+    With tensor parallelism the rest of each HF tensor stays zero: vLLM's loaders read only this rank's
+    slice of it, which is exactly where the pieces go. Forward order or sorted names (as safetensors lists
+    them) keep each layer's tensors together, so vLLM's layer-wise reload holds one layer at a time."""
     for name in names:
         tensor = get(name)
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            yield name, tensor[:dims["vocab_size"]]  # the engine layout pads the vocab to a multiple of 64
-        elif ".qkv_proj." in name:
-            for part, piece in zip("qkv", tensor.split([q, kv, kv]), strict=True):
-                yield name.replace("qkv_proj", f"{part}_proj"), piece
-        elif ".gate_up_proj." in name:
-            gate, up = tensor.chunk(2)
-            yield name.replace("gate_up_proj", "gate_proj"), gate
-            yield name.replace("gate_up_proj", "up_proj"), up
-        else:
-            yield name, tensor
+        built: dict[str, torch.Tensor] = {}
+        for hf, dim, start, stop, offset in layout["pieces"][name]:
+            if hf not in built:
+                built[hf] = torch.zeros(layout["hf_shapes"][hf], dtype=tensor.dtype, device=tensor.device)
+            built[hf].narrow(dim, start, stop - start).copy_(tensor.narrow(dim, offset, stop - start))
+        yield from built.items()
 
 
 @torch.no_grad()
 def load_engine_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]],
-                        get: Callable[[str], torch.Tensor], dims: dict[str, int], tp_size: int,
-                        reload: Reload) -> str:
-    """Write engine-layout tensors (``get(name)``, of ``shapes``) into ``model``; returns the path taken."""
+                        get: Callable[[str], torch.Tensor], layout: Layout, reload: Reload) -> str:
+    """Write engine-layout tensors (``get(name)``, of ``shapes``) into ``model``; returns the path taken.
+    ``layout``: this engine rank's HF pieces per engine tensor (megarl.rollout.vllm.engine_rank_layout)."""
     params = dict(model.named_parameters())
     unknown = sorted(set(shapes) - set(params))
     if unknown:
@@ -67,10 +66,7 @@ def load_engine_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...
         for name in shapes:
             params[name].copy_(get(name))
         return "in_place"
-    if tp_size != 1:
-        raise ValueError("this engine repacks its weights after loading (vLLM's CPU backend), so updates need "
-                         f"full tensors; that needs tensor_parallel 1, not {tp_size}")
-    reload(_to_hf(list(shapes), get, dims))
+    reload(_to_hf(list(shapes), get, layout))
     # A tied lm_head shares embed_tokens' parameter but is never loaded itself, so vLLM's reload does not
     # rerun its post-load processing: on CPU that would leave its packed copy of the old embedding.
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -95,14 +91,15 @@ class MegarlWorkerExtension:
     """Methods vLLM adds to each of its workers: ``self`` is the vLLM ``Worker``. vLLM refuses names that
     the worker already has, hence the prefix, and no annotations or stubs of the worker's own attributes."""
 
-    def megarl_load_weights(self, paths: list[str], dims: dict[str, int], tp_size: int) -> str:
+    def megarl_load_weights(self, paths: list[str], layouts: list[Layout]) -> str:
         """Load ``paths[tp_rank]`` (a safetensors file of engine-layout tensors) into this worker's model."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         worker: Any = self
         model = worker.model_runner.get_model()
         device = next(model.parameters()).device
-        with safe_open(paths[get_tensor_model_parallel_rank()], framework="pt", device=str(device)) as f:
+        rank = get_tensor_model_parallel_rank()
+        with safe_open(paths[rank], framework="pt", device=str(device)) as f:
             # safetensors lists names sorted, which keeps each layer's tensors together: vLLM's layer-wise
             # reload then buffers one layer at a time.
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
@@ -110,7 +107,7 @@ class MegarlWorkerExtension:
             def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
                 worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
-            return load_engine_tensors(model, shapes, f.get_tensor, dims, tp_size, reload)
+            return load_engine_tensors(model, shapes, f.get_tensor, layouts[rank], reload)
 
     def megarl_rss(self) -> int:
         """Resident memory of this worker process (tests and diagnostics)."""

@@ -1,0 +1,140 @@
+"""Engine groups: the ranks that share one engine of ``rollout.tensor_parallel`` (R) devices.
+
+Engine g spans global ranks g*R .. g*R+R-1 (engine rank = global rank % R, as the resharding plan
+lays it out) and runs on those ranks' GPUs. Its first rank, the driver, starts and drives it; every
+rank of the group hands over its own engine rank's weights. Objects (file paths, IPC handles) travel
+over a gloo group of the R ranks, so none of that touches the GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from megarl.reshard.handover import EngineCopy
+from megarl.rollout.base import Completion, InEngineCopy, RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    index: int
+    """Which engine this rank belongs to."""
+    num_groups: int
+    size: int
+    """R: ranks (devices) per engine."""
+    rank_in_group: int
+    """This rank's engine rank."""
+    group: dist.ProcessGroup | None
+    """gloo group of the engine's ranks; None when R is 1."""
+
+    @property
+    def driver(self) -> bool:
+        return self.rank_in_group == 0
+
+    def devices(self) -> list[int] | None:
+        """The engine's GPUs as indices among this process's visible devices (None on CPU)."""
+        if not torch.cuda.is_available():
+            return None
+        first = torch.cuda.current_device() - self.rank_in_group
+        return list(range(first, first + self.size))
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` in engine-rank order on the driver, None elsewhere."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.driver else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+
+def engine_group(rank: int, world_size: int, size: int) -> EngineGroup:
+    """This rank's group; every rank must call it (collectively creates all groups)."""
+    assert world_size % size == 0, (world_size, size)
+    mine = None
+    if size > 1:
+        for g in range(world_size // size):
+            created = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo")
+            if g == rank // size:
+                mine = created
+    return EngineGroup(index=rank // size, num_groups=world_size // size, size=size, rank_in_group=rank % size,
+                       group=mine)
+
+
+def visible_devices_env(devices: list[int] | None) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for an engine on ``devices`` (indices among this process's visible devices)."""
+    if devices is None:
+        return {}
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [parent.split(",")[d] for d in devices] if parent else [str(d) for d in devices]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(physical)}
+
+
+class GroupEngine:
+    """One group's engine as every rank of the group sees it: the driver runs the engine; every rank
+    hands over its own engine rank's weights (``attach``/``deliver``)."""
+
+    def __init__(self, group: EngineGroup, engine: RolloutEngine | None, copies_in_engine: bool) -> None:
+        assert (engine is not None) == group.driver
+        self.group, self.engine, self.copies_in_engine = group, engine, copies_in_engine
+
+    def attach(self, copy: EngineCopy, key: str = "actor") -> None:
+        """In-engine hand-over: give the engine this rank's trainer tensors and copy, once."""
+        from megarl.rollout.sglang import serialize_wire
+
+        num_sources = [0] * self.group.size
+        if self.group.group is not None:
+            dist.all_gather_object(num_sources, len(copy.sources), group=self.group.group)
+        else:
+            num_sources = [len(copy.sources)]
+        wires = self.group.gather(serialize_wire(copy, key, max(num_sources)))
+        if self.engine is not None:
+            assert wires is not None
+            cast(InEngineCopy, self.engine).attach(wires, key)
+        self.group.barrier()
+
+    def deliver(self, engine_tensors: dict[str, torch.Tensor] | None) -> None:
+        """After every rank's refit: the engine takes the new weights (in-engine copy, or files of engine-layout
+        tensors, one per engine rank, written by each rank)."""
+        if self.copies_in_engine:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the engine reads what this rank's streams wrote
+            self.group.barrier()
+            if self.engine is not None:
+                cast(InEngineCopy, self.engine).apply()
+            self.group.barrier()  # nobody changes a tensor the engine still reads
+            return
+        from megarl.rollout.vllm import SHM, VLLMEngine, write_engine_file
+
+        assert engine_tensors is not None
+        with tempfile.TemporaryDirectory(dir=SHM, prefix="megarl-weights-") as tmp:
+            path = os.path.join(tmp, "engine.safetensors")
+            write_engine_file(engine_tensors, path)
+            paths = self.group.gather(path)
+            if self.engine is not None:
+                assert paths is not None
+                cast(VLLMEngine, self.engine).load_files(paths)
+            self.group.barrier()  # files are read before their directories go
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.engine.generate(prompts, params) if self.engine is not None and prompts else []
+
+    def sleep(self) -> None:
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        if self.engine is not None:
+            self.engine.wake()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
