@@ -407,6 +407,9 @@ class Config:
                 "be > 0 for grpo (greedy samples of one prompt are identical, so every advantage is 0)",
                 "use temperature 1.0",
             )
+        check(self.rollout.temperature > 0 or n == 1, "rollout.num_samples_per_prompt", n,
+              "be 1 with rollout.temperature 0 (greedy samples of a prompt are identical)",
+              "set rollout.num_samples_per_prompt: 1, or a temperature above 0")
         batch = self.data.num_prompts_per_step * n
         longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
         for name, section in self.trained_sections():
