@@ -129,8 +129,8 @@ class RLTrainer:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank."""
         if model is None:
             return None
-        budget = self.cfg.actor.max_tokens_per_gpu
-        return self._broadcast_rows(model.score(batch.sequences, budget), batch)
+        section = self.cfg.critic if model is self.critic else self.cfg.actor
+        return self._broadcast_rows(model.score(batch.sequences, *_batching(section)), batch)
 
     def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
                   loss: Any) -> dict[str, float]:
@@ -148,7 +148,7 @@ class RLTrainer:
                 seqs = [batch.sequences[index[j]] for j in mine]
                 rows = {k: [v[index[j], : len(seqs[m]) - 1] for m, j in enumerate(mine)] for k, v in extras.items()}
                 rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
-                metrics = model.train_step(seqs, rows, loss, section.max_tokens_per_gpu)
+                metrics = model.train_step(seqs, rows, loss, *_batching(section))
         return metrics
 
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -181,3 +181,8 @@ class RLTrainer:
             dist.broadcast(shared, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
             out = shared.cpu()
         return out
+
+
+def _batching(section: UpdateConfig) -> tuple[int | None, int]:
+    """(max_tokens, micro_batch_size) for MegatronModel: a token budget, or fixed micro-batches."""
+    return (section.max_tokens_per_gpu if section.dynamic_batch else None), section.micro_batch_size

@@ -1,5 +1,5 @@
 """A GRPO actor update gives the same loss, grad norm and new weights in every TP/PP/DP layout,
-with sequences packed into shared rows or each padded in a row of its own."""
+with sequences packed into shared rows, each padded in a row of its own, or in fixed micro-batches."""
 
 
 import pytest
@@ -14,17 +14,17 @@ def max_diff(a: list[float], b: list[float]) -> float:
 @pytest.mark.slow
 def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
-    rows = {(r["tp"], r["pp"], r["pack"]): r for r in run_worker("trainable.py", tmp_path, model)}
+    rows = {(r["tp"], r["pp"], r["mode"]): r for r in run_worker("trainable.py", tmp_path, model)}
     layouts = {(1, 1), (2, 1), (1, 2), (2, 2)}
-    assert set(rows) == {(*layout, pack) for layout in layouts for pack in (True, False)}
-    ref = rows[1, 1, True]  # 4 data-parallel replicas
+    assert set(rows) == {(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
+    ref = rows[1, 1, "packed"]  # 4 data-parallel replicas
     assert 0 < ref["clip_fraction"] < 1 and ref["grad_norm"] > 0, ref
     for key, row in rows.items():
         assert abs(row["loss"] - ref["loss"]) < 1e-5, key
         assert abs(row["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], key
         assert max_diff(row["logprobs_after"], ref["logprobs_after"]) < 1e-4, key
     for tp, pp in layouts:
-        packed, unpacked = rows[tp, pp, True], rows[tp, pp, False]
+        packed, unpacked = rows[tp, pp, "packed"], rows[tp, pp, "unpacked"]
         # Packed rows differ from unpacked ones only in float rounding (RoPE angles, summation order).
         # Measured: logprobs 1e-6, loss 3e-8, grad norm 2e-7 relative; after one Adam step at lr 1e-2,
         # which magnifies rounding as much as a TP/PP layout change does (3e-5), logprobs 1.2e-5.
@@ -34,4 +34,6 @@ def test_actor_update_is_layout_and_packing_invariant(tmp_path):
         assert max_diff(packed["logprobs_after"], unpacked["logprobs_after"]) < 5e-5, (tp, pp)
         assert packed["padding_fraction"] <= unpacked["padding_fraction"], (tp, pp)
     # Every rank has all 8 sequences at DP 1: packing fills the rows that padding wasted.
-    assert rows[2, 2, True]["padding_fraction"] < rows[2, 2, False]["padding_fraction"] - 0.2
+    assert rows[2, 2, "packed"]["padding_fraction"] < rows[2, 2, "unpacked"]["padding_fraction"] - 0.2
+    # Fixed micro-batches (dynamic_batch: false) pad every sequence to the longest, as PP needs anyway.
+    assert rows[2, 2, "fixed"]["padding_fraction"] == rows[2, 2, "unpacked"]["padding_fraction"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
-from megarl.models.forward import forward_only, model_inputs
+from megarl.models.forward import forward_only, micro_batches, model_inputs
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
@@ -57,7 +57,12 @@ class MegatronModel:
         """This rank's parameters by canonical Megatron name (what the resharder reads)."""
         return {name: p.data for name, p in canonical_params(self.chunks, self.spec, self.groups).items()}
 
-    def _micro_batches(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> list[MicroBatch]:
+    def _micro_batches(self, sequences: Sequence[Sequence[int]], max_tokens: int | None,
+                       micro_batch_size: int) -> list[MicroBatch]:
+        """Token-budget micro-batches of at most ``max_tokens`` token slots, or with ``max_tokens`` None
+        fixed ones of ``micro_batch_size`` sequences padded to the longest."""
+        if max_tokens is None:
+            return micro_batches(sequences, micro_batch_size)
         # Transformer Engine's attention, built with the causal mask type, applies its own causal mask,
         # not a dense one, so packed rows would attend across sequences; packing there needs THD
         # PackedSeqParams (cu_seqlens), which no CPU test can run. Until then TE rows hold one
@@ -87,12 +92,13 @@ class MegatronModel:
         return -(logp.exp() * logp).sum(dim=-1)
 
     @torch.no_grad()
-    def score(self, sequences: Sequence[Sequence[int]], max_tokens: int) -> list[torch.Tensor] | None:
+    def score(self, sequences: Sequence[Sequence[int]], max_tokens: int | None, micro_batch_size: int = 1
+              ) -> list[torch.Tensor] | None:
         """Per-sequence [len-1] logprobs (policy/reference) or [len-1] values (critic), last stage only.
 
         Values are those of the positions that predict tokens 1..len-1, aligned like logprobs.
         """
-        batches = self._micro_batches(sequences, max_tokens)
+        batches = self._micro_batches(sequences, max_tokens, micro_batch_size)
 
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
@@ -108,7 +114,7 @@ class MegatronModel:
         return [rows[i] for i in range(len(sequences))]
 
     def train_step(self, sequences: Sequence[Sequence[int]], extras: dict[str, list[torch.Tensor]],
-                   loss_fn: LossFn, max_tokens: int) -> dict[str, float]:
+                   loss_fn: LossFn, max_tokens: int | None, micro_batch_size: int = 1) -> dict[str, float]:
         """One optimizer step over ``sequences`` (this DP rank's share).
 
         ``extras`` holds per-sequence [len-1] tensors (advantages, old logprobs, weights, ...);
@@ -117,7 +123,7 @@ class MegatronModel:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches = self._micro_batches(sequences, max_tokens)
+        batches = self._micro_batches(sequences, max_tokens, micro_batch_size)
         # Padding and the position where one packed sequence "predicts" the next get 0 extras: weight 0.
         extra_batches = [{name: b.place(rows) for name, rows in extras.items()} for b in batches]
         device = self.groups.device

@@ -38,6 +38,7 @@ from megarl.parallel import (  # noqa: E402
 from megarl.rl_step import Batch, actor_loss  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+MODES = ("packed", "unpacked", "fixed")
 
 
 def unpacked(*args, **kwargs):
@@ -60,14 +61,17 @@ def main() -> None:
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     weights = token_weights(batch.mask, algo.loss_aggregation)
     results = []
-    for (tp, pp), pack in ((layout, pack) for layout in LAYOUTS for pack in (True, False)):
+    for (tp, pp), mode in ((layout, mode) for layout in LAYOUTS for mode in MODES):
+        # Token budgets for scoring and training, or None: fixed micro-batches of 2 (dynamic_batch: false).
+        score_budget, train_budget = (64, 40) if mode != "fixed" else (None, None)
         dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
         groups = init_model_parallel(dims)
         model_parallel_seed(0)
-        with contextlib.nullcontext() if pack else mock.patch.object(trainable, "plan_micro_batches", unpacked):
+        with contextlib.nullcontext() if mode != "unpacked" else mock.patch.object(trainable, "plan_micro_batches",
+                                                                                   unpacked):
             actor = MegatronModel(spec, model_dir, groups, BuildOptions(),
                                   OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
-            before = actor.score(batch.sequences, 64)
+            before = actor.score(batch.sequences, score_budget, 2)
             old = batch.stack(before or [torch.zeros(len(s) - 1) for s in batch.sequences])
             if pp > 1:
                 dist.broadcast(old, src=dist.get_global_rank(groups.pp_group, pp - 1), group=groups.pp_group)
@@ -79,10 +83,10 @@ def main() -> None:
             def loss(logits, tokens, ex, a=actor):
                 return actor_loss(a.token_logprobs(logits, tokens), ex, algo, 0.0)
 
-            metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, max_tokens=40)
-            after = actor.score(batch.sequences, 64)
+            metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2)
+            after = actor.score(batch.sequences, score_budget, 2)
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
-            results.append({"tp": tp, "pp": pp, "dp": dims.dp, "pack": pack, "loss": metrics["loss"],
+            results.append({"tp": tp, "pp": pp, "dp": dims.dp, "mode": mode, "loss": metrics["loss"],
                             "grad_norm": metrics["grad_norm"], "clip_fraction": metrics["clip_fraction"],
                             "padding_fraction": metrics["padding_fraction"],
                             "logprobs_before": torch.cat(before).tolist(), "logprobs_after": torch.cat(after).tolist()})
