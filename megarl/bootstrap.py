@@ -9,6 +9,7 @@ from typing import Any
 
 from megarl import checkpoint
 from megarl.config import load_config, validate_layout
+from megarl.tracking import Tracker, open_store
 
 
 def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
@@ -41,16 +42,18 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
                                               vpp=p.virtual_pipeline, order=p.rank_order), p.timeout_minutes)
     model_parallel_seed(cfg.trainer.seed)
+    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
+    if groups.rank == 0 and cfg.tracking.backend == "mlflow":
+        open_store(cfg, out_dir)  # a bad tracking.uri fails now, not after the models are built
     if groups.rank == 0:
         print(f"megarl: {len(prompts)} prompts ({dropped} dropped: longer than rollout.max_prompt_tokens="
               f"{cfg.rollout.max_prompt_tokens}); TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
               flush=True)
-    from megarl.tracking import Tracker
     from megarl.trainer import RLTrainer
 
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     trainer = RLTrainer(cfg, groups, stop_token_ids=stop)
-    start_step = 0
+    start_step, run_id = 0, None
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if resume_from is not None:
         state = checkpoint.load(resume_from, trainer.trained_models())
@@ -58,10 +61,10 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
         trainer.kl.load_state_dict(state["kl"])
         trainer.push_weights()  # the engine must generate with the restored weights
         start_step = state["step"] + 1
+        run_id = state.get("tracking", {}).get("mlflow_run_id")
         if groups.rank == 0:
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
-    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
-    tracker = Tracker(cfg, groups.rank, out_dir, start_step)
+    tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
 
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))

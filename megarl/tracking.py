@@ -26,7 +26,9 @@ from megarl.errors import UserError
 class Tracker:
     """Rank 0 logs; every rank times phases (the collective calls inside keep them in step)."""
 
-    def __init__(self, cfg: Config, rank: int, out_dir: Path, start_step: int = 0) -> None:
+    def __init__(self, cfg: Config, rank: int, out_dir: Path, start_step: int = 0, run_id: str | None = None
+                 ) -> None:
+        """``run_id``: the mlflow run to continue (a resumed training run), else a new one."""
         self.cfg, self.rank, self.start_step = cfg, rank, start_step
         self.times: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
@@ -40,7 +42,12 @@ class Tracker:
 
         self.console = Console(stderr=True, soft_wrap=True)  # one line per step in captured logs too
         if cfg.tracking.backend == "mlflow":
-            self.mlflow = start_mlflow(cfg, out_dir)
+            self.mlflow = start_mlflow(cfg, out_dir, run_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run logs into the same mlflow run (rank 0)."""
+        run = self.mlflow.active_run() if self.mlflow is not None else None
+        return {"mlflow_run_id": run.info.run_id if run is not None else None}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -86,30 +93,55 @@ class Tracker:
             self.mlflow.end_run()
 
 
-def start_mlflow(cfg: Config, out_dir: Path) -> Any:
-    """Open the store, start a run and log the flattened config as params; the mlflow module."""
+def open_store(cfg: Config, out_dir: Path) -> Any:
+    """Point mlflow at the configured store and experiment (creating them); the mlflow module. Cheap:
+    bootstrap calls it before building anything, so a bad tracking.uri costs no start-up time."""
     t = cfg.tracking
     try:
         import mlflow
         from mlflow.exceptions import MlflowException
-        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
         from sqlalchemy.exc import SQLAlchemyError
     except ImportError as err:
         raise UserError(f"tracking.backend = mlflow but {err.name} is not installed. Fix: `pip install -r "
                         "requirements.txt`, or set tracking.backend: none (metrics still go to metrics.jsonl)."
                         ) from None
     uri = t.uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
-    # mlflow caps param values; the full config is in the recipe, so a long value (a path) is cut, marked with ...
-    params = {k: str(v) if len(str(v)) <= MAX_PARAM_VAL_LENGTH else str(v)[: MAX_PARAM_VAL_LENGTH - 3] + "..."
-              for k, v in cfg.to_flat_dict().items()}
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(t.experiment)
-        mlflow.start_run(run_name=t.run_name)
-        mlflow.log_params(params)
     except (MlflowException, SQLAlchemyError, OSError) as err:
         detail = " ".join(str(err).split())[:300]
         raise UserError(f"tracking.uri = {t.uri!r}: mlflow could not open the store {uri!r} ({type(err).__name__}: "
                         f"{detail}). Fix: set tracking.uri to a writable sqlite:////abs/path/mlflow.db or a reachable "
                         "http(s):// server, null for mlflow.db in checkpoint.dir, or tracking.backend: none.") from err
+    return mlflow
+
+
+def start_mlflow(cfg: Config, out_dir: Path, run_id: str | None = None) -> Any:
+    """Open the store, start (or continue) a run and log the flattened config as params; the mlflow module."""
+    mlflow = open_store(cfg, out_dir)
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    # mlflow caps param values; the full config is in the recipe, so a long value (a path) is cut, marked with ...
+    params = {k: str(v) if len(str(v)) <= MAX_PARAM_VAL_LENGTH else str(v)[: MAX_PARAM_VAL_LENGTH - 3] + "..."
+              for k, v in cfg.to_flat_dict().items()}
+    if run_id is not None:
+        try:
+            logged = mlflow.get_run(run_id).data.params
+        except MlflowException:
+            print(f"megarl: mlflow run {run_id} of the checkpoint is not in this store; starting a new run",
+                  flush=True)
+            run_id = None
+    if run_id is None:
+        mlflow.start_run(run_name=cfg.tracking.run_name)
+        mlflow.log_params(params)
+        return mlflow
+    mlflow.start_run(run_id=run_id)
+    # A run's params are immutable: a resumed run adds new keys and reports changed ones.
+    changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+    if changed:
+        print(f"megarl: resumed mlflow run {run_id} keeps its original params for {', '.join(changed)}", flush=True)
+    mlflow.log_params({k: v for k, v in params.items() if k not in logged})
     return mlflow

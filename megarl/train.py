@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         tracker.log(step, batch, metrics | drift | kl_metrics | {"kl_coef": trainer.kl.value})
         every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
         if every and ((step + 1) % every == 0 or last):  # atomic: a crash mid-save keeps the previous one
-            state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict()}
+            state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
             checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last)
     tracker.close()
     trainer.close()

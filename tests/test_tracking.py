@@ -3,7 +3,7 @@ as metrics.jsonl; a store that cannot be opened stops with a UserError naming tr
 
 import pytest
 
-from helpers import REPO, train_recipe
+from helpers import REPO, run_torchrun, train_recipe
 from megarl.config import load_config
 from megarl.errors import UserError, run_main
 from megarl.rl_step import Batch
@@ -80,6 +80,23 @@ def test_tracker_logs_to_an_explicit_uri_and_cuts_long_params(tmp_path, monkeypa
     assert tracker.history[1]["entropy"] == pytest.approx(3.5 / 3)
 
 
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    first = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}", "trainer.num_steps=2"]),
+                    rank=0, out_dir=tmp_path / "run")
+    first.log(0, tiny_batch(0), {"logprob_diff_max": 0.0})
+    saved = first.state_dict()  # what a checkpoint after step 0 keeps
+    first.close()
+    # Resumed with one more step configured: the same run goes on; changed params keep their first value.
+    resumed = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}", "trainer.num_steps=3"]),
+                      rank=0, out_dir=tmp_path / "run", start_step=1, run_id=saved["mlflow_run_id"])
+    resumed.log(1, tiny_batch(1), {"logprob_diff_max": 0.0})
+    resumed.close()
+    client, run = only_run(uri)
+    assert run.info.run_id == saved["mlflow_run_id"] and run.data.params["trainer.num_steps"] == "2"
+    assert_store_matches(client, run, first.history + resumed.history)
+
+
 def test_other_ranks_open_no_store(tmp_path):
     cfg = load_config(GRPO, ["tracking.backend=mlflow"])
     tracker = Tracker(cfg, rank=1, out_dir=tmp_path / "run")
@@ -100,3 +117,14 @@ def test_a_store_that_cannot_be_opened_names_tracking_uri(tmp_path, capsys, uri)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("megarl error: tracking.uri = ") and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_train_reports_a_bad_store_before_building_anything(tmp_path):
+    (tmp_path / "a_file").write_text("not a database")
+    proc = run_torchrun(["megarl/train.py", "--config", str(GRPO), "--set", f"checkpoint.dir={tmp_path / 'run'}",
+                         "--set", "tracking.backend=mlflow", "--set", f"tracking.uri=sqlite:///{tmp_path}/a_file"],
+                        nproc=1, timeout=300)
+    assert proc.returncode != 0 and "megarl error: tracking.uri = " in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr.split("megarl error")[0][-3000:]
+    assert "vLLM" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()  # no engine started
