@@ -37,22 +37,24 @@ def test_plan_by_hand() -> None:
 
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("pack", [False, True])
-def test_plan_places_every_sequence_once_within_budget(uniform: bool, pack: bool) -> None:
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_plan_places_every_sequence_once_within_budget(uniform: bool, pack: bool, multiple: int) -> None:
     rng = random.Random(0)
     for _ in range(200):
         lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 60))]
-        budget = rng.randint(max(lengths), 400)
-        layout = plan_micro_batches(lengths, budget, uniform=uniform, pack=pack)
+        budget = rng.randint(-(-max(lengths) // multiple) * multiple, 400)
+        layout = plan_micro_batches(lengths, budget, uniform=uniform, pack=pack, width_multiple=multiple)
         placed = [i for rows in layout.micro_batches for row in rows for i in row]
         assert sorted(placed) == list(range(len(lengths)))
         for rows, width, num_rows in zip(layout.micro_batches, layout.widths, layout.num_rows, strict=True):
             assert len(rows) <= num_rows and num_rows * width <= budget
             assert all(row and sum(lengths[i] for i in row) <= width for row in rows)
             assert pack or all(len(row) == 1 for row in rows)
-            assert uniform or width == max(lengths[i] for row in rows for i in row)
+            assert uniform or width == -(-max(lengths[i] for row in rows for i in row) // multiple) * multiple
+            assert width % multiple == 0  # sequence parallelism splits rows over TP ranks
         if uniform:
             assert len(set(zip(layout.widths, layout.num_rows, strict=True))) == 1
-        assert plan_micro_batches(lengths, budget, uniform=uniform, pack=pack) == layout
+        assert plan_micro_batches(lengths, budget, uniform=uniform, pack=pack, width_multiple=multiple) == layout
 
 
 def test_packing_pads_less() -> None:

@@ -1,5 +1,6 @@
 """A GRPO actor update gives the same loss, grad norm and new weights in every TP/PP/DP layout,
-with sequences packed into shared rows, each padded in a row of its own, or in fixed micro-batches."""
+with sequences packed into shared rows, each padded in a row of its own, or in fixed micro-batches,
+and with sequence parallelism."""
 
 
 import pytest
@@ -16,7 +17,8 @@ def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
     rows = {(r["tp"], r["pp"], r["mode"]): r for r in run_worker("trainable.py", tmp_path, model)}
     layouts = {(1, 1), (2, 1), (1, 2), (2, 2)}
-    assert set(rows) == {(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
+    assert set(rows) == ({(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
+                         | {(2, 1, "sp"), (2, 2, "sp")})
     ref = rows[1, 1, "packed"]  # 4 data-parallel replicas
     assert 0 < ref["clip_fraction"] < 1 and ref["grad_norm"] > 0, ref
     for key, row in rows.items():

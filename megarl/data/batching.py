@@ -63,7 +63,7 @@ class Layout:
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int, *, uniform: bool, pack: bool,
-                       field: str = "max_tokens_per_gpu") -> Layout:
+                       field: str = "max_tokens_per_gpu", width_multiple: int = 1) -> Layout:
     """Token-budget micro-batches of rows x width <= max_tokens token slots, padding included.
 
     Sequences are placed longest first. A micro-batch's rows are as long as its first (longest)
@@ -73,20 +73,25 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, *, uniform: bool
     costs width^2: wider rows would trade padding for masked-out attention. Pipeline stages exchange
     fixed-shape activations, so with ``uniform`` all rows are as long as the step's longest sequence
     and are dealt out evenly, every micro-batch getting the same row count (empty rows fill the last
-    one). Ties keep index order, so the result depends only on the input. A sequence longer than
+    one). Ties keep index order, so the result depends only on the input. Row widths are rounded up to
+    ``width_multiple`` (sequence parallelism splits rows over the TP ranks). A sequence longer than
     max_tokens is a UserError naming ``field``.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if not order:
         return Layout([], [], [])
-    if lengths[order[0]] > max_tokens:
-        longest = lengths[order[0]]
+
+    def row_width(n: int) -> int:
+        return -(-n // width_multiple) * width_multiple
+
+    if row_width(lengths[order[0]]) > max_tokens:
+        longest = row_width(lengths[order[0]])
         raise UserError(
             f"{field} = {max_tokens}, but a sequence has {longest} tokens and cannot fit in one micro-batch. "
             f"Fix: raise {field} to at least {longest}."
         )
     if uniform:
-        width = lengths[order[0]]
+        width = row_width(lengths[order[0]])
         rows, _ = _best_fit(order, lengths, width, len(order), pack)
         count = -(-len(rows) // (max_tokens // width))
         size = -(-len(rows) // count)
@@ -94,7 +99,7 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int, *, uniform: bool
     batches: list[list[list[int]]] = []
     widths: list[int] = []
     while order:
-        widths.append(lengths[order[0]])
+        widths.append(row_width(lengths[order[0]]))
         rows, order = _best_fit(order, lengths, widths[-1], max_tokens // widths[-1], pack)
         batches.append(rows)
     return Layout(batches, widths, [len(rows) for rows in batches])

@@ -81,10 +81,12 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     return list(outputs) if groups.is_last_stage else None
 
 
-def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int) -> list[MicroBatch]:
+def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int, width_multiple: int = 1
+                  ) -> list[MicroBatch]:
     """Micro-batches of ``micro_batch_size`` rows, one sequence per row in input order, all padded to
-    the longest sequence; a short last one is filled with empty rows."""
-    width, n = max(len(s) for s in sequences), len(sequences)
+    the longest sequence (rounded up to ``width_multiple``); a short last one is filled with empty rows."""
+    n = len(sequences)
+    width = -(-max(len(s) for s in sequences) // width_multiple) * width_multiple
     rows = [[[i] for i in range(start, min(start + micro_batch_size, n))] for start in range(0, n, micro_batch_size)]
     return build_micro_batches(sequences, Layout(rows, [width] * len(rows), [micro_batch_size] * len(rows)))
 

@@ -61,14 +61,16 @@ class MegatronModel:
                        micro_batch_size: int) -> list[MicroBatch]:
         """Token-budget micro-batches of at most ``max_tokens`` token slots, or with ``max_tokens`` None
         fixed ones of ``micro_batch_size`` sequences padded to the longest."""
+        # Sequence parallelism splits every row over the TP ranks.
+        multiple = self.groups.dims.tp if self.opts.sequence_parallel else 1
         if max_tokens is None:
-            return micro_batches(sequences, micro_batch_size)
+            return micro_batches(sequences, micro_batch_size, multiple)
         # Transformer Engine's attention, built with the causal mask type, applies its own causal mask,
         # not a dense one, so packed rows would attend across sequences; packing there needs THD
         # PackedSeqParams (cu_seqlens), which no CPU test can run. Until then TE rows hold one
         # sequence each, right-padded.
         layout = plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1,
-                                    pack=not self.opts.transformer_engine)
+                                    pack=not self.opts.transformer_engine, width_multiple=multiple)
         return build_micro_batches(sequences, layout)
 
     def _vocab_start(self) -> int:

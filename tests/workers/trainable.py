@@ -61,7 +61,10 @@ def main() -> None:
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     weights = token_weights(batch.mask, algo.loss_aggregation)
     results = []
-    for (tp, pp), mode in ((layout, mode) for layout in LAYOUTS for mode in MODES):
+    runs = [(layout, mode) for layout in LAYOUTS for mode in MODES]
+    # Sequence parallelism (packed rows, odd lengths): rows must be padded to a multiple of TP.
+    runs += [((2, 1), "sp"), ((2, 2), "sp")]
+    for (tp, pp), mode in runs:
         # Token budgets for scoring and training, or None: fixed micro-batches of 2 (dynamic_batch: false).
         score_budget, train_budget = (64, 40) if mode != "fixed" else (None, None)
         dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
@@ -69,7 +72,7 @@ def main() -> None:
         model_parallel_seed(0)
         with contextlib.nullcontext() if mode != "unpacked" else mock.patch.object(trainable, "plan_micro_batches",
                                                                                    unpacked):
-            actor = MegatronModel(spec, model_dir, groups, BuildOptions(),
+            actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=mode == "sp"),
                                   OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
             before = actor.score(batch.sequences, score_budget, 2)
             old = batch.stack(before or [torch.zeros(len(s) - 1) for s in batch.sequences])
