@@ -126,11 +126,15 @@ class RLTrainer:
         return batch, texts
 
     def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
-        """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank."""
+        """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
+        data-parallel replica scores its share of the sequences."""
         if model is None:
             return None
         section = self.cfg.critic if model is self.critic else self.cfg.actor
-        return self._broadcast_rows(model.score(batch.sequences, *_batching(section)), batch)
+        g = self.groups
+        mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
+        rows = model.score([batch.sequences[i] for i in mine], *_batching(section))
+        return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
 
     def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
                   loss: Any) -> dict[str, float]:
@@ -172,15 +176,18 @@ class RLTrainer:
                                  lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo))
         return {f"critic/{k}": v for k, v in metrics.items()}
 
-    def _broadcast_rows(self, rows: list[torch.Tensor] | None, batch: Batch) -> torch.Tensor:
-        """Per-sequence results live on the last pipeline stage; give every rank the [N, T] tensor."""
+    def _share_rows(self, rows: dict[int, torch.Tensor] | None, batch: Batch) -> torch.Tensor:
+        """Each DP replica's last pipeline stage holds its sequences' rows (by batch index); give every
+        rank the whole [N, T] tensor."""
         g = self.groups
-        out = batch.stack(rows) if rows is not None else torch.zeros_like(batch.mask)
+        out = torch.zeros_like(batch.mask, device=g.device)  # NCCL takes CUDA tensors only
+        for i, row in (rows or {}).items():
+            out[i, : row.shape[0]] = row
+        if g.dims.dp > 1:
+            dist.all_reduce(out, group=g.dp_group)  # replicas hold disjoint rows
         if g.dims.pp > 1:
-            shared = out.to(g.device)  # NCCL broadcasts CUDA tensors only
-            dist.broadcast(shared, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
-            out = shared.cpu()
-        return out
+            dist.broadcast(out, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
+        return out.cpu()
 
 
 def _batching(section: UpdateConfig) -> tuple[int | None, int]:

@@ -45,3 +45,14 @@ def test_engine_over_two_ranks_takes_weights_from_a_pipeline(tmp_path):
     # Both engine ranks hold the trainer's current weights: a missing or stale slice would show here.
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
     assert rows[-1]["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_two_engines_side_by_side_under_data_parallelism(tmp_path):
+    """DP2 with rollout.tensor_parallel = 1: two engines, one per rank, each generating half the prompts;
+    each replica scores its half of the sequences and the ranks share the rows."""
+    steps = 4
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}",
+                        "data.num_prompts_per_step=8", nproc=2)
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert max(r["logprob_diff_max"] for r in rows) < 0.05  # a row left unscored would be far off
