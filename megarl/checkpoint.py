@@ -42,12 +42,14 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megarl.config import CheckpointConfig
 from megarl.errors import UserError
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.models.trainable import MegatronModel
 
 LATEST = "latest"
+STOP = "STOP"
 OPTIMIZER = "optimizer"
 COMMON = "common.pt"
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -209,6 +211,30 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
         print(f"megarl: saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - started:.1f} s)", flush=True)
     dist.barrier()
     return root / name
+
+
+def stop_file(cfg: CheckpointConfig) -> Path | None:
+    if cfg.dir is None:
+        return None
+    return Path(cfg.stop_file) if cfg.stop_file is not None else Path(cfg.dir) / STOP
+
+
+def stop_requested(cfg: CheckpointConfig, device: torch.device) -> bool:
+    """Whether the stop file exists, as rank 0 sees it (every rank must agree: they all save)."""
+    path = stop_file(cfg)
+    flag = torch.tensor([dist.get_rank() == 0 and path is not None and path.exists()], dtype=torch.int32,
+                        device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def acknowledge_stop(cfg: CheckpointConfig, step: int) -> None:
+    """After the checkpoint of ``step``: delete the stop file so that the resumed job runs on."""
+    path = stop_file(cfg)
+    if dist.get_rank() == 0 and path is not None:
+        path.unlink(missing_ok=True)
+        print(f"megarl: stopped after step {step + 1} as {path} asked; the checkpoint resumes with "
+              "checkpoint.resume: auto", flush=True)
 
 
 def find(resume: str, directory: str | None) -> Path | None:

@@ -335,9 +335,15 @@ class CheckpointConfig:
     """Checkpoints to keep; older ones are deleted after a successful save."""
     resume: str = "auto"
     """auto = latest checkpoint in dir if any; none = start fresh; otherwise a checkpoint path."""
+    stop_file: str | None = None
+    """Once this file exists, training saves a checkpoint after the current step, deletes the file and
+    exits with code 0; null = STOP in dir (off without a dir). The Slurm scripts create it when Slurm
+    signals the end of the time limit or a preemption (--signal)."""
 
     def __post_init__(self) -> None:
         _within(self, "save_every", "[0, inf)", "use 0 to never save")
+        check(self.stop_file is None or self.dir is not None, "stop_file", self.stop_file,
+              "come with checkpoint.dir (a stop saves a checkpoint)", "set checkpoint.dir or stop_file: null")
         check(
             self.save_every == 0 or self.dir is not None,
             "dir",

@@ -56,9 +56,13 @@ def main(argv: list[str] | None = None) -> None:
             trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
         tracker.log(step, batch, metrics | drift | kl_metrics | {"kl_coef": trainer.kl.value})
         every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
-        if every and ((step + 1) % every == 0 or last):  # atomic: a crash mid-save keeps the previous one
+        stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
+        if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
             state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
             checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last)
+        if stop:
+            checkpoint.acknowledge_stop(cfg.checkpoint, step)
+            break
     tracker.close()
     trainer.close()
 

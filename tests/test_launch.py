@@ -1,7 +1,10 @@
 """`python -m megarl.launch` and the Slurm scripts: torchrun arguments from SLURM variables."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -56,3 +59,40 @@ def test_sbatch_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     text = path.read_text()
     assert "#SBATCH --gpus-per-node=8" in text and "megarl.launch" in text
+    if script.startswith("train"):  # checkpoint and requeue before the time limit or a preemption
+        assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text and "train_until_signal srun" in text
+
+
+# Stands in for the job step: waits for the stop file named by its last argument, as the trainer would.
+FAKE_STEP = """
+import pathlib, sys, time
+stop = pathlib.Path(sys.argv[-1].split("=", 1)[1])
+for _ in range(600):
+    if stop.exists():
+        stop.unlink()
+        print("saved and stopped")
+        sys.exit(0)
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+def test_slurm_signal_becomes_a_stop_file(tmp_path):
+    """The launchers' USR1 trap: the running step is asked to checkpoint and stop, and its exit code is kept."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"set -euo pipefail\nsource {REPO}/scripts/slurm/common.sh\n"
+                      f"echo started > {tmp_path}/ready\n"
+                      f"train_until_signal {sys.executable} -c '{FAKE_STEP}'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env | {"MEGARL_STOP_FILE": str(tmp_path / "stop")},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(200):
+        if (tmp_path / "ready").exists():
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # the step is running and polling
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "USR1 from Slurm" in out and "saved and stopped" in out
+    assert not (tmp_path / "stop").exists()

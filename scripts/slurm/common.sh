@@ -7,3 +7,25 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off unless th
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export MEGARL_RDZV_PORT=${MEGARL_RDZV_PORT:-29500}
+
+# Slurm sends USR1 to this batch shell 10 minutes before the time limit or a preemption (the
+# launchers' --signal=B:USR1@600). train_until_signal runs the job step in the background, turns the
+# signal into the trainer's stop file (checkpoint.stop_file: save after the current step, exit 0) and
+# requeues the job, which resumes from that checkpoint (checkpoint.resume: auto).
+export MEGARL_STOP_FILE=${MEGARL_STOP_FILE:-logs/megarl-${SLURM_JOB_ID:-local}.stop}
+train_until_signal() {
+  local stop_asked=0 pid rc
+  trap 'stop_asked=1; echo "megarl: USR1 from Slurm: checkpoint after this step, then requeue"; touch "$MEGARL_STOP_FILE"' USR1
+  "$@" --set checkpoint.stop_file="$MEGARL_STOP_FILE" &
+  pid=$!
+  while true; do
+    rc=0
+    wait "$pid" || rc=$?
+    kill -0 "$pid" 2>/dev/null || break  # still running: wait was only interrupted by the signal
+  done
+  trap - USR1
+  if [ "$stop_asked" = 1 ] && [ "$rc" = 0 ] && [ -n "${SLURM_JOB_ID:-}" ] && [ "${MEGARL_REQUEUE:-1}" = 1 ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$rc"
+}
