@@ -65,3 +65,17 @@ def test_engine_side_errors_name_the_problem():
         state.handle(FakeEngineModel(bad), copy.to_wire("k"))
     with pytest.raises(ValueError, match="not a megarl hand-over message"):
         state.handle(FakeEngineModel(params), [("model.norm.weight", torch.zeros(1))])
+
+
+def test_engine_ranks_read_their_own_entries_of_padded_payloads():
+    """An engine over R GPUs takes the same names from every rank: ranks with fewer trainer tensors pad
+    theirs (to_wire num_sources), and each engine rank unpacks only its own entries."""
+    plan, src, expected, params = _setup()
+    copy = Resharder(plan, 0, src, None, in_engine=True).engine_copy()
+    padded = copy.to_wire("k", num_sources=len(copy.sources) + 3)
+    assert len(padded) == len(copy.to_wire("k")) + 3
+    state = HandoverState()
+    state.handle(FakeEngineModel(params), padded)
+    state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
+    assert all(torch.equal(params[n], expected[n]) for n in expected)
+    assert len(state.appliers["k"].sources) == len(copy.sources)  # the placeholders were dropped
