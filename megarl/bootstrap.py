@@ -18,8 +18,10 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
 
     spec = load_spec(cfg.model.hf_path)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size)
+                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size,
+                         ranks_per_node=int(local) if local else None)
     from transformers import AutoTokenizer
 
     from megarl.data.batching import tokenize_prompts

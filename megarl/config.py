@@ -510,8 +510,10 @@ def validate_layout(
     num_attention_heads: int,
     num_kv_heads: int,
     vocab_size: int,
+    ranks_per_node: int | None = None,
 ) -> int:
-    """Check the trainer and rollout layouts against the world size and the model's shape (from its
+    """Check the trainer and rollout layouts against the world size, the ranks per node (when known:
+    parallel.gpus_per_node, else torchrun's LOCAL_WORLD_SIZE) and the model's shape (from its
     config.json); return the data-parallel size."""
     shape = {
         "num_hidden_layers": num_layers,
@@ -574,6 +576,10 @@ def validate_layout(
         if not _rollout_tp_problem(d, world_size, num_attention_heads, num_kv_heads, vocab_size)
     ]
     check(problem is None, "rollout.tensor_parallel", r, str(problem), f"use one of {valid_r}")
+    per_node = p.gpus_per_node or ranks_per_node
+    check(per_node is None or per_node % r == 0, "rollout.tensor_parallel", r,
+          f"divide the {per_node} ranks per node (an engine runs on the GPUs of one node)",
+          f"use one of {[d for d in valid_r if per_node and per_node % d == 0]}")
 
     n = cfg.rollout.num_samples_per_prompt
     batch = cfg.data.num_prompts_per_step * n

@@ -499,6 +499,8 @@ def test_validate_layout_good() -> None:
             None,
             ["`critic.mini_batch_size`", "data-parallel size 8"],
         ),
+        (16, ["rollout.tensor_parallel=16", "parallel.gpus_per_node=8"], None,
+         ["`rollout.tensor_parallel`", "= 16", "8 ranks per node", "[1, 2, 4, 8]"]),
         (1, [], {**LLAMA, "num_kv_heads": 0}, ["num_key_value_heads", ">= 1"]),
         (1, [], {**LLAMA, "num_kv_heads": 5}, ["num_key_value_heads", "divide num_attention_heads"]),
     ],
