@@ -8,13 +8,8 @@ set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V;
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; cat .git_rev 2>/dev/null; } \
-  > "$OUT/env.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-start=$SECONDS
-python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"
+source benchmarks/h200_common.sh
+h200_setup
 python3 -c "import megarl._C as C; print('[h200] with_cuda', C.with_cuda())"
 
 echo "== GPU kernel tests"
@@ -27,16 +22,7 @@ timeout 240 torchrun --standalone --nproc-per-node 1 benchmarks/reshard_latency.
 echo "== reshard qwen2-7b TP1 -> R1"
 timeout 200 torchrun --standalone --nproc-per-node 1 benchmarks/reshard_latency.py --model qwen2-7b \
   --iters 30 --json "$OUT/reshard_qwen2_7b.json"
-echo "== bf16 parity vs transformers (TP1 PP1, one GPU)"
-mkdir -p /tmp/parity/out
-timeout 60 python3 -c "
-import sys, torch; sys.path.insert(0, 'tests')
-from pathlib import Path
-from helpers import make_hf_model
-make_hf_model(Path('/tmp/parity/llama'), 'llama', dtype=torch.bfloat16)
-make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)"
-PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
-  /tmp/parity/llama /tmp/parity/qwen2 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
+bf16_parity
 echo "== training step, llama-1b shape"
 timeout 200 torchrun --standalone --nproc-per-node 1 benchmarks/train_throughput.py --model llama-1b --seq 2048 \
   --micro-batch 4 --steps 8 --json "$OUT/train_llama1b.json"

@@ -8,14 +8,9 @@ OUT=${OUT:?set OUT to the results folder}
 STEPS=${STEPS:-40}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V;
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; cat .git_rev 2>/dev/null; } \
-  > "$OUT/env.txt"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+source benchmarks/h200_common.sh
+h200_setup
 python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
-start=$SECONDS
-python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"
 
 if [ -z "${SKIP_REFIT:-}" ]; then
   echo "== SGLang adapter and hand-over timings"
@@ -35,16 +30,5 @@ train=$!
 wait $train
 echo "[h200] train exit code $?"
 mkdir -p "$OUT/train_tiny_sglang" && cp /tmp/train_tiny_sglang/metrics.jsonl "$OUT/train_tiny_sglang/" 2>/dev/null
-if [ -n "${PARITY:-}" ]; then
-  echo "== bf16 parity vs transformers (TP1 PP1)"
-  mkdir -p /tmp/parity/out
-  timeout 60 python3 -c "
-import sys, torch; sys.path.insert(0, 'tests')
-from pathlib import Path
-from helpers import make_hf_model
-make_hf_model(Path('/tmp/parity/llama'), 'llama', dtype=torch.bfloat16)
-make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)"
-  PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
-    /tmp/parity/llama /tmp/parity/qwen2 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
-fi
+[ -n "${PARITY:-}" ] && bf16_parity
 echo "[h200] done in $SECONDS s"

@@ -1,0 +1,28 @@
+# Sourced by the H200 session scripts (run from the repository root, after `exec > >(tee "$OUT/log.txt")`).
+
+# Record the machine in $OUT/env.txt, install the wheels carried in .whl/ into /tmp/site (where a staged
+# SGLang also lives) and build the extension against the machine's torch.
+h200_setup() {
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V;
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; cat .git_rev 2>/dev/null; } \
+    > "$OUT/env.txt"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+  local start=$SECONDS
+  python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"
+}
+
+# Logprobs and logits of tiny random bf16 Llama/Qwen2 models against transformers (TP1 PP1, one GPU),
+# written to $OUT/parity_bf16.json.
+bf16_parity() {
+  echo "== bf16 parity vs transformers (TP1 PP1, one GPU)"
+  mkdir -p /tmp/parity/out
+  timeout 60 python3 -c "
+import sys, torch; sys.path.insert(0, 'tests')
+from pathlib import Path
+from helpers import make_hf_model
+make_hf_model(Path('/tmp/parity/llama'), 'llama', dtype=torch.bfloat16)
+make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)"
+  PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
+    /tmp/parity/llama /tmp/parity/qwen2 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
+}
