@@ -7,7 +7,7 @@ token j of sequence i sits at column prompt_len_i - 1 + j.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +43,10 @@ class Batch:
             lp[i, len(p) - 1: len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
         return Batch(sequences, [len(p) for p in prompts], mask, lp, torch.tensor(scores, dtype=torch.float32))
 
-    def stack(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Per-sequence [len-1] tensors -> [N, T] zero-padded."""
+    def stack(self, rows: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """Per-sequence [len-1] tensors by batch index -> [N, T], zero where no row is given."""
         out = torch.zeros_like(self.mask)
-        for i, row in enumerate(rows):
+        for i, row in rows.items():
             out[i, : row.shape[0]] = row
         return out
 

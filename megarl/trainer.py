@@ -180,9 +180,7 @@ class RLTrainer:
         """Each DP replica's last pipeline stage holds its sequences' rows (by batch index); give every
         rank the whole [N, T] tensor."""
         g = self.groups
-        out = torch.zeros_like(batch.mask, device=g.device)  # NCCL takes CUDA tensors only
-        for i, row in (rows or {}).items():
-            out[i, : row.shape[0]] = row
+        out = batch.stack(rows or {}).to(g.device)  # NCCL takes CUDA tensors only
         if g.dims.dp > 1:
             dist.all_reduce(out, group=g.dp_group)  # replicas hold disjoint rows
         if g.dims.pp > 1:

@@ -55,7 +55,7 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     # Pipeline stages need one shape for all micro-batches; without pipelining shapes may vary.
     micro_batch_size = max(b.tokens.shape[0] for b in batches)
     length = max(b.tokens.shape[1] for b in batches)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = groups.device
 
     def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module) -> Any:
         tokens, positions, mask = model_inputs(next(data), device)

@@ -75,7 +75,7 @@ def main() -> None:
             actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=mode == "sp"),
                                   OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
             before = actor.score(batch.sequences, score_budget, 2)
-            old = batch.stack(before or [torch.zeros(len(s) - 1) for s in batch.sequences])
+            old = batch.stack(dict(enumerate(before or [torch.zeros(len(s) - 1) for s in batch.sequences])))
             if pp > 1:
                 dist.broadcast(old, src=dist.get_global_rank(groups.pp_group, pp - 1), group=groups.pp_group)
             # A shifted "old" policy makes the ratios differ from 1, so clipping is exercised.
