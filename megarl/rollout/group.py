@@ -51,6 +51,13 @@ class EngineGroup:
         dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return out
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in engine-rank order, on every rank."""
+        out: list[Any] = [obj] * self.size
+        if self.group is not None:
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
@@ -90,12 +97,8 @@ class GroupEngine:
         """In-engine hand-over: give the engine this rank's trainer tensors and copy, once."""
         from megarl.rollout.sglang import serialize_wire
 
-        num_sources = [0] * self.group.size
-        if self.group.group is not None:
-            dist.all_gather_object(num_sources, len(copy.sources), group=self.group.group)
-        else:
-            num_sources = [len(copy.sources)]
-        wires = self.group.gather(serialize_wire(copy, key, max(num_sources)))
+        num_sources = max(self.group.all_gather(len(copy.sources)))  # every rank sends as many names
+        wires = self.group.gather(serialize_wire(copy, key, num_sources))
         if self.engine is not None:
             assert wires is not None
             cast(InEngineCopy, self.engine).attach(wires, key)
