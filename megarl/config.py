@@ -186,7 +186,8 @@ class RolloutConfig:
     num_samples_per_prompt: int = 8
     """Completions per prompt (the group size for GRPO, which needs at least 2)."""
     temperature: float = 1.0
-    """Sampling temperature; 0 = greedy."""
+    """Sampling temperature T > 0; the trainer's log-probabilities and entropy are those of softmax(logits / T),
+    the distribution the engine samples from (top_p/top_k truncation is not modelled: see rollout_correction)."""
     top_p: float = 1.0
     """Nucleus-sampling mass, in (0, 1]; 1 = off."""
     top_k: int = -1
@@ -210,7 +211,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")
         _positive(self, "reshard_bucket_mb")
-        _within(self, "temperature", "[0, inf)", "use 1.0, or 0 for greedy")
+        _within(self, "temperature", "(0, inf)", "use 1.0 (greedy decoding, 0, gives nothing to train on)")
         _within(self, "top_p", "(0, 1]", "use 1.0 to disable nucleus sampling")
         check(
             self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "be -1 or >= 1", "use -1 for no top-k"
@@ -242,17 +243,36 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (Schulman's k1, k2, k3)."""
     kl_in_reward: bool = False
-    """Subtract the KL penalty from the reward (classic RLHF) instead of adding it to the loss."""
+    """Subtract the KL penalty (kl_estimator, times kl_coef) from the reward instead of adding it to the loss:
+    per token for ppo (classic RLHF), summed over the response from the score before group normalisation for grpo."""
     adaptive_kl: bool = False
     """Adapt kl_coef towards kl_target (Ziegler et al.)."""
     kl_target: float | None = None
-    """Target KL per sample for adaptive_kl."""
+    """Target of the measured KL for adaptive_kl: the per-token mean of the KL estimate over response tokens."""
     kl_horizon: int = 10000
     """Horizon, in samples, of the adaptive KL controller."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     """How per-token losses are reduced to one number."""
     grpo_std_normalize: bool = True
     """Divide group-centred rewards by the group std (false = Dr. GRPO)."""
+    rollout_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "none"
+    """Correct for the engine's sampling distribution differing from the trainer's (kernels, bf16, FP8) by
+    weighting each token's loss with the ratio pi_trainer / pi_rollout: token_tis = per-token ratio truncated
+    at rollout_correction_cap; seq_tis = the sequence's geometric-mean ratio, truncated; seq_mis = that
+    ratio, with sequences outside [1/cap, cap] dropped; none = off."""
+    rollout_correction_cap: float = 2.0
+    """Truncation (tis) or rejection (mis) bound C > 1 of rollout_correction's importance ratios."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (grpo): drop prompts whose samples all got the same reward (no signal) and
+    generate more until data.num_prompts_per_step prompts with signal are found."""
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step at most with dynamic_sampling, the first included; if they find too few
+    prompts with signal, the batch is filled up with dropped ones (advantage 0)."""
+    overlong_buffer_tokens: int = 0
+    """DAPO soft overlong penalty: a response longer than rollout.max_new_tokens - overlong_buffer_tokens
+    loses reward linearly, overlong_penalty at the limit; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Reward lost by a response that reaches rollout.max_new_tokens, with overlong_buffer_tokens > 0."""
 
     def __post_init__(self) -> None:
         _within(self, "gamma", "[0, 1]", "use 1.0 (usual for LLM RL)")
@@ -263,7 +283,10 @@ class AlgorithmConfig:
         _within(self, "value_clip", "(0, inf)", "use 0.2, or null to disable value clipping")
         _within(self, "entropy_coef", "[0, inf)", "use 0 to disable the entropy bonus")
         _within(self, "kl_coef", "[0, inf)", "use 0 to disable the KL penalty")
-        _positive(self, "kl_horizon")
+        _positive(self, "kl_horizon", "dynamic_sampling_max_rounds")
+        _within(self, "rollout_correction_cap", "(1, inf)", "use 2.0")
+        _within(self, "overlong_buffer_tokens", "[0, inf)", "use 0 to disable the overlong penalty")
+        _within(self, "overlong_penalty", "[0, inf)", "use 1.0")
         if self.adaptive_kl:
             check(
                 self.kl_target is not None and self.kl_target > 0,
@@ -406,16 +429,13 @@ class Config:
                 "be >= 2 for grpo (advantages are rewards relative to the other samples of the prompt)",
                 "set rollout.num_samples_per_prompt to 4-16, or algorithm.name: ppo",
             )
-            check(
-                self.rollout.temperature > 0,
-                "rollout.temperature",
-                self.rollout.temperature,
-                "be > 0 for grpo (greedy samples of one prompt are identical, so every advantage is 0)",
-                "use temperature 1.0",
-            )
-        check(self.rollout.temperature > 0 or n == 1, "rollout.num_samples_per_prompt", n,
-              "be 1 with rollout.temperature 0 (greedy samples of a prompt are identical)",
-              "set rollout.num_samples_per_prompt: 1, or a temperature above 0")
+        algo = self.algorithm
+        check(not algo.dynamic_sampling or algo.name == "grpo", "algorithm.dynamic_sampling", algo.dynamic_sampling,
+              "be false for ppo (it selects prompts by the spread of their group's rewards, a grpo notion)",
+              "set algorithm.dynamic_sampling: false, or algorithm.name: grpo")
+        check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
+              algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
+              "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
         batch = self.data.num_prompts_per_step * n
         longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
         for name, section in self.trained_sections():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 
@@ -13,6 +14,23 @@ class UserError(ValueError):
 
     The message must name what is wrong (field or path), the value seen, and how to fix it.
     """
+
+
+class TrainingDiverged(UserError):
+    """A NaN or infinity in training. Reported like bad input (one paragraph, exit 2) and raised on every
+    rank at the same point, before the step's weights can reach a checkpoint."""
+
+
+def check_finite(where: str, values: Mapping[str, float], hint: str) -> None:
+    """Raise TrainingDiverged naming ``where`` (e.g. "step 3") and every NaN or infinity among ``values``.
+
+    Comparisons with NaN are all false, so a NaN passes every bound check and would train silently.
+    """
+    bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+    if bad:
+        raise TrainingDiverged(f"{where}: {', '.join(f'{k} = {v}' for k, v in bad.items())}. {hint} Training "
+                               "stopped before this step reached a checkpoint; the last complete checkpoint is "
+                               "intact. Rerun with MEGARL_DEBUG=1 for a traceback.")
 
 
 def fail(message: str) -> NoReturn:

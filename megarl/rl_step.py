@@ -7,6 +7,8 @@ token j of sequence i sits at column prompt_len_i - 1 + j.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,8 +17,9 @@ import torch
 from megarl.algos.advantages import gae, grpo_advantages, whiten
 from megarl.algos.kl import kl_estimate, kl_penalized_rewards
 from megarl.algos.losses import aggregate, policy_loss, value_loss
+from megarl.algos.shaping import overlong_penalty
 from megarl.config import AlgorithmConfig
-from megarl.errors import UserError
+from megarl.errors import UserError, check_finite
 
 
 @dataclass
@@ -54,6 +57,26 @@ class Batch:
         """[N, T] -> per-sequence [len-1] tensors."""
         return [x[i, : len(s) - 1] for i, s in enumerate(self.sequences)]
 
+    def select(self, index: Sequence[int]) -> Batch:
+        """The samples at ``index``, in that order, with T cut to the longest of them."""
+        sequences = [self.sequences[i] for i in index]
+        width = max(len(s) for s in sequences) - 1
+        rows = torch.tensor(list(index), dtype=torch.long)
+        return Batch(sequences, [self.prompt_lens[i] for i in index], self.mask[rows, :width],
+                     self.rollout_logprobs[rows, :width], self.scores[rows])
+
+    @staticmethod
+    def concat(parts: Sequence[Batch]) -> Batch:
+        """The samples of ``parts`` one after the other, per-token tensors right-padded with zeros."""
+        width = max(p.mask.shape[1] for p in parts)
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(getattr(p, name), (0, width - p.mask.shape[1]))
+                              for p in parts])
+
+        return Batch([s for p in parts for s in p.sequences], [n for p in parts for n in p.prompt_lens],
+                     cat("mask"), cat("rollout_logprobs"), torch.cat([p.scores for p in parts]))
+
 
 def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
     """Rollout engine vs trainer log-probabilities of the sampled tokens (a broken weight update shows here)."""
@@ -62,7 +85,21 @@ def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, flo
             "logprob_diff_max": float(diff.max())}
 
 
+def check_scores(scores: Sequence[float], num_samples: int, reward: str, step: int) -> None:
+    """A reward function's output must be one finite number per sample: a NaN would train silently."""
+    if len(scores) != num_samples:
+        raise UserError(f"step {step}: trainer.reward = {reward} returned {len(scores)} scores for {num_samples} "
+                        "responses. Make it return one float per completion, in order.")
+    bad = [i for i, v in enumerate(scores) if not math.isfinite(float(v))]
+    if bad:
+        check_finite(f"step {step}", {f"reward of sample {i}": float(scores[i]) for i in bad[:3]},
+                     f"The reward function trainer.reward = {reward} returned non-finite scores for {len(bad)} of "
+                     f"{num_samples} responses; make it return finite floats.")
+
+
 def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
+    check_finite(f"step {step}", drift, "The trainer's or the engine's log-probabilities are not finite: check the model's "
+                 "weights, the dtype (float16 overflows where bfloat16 does not) and the vocabulary padding.")
     if step == 0 and drift["logprob_diff_max"] > bound:
         raise UserError(f"step 0: rollout and trainer log-probabilities differ by up to "
                         f"{drift['logprob_diff_max']:.3f} (mean {drift['logprob_diff_mean']:.4f}), above "
@@ -71,21 +108,38 @@ def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
                         "engine's numerics are known to differ that much.")
 
 
+def shaped_scores(batch: Batch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
+    """[N] outcome rewards plus DAPO's soft overlong penalty (off unless algorithm.overlong_buffer_tokens > 0)."""
+    return batch.scores + overlong_penalty(batch.mask.sum(dim=1), max_new_tokens, algo.overlong_buffer_tokens,
+                                           algo.overlong_penalty)
+
+
 def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int, kl_coef: float,
                            ref_logprobs: torch.Tensor | None, trainer_logprobs: torch.Tensor,
-                           values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-    """Advantages [N, T] (and returns for the critic) for GRPO or KL-PPO with GAE."""
+                           values: torch.Tensor | None, max_new_tokens: int
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Advantages [N, T] (and returns for the critic) for GRPO or KL-PPO with GAE.
+
+    With kl_in_reward the KL estimate (algorithm.kl_estimator) times kl_coef is a reward: per token for
+    PPO, and for GRPO summed over each response and subtracted from its score before the group
+    normalisation (as verl does).
+    """
     metrics: dict[str, float] = {}
+    scores = shaped_scores(batch, algo, max_new_tokens)
+    if algo.overlong_buffer_tokens:
+        metrics["overlong_penalty"] = float((scores - batch.scores).mean())
     kl = None
     if ref_logprobs is not None:
-        kl = kl_estimate(trainer_logprobs, ref_logprobs, "k1" if algo.kl_in_reward else algo.kl_estimator)
-        metrics["kl"] = float((kl * batch.mask).sum() / batch.mask.sum().clamp(min=1))
+        kl = kl_estimate(trainer_logprobs, ref_logprobs, algo.kl_estimator) * batch.mask
+        metrics["kl"] = float(kl.sum() / batch.mask.sum().clamp(min=1))
+    coef = kl_coef if (kl is not None and algo.kl_in_reward) else 0.0
     if algo.name == "grpo":
-        adv = grpo_advantages(batch.scores, group_size, std_normalize=algo.grpo_std_normalize)
+        if kl is not None and coef:
+            scores = scores - coef * kl.sum(dim=1)
+        adv = grpo_advantages(scores, group_size, std_normalize=algo.grpo_std_normalize)
         return adv[:, None] * batch.mask, None, metrics
     assert values is not None, "PPO needs the critic's values"
-    coef = kl_coef if (kl is not None and algo.kl_in_reward) else 0.0
-    rewards = kl_penalized_rewards(batch.scores, kl if kl is not None else torch.zeros_like(batch.mask),
+    rewards = kl_penalized_rewards(scores, kl if kl is not None else torch.zeros_like(batch.mask),
                                    batch.mask, coef)
     adv, returns = gae(rewards, values * batch.mask, batch.mask, algo.gamma, algo.gae_lambda)
     return whiten(adv, batch.mask), returns, metrics
@@ -93,15 +147,22 @@ def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int,
 
 def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: AlgorithmConfig, kl_coef: float,
                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted PPO/GRPO actor loss of one micro-batch; extras: old_logprobs, advantages, weights[, ref_logprobs]."""
+    """Weighted PPO/GRPO actor loss of one micro-batch.
+
+    extras: old_logprobs, advantages, weights[, ref_logprobs][, is_weights] as [b, L-1]. Metrics are sums
+    over micro-batches and ranks: the weighted losses, and clipped_tokens / num_tokens (counts).
+    """
     w = extras["weights"]
     loss, _ = policy_loss(logprobs, extras["old_logprobs"], extras["advantages"], w, algo.clip_ratio_low,
-                          algo.clip_ratio_high, algo.dual_clip_c, aggregation="weighted")
+                          algo.clip_ratio_high, algo.dual_clip_c, aggregation="weighted",
+                          is_weights=extras.get("is_weights"))
     ratio = torch.exp((logprobs - extras["old_logprobs"]).clamp(-20, 20)).detach()
     adv = extras["advantages"]
     clipped = ((ratio > 1 + algo.clip_ratio_high) & (adv > 0)) | ((ratio < 1 - algo.clip_ratio_low) & (adv < 0))
-    metrics = {"policy_loss": loss.detach(), "clip_fraction": (clipped.float() * w).sum()}
-    if "ref_logprobs" in extras and not algo.kl_in_reward:
+    on = w > 0
+    metrics = {"policy_loss": loss.detach(), "clipped_tokens": (clipped & on).sum().float(),
+               "num_tokens": on.sum().float()}
+    if "ref_logprobs" in extras and not algo.kl_in_reward:  # in the reward, it is in the advantages already
         kl_loss = aggregate(kl_estimate(logprobs, extras["ref_logprobs"], algo.kl_estimator), w, "weighted")
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()

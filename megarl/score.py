@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -28,7 +29,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help='jsonl written with one {"logprobs": [...]} per line')
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    return parser.parse_args(argv)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="score under softmax(logits / T), the distribution an engine samples from at T (> 0)")
+    args = parser.parse_args(argv)
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise UserError(f"--temperature {args.temperature}: must be a finite number > 0 (greedy decoding, T = 0, "
+                        "has no log-probabilities). Pass the sampling temperature, e.g. --temperature 1.0.")
+    return args
 
 
 def read_sequences(path: str, vocab_size: int) -> list[list[int]]:
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         chunk.eval()
     mine = list(range(groups.dp_rank, len(sequences), groups.dims.dp))
     result = sequence_logprobs(chunks, spec, groups, [sequences[i] for i in mine],
-                               micro_batch_size=args.micro_batch_size) if mine else []
+                               micro_batch_size=args.micro_batch_size, temperature=args.temperature) if mine else []
     payload = list(zip(mine, result, strict=True)) if result is not None and groups.tp_rank == 0 else None
     gathered: list = [None] * world if groups.rank == 0 else []
     dist.gather_object(payload, gathered if groups.rank == 0 else None, dst=0)
@@ -95,6 +102,18 @@ def main(argv: list[str] | None = None) -> None:
         for part in gathered:
             rows |= dict(part or [])
         assert len(rows) == len(sequences)
+        bad = next((i for i in range(len(sequences)) if not all(map(math.isfinite, rows[i]))), None)
+    else:
+        bad = None
+    # A non-finite logprob is a model or numerics failure, and NaN is not JSON: refuse to write it.
+    flag = [bad]
+    dist.broadcast_object_list(flag, src=0)
+    if flag[0] is not None:
+        raise UserError(f"scoring produced non-finite log-probabilities for sequence {flag[0] + 1} of {args.input} "
+                        f"(--tp {args.tp} --pp {args.pp} --dtype {args.dtype}); nothing was written to "
+                        f"{args.output}. Check the model's weights for NaN/inf"
+                        + (", or score with --dtype float32." if args.dtype != "float32" else "."))
+    if groups.rank == 0:
         out = Path(args.output)
         tmp = out.with_name(out.name + ".tmp")
         with open(tmp, "w") as f:

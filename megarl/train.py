@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
     from megarl import checkpoint
+    from megarl.algos.correction import rollout_correction_weights
     from megarl.rl_step import advantages_and_returns, check_drift, logprob_drift
 
     algo = cfg.algorithm
     for step in range(tracker.start_step, cfg.trainer.num_steps):
-        prompts = next(loader)
         with tracker.phase("generate"):  # sample responses with the current policy and score them
-            batch, _ = trainer.rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], decode, step)
+            batch, sampling = trainer.generate(lambda: next(loader), decode, step)
         with tracker.phase("score"):  # old logprobs: the trainer's view of the sampled tokens
             old = trainer.score(batch, trainer.actor)
         with tracker.phase("reference"):
@@ -41,20 +41,27 @@ def main(argv: list[str] | None = None) -> None:
         drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
         check_drift(drift, cfg.rollout.logprob_diff_max, step)
         advantages, returns, kl_metrics = advantages_and_returns(
-            batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values)
+            batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
+            cfg.rollout.max_new_tokens)
         extras = {"old_logprobs": old, "advantages": advantages}
         if ref is not None:
             extras["ref_logprobs"] = ref
+        # Truncated importance weights pi_old / pi_rollout: the engine's sampler is not the trainer's.
+        is_weights, correction = rollout_correction_weights(
+            old, batch.rollout_logprobs, batch.mask, algo.rollout_correction, algo.rollout_correction_cap)
+        if algo.rollout_correction != "none":
+            extras["is_weights"] = is_weights
         with tracker.phase("update"):  # clipped policy updates, epochs x mini-batches
-            metrics = trainer.update_actor(batch, extras)
+            metrics = trainer.update_actor(batch, extras, step)
         with tracker.phase("critic"):
             if values is not None and returns is not None:
-                metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns})
+                metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
         with tracker.phase("reshard"):  # new weights into the engine's layout, in place
             trainer.push_weights()
         if "kl" in kl_metrics:
             trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
-        tracker.log(step, batch, metrics | drift | kl_metrics | {"kl_coef": trainer.kl.value})
+        correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
+        tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | {"kl_coef": trainer.kl.value})
         every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
         stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
         if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one

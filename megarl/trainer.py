@@ -9,6 +9,8 @@ weights over, and all ranks then see the whole batch.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
+from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
 from megarl.models.spec import load_spec
@@ -24,7 +27,8 @@ from megarl.parallel import ParallelGroups
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 from megarl.rewards.registry import load_reward
-from megarl.rl_step import Batch, actor_loss, critic_loss
+from megarl.data.batching import TokenizedPrompt
+from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.base import RolloutEngine, SamplingParams
 from megarl.rollout.group import GroupEngine, engine_group
 
@@ -59,8 +63,11 @@ class RLTrainer:
                             transformer_engine=use_te, sequence_parallel=cfg.parallel.sequence_parallel,
                             recompute_activations=cfg.model.recompute_activations)
         algo, steps = cfg.algorithm, cfg.trainer.num_steps
-        self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps)
-        self.reference = (MegatronModel(self.spec, cfg.model.hf_path, groups, opts) if algo.kl_coef > 0 else None)
+        temperature = cfg.rollout.temperature  # log-probabilities of the distribution the engine samples from
+        self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps,
+                                   temperature=temperature)
+        self.reference = (MegatronModel(self.spec, cfg.model.hf_path, groups, opts, temperature=temperature)
+                          if algo.kl_coef > 0 else None)
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)
@@ -102,28 +109,67 @@ class RLTrainer:
         self.resharder.refit()
         self.engine.deliver(self.engine_tensors)
 
-    def rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int
-                ) -> tuple[Batch, list[str]]:
-        """Generate this engine's share of the prompts (on its driver), put the engine to sleep, score the
-        responses; every rank returns the whole batch (samples of one prompt contiguous)."""
+    def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
+                 ) -> tuple[Batch, dict[str, float]]:
+        """One step's batch of data.num_prompts_per_step prompts' samples, then the engine sleeps.
+
+        With algorithm.dynamic_sampling, prompts whose samples all score the same (no GRPO signal) are
+        dropped and further rounds of prompts generated, up to dynamic_sampling_max_rounds; a batch still
+        short of informative prompts is filled up with dropped ones. Every rank returns the same batch.
+        """
+        algo, r = self.cfg.algorithm, self.cfg.rollout
+        n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
+        kept: list[Batch] = []
+        dropped: list[Batch] = []
+        num_kept = num_dropped = rounds = 0
+        while num_kept < wanted and rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
+            prompts = next_prompts()
+            batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], decode, step,
+                                  step * algo.dynamic_sampling_max_rounds + rounds)
+            rounds += 1
+            if not algo.dynamic_sampling:
+                kept.append(batch)
+                break
+            good = informative_groups(shaped_scores(batch, algo, r.max_new_tokens), n).tolist()
+            take = [g for g, ok in enumerate(good) if ok][: wanted - num_kept]
+            skip = [g for g, ok in enumerate(good) if not ok]
+            num_kept += len(take)
+            num_dropped += len(skip)
+            if take:
+                kept.append(batch.select([g * n + j for g in take for j in range(n)]))
+            if skip:
+                dropped.append(batch.select([g * n + j for g in skip for j in range(n)]))
+        self.engine.sleep()  # colocation: the trainer gets the memory back until the next push_weights
+        self._engine_awake = False
+        metrics: dict[str, float] = {}
+        if algo.dynamic_sampling:
+            metrics = {"sampling/rounds": float(rounds), "sampling/informative_prompts": float(num_kept),
+                       "sampling/dropped_prompts": float(num_dropped)}
+            if num_kept < wanted:  # keep the configured batch size (mini-batches divide it): fill with no-signal groups
+                filler = Batch.concat(dropped)
+                kept.append(filler.select(range((wanted - num_kept) * n)))
+        return Batch.concat(kept), metrics
+
+    def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
+                 ) -> Batch:
+        """Generate this engine's share of the prompts (on its driver) and score the responses; every rank
+        returns the whole batch (samples of one prompt contiguous)."""
         r, g, eg = self.cfg.rollout, self.groups, self.engine.group
         assert self._engine_awake, "push_weights() wakes the engine before every rollout"
         mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
         params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, seed=r.seed + step * 100003 + eg.index,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003 + eg.index,
                                 stop_token_ids=self.stop_ids)
         done = self.engine.generate([prompts[i] for i in mine], params)
-        self.engine.sleep()  # colocation: the trainer gets the memory back until the next push_weights
-        self._engine_awake = False
         local = [(mine[c.prompt_index], c.token_ids, c.logprobs) for c in done]
         everything: list[Any] = [None] * g.dims.world_size
         dist.all_gather_object(everything, local)
         rows = sorted((row for part in everything for row in part), key=lambda x: x[0])  # stable per prompt
         texts = [decode(tokens) for _, tokens, _ in rows]
         scores = self.reward_fn(texts, [answers[i] for i, _, _ in rows])
-        batch = Batch.build([prompts[i] for i, _, _ in rows], [t for _, t, _ in rows], [lp for _, _, lp in rows],
-                            scores)
-        return batch, texts
+        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
+        return Batch.build([prompts[i] for i, _, _ in rows], [t for _, t, _ in rows], [lp for _, _, lp in rows],
+                           scores)
 
     def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
@@ -137,14 +183,17 @@ class RLTrainer:
         return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
 
     def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
-                  loss: Any) -> dict[str, float]:
+                  loss: Any, where: str) -> dict[str, float]:
         """``num_ppo_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` samples, one
         optimizer step each. Token weights are normalised per mini-batch over all DP ranks, so each step
-        optimises the configured aggregation of its mini-batch; each DP rank trains on its share."""
+        optimises the configured aggregation of its mini-batch; each DP rank trains on its share.
+        Returns the mean of each metric over all optimizer steps (lr: the last one's)."""
         g, n = self.groups, len(batch.sequences)
         size = section.mini_batch_size or n
-        metrics: dict[str, float] = {}
-        for _ in range(section.num_ppo_epochs):
+        totals: dict[str, float] = defaultdict(float)
+        num_updates = 0
+        last: dict[str, float] = {}
+        for epoch in range(section.num_ppo_epochs):
             for start in range(0, n, size):
                 index = list(range(start, min(start + size, n)))
                 weights = token_weights(batch.mask[index], self.cfg.algorithm.loss_aggregation)
@@ -152,11 +201,19 @@ class RLTrainer:
                 seqs = [batch.sequences[index[j]] for j in mine]
                 rows = {k: [v[index[j], : len(seqs[m]) - 1] for m, j in enumerate(mine)] for k, v in extras.items()}
                 rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
-                metrics = model.train_step(seqs, rows, loss, *_batching(section))
+                last = model.train_step(seqs, rows, loss, *_batching(section),
+                                        where=f"{where}, epoch {epoch}, samples {start}-{index[-1]}")
+                for k, v in last.items():
+                    totals[k] += v
+                num_updates += 1
+        metrics = {k: v / num_updates for k, v in totals.items()} | {"lr": last["lr"]}
+        if "num_tokens" in metrics:  # token counts summed over every step: the share of tokens clipped
+            metrics["clip_fraction"] = totals.pop("clipped_tokens") / max(totals.pop("num_tokens"), 1.0)
+            del metrics["clipped_tokens"], metrics["num_tokens"]
         return metrics
 
-    def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs] as [N, T]."""
+    def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs][, is_weights] as [N, T]."""
         algo, actor = self.cfg.algorithm, self.actor
         entropy_on = algo.entropy_coef > 0
 
@@ -164,16 +221,16 @@ class RLTrainer:
             logp = actor.token_logprobs(logits, tokens)
             return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None)
 
-        metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss)
+        metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss, f"step {step}, actor")
         return {f"actor/{k}": v for k, v in metrics.items()}
 
-    def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         """Clipped value updates; extras: old_values, returns as [N, T]."""
         if self.critic is None:
             return {}
         algo = self.cfg.algorithm
         metrics = self._optimize(self.critic, self.cfg.critic, batch, extras,
-                                 lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo))
+                                 lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo), f"step {step}, critic")
         return {f"critic/{k}": v for k, v in metrics.items()}
 
     def _share_rows(self, rows: dict[int, torch.Tensor] | None, batch: Batch) -> torch.Tensor:

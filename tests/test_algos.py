@@ -183,9 +183,15 @@ def test_kl_estimators_by_hand() -> None:
     close(kl_estimate(logp, ref, "k2"), [[0.125, 0.5]])  # 0.5 * 0.25, 0.5 * 1
     # d = ref - logp = -0.5, 1.0: exp(-0.5) + 0.5 - 1 = 0.1065307, e - 1 - 1 = 0.7182818
     close(kl_estimate(logp, ref, "k3"), [[0.1065307, 0.7182818]], atol=1e-6)
-    # Clamped to d in [-20, 20]: exp(-20) + 20 - 1 and exp(20) - 20 - 1, both finite.
-    extreme = kl_estimate(t([0.0, -1000.0]).float(), t([-1000.0, 0.0]).float(), "k3")
-    torch.testing.assert_close(extreme, torch.tensor([[19.0, math.exp(20) - 21]]))
+    # The estimate itself is bounded by 10 (as in verl and OpenRLHF): exp(20) - 21 ~ 5e8 would let one
+    # token dominate an update. d = 3: e^3 - 4 = 16.09 -> 10; d = 2: e^2 - 3 = 4.389 stays.
+    extreme = kl_estimate(t([0.0, -1000.0, 0.0, 0.0]).float(), t([-1000.0, 0.0, 3.0, 2.0]).float(), "k3")
+    torch.testing.assert_close(extreme, torch.tensor([[10.0, 10.0, 10.0, math.exp(2) - 3]]))
+    # A clamped token gets no gradient; one below the bound keeps exp(d) - 1 = e^2 - 1.
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    kl_estimate(logp, torch.tensor([[3.0, 2.0]]), "k3").sum().backward()
+    assert logp.grad is not None
+    close(logp.grad, [[0.0, -(math.exp(2) - 1)]], atol=1e-5)
 
 
 def test_kl_penalized_rewards_by_hand() -> None:
@@ -237,3 +243,60 @@ def test_token_weights_reproduce_every_aggregation_across_micro_batches():
         # Split into micro-batches: the weighted parts add up to the global aggregate.
         parts = sum(aggregate(loss[i:i + 2], w[i:i + 2], "weighted") for i in range(0, 6, 2))
         assert torch.allclose(parts, aggregate(loss, mask, mode)), mode
+
+
+def test_rollout_correction_weights_by_hand() -> None:
+    from megarl.algos.correction import rollout_correction_weights
+
+    # Sequence 0: token log-ratios old - rollout = ln 3, ln 0.5, 0 (mean ln(1.5)/3); sequence 1: ln 4 (one token).
+    old = t([math.log(3), math.log(0.5), 0.0], [math.log(4), 0.0, 0.0])
+    rollout = torch.zeros(2, 3, dtype=torch.float64)
+    mask = t([1, 1, 1], [1, 0, 0])
+    w, m = rollout_correction_weights(old, rollout, mask, "token_tis", cap=2.0)
+    close(w, [[2.0, 0.5, 1.0], [2.0, 0, 0]])  # 3 and 4 truncated at 2
+    assert m["truncated_fraction"] == 0.5 and m["weight_max"] == 2.0 and m["weight_min"] == 0.5
+    close(m["token_ratio_max"], 4.0)
+    close(m["weight_mean"], (2 + 0.5 + 1 + 2) / 4)
+    # Geometric means: (3 * 0.5 * 1)^(1/3) = 1.1447142, and 4 for sequence 1.
+    g = 1.5 ** (1 / 3)
+    w, m = rollout_correction_weights(old, rollout, mask, "seq_tis", cap=2.0)
+    close(w, [[g, g, g], [2.0, 0, 0]])
+    assert m["truncated_fraction"] == 0.25
+    # Masked IS drops sequence 1 (4 > cap) and keeps sequence 0 at its ratio.
+    w, m = rollout_correction_weights(old, rollout, mask, "seq_mis", cap=2.0)
+    close(w, [[g, g, g], [0, 0, 0]])
+    # ... and also a sequence below 1 / cap.
+    w, _ = rollout_correction_weights(-old, rollout, mask, "seq_mis", cap=2.0)
+    close(w, [[1 / g, 1 / g, 1 / g], [0, 0, 0]])
+    w, m = rollout_correction_weights(old, rollout, mask, "none", cap=2.0)
+    close(w, mask)
+    assert m["truncated_fraction"] == 0 and m["token_ratio_max"] == pytest.approx(4.0)
+
+
+def test_policy_loss_is_weighted_per_token() -> None:
+    logprobs = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    adv, mask = t([1.0, -2.0]), t([1, 1])
+    # Ratio 1 everywhere: per-token loss -A = [-1, 2]; weights [0.5, 2] -> mean of [-0.5, 4] = 1.75.
+    loss, _ = policy_loss(logprobs, old, adv, mask, 0.2, 0.2, is_weights=t([0.5, 2.0]))
+    close(loss, 1.75)
+    loss.backward()
+    assert logprobs.grad is not None
+    close(logprobs.grad, [[-0.25, 2.0]])  # d(-A r w)/d logp / 2 tokens
+
+
+def test_overlong_penalty_by_hand() -> None:
+    from megarl.algos.shaping import overlong_penalty
+
+    # Limit 100, buffer 20: free up to 80, then linear to -penalty at 100.
+    lengths = torch.tensor([10, 80, 90, 100])
+    close(overlong_penalty(lengths, 100, 20, 1.0), [0, 0, -0.5, -1.0])
+    close(overlong_penalty(lengths, 100, 20, 0.5), [0, 0, -0.25, -0.5])
+    close(overlong_penalty(lengths, 100, 0, 1.0), [0, 0, 0, 0])
+
+
+def test_informative_groups() -> None:
+    from megarl.algos.shaping import informative_groups
+
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.6])
+    assert informative_groups(scores, 3).tolist() == [False, True, False, True]

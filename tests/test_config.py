@@ -308,7 +308,11 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         ),
         # cross-section checks in Config.__post_init__
         (with_changes(rollout={"num_samples_per_prompt": 1}), ["`rollout.num_samples_per_prompt`", "grpo"]),
-        (with_changes(rollout={"temperature": 0}), ["`rollout.temperature`", "grpo"]),
+        (with_changes(rollout={"temperature": 0}), ["`rollout.temperature`", "greedy"]),
+        (with_changes(algorithm={"name": "ppo", "dynamic_sampling": True}), ["`algorithm.dynamic_sampling`", "grpo"]),
+        (with_changes(algorithm={"overlong_buffer_tokens": 5000}), ["`algorithm.overlong_buffer_tokens`", "max_new_tokens = 1024"]),
+        (with_changes(algorithm={"rollout_correction": "tis"}), ["`algorithm.rollout_correction`", "token_tis"]),
+        (with_changes(algorithm={"rollout_correction_cap": 1.0}), ["`algorithm.rollout_correction_cap`"]),
         (with_changes(actor={"mini_batch_size": 48}), ["`actor.mini_batch_size`", "= 48", "64"]),
         (
             with_changes(algorithm={"name": "ppo"}, critic={"mini_batch_size": 5}),
@@ -317,8 +321,8 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(actor={"max_tokens_per_gpu": 1000}), ["`actor.max_tokens_per_gpu`", "2048"]),
         (with_changes(rollout={"engine_args": "triton"}), ["`rollout.engine_args`", "must be a mapping"]),
         (with_changes(checkpoint={"stop_file": "/tmp/x.stop"}), ["`checkpoint.stop_file`", "checkpoint.dir"]),
-        (with_changes(algorithm={"name": "ppo"}, rollout={"temperature": 0, "num_samples_per_prompt": 2}),
-         ["`rollout.num_samples_per_prompt`", "temperature 0"]),
+        (with_changes(algorithm={"name": "ppo"}, rollout={"temperature": 0, "num_samples_per_prompt": 1}),
+         ["`rollout.temperature`", "greedy"]),
     ],
 )
 def test_bad_values(data: dict[str, Any], expected: list[str]) -> None:

@@ -50,16 +50,20 @@ def test_strict_hash_answer_wins_over_later_numbers() -> None:
     assert extract_answer("-3 degrees\n#### -3") == "-3"
 
 
-def test_fallback_without_math_verify_is_last_number(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gsm8k, "_math_verify_parse", None)
-    assert extract_answer(r"The answer is \boxed{3}, found after 4 steps.") == "4"
-    assert extract_answer("#### none, so 12") == "12"
-    assert extract_answer("no digits") is None
+@pytest.mark.parametrize(("text", "expected"), [
+    ("answer: 18 (since 20-2)", "18"),  # the last-number rule said -2
+    ("#### 3. Add them\n5 + 13 = 18, so the answer is 18", "18"),  # a numbered heading is not the answer
+    ("#### 2) Subtract\n#### 16", "16"),
+    ("#### 18.", "18"),
+    (r"The answer is \boxed{3}, found after 4 steps.", "3"),
+    ("#### none, so 12", "12"),
+    ("no digits", None),
+])
+def test_answers_that_a_last_number_rule_gets_wrong(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
 
 
-def test_fallback_with_math_verify_prefers_boxed() -> None:
-    pytest.importorskip("math_verify")
-    assert extract_answer(r"The answer is \boxed{3}, found after 4 steps.") == "3"
+def test_boxed_fractions_compare_numerically() -> None:
     assert reward([r"so \boxed{\frac{1}{2}}"], ["0.5"]) == [1.0]
 
 

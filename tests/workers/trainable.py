@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
 from megarl.data.batching import plan_micro_batches  # noqa: E402
+from megarl.errors import TrainingDiverged  # noqa: E402
 from megarl.models import trainable  # noqa: E402
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
@@ -56,14 +57,18 @@ def main() -> None:
     rollout_lp = [[-1.0] * len(r) for r in responses]
     scores = torch.rand(len(prompts), generator=gen).tolist()
     batch = Batch.build(prompts, responses, rollout_lp, scores)
+    # An entropy bonus at a sampling temperature: its vocab-parallel gradient must not grow with TP.
     algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                           loss_aggregation="seq-mean-token-mean")
+                           loss_aggregation="seq-mean-token-mean", entropy_coef=0.5)
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     weights = token_weights(batch.mask, algo.loss_aggregation)
     results = []
     runs = [(layout, mode) for layout in LAYOUTS for mode in MODES]
     # Sequence parallelism (packed rows, odd lengths): rows must be padded to a multiple of TP.
     runs += [((2, 1), "sp"), ((2, 2), "sp")]
+    # 16-bit training: float16 must scale the loss (Megatron's grad scaler unscales the gradients), or its
+    # update comes out ~2^-32 of bfloat16's.
+    runs += [((2, 1), "bfloat16"), ((2, 1), "float16"), ((1, 2), "nan")]
     for (tp, pp), mode in runs:
         # Token budgets for scoring and training, or None: fixed micro-batches of 2 (dynamic_batch: false).
         score_budget, train_budget = (64, 40) if mode != "fixed" else (None, None)
@@ -72,8 +77,10 @@ def main() -> None:
         model_parallel_seed(0)
         with contextlib.nullcontext() if mode != "unpacked" else mock.patch.object(trainable, "plan_micro_batches",
                                                                                    unpacked):
-            actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=mode == "sp"),
-                                  OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2)
+            dtype = getattr(torch, mode) if mode in ("bfloat16", "float16") else torch.float32
+            actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=mode == "sp", dtype=dtype),
+                                  OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
+                                  temperature=0.8)
             before = actor.score(batch.sequences, score_budget, 2)
             old = batch.stack(dict(enumerate(before or [torch.zeros(len(s) - 1) for s in batch.sequences])))
             if pp > 1:
@@ -84,13 +91,27 @@ def main() -> None:
             rows = {k: [batch.rows(v)[i] for i in mine] for k, v in extras.items()}
 
             def loss(logits, tokens, ex, a=actor):
-                return actor_loss(a.token_logprobs(logits, tokens), ex, algo, 0.0)
+                return actor_loss(a.token_logprobs(logits, tokens), ex, algo, 0.0, a.token_entropy(logits))
 
+            if mode == "nan":  # a NaN advantage: every rank must stop before the optimizer step, together
+                rows["advantages"][0] = torch.full_like(rows["advantages"][0], float("nan"))
+                try:
+                    actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2,
+                                     where="step 5, actor")
+                    error = ""
+                except TrainingDiverged as err:
+                    error = str(err)
+                results.append({"tp": tp, "pp": pp, "mode": mode, "rank": dist.get_rank(), "error": error,
+                                "weights_finite": all(bool(p.isfinite().all()) for p in actor.named_params().values())})
+                destroy_model_parallel()
+                continue
             metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2)
             after = actor.score(batch.sequences, score_budget, 2)
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
             results.append({"tp": tp, "pp": pp, "dp": dims.dp, "mode": mode, "loss": metrics["loss"],
-                            "grad_norm": metrics["grad_norm"], "clip_fraction": metrics["clip_fraction"],
+                            "grad_norm": metrics["grad_norm"], "entropy": metrics["entropy"],
+                            "update_skipped": metrics["update_skipped"],
+                            "clip_fraction": metrics["clipped_tokens"] / metrics["num_tokens"],
                             "padding_fraction": metrics["padding_fraction"],
                             "logprobs_before": torch.cat(before).tolist(), "logprobs_after": torch.cat(after).tolist()})
         destroy_model_parallel()

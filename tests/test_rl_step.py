@@ -1,0 +1,87 @@
+"""The per-step RL plumbing between rollout and update (megarl.rl_step), against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.config import AlgorithmConfig
+from megarl.errors import TrainingDiverged
+from megarl.rl_step import Batch, actor_loss, advantages_and_returns, check_drift, logprob_drift
+
+
+def batch_of(scores: list[float], response_lens: list[int]) -> Batch:
+    prompts = [[1, 2]] * len(scores)
+    responses = [[3] * n for n in response_lens]
+    return Batch.build(prompts, responses, [[-1.0] * n for n in response_lens], scores)
+
+
+def test_grpo_kl_in_reward_is_subtracted_from_scores_before_group_normalisation() -> None:
+    batch = batch_of([1.0, 1.0], [2, 1])
+    algo = AlgorithmConfig(name="grpo", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1")
+    old = batch.rollout_logprobs.clone()
+    ref = old - batch.mask * torch.tensor([[0.0, 0.4, 0.6], [0.0, 0.2, 0.0]])  # k1 = 0.4 + 0.6 and 0.2
+    adv, _, metrics = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8)
+    # Scores 1 - 0.5 * 1.0 = 0.5 and 1 - 0.5 * 0.2 = 0.9: centred -0.2, +0.2; unbiased std 0.2828.
+    expected = 0.2 / math.sqrt(0.08)
+    torch.testing.assert_close(adv[:, 1], torch.tensor([-expected, expected]), atol=1e-4, rtol=0)
+    assert metrics["kl"] == pytest.approx(1.2 / 3)
+    # Without the KL in the reward the equal scores carry no signal.
+    algo = AlgorithmConfig(name="grpo", kl_coef=0.5, kl_estimator="k1")
+    adv, _, _ = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8)
+    assert adv.abs().max() == 0
+
+
+def test_ppo_kl_in_reward_uses_the_configured_estimator() -> None:
+    batch = batch_of([0.0], [1])
+    old = batch.rollout_logprobs.clone()
+    ref = old + batch.mask * 3.0  # d = ref - logp = 3: k1 = -3, k3 = min(e^3 - 4, 10) = 10
+    values = torch.zeros_like(batch.mask)
+    for estimator, kl in (("k1", -3.0), ("k2", 4.5), ("k3", 10.0)):
+        algo = AlgorithmConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, kl_estimator=estimator)
+        _, returns, metrics = advantages_and_returns(batch, algo, 1, 0.1, ref, old, values, max_new_tokens=8)
+        assert returns is not None
+        assert metrics["kl"] == pytest.approx(kl)
+        assert returns[0, 1].item() == pytest.approx(-0.1 * kl)  # the one token's reward, gamma = lambda = 1
+
+
+def test_overlong_penalty_shapes_grpo_advantages() -> None:
+    batch = batch_of([1.0, 1.0], [8, 4])  # limit 8, buffer 4: the first response loses the full penalty
+    algo = AlgorithmConfig(name="grpo", overlong_buffer_tokens=4, overlong_penalty=1.0)
+    adv, _, metrics = advantages_and_returns(batch, algo, 2, 0.0, None, batch.rollout_logprobs, None, max_new_tokens=8)
+    assert metrics["overlong_penalty"] == pytest.approx(-0.5)
+    assert adv[0, 1] < 0 < adv[1, 1]
+
+
+def test_drift_check_fails_on_nan_at_any_step() -> None:
+    batch = batch_of([1.0, 0.0], [2, 2])
+    trainer = batch.rollout_logprobs.clone()
+    check_drift(logprob_drift(batch, trainer), 2.0, step=7)
+    trainer[0, 1] = float("nan")
+    with pytest.raises(TrainingDiverged, match=r"step 7: logprob_diff_mean = nan, logprob_diff_max = nan"):
+        check_drift(logprob_drift(batch, trainer), 2.0, step=7)
+
+
+def test_clip_fraction_counts_tokens_whatever_the_weights() -> None:
+    algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.2)
+    old = torch.zeros(1, 3)
+    logprobs = torch.tensor([[math.log(1.5), 0.0, 0.0]])  # token 0 clipped (A > 0, ratio 1.5)
+    # seq-mean-token-sum weights can sum past 1; the count stays a count.
+    extras = {"old_logprobs": old, "advantages": torch.ones(1, 3), "weights": torch.tensor([[2.0, 2.0, 0.0]])}
+    _, metrics = actor_loss(logprobs, extras, algo, 0.0)
+    assert metrics["clipped_tokens"].item() == 1 and metrics["num_tokens"].item() == 2
+
+
+def test_batch_select_and_concat() -> None:
+    a = batch_of([0.0, 1.0], [1, 3])
+    b = batch_of([0.5], [5])
+    both = Batch.concat([a, b])
+    assert both.mask.shape == (3, 6) and both.scores.tolist() == [0.0, 1.0, 0.5]
+    assert both.mask.sum(dim=1).tolist() == [1, 3, 5]
+    picked = both.select([2, 0])
+    assert picked.sequences == [b.sequences[0], a.sequences[0]] and picked.mask.shape == (2, 6)
+    short = both.select([0, 1])
+    assert short.mask.shape == (2, 4)
+    torch.testing.assert_close(short.rollout_logprobs, a.rollout_logprobs)
