@@ -8,7 +8,6 @@ token j of sequence i sits at column prompt_len_i - 1 + j.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -98,8 +97,9 @@ def check_scores(scores: Sequence[float], num_samples: int, reward: str, step: i
 
 
 def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
-    check_finite(f"step {step}", drift, "The trainer's or the engine's log-probabilities are not finite: check the model's "
-                 "weights, the dtype (float16 overflows where bfloat16 does not) and the vocabulary padding.")
+    check_finite(f"step {step}", drift, "The trainer's or the engine's log-probabilities are not finite: check "
+                 "the model's weights, the dtype (float16 overflows where bfloat16 does not) and the vocabulary "
+                 "padding.")
     if step == 0 and drift["logprob_diff_max"] > bound:
         raise UserError(f"step 0: rollout and trainer log-probabilities differ by up to "
                         f"{drift['logprob_diff_max']:.3f} (mean {drift['logprob_diff_mean']:.4f}), above "

@@ -20,6 +20,7 @@ from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig
+from megarl.data.batching import TokenizedPrompt
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
@@ -27,7 +28,6 @@ from megarl.parallel import ParallelGroups
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 from megarl.rewards.registry import load_reward
-from megarl.data.batching import TokenizedPrompt
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.base import RolloutEngine, SamplingParams
 from megarl.rollout.group import GroupEngine, engine_group
@@ -230,7 +230,8 @@ class RLTrainer:
             return {}
         algo = self.cfg.algorithm
         metrics = self._optimize(self.critic, self.cfg.critic, batch, extras,
-                                 lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo), f"step {step}, critic")
+                                 lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo),
+                                 f"step {step}, critic")
         return {f"critic/{k}": v for k, v in metrics.items()}
 
     def _share_rows(self, rows: dict[int, torch.Tensor] | None, batch: Batch) -> torch.Tensor:

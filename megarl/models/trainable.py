@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import OptimizerConfig
-from megarl.errors import check_finite
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
+from megarl.errors import check_finite
 from megarl.models.forward import forward_only, micro_batches, model_inputs
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
