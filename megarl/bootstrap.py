@@ -58,7 +58,8 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     start_step, run_id = 0, None
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if resume_from is not None:
-        state = checkpoint.load(resume_from, trainer.trained_models())
+        trainer.sleep_engine()  # the restored state needs the memory
+        state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
         loader.load_state_dict(state["loader"])
         trainer.kl.load_state_dict(state["kl"])
         trainer.push_weights()  # the engine must generate with the restored weights

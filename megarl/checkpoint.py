@@ -177,8 +177,9 @@ def _save_optimizer(model: MegatronModel, out: Path) -> None:
 
 
 def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_state: dict[str, Any],
-         keep_last: int) -> Path:
-    """Save after ``step`` (collective: every rank calls it)."""
+         keep_last: int, prepare: Callable[[str], None] | None = None) -> Path:
+    """Save after ``step`` (collective: every rank calls it). ``prepare(role)`` runs before each model is
+    read: it brings the model's offloaded state back to the device (megarl.offload)."""
     started = time.perf_counter()
     root = Path(directory)
     name = f"step_{step:06d}"
@@ -190,6 +191,8 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
             (tmp / role / OPTIMIZER).mkdir(parents=True)
     dist.barrier()
     for role, model in models.items():
+        if prepare is not None:
+            prepare(role)
         _save_model(model, tmp / role)
         _save_optimizer(model, tmp / role / OPTIMIZER)
     torch.save({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
@@ -256,11 +259,15 @@ def find(resume: str, directory: str | None) -> Path | None:
     return path
 
 
-def load(path: Path, models: dict[str, MegatronModel]) -> dict[str, Any]:
-    """Restore weights, optimizer state and LR schedule in any layout, and the RNG states in the same one."""
+def load(path: Path, models: dict[str, MegatronModel], prepare: Callable[[str], None] | None = None
+         ) -> dict[str, Any]:
+    """Restore weights, optimizer state and LR schedule in any layout, and the RNG states in the same one.
+    ``prepare(role)`` runs before each model is written, as in ``save``."""
     state = json.loads((path / "trainer.json").read_text())
     metas = {role: _check_compatible(path / role, model) for role, model in models.items()}
     for role, model in models.items():
+        if prepare is not None:
+            prepare(role)
         _load_weights(path / role, metas[role], model)
         _load_optimizer(path / role, metas[role], model)
     dims = next(iter(models.values())).groups.dims

@@ -158,6 +158,9 @@ class UpdateConfig:
     """Token budget of one micro-batch on one GPU when dynamic_batch is true."""
     micro_batch_size: int = 1
     """Samples per micro-batch on one GPU when dynamic_batch is false."""
+    offload_optimizer: bool = True
+    """Move the optimizer state (fp32 master weights, Adam moments) and the gradient buffer to host memory
+    while this model is not updating (rollout, scoring, the other model's update), for the engine's KV cache."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ppo_epochs", "max_tokens_per_gpu", "micro_batch_size")
@@ -175,6 +178,14 @@ class CriticConfig(UpdateConfig):
     """Critic initialisation (HF dir); null = model.hf_path with a freshly initialised value head."""
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """Value-model optimizer (a critic learns faster than the policy, hence lr 1e-5)."""
+    offload_weights: bool = True
+    """Move the critic's weights to host memory outside its own phases (its values and its update)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ReferenceConfig:
+    offload_weights: bool = True
+    """Move the reference model's weights to host memory outside the phase that scores with them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -406,6 +417,8 @@ class Config:
     """Policy training."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value model training (ppo only)."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """Reference model (run when algorithm.kl_coef > 0)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation engine and sampling."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

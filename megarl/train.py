@@ -56,17 +56,19 @@ def main(argv: list[str] | None = None) -> None:
         with tracker.phase("critic"):
             if values is not None and returns is not None:
                 metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
-        with tracker.phase("reshard"):  # new weights into the engine's layout, in place
-            trainer.push_weights()
         if "kl" in kl_metrics:
             trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
-        correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
-        tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | {"kl_coef": trainer.kl.value})
         every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
         stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
         if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
             state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
-            checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last)
+            checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
+                            prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
+        if not (stop or last):
+            with tracker.phase("reshard"):  # new weights into the engine's layout, in place
+                trainer.push_weights()
+        correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
+        tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | {"kl_coef": trainer.kl.value})
         if stop:
             checkpoint.acknowledge_stop(cfg.checkpoint, step)
             break

@@ -24,6 +24,7 @@ from megarl.data.batching import TokenizedPrompt
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
+from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
@@ -75,6 +76,9 @@ class RLTrainer:
                                         cfg.critic.optimizer, steps)
         self.kl = make_kl_controller(algo)
         self.reward_fn = load_reward(cfg.trainer.reward)
+        self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
+                                   offloadable_parts(cfg))
+        self._hold("rollout")  # the engine starts next to the trainer's rollout-time footprint
         group = engine_group(groups.rank, groups.dims.world_size, cfg.rollout.tensor_parallel)
         in_engine = engine_class(cfg).copies_in_engine
         self.engine = GroupEngine(group, make_engine(cfg, cfg.rollout.seed + group.index, group.devices())
@@ -97,6 +101,25 @@ class RLTrainer:
         """Stop the engine before this process ends: its processes still map the actor's memory."""
         self.engine.shutdown()
 
+    def sleep_engine(self) -> None:
+        """Colocation: the trainer gets the engine's memory until the next push_weights."""
+        if self._engine_awake:
+            self.engine.sleep()
+            self._engine_awake = False
+
+    def hold_for_checkpoint(self, role: str) -> None:
+        """Before a checkpoint reads or writes ``role``: its whole state on the device, the rest offloaded
+        (one model's state at a time, with the engine asleep)."""
+        assert not self._engine_awake, "checkpoints are written and read while the engine sleeps"
+        self.residency.hold({"actor": {"weights"}, role: set(PARTS)})
+
+    def _hold(self, phase: str) -> None:
+        """Keep on the device only what ``phase`` uses (megarl.offload); what leaves goes back to the driver,
+        not to torch's cache, where a colocated engine could not allocate it."""
+        self.residency.hold(PHASE_NEEDS[phase])
+        if phase == "rollout" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def trained_models(self) -> dict[str, MegatronModel]:
         """The models whose weights and optimizer state a checkpoint holds."""
         return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
@@ -104,6 +127,7 @@ class RLTrainer:
     def push_weights(self) -> None:
         """Wake the engine, reshard the actor's current weights into its layout and hand them over."""
         if not self._engine_awake:
+            self._hold("rollout")
             self.engine.wake()
             self._engine_awake = True
         self.resharder.refit()
@@ -139,8 +163,7 @@ class RLTrainer:
                 kept.append(batch.select([g * n + j for g in take for j in range(n)]))
             if skip:
                 dropped.append(batch.select([g * n + j for g in skip for j in range(n)]))
-        self.engine.sleep()  # colocation: the trainer gets the memory back until the next push_weights
-        self._engine_awake = False
+        self.sleep_engine()
         metrics: dict[str, float] = {}
         if algo.dynamic_sampling:
             metrics = {"sampling/rounds": float(rounds), "sampling/informative_prompts": float(num_kept),
@@ -176,6 +199,7 @@ class RLTrainer:
         data-parallel replica scores its share of the sequences."""
         if model is None:
             return None
+        self._hold("values" if model is self.critic else "reference" if model is self.reference else "rollout")
         section = self.cfg.critic if model is self.critic else self.cfg.actor
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
@@ -221,6 +245,7 @@ class RLTrainer:
             logp = actor.token_logprobs(logits, tokens)
             return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None)
 
+        self._hold("actor_update")
         metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss, f"step {step}, actor")
         return {f"actor/{k}": v for k, v in metrics.items()}
 
@@ -229,6 +254,7 @@ class RLTrainer:
         if self.critic is None:
             return {}
         algo = self.cfg.algorithm
+        self._hold("critic_update")
         metrics = self._optimize(self.critic, self.cfg.critic, batch, extras,
                                  lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo),
                                  f"step {step}, critic")
@@ -244,6 +270,26 @@ class RLTrainer:
         if g.dims.pp > 1:
             dist.broadcast(out, src=dist.get_global_rank(g.pp_group, g.dims.pp - 1), group=g.pp_group)
         return out.cpu()
+
+
+PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
+    "rollout": {"actor": {"weights"}},  # generate, hand-over and the actor's scoring
+    "reference": {"actor": {"weights"}, "reference": {"weights"}},
+    "values": {"actor": {"weights"}, "critic": {"weights"}},
+    "actor_update": {"actor": {"weights", "grads", "optimizer"}},
+    "critic_update": {"actor": {"weights"}, "critic": {"weights", "grads", "optimizer"}},
+}
+"""What each phase of a step uses; the rest may leave the device (``offloadable_parts``)."""
+
+
+def offloadable_parts(cfg: Config) -> dict[str, set[Part]]:
+    """Per model, the parts its config lets leave the device. The actor's weights never do: the
+    resharder's copy tables and the engine's CUDA IPC mappings hold their addresses."""
+    state: set[Part] = {"grads", "optimizer"}
+    return {"actor": state if cfg.actor.offload_optimizer else set(),
+            "critic": (state if cfg.critic.offload_optimizer else set())
+            | ({"weights"} if cfg.critic.offload_weights else set()),
+            "reference": {"weights"} if cfg.reference.offload_weights else set()}
 
 
 def _batching(section: UpdateConfig) -> tuple[int | None, int]:

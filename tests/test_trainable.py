@@ -24,7 +24,13 @@ def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     rows = {(r["tp"], r["pp"], r["mode"]): r for r in everything if r["mode"] != "nan"}
     layouts = {(1, 1), (2, 1), (1, 2), (2, 2)}
     assert set(rows) == ({(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
-                         | {(2, 1, "sp"), (2, 2, "sp"), (2, 1, "bfloat16"), (2, 1, "float16")})
+                         | {(2, 1, "sp"), (2, 2, "sp"), (2, 1, "bfloat16"), (2, 1, "float16"), (2, 1, "twice"),
+                            (2, 1, "offload")})
+    # Weights, gradient buffers and optimizer state (Adam moments, master weights) offloaded to host
+    # memory between two steps and brought back: the second step is bit for bit the one without.
+    offloaded, kept = rows.pop((2, 1, "offload")), rows.pop((2, 1, "twice"))
+    assert offloaded["logprobs_after"] == kept["logprobs_after"] and offloaded["loss"] == kept["loss"]
+    assert kept["logprobs_after"] != rows[2, 1, "packed"]["logprobs_after"]  # the second step did move
     # One float16 step moves the logprobs as much as a bfloat16 step (the loss is scaled before backward).
     half, brain = rows.pop((2, 1, "float16")), rows.pop((2, 1, "bfloat16"))
     moved = {name: sum(abs(a - b) for a, b in zip(r["logprobs_after"], r["logprobs_before"], strict=True))

@@ -29,6 +29,7 @@ from megarl.models import trainable  # noqa: E402
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.models.trainable import MegatronModel  # noqa: E402
+from megarl.offload import PARTS, ModelResidency  # noqa: E402
 from megarl.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
@@ -68,7 +69,7 @@ def main() -> None:
     runs += [((2, 1), "sp"), ((2, 2), "sp")]
     # 16-bit training: float16 must scale the loss (Megatron's grad scaler unscales the gradients), or its
     # update comes out ~2^-32 of bfloat16's.
-    runs += [((2, 1), "bfloat16"), ((2, 1), "float16"), ((1, 2), "nan")]
+    runs += [((2, 1), "bfloat16"), ((2, 1), "float16"), ((1, 2), "nan"), ((2, 1), "twice"), ((2, 1), "offload")]
     for (tp, pp), mode in runs:
         # Token budgets for scoring and training, or None: fixed micro-batches of 2 (dynamic_batch: false).
         score_budget, train_budget = (64, 40) if mode != "fixed" else (None, None)
@@ -106,6 +107,13 @@ def main() -> None:
                 destroy_model_parallel()
                 continue
             metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2)
+            if mode in ("twice", "offload"):  # a second step, after all state left the device and came back
+                if mode == "offload":
+                    residency = ModelResidency(actor, "actor")
+                    freed = residency.offload(PARTS)
+                    assert freed > 0 and all(residency.device_bytes(p) == 0 for p in PARTS), freed
+                    assert residency.onload(PARTS) == freed
+                metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2)
             after = actor.score(batch.sequences, score_budget, 2)
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
             results.append({"tp": tp, "pp": pp, "dp": dims.dp, "mode": mode, "loss": metrics["loss"],

@@ -1,0 +1,154 @@
+"""Offload idle training state to host memory, so that each phase of a step holds only what it uses.
+
+During rollout the engine needs the GPU; the actor's optimizer state and gradient buffer, the critic and
+the reference model are idle then, and during the actor's update the critic is idle, and the other way
+round. ``ModelResidency`` moves whole storages of one model's parts to (pinned) host memory and back:
+a storage is copied out, then resized to 0 bytes, which frees its memory; onloading resizes it and copies
+the bytes back. Tensors that view a storage (Megatron's parameters and gradients are views into flat
+buffers) stay valid, as they refer to the storage, not to an address. What keeps raw addresses must not
+be offloaded: the actor's weights, which the resharder's copy tables and the engine's CUDA IPC mappings
+point at, stay on the GPU.
+
+Parts of a model: ``weights`` (its parameters, or DDP's parameter buffers), ``grads`` (DDP's gradient
+buffers), ``optimizer`` (fp32 master weights and Adam moments, the optimizer's own tensors).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Part = Literal["weights", "grads", "optimizer"]
+PARTS: tuple[Part, ...] = ("weights", "grads", "optimizer")
+
+
+@dataclass
+class _Stored:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor | None = None
+
+
+def _inner_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's wrappers (ChainedOptimizer -> MixedPrecision -> torch Adam)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, torch.optim.Optimizer):
+            yield inner
+
+
+def _tensors(model: Any, part: Part) -> Iterator[torch.Tensor]:
+    """The tensors of one part of a MegatronModel (anything with chunks, models, optimizer)."""
+    if part == "weights":
+        buffers = [b for m in model.models for b in getattr(m, "buffers", [])]
+        for buffer in buffers:
+            if getattr(buffer, "param_data", None) is not None:
+                yield buffer.param_data
+        for chunk in model.chunks:
+            yield from chunk.parameters()
+            yield from chunk.buffers()
+    elif part == "grads":
+        for m in model.models:
+            for buffer in getattr(m, "buffers", []):
+                yield buffer.grad_data
+    elif model.optimizer is not None:
+        for opt in _inner_optimizers(model.optimizer):
+            for group in opt.param_groups:
+                yield from group["params"]
+            for state in opt.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class ModelResidency:
+    """Where one model's parts live: ``offload(parts)`` / ``onload(parts)``; both are no-ops for parts
+    already there. The optimizer's state only exists after its first step, so parts are collected at
+    every offload; host buffers are kept and reused, since pinning memory is slow."""
+
+    def __init__(self, model: Any, name: str) -> None:
+        self.model, self.name = model, name
+        self._away: dict[Part, list[_Stored]] = {}
+        self._host: dict[tuple[Part, int], torch.Tensor] = {}
+        self._pin = torch.cuda.is_available()
+
+    def _storages(self, part: Part) -> list[torch.UntypedStorage]:
+        """The part's storages on the device, without those of the parts before it in PARTS: in float32
+        the optimizer's master weights are the parameters themselves (or views of their buffer)."""
+        earlier = {t.untyped_storage().data_ptr() for p in PARTS[: PARTS.index(part)] for t in _tensors(self.model, p)}
+        found: dict[int, torch.UntypedStorage] = {}
+        for tensor in _tensors(self.model, part):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() and key not in earlier:
+                found.setdefault(key, storage)
+        return list(found.values())
+
+    def offload(self, parts: Iterable[Part]) -> int:
+        """Copy the parts' storages to host memory and free them; returns the bytes freed."""
+        freed = 0
+        for part in parts:
+            if part in self._away:
+                continue
+            stored = []
+            for i, storage in enumerate(self._storages(part)):
+                host = self._host.get((part, i))
+                if host is None or host.numel() != storage.nbytes():
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self._pin)
+                    self._host[part, i] = host
+                host.copy_(_as_bytes(storage), non_blocking=True)
+                stored.append(_Stored(storage, storage.nbytes(), host))
+            if self._pin:
+                torch.cuda.current_stream().synchronize()  # the copies finish before the memory is reused
+            for item in stored:
+                item.storage.resize_(0)
+                freed += item.nbytes
+            self._away[part] = stored
+        return freed
+
+    def onload(self, parts: Iterable[Part]) -> int:
+        """Bring the parts' storages back (same size, same tensors viewing them); returns the bytes moved."""
+        moved = 0
+        for part in parts:
+            for item in self._away.pop(part, []):
+                assert item.host is not None
+                item.storage.resize_(item.nbytes)
+                _as_bytes(item.storage).copy_(item.host, non_blocking=True)
+                moved += item.nbytes
+        if moved and self._pin:
+            torch.cuda.current_stream().synchronize()  # the next offload may overwrite the host buffers
+        return moved
+
+    def away(self) -> set[Part]:
+        return set(self._away)
+
+    def device_bytes(self, part: Part) -> int:
+        """Bytes the part holds on the device now (0 while offloaded)."""
+        return sum(s.nbytes() for s in self._storages(part))
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class Residency:
+    """Holds each model's parts on the device only in the phases that use them.
+
+    ``offloadable`` maps a model name to the parts it may move; ``hold({name: parts})`` onloads those
+    parts and offloads every other offloadable part. Seconds spent moving are summed in ``seconds``.
+    """
+
+    def __init__(self, models: dict[str, Any], offloadable: dict[str, set[Part]]) -> None:
+        self.states = {name: ModelResidency(model, name) for name, model in models.items()}
+        self.offloadable = {name: offloadable.get(name, set()) for name in models}
+        self.seconds = 0.0
+
+    def hold(self, needed: dict[str, set[Part]]) -> None:
+        start = time.perf_counter()
+        for name, state in self.states.items():  # free first, then load: the peak stays lower
+            state.offload([p for p in PARTS if p in self.offloadable[name] and p not in needed.get(name, set())])
+        for name, state in self.states.items():
+            state.onload(needed.get(name, set()))
+        self.seconds += time.perf_counter() - start
