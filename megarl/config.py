@@ -215,13 +215,15 @@ class RolloutConfig:
     """Bucket size of the trainer-to-engine weight transfer; the pool holds two."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
+    timeout_minutes: int = 30
+    """An engine call (wake, generate, hand-over, sleep) that takes longer stops training with an error naming it."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed unchanged to sglang.Engine or vllm.LLM, e.g.
     {attention_backend: triton}; they override megarl's own engine settings."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")
-        _positive(self, "reshard_bucket_mb")
+        _positive(self, "reshard_bucket_mb", "timeout_minutes")
         _within(self, "temperature", "(0, inf)", "use 1.0 (greedy decoding, 0, gives nothing to train on)")
         _within(self, "top_p", "(0, 1]", "use 1.0 to disable nucleus sampling")
         check(

@@ -82,7 +82,7 @@ class RLTrainer:
         group = engine_group(groups.rank, groups.dims.world_size, cfg.rollout.tensor_parallel)
         in_engine = engine_class(cfg).copies_in_engine
         self.engine = GroupEngine(group, make_engine(cfg, cfg.rollout.seed + group.index, group.devices())
-                                  if group.driver else None, in_engine)
+                                  if group.driver else None, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node or groups.dims.world_size,
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,

@@ -96,3 +96,31 @@ def test_nan_reward_stops_training_with_one_message(tmp_path):
     assert not list((tmp_path / "ckpt").glob("step_*"))  # nothing saved
     metrics = tmp_path / "ckpt" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # nothing logged for the failed step
+
+
+@pytest.mark.slow
+def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_path):
+    """The vLLM engine's processes are killed during step 1 (by the reward function, standing in for an
+    out-of-memory kill): the next engine call fails, training stops with one message naming the phase,
+    and the checkpoints already written stay complete."""
+    (tmp_path / "killer.py").write_text(
+        "import psutil\n"
+        "from megarl.rewards.echo import reward as echo\n"
+        "calls = 0\n"
+        "def reward(completions, answers):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 2:\n"
+        "        for child in psutil.Process().children(recursive=True):\n"
+        "            child.kill()\n"
+        "    return echo(completions, answers)\n")
+    ckpt = tmp_path / "ckpt"
+    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set", f"checkpoint.dir={ckpt}",
+                         "--set", "trainer.reward=killer:reward", "--set", "checkpoint.save_every=1",
+                         "--set", "trainer.num_steps=4", "--set", "tracking.backend=none"], nproc=1, timeout=300,
+                        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])})
+    assert proc.returncode != 0
+    assert "megarl error: the rollout engine failed during hand-over" in proc.stderr, proc.stderr[-3000:]
+    assert "host:" in proc.stderr and "GiB in use" in proc.stderr  # the memory numbers
+    assert (ckpt / "latest").read_text().strip() == "step_000001"  # step 1 finished before the hand-over
+    assert (ckpt / "step_000001" / "trainer.json").is_file() and not list(ckpt.glob(".step_*.tmp"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from megarl.reshard.handover import EngineCopy
 from megarl.rollout.base import Completion, InEngineCopy, RolloutEngine, SamplingParams
+from megarl.rollout.failures import engine_call
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,14 @@ class GroupEngine:
     """One group's engine as every rank of the group sees it: the driver runs the engine; every rank
     hands over its own engine rank's weights (``attach``/``deliver``)."""
 
-    def __init__(self, group: EngineGroup, engine: RolloutEngine | None, copies_in_engine: bool) -> None:
+    def __init__(self, group: EngineGroup, engine: RolloutEngine | None, copies_in_engine: bool,
+                 timeout_s: float = 1800.0) -> None:
         assert (engine is not None) == group.driver
         self.group, self.engine, self.copies_in_engine = group, engine, copies_in_engine
+        self.timeout_s = timeout_s
+
+    def _call(self, phase: str) -> AbstractContextManager[None]:
+        return engine_call(phase, self.timeout_s)
 
     def attach(self, copy: EngineCopy, key: str = "actor") -> None:
         """In-engine hand-over: give the engine this rank's trainer tensors and copy, once."""
@@ -101,7 +108,8 @@ class GroupEngine:
         wires = self.group.gather(serialize_wire(copy, key, num_sources))
         if self.engine is not None:
             assert wires is not None
-            cast(InEngineCopy, self.engine).attach(wires, key)
+            with self._call("attach"):
+                cast(InEngineCopy, self.engine).attach(wires, key)
         self.group.barrier()
 
     def deliver(self, engine_tensors: dict[str, torch.Tensor] | None) -> None:
@@ -112,7 +120,8 @@ class GroupEngine:
                 torch.cuda.synchronize()  # the engine reads what this rank's streams wrote
             self.group.barrier()
             if self.engine is not None:
-                cast(InEngineCopy, self.engine).apply()
+                with self._call("hand-over"):
+                    cast(InEngineCopy, self.engine).apply()
             self.group.barrier()  # nobody changes a tensor the engine still reads
             return
         from megarl.rollout.vllm import SHM, VLLMEngine, write_engine_file
@@ -124,19 +133,25 @@ class GroupEngine:
             paths = self.group.gather(path)
             if self.engine is not None:
                 assert paths is not None
-                cast(VLLMEngine, self.engine).load_files(paths)
+                with self._call("hand-over"):
+                    cast(VLLMEngine, self.engine).load_files(paths)
             self.group.barrier()  # files are read before their directories go
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return self.engine.generate(prompts, params) if self.engine is not None and prompts else []
+        if self.engine is None or not prompts:
+            return []
+        with self._call("generate"):
+            return self.engine.generate(prompts, params)
 
     def sleep(self) -> None:
         if self.engine is not None:
-            self.engine.sleep()
+            with self._call("sleep"):
+                self.engine.sleep()
 
     def wake(self) -> None:
         if self.engine is not None:
-            self.engine.wake()
+            with self._call("wake"):
+                self.engine.wake()
 
     def shutdown(self) -> None:
         if self.engine is not None:
