@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megarl.config import Config
 from megarl.errors import UserError
@@ -31,6 +32,7 @@ class Tracker:
         """``run_id``: the mlflow run to continue (a resumed training run), else a new one."""
         self.cfg, self.rank, self.start_step = cfg, rank, start_step
         self.times: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
         self.mlflow: Any = None
         self.jsonl = None
@@ -51,24 +53,33 @@ class Tracker:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a phase of the step; a phase entered twice in one step (the critic's) adds up."""
-        if torch.cuda.is_available():
+        """Time a phase of the step; a phase entered twice in one step (the critic's) adds up. On GPUs also
+        its memory peaks: this process's tensors (``memory/NAME_trainer_gib``) and the whole device's use,
+        engines included, at its end (``memory/NAME_device_gib``), each the largest over the step."""
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         yield
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            for key, value in ((f"memory/{name}_trainer_gib", torch.cuda.max_memory_allocated() / 2**30),
+                               (f"memory/{name}_device_gib", (total - free) / 2**30)):
+                self.memory[key] = max(self.memory.get(key, 0.0), value)
         key = f"time/{name}"
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
     def log(self, step: int, batch: Any, metrics: dict[str, float]) -> None:
         tokens = sum(len(s) for s in batch.sequences)
         times, self.times = self.times, {}
+        memory, self.memory = _max_over_ranks(self.memory), {}
         response_tokens = batch.mask.sum().clamp(min=1)
         row = {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
                "response_length": float(batch.mask.sum(dim=1).mean()),
                "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
-               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **metrics, **times}
+               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **metrics, **times, **memory}
         self.history.append(row)
         if self.rank != 0:
             return
@@ -145,3 +156,13 @@ def start_mlflow(cfg: Config, out_dir: Path, run_id: str | None = None) -> Any:
         print(f"megarl: resumed mlflow run {run_id} keeps its original params for {', '.join(changed)}", flush=True)
     mlflow.log_params({k: v for k, v in params.items() if k not in logged})
     return mlflow
+
+
+def _max_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value's maximum over all ranks (every rank holds the same keys: the phases run everywhere)."""
+    if not values or not dist.is_initialized():
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device="cuda")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, tensor.tolist(), strict=True))

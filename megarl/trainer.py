@@ -113,6 +113,11 @@ class RLTrainer:
         assert not self._engine_awake, "checkpoints are written and read while the engine sleeps"
         self.residency.hold({"actor": {"weights"}, role: set(PARTS)})
 
+    def offload_metrics(self) -> dict[str, float]:
+        """Seconds spent moving state between device and host since the last call (inside the phases' times)."""
+        seconds, self.residency.seconds = self.residency.seconds, 0.0
+        return {"offload_seconds": seconds}
+
     def _hold(self, phase: str) -> None:
         """Keep on the device only what ``phase`` uses (megarl.offload); what leaves goes back to the driver,
         not to torch's cache, where a colocated engine could not allocate it."""

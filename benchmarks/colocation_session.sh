@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Colocation memory on two H200s (nvidia-h200-x2), with SGLang staged in /tmp/site (../shared/tools/sglang-h200)
+# and megatron-core + rich carried in .whl/. Model: Llama-3-8B's body with random bf16 weights and the tiny
+# recipe's tokenizer (benchmarks/make_random_model.py). Runs, each into $OUT:
+#   grpo:   GRPO, TP2 trainer, two TP1 SGLang engines at rollout.gpu_memory_fraction=$FRACTION (the 8B
+#           recipe's), $STEPS_GRPO steps: the first wake after training is where it used to die
+#   alone:  the same engine alone on an empty GPU, for the KV cache it gets there
+#   ppo:    KL-PPO with actor, critic and reference, TP2 DP1, $STEPS_PPO steps
+# PART selects a subset (setup, grpo, alone, ppo; default all) so that calls stay under 10 minutes.
+set -uo pipefail
+OUT=${OUT:?set OUT to the results folder}
+PART=${PART:-setup grpo alone ppo}
+FRACTION=${FRACTION:-0.7}
+STEPS_GRPO=${STEPS_GRPO:-6}
+STEPS_PPO=${STEPS_PPO:-10}
+MODEL=/tmp/llama8b
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+source benchmarks/h200_common.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+SGL=(--set rollout.engine=sglang --set rollout.engine_args.disable_cuda_graph=true
+     --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch
+     --set rollout.engine_args.grammar_backend=none)
+BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor_parallel=2
+     --set rollout.gpu_memory_fraction=$FRACTION --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
+
+train() {  # name recipe steps [--set ...]
+  local name=$1 recipe=$2 steps=$3; shift 3
+  local start=$SECONDS
+  timeout 540 torchrun --standalone --nproc-per-node 2 megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
+    --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
+  echo "[h200] $name exit $? in $((SECONDS - start)) s"
+  cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
+  grep -h "megarl error\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/$name.log" | cut -c1-400
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+}
+
+for part in $PART; do
+  case $part in
+    setup)
+      h200_setup
+      python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
+      python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer recipes/tiny/model --out $MODEL ;;
+    grpo)
+      train grpo recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" ;;
+    alone)
+      timeout 300 python3 - "$MODEL" "$FRACTION" > "$OUT/alone.log" 2>&1 <<'PY'
+import json, sys
+if __name__ == "__main__":
+    from megarl.rollout.sglang import SGLangEngine
+    engine = SGLangEngine(sys.argv[1], gpu_memory_fraction=float(sys.argv[2]), dtype="bfloat16",
+                          disable_cuda_graph=True, attention_backend="triton", sampling_backend="pytorch",
+                          grammar_backend="none")
+    info = engine.engine.get_server_info()
+    print("ALONE", json.dumps({"max_total_num_tokens": info.get("max_total_num_tokens")}), flush=True)
+    engine.shutdown()
+PY
+      echo "[h200] alone exit $?"; grep -h "ALONE\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/alone.log" | cut -c1-400 ;;
+    ppo)
+      train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;
+  esac
+done
+echo "[h200] done in $SECONDS s"
