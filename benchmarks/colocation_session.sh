@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Colocation memory on two H200s (nvidia-h200-x2), with SGLang staged in /tmp/site (../shared/tools/sglang-h200)
-# and megatron-core + rich carried in .whl/. Model: Llama-3-8B's body with random bf16 weights and the tiny
-# recipe's tokenizer (benchmarks/make_random_model.py). Runs, each into $OUT:
-#   grpo:   GRPO, TP2 trainer, two TP1 SGLang engines at rollout.gpu_memory_fraction=$FRACTION (the 8B
-#           recipe's), $STEPS_GRPO steps: the first wake after training is where it used to die
-#   alone:  the same engine alone on an empty GPU, for the KV cache it gets there
-#   ppo:    KL-PPO with actor, critic and reference, TP2 DP1, $STEPS_PPO steps
+# Colocation memory on H200s: $NPROC GPUs (2 on nvidia-h200-x2: TP2 trainer, two TP1 engines; 1 on one H200),
+# with SGLang staged in /tmp/site (../shared/tools/sglang-h200) and megatron-core + rich carried in .whl/.
+# Model: Llama-3-8B's body ($LAYERS of its 32 layers) with random bf16 weights and the tiny recipe's tokenizer
+# (benchmarks/make_random_model.py). Runs, each into $OUT:
+#   grpo:     GRPO with one TP1 SGLang engine per GPU at rollout.gpu_memory_fraction=$FRACTION (the 8B
+#             recipe's), $STEPS_GRPO steps: the first wake after training is where it used to die
+#   grpo_kept: the same with nothing offloaded (actor.offload_optimizer=false), as before offloading existed
+#   alone:    the same engine alone on an empty GPU, for the KV cache it gets there
+#   ppo:      KL-PPO with actor, critic and reference, TP=$NPROC DP1, $STEPS_PPO steps
 # PART selects a subset (setup, grpo, alone, ppo; default all) so that calls stay under 10 minutes.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
-PART=${PART:-setup grpo alone ppo}
+PART=${PART:-setup grpo grpo_kept alone ppo}
 FRACTION=${FRACTION:-0.7}
 STEPS_GRPO=${STEPS_GRPO:-6}
 STEPS_PPO=${STEPS_PPO:-10}
-MODEL=/tmp/llama8b
+NPROC=${NPROC:-2}
+LAYERS=${LAYERS:-32}
+MODEL=${MODEL:-/tmp/llama8b}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/h200_common.sh
@@ -22,13 +26,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 SGL=(--set rollout.engine=sglang --set rollout.engine_args.disable_cuda_graph=true
      --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch
      --set rollout.engine_args.grammar_backend=none)
-BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor_parallel=2
+BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor_parallel=$NPROC
      --set rollout.gpu_memory_fraction=$FRACTION --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
 
 train() {  # name recipe steps [--set ...]
   local name=$1 recipe=$2 steps=$3; shift 3
   local start=$SECONDS
-  timeout 540 torchrun --standalone --nproc-per-node 2 megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
+  timeout 540 torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
     --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
   echo "[h200] $name exit $? in $((SECONDS - start)) s"
   cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
@@ -41,11 +45,14 @@ for part in $PART; do
     setup)
       h200_setup
       python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
-      python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer recipes/tiny/model --out $MODEL ;;
+      python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer recipes/tiny/model --out $MODEL --layers "$LAYERS" ;;
     grpo)
       train grpo recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" ;;
+    grpo_kept)
+      train grpo_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set actor.offload_optimizer=false ;;
     alone)
-      timeout 300 python3 - "$MODEL" "$FRACTION" > "$OUT/alone.log" 2>&1 <<'PY'
+      # SGLang spawns its scheduler, which re-imports the main module: it must be a file.
+      cat > /tmp/alone.py <<'PY'
 import json, sys
 if __name__ == "__main__":
     from megarl.rollout.sglang import SGLangEngine
@@ -56,6 +63,7 @@ if __name__ == "__main__":
     print("ALONE", json.dumps({"max_total_num_tokens": info.get("max_total_num_tokens")}), flush=True)
     engine.shutdown()
 PY
+      timeout 300 python3 /tmp/alone.py "$MODEL" "$FRACTION" > "$OUT/alone.log" 2>&1
       echo "[h200] alone exit $?"; grep -h "ALONE\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/alone.log" | cut -c1-400 ;;
     ppo)
       train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;

@@ -22,6 +22,7 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size,
                          ranks_per_node=int(local) if local else None)
+    memory_plan(cfg, spec, dp)
     from transformers import AutoTokenizer
 
     from megarl.data.batching import tokenize_prompts
@@ -73,3 +74,29 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
     return cfg, trainer, loader, decode, tracker
+
+
+def memory_plan(cfg: Any, spec: Any, dp: int) -> None:
+    """On GPUs: check the per-GPU memory plan (megarl.memory) and resolve rollout.gpu_memory_fraction: auto,
+    before anything is built. Without a GPU (CPU engines) auto leaves the engine its own default."""
+    import torch
+
+    from megarl.memory import check_memory, plan_memory
+    from megarl.models.gpt import transformer_engine_available
+    from megarl.parallel import ParallelDims
+
+    if not torch.cuda.is_available():
+        if cfg.rollout.gpu_memory_fraction == "auto":
+            cfg.rollout.gpu_memory_fraction = None
+        return
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp)
+    flash = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
+                                                      and transformer_engine_available())
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    plan = plan_memory(cfg, spec, dims, gpu, flash)
+    check_memory(plan, cfg, dims.world_size)
+    cfg.rollout.gpu_memory_fraction = plan.engine_fraction
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megarl: memory plan per GPU: {plan.table()}; engine fraction "
+              f"{cfg.rollout.gpu_memory_fraction:.2f}", flush=True)

@@ -207,8 +207,10 @@ class RolloutConfig:
     """Generation length limit per completion."""
     max_prompt_tokens: int = 1024
     """Prompts longer than this (after the chat template) are an error in the data, not truncated."""
-    gpu_memory_fraction: float = 0.7
-    """Share of GPU memory the engine may hold for weights and KV cache while awake."""
+    gpu_memory_fraction: float | Literal["auto"] = 0.7
+    """Memory the engine may hold while awake (weights and KV cache): for SGLang a share of the GPU memory free
+    when it starts, next to the trainer's rollout-time footprint; for vLLM a share of the whole GPU. auto = what
+    the memory plan leaves (megarl.memory); checked against the plan before any model is built."""
     seed: int = 0
     """Sampling seed."""
     reshard_bucket_mb: int = 256
@@ -229,7 +231,8 @@ class RolloutConfig:
         check(
             self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "be -1 or >= 1", "use -1 for no top-k"
         )
-        _within(self, "gpu_memory_fraction", "(0, 1)", "use a share such as 0.7")
+        if self.gpu_memory_fraction != "auto":
+            _within(self, "gpu_memory_fraction", "(0, 1)", "use a share such as 0.7, or auto")
         _within(self, "logprob_diff_max", "(0, inf)", "use the default 2.0")
 
 

@@ -26,6 +26,8 @@ def _type_name(tp: object) -> str:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args and len(args) < len(typing.get_args(tp)):
         return _type_name(args[0]) + " or null"
+    if len(args) > 1:
+        return " or ".join(_type_name(a) for a in args)
     return getattr(tp, "__name__", str(tp))
 
 

@@ -116,8 +116,18 @@ def _convert(value: object, tp: Any, path: str, nullable: bool = False) -> objec
     if origin in (Union, types.UnionType):
         if value is None and type(None) in get_args(tp):
             return None
-        (inner,) = [a for a in get_args(tp) if a is not type(None)]
-        return _convert(value, inner, path, nullable=True)
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        nullable = len(inner) < len(get_args(tp))
+        if len(inner) == 1:
+            return _convert(value, inner[0], path, nullable=True)
+        for candidate in inner:  # e.g. float | Literal["auto"]: the first that takes the value
+            try:
+                return _convert(value, candidate, path, nullable)
+            except FieldError:
+                continue
+        expected = " or ".join(f"`{get_args(a)[0]}`" if get_origin(a) is Literal else _TYPE_NAMES.get(a, str(a))
+                               for a in inner)
+        raise FieldError(path, f"= {show(value)} has the wrong type: it must be {expected}. Fix: set {expected}.")
     if origin is dict:
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
             return dict(value)

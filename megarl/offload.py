@@ -41,20 +41,24 @@ def _inner_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
             yield inner
 
 
+def _ddp_buffers(model: Any) -> list[Any]:
+    """Megatron DDP's parameter-and-gradient buffers (none for a model without DDP, such as the reference,
+    whose modules' ``buffers`` is nn.Module's method)."""
+    return [b for m in model.models if isinstance(getattr(m, "buffers", None), list) for b in m.buffers]
+
+
 def _tensors(model: Any, part: Part) -> Iterator[torch.Tensor]:
     """The tensors of one part of a MegatronModel (anything with chunks, models, optimizer)."""
     if part == "weights":
-        buffers = [b for m in model.models for b in getattr(m, "buffers", [])]
-        for buffer in buffers:
-            if getattr(buffer, "param_data", None) is not None:
+        for buffer in _ddp_buffers(model):
+            if buffer.param_data is not None:
                 yield buffer.param_data
         for chunk in model.chunks:
             yield from chunk.parameters()
             yield from chunk.buffers()
     elif part == "grads":
-        for m in model.models:
-            for buffer in getattr(m, "buffers", []):
-                yield buffer.grad_data
+        for buffer in _ddp_buffers(model):
+            yield buffer.grad_data
     elif model.optimizer is not None:
         for opt in _inner_optimizers(model.optimizer):
             for group in opt.param_groups:

@@ -314,6 +314,9 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
          ["`algorithm.overlong_buffer_tokens`", "max_new_tokens = 1024"]),
         (with_changes(algorithm={"rollout_correction": "tis"}), ["`algorithm.rollout_correction`", "token_tis"]),
         (with_changes(algorithm={"rollout_correction_cap": 1.0}), ["`algorithm.rollout_correction_cap`"]),
+        (with_changes(rollout={"gpu_memory_fraction": "most"}),
+         ["`rollout.gpu_memory_fraction`", "a number or `auto`"]),
+        (with_changes(rollout={"gpu_memory_fraction": 1.5}), ["`rollout.gpu_memory_fraction`", "or auto"]),
         (with_changes(actor={"mini_batch_size": 48}), ["`actor.mini_batch_size`", "= 48", "64"]),
         (
             with_changes(algorithm={"name": "ppo"}, critic={"mini_batch_size": 5}),

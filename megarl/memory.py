@@ -1,0 +1,217 @@
+"""The per-GPU memory plan of a run: what each phase of a step holds on the busiest GPU, checked before
+any model is built, so that a config that cannot fit stops with numbers instead of a SIGKILL.
+
+Trainer tensors come from the model's shape and the layout: bf16/fp16 weights (2 B per parameter), an
+fp32 gradient buffer (4 B), Adam's fp32 master weights and two moments (12 B, 8 B in fp32 training,
+divided over data-parallel ranks with the distributed optimizer); activations of one micro-batch after
+Korthikanti et al. 2022 (34 B per token and hidden unit per layer with sequence parallelism, plus the
+5 * heads * width^2 attention scores per row without Transformer Engine's flash attention; with
+recomputation only each layer's input is kept); logits of one micro-batch with the float32 copies
+that log-probabilities and entropy need. What megarl.offload moves away in a phase is not counted in it.
+
+The engine: SGLang fills ``rollout.gpu_memory_fraction`` of the memory free when it starts (weights
+and KV cache; measured on an H200: 0.7 of the free memory plus about 2 GiB); vLLM takes that fraction
+of the whole GPU. Asleep, an engine keeps its CUDA context and some buffers. Overheads: the CUDA
+context, NCCL and the caching allocator's fragmentation, measured at 10-13 GiB over the trainer's
+tensors on an H200 (benchmarks/results/h200/colocation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.config import Config, UpdateConfig
+from megarl.errors import UserError
+from megarl.models.spec import ModelSpec
+from megarl.parallel import ParallelDims
+
+GIB = 2**30
+ENGINE_OVERHEAD = 2 * GIB
+"""Beyond the fraction, while awake (activations, sampler buffers)."""
+ENGINE_ASLEEP = 4 * GIB
+"""What a sleeping engine keeps on its GPU (CUDA context, buffers the memory saver does not release)."""
+TRAINER_OVERHEAD = 2 * GIB
+"""CUDA context and NCCL buffers of the trainer process."""
+FRAGMENTATION = 0.10
+"""Share of the trainer's tensors the caching allocator holds on top of them."""
+MARGIN = 0.03
+"""Share of the GPU a plan leaves free."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """One model's bytes on the busiest GPU."""
+
+    weights: int
+    grads: int = 0
+    optimizer: int = 0
+    """After the first step (Adam's moments are created lazily)."""
+    optimizer_at_start: int = 0
+    """Before it: the fp32 master weights only."""
+    step_scratch: int = 0
+    """Temporaries of an Adam step (torch's foreach Adam makes about one fp32 copy of the shard)."""
+
+
+@dataclass
+class MemoryPlan:
+    """Per phase, the bytes of each component on the busiest GPU."""
+
+    gpu_bytes: int
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    engine_fraction: float = 0.0
+    """rollout.gpu_memory_fraction as the engine gets it (``auto`` resolved)."""
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    def worst(self) -> tuple[str, int]:
+        phase = max(self.phases, key=self.total)
+        return phase, self.total(phase)
+
+    def table(self) -> str:
+        """One line per phase: its total and its three largest parts, in GiB."""
+        lines = []
+        for phase, parts in self.phases.items():
+            top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+            lines.append(f"{phase} {self.total(phase) / GIB:.1f} GiB ("
+                         + ", ".join(f"{k} {v / GIB:.1f}" for k, v in top) + ")")
+        return "; ".join(lines)
+
+
+def busiest_stage_params(spec: ModelSpec, dims: ParallelDims, vocab_pad_multiple: int, critic: bool = False) -> int:
+    """Parameters on the GPU of the busiest pipeline stage: its layers' TP shards plus the embedding or
+    output layer it holds (norms are replicated)."""
+    h, heads, kv, d = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+    attention = h * (heads + 2 * kv) * d + heads * d * h + (((heads + 2 * kv) * d) if spec.qkv_bias else 0)
+    layer = (attention + 3 * h * spec.intermediate_size) // dims.tp + 2 * h
+    layers = -(-spec.num_layers // dims.pp) * layer
+    vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple) * h // dims.tp
+    head = h if critic else (vocab if (dims.pp > 1 or not spec.tie_word_embeddings) else 0)
+    if dims.pp == 1:
+        return layers + vocab + head + h
+    return layers + max(vocab, head + h)
+
+
+def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distributed: bool) -> ModelState:
+    if not trained:
+        return ModelState(weights=params * dtype_bytes)
+    shard = dp if distributed else 1
+    master = 0 if dtype_bytes == 4 else 4  # fp32 training updates the weights themselves
+    return ModelState(weights=params * dtype_bytes, grads=params * 4, optimizer=params * (master + 8) // shard,
+                      optimizer_at_start=params * master // shard, step_scratch=params * 4 // shard)
+
+
+def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: ParallelDims, flash: bool,
+                     entropy: bool, logits: bool = True) -> int:
+    """One micro-batch of training (forward and backward) on the busiest GPU."""
+    width = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = section.max_tokens_per_gpu if section.dynamic_batch else section.micro_batch_size * width
+    h, tp = spec.hidden_size, dims.tp
+    sp = cfg.parallel.sequence_parallel
+    per_token_layer = 34 * h // tp if sp else (10 + 24 // tp) * h
+    scores = 0 if flash else 5 * spec.num_attention_heads * width * tokens // tp
+    layer = tokens * per_token_layer + scores
+    layers = -(-spec.num_layers // dims.pp)
+    if cfg.model.recompute_activations:
+        kept = layers * tokens * 2 * h // (tp if sp else 1) + layer
+    else:
+        kept = layers * layer
+    in_flight = dims.pp  # 1F1B: the first stage holds PP micro-batches' activations
+    vocab = spec.padded_vocab_size(tp, cfg.model.vocab_pad_multiple) // tp
+    logit_bytes = tokens * vocab * ((2 + 4 + 4 + 4) + (8 if entropy else 0)) if logits else tokens * 4
+    return kept * in_flight + logit_bytes
+
+
+def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int, flash: bool) -> MemoryPlan:
+    """Bytes per phase on the busiest GPU, given what megarl.offload moves away (the config's offload_* flags)."""
+    dtype = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.model.dtype]
+    algo = cfg.algorithm
+
+    def state(critic: bool, trained: bool, section: UpdateConfig | None) -> ModelState:
+        params = busiest_stage_params(spec, dims, cfg.model.vocab_pad_multiple, critic=critic)
+        distributed = section is not None and section.optimizer.use_distributed_optimizer
+        return model_state(params, dtype, trained, dims.dp, distributed)
+
+    actor = state(False, True, cfg.actor)
+    critic = state(True, True, cfg.critic) if algo.name == "ppo" else None
+    reference = state(False, False, None) if algo.kl_coef > 0 else None
+
+    def resident(phase: str, started: bool = True) -> dict[str, int]:
+        """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
+        optimizer = actor.optimizer if started else actor.optimizer_at_start
+        parts = {"actor weights": actor.weights}
+        if phase == "actor_update" or not cfg.actor.offload_optimizer:
+            parts |= {"actor grads": actor.grads, "actor optimizer": optimizer}
+        if critic is not None:
+            critic_opt = critic.optimizer if started else critic.optimizer_at_start
+            if phase in ("values", "critic_update") or not cfg.critic.offload_weights:
+                parts["critic weights"] = critic.weights
+            if phase == "critic_update" or not cfg.critic.offload_optimizer:
+                parts |= {"critic grads": critic.grads, "critic optimizer": critic_opt}
+        if reference is not None and (phase == "reference" or not cfg.reference.offload_weights):
+            parts["reference weights"] = reference.weights
+        return parts
+
+    def with_overhead(parts: dict[str, int]) -> dict[str, int]:
+        tensors = sum(parts.values())
+        return parts | {"trainer overhead": TRAINER_OVERHEAD + int(FRAGMENTATION * tensors)}
+
+    plan = MemoryPlan(gpu_bytes)
+    entropy = algo.entropy_coef > 0
+    num_engines_here = 1  # engines never share a GPU: engine g spans its group's GPUs
+    asleep = {"engines asleep": ENGINE_ASLEEP * num_engines_here}
+    # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
+    plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
+        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, flash, entropy),
+                                             actor.step_scratch)}) | asleep
+    if critic is not None:
+        plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
+            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, flash, False,
+                                                                  logits=False), critic.step_scratch)}) | asleep
+    # The engine sizes itself when it starts, next to the trainer's rollout footprint before any step.
+    at_start = sum(with_overhead(resident("rollout", started=False)).values())
+    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start)
+    if cfg.rollout.engine == "sglang":
+        engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
+    else:
+        engine = int(plan.engine_fraction * gpu_bytes)
+    plan.phases["rollout"] = with_overhead(resident("rollout") | {
+        "hand-over buckets": 2 * cfg.rollout.reshard_bucket_mb * 2**20}) | {"engine awake": engine}
+    return plan
+
+
+def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int) -> float:
+    """rollout.gpu_memory_fraction, with ``auto`` sized to what the trainer leaves at rollout (SGLang: a
+    share of the free memory at its start; vLLM: a share of the whole GPU)."""
+    fraction = cfg.rollout.gpu_memory_fraction
+    if fraction != "auto":
+        return float(fraction)
+    free = gpu_bytes * (1 - MARGIN) - trainer_at_start - ENGINE_OVERHEAD
+    if cfg.rollout.engine == "sglang":
+        return max(0.05, min(0.9, free / (gpu_bytes - trainer_at_start)))
+    return max(0.05, min(0.9, free / gpu_bytes))
+
+
+def check_memory(plan: MemoryPlan, cfg: Config, num_gpus: int) -> None:
+    """Refuse a plan with a phase that does not fit, naming every such phase, its numbers and the ways out."""
+    usable = plan.gpu_bytes * (1 - MARGIN)
+    over = [phase for phase in plan.phases if plan.total(phase) > usable]
+    if not over:
+        return
+    ways = []
+    if "rollout" in over:
+        ways.append("lower rollout.gpu_memory_fraction (or set it to auto)")
+    if not (cfg.actor.offload_optimizer and cfg.critic.offload_weights and cfg.critic.offload_optimizer
+            and cfg.reference.offload_weights):
+        ways.append("enable offloading (actor.offload_optimizer, critic.offload_weights, critic.offload_optimizer, "
+                    "reference.offload_weights)")
+    if any(phase.endswith("update") for phase in over):
+        ways.append("lower actor/critic.max_tokens_per_gpu")
+        if not cfg.model.recompute_activations:
+            ways.append("set model.recompute_activations: true")
+    ways.append(f"spread the model over more GPUs (raise parallel.tensor_parallel or pipeline_parallel; now "
+                f"{num_gpus} GPUs)")
+    needs = ", ".join(f"{plan.total(phase) / GIB:.1f} GiB in its {phase} phase" for phase in over)
+    raise UserError(f"this config does not fit its GPUs: it needs {needs} on the busiest GPU, more than the "
+                    f"{usable / GIB:.1f} GiB usable of {plan.gpu_bytes / GIB:.1f} GiB. Plan: {plan.table()}. Ways "
+                    f"out: {'; '.join(ways)}. (Estimates; the measured peaks are logged as memory/*.)")

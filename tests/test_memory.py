@@ -1,0 +1,94 @@
+"""The per-GPU memory plan: calibrated against the peaks measured on an H200, and it refuses the 8B
+PPO config that died at its first wake while passing the shipped 8B recipes on 8 H200s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.errors import UserError
+from megarl.memory import GIB, check_memory, plan_memory
+from megarl.models.presets import PRESETS
+from megarl.models.spec import load_spec
+from megarl.parallel import ParallelDims
+
+REPO = Path(__file__).resolve().parent.parent
+H200 = 143771 * 2**20  # nvidia-smi's memory.total
+MEASURED = REPO / "benchmarks/results/h200/colocation"
+
+
+def llama8b_body(tmp_path: Path, layers: int = 32, vocab: int | None = None):
+    config = dict(PRESETS["llama3-8b"]) | {"num_hidden_layers": layers}
+    if vocab is not None:
+        config["vocab_size"] = vocab
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return load_spec(tmp_path)
+
+
+def plan_for(recipe: str, spec, dims: ParallelDims, *sets: str, flash: bool = False):
+    cfg = load_config(REPO / recipe, ["model.hf_path=/unused", "model.dtype=bfloat16",
+                                      f"parallel.tensor_parallel={dims.tp}", *sets])
+    return cfg, plan_memory(cfg, spec, dims, H200, flash)
+
+
+def trainer_tensors(plan, phase: str) -> float:
+    skip = ("trainer overhead", "engines asleep", "engine awake", "hand-over buckets")
+    return sum(v for k, v in plan.phases[phase].items() if k not in skip) / GIB
+
+
+@pytest.mark.parametrize("run,layers,recipe", [("grpo", 16, "recipes/tiny_cpu_grpo.yaml"),
+                                               ("ppo", 8, "recipes/tiny_cpu_ppo.yaml")])
+def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, recipe):
+    """benchmarks/colocation_session.sh on one H200: Llama-3-8B's body with fewer layers, the tiny recipes'
+    settings, SGLang at fraction 0.7, everything offloadable offloaded."""
+    rows = [json.loads(line) for line in (MEASURED / f"{run}.metrics.jsonl").read_text().splitlines()]
+    last = rows[-2]  # a step in steady state that handed weights over (the last one does not)
+    spec = llama8b_body(tmp_path, layers, vocab=18)
+    _, plan = plan_for(recipe, spec, ParallelDims(tp=1, pp=1, dp=1), "rollout.engine=sglang",
+                       "rollout.gpu_memory_fraction=0.7")
+    # The trainer's own tensors at their peak, within 10%: the model state plus the optimizer step's scratch.
+    assert trainer_tensors(plan, "actor_update") == pytest.approx(last["memory/update_trainer_gib"], rel=0.1)
+    assert trainer_tensors(plan, "rollout") == pytest.approx(last["memory/generate_trainer_gib"], rel=0.1)
+    # The whole GPU, engine and overheads included, within 10%.
+    assert plan.total("actor_update") / GIB == pytest.approx(last["memory/update_device_gib"], rel=0.1)
+    assert plan.total("rollout") / GIB == pytest.approx(last["memory/reshard_device_gib"], rel=0.1)
+
+
+def test_plan_refuses_the_8b_ppo_config_that_died_at_its_first_wake(tmp_path):
+    spec = llama8b_body(tmp_path)
+    dims = ParallelDims(tp=2, pp=1, dp=4)
+    nothing_offloaded = ["actor.offload_optimizer=false", "critic.offload_weights=false",
+                         "critic.offload_optimizer=false", "reference.offload_weights=false"]
+    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, dims, *nothing_offloaded, flash=True)
+    with pytest.raises(UserError) as err:
+        check_memory(plan, cfg, 8)
+    message = str(err.value)
+    assert "rollout phase" in message and "engine awake" in message and "enable offloading" in message, message
+    assert "lower rollout.gpu_memory_fraction" in message
+
+
+@pytest.mark.parametrize("recipe", ["recipes/llama3_8b_ppo.yaml", "recipes/qwen2_7b_grpo.yaml"])
+@pytest.mark.parametrize("flash", [True, False])
+def test_shipped_8b_recipes_fit_eight_h200s(tmp_path, recipe, flash):
+    """With or without Transformer Engine's flash attention, at the engine fraction the recipe sets."""
+    cfg = load_config(REPO / recipe, ["model.hf_path=/unused"])
+    preset = "llama3-8b" if "llama" in recipe else "qwen2-7b"
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
+    spec = load_spec(tmp_path)
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=8 // (p.tensor_parallel * p.pipeline_parallel))
+    plan = plan_memory(cfg, spec, dims, H200, flash)
+    check_memory(plan, cfg, 8)
+    assert plan.engine_fraction == cfg.rollout.gpu_memory_fraction
+
+
+def test_auto_fraction_fills_what_the_trainer_leaves(tmp_path):
+    spec = llama8b_body(tmp_path)
+    dims = ParallelDims(tp=2, pp=1, dp=4)
+    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, dims, "rollout.gpu_memory_fraction=auto", flash=True)
+    check_memory(plan, cfg, 8)
+    assert 0.5 < plan.engine_fraction <= 0.9
+    assert plan.total("rollout") <= H200 and plan.total("rollout") > 0.85 * H200  # little left unused
