@@ -66,6 +66,10 @@ class SGLangEngine:
         except Exception as err:  # the engine's own exception carries its log tail
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
                             f"{str(err)[-2000:]}") from None
+        # The KV cache the engine sized for itself next to the trainer: what colocation leaves it.
+        tokens = self.engine.get_server_info().get("max_total_num_tokens")
+        print(f"megarl: SGLang engine on devices {devices}: KV cache of {tokens} tokens "
+              f"(mem_fraction_static {gpu_memory_fraction})", flush=True)
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
         self._attached: str | None = None
         self._token: torch.Tensor | None = None
