@@ -152,7 +152,20 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             parts["reference weights"] = reference.weights
         return parts
 
+    # Hand-over buffers, allocated once and resident in every phase: SGLang copies in the engine from the
+    # actor's tensors, plus a landing buffer for the engine bytes other GPUs hold; vLLM gets whole
+    # engine-layout tensors.
+    model = spec.num_params() * dtype
+    engine_rank = model // cfg.rollout.tensor_parallel
+    if cfg.rollout.engine == "sglang":
+        landing = max(0, engine_rank - model // (dims.tp * dims.pp))
+    else:
+        landing = engine_rank
+    pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing else 0  # staging for bytes that cross GPUs
+    buffers = {"hand-over buffers": landing + pool}
+
     def with_overhead(parts: dict[str, int]) -> dict[str, int]:
+        parts = parts | buffers
         tensors = sum(parts.values())
         return parts | {"trainer overhead": TRAINER_OVERHEAD + int(FRAGMENTATION * tensors)}
 
@@ -175,8 +188,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
     else:
         engine = int(plan.engine_fraction * gpu_bytes)
-    plan.phases["rollout"] = with_overhead(resident("rollout") | {
-        "hand-over buckets": 2 * cfg.rollout.reshard_bucket_mb * 2**20}) | {"engine awake": engine}
+    plan.phases["rollout"] = with_overhead(resident("rollout")) | {"engine awake": engine}
     return plan
 
 
