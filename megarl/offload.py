@@ -10,7 +10,8 @@ be offloaded: the actor's weights, which the resharder's copy tables and the eng
 point at, stay on the GPU.
 
 Parts of a model: ``weights`` (its parameters, or DDP's parameter buffers), ``grads`` (DDP's gradient
-buffers), ``optimizer`` (fp32 master weights and Adam moments, the optimizer's own tensors).
+buffers, freed without a copy: every train step zeroes them before use), ``optimizer`` (fp32 master
+weights and Adam moments, the optimizer's own tensors).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class ModelResidency:
                 continue
             stored = []
             for i, storage in enumerate(self._storages(part)):
+                if part == "grads":  # every train step zeroes them first: nothing to keep, only to free
+                    stored.append(_Stored(storage, storage.nbytes()))
+                    continue
                 host = self._host.get((part, i))
                 if host is None or host.numel() != storage.nbytes():
                     host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self._pin)
@@ -113,14 +117,17 @@ class ModelResidency:
         return freed
 
     def onload(self, parts: Iterable[Part]) -> int:
-        """Bring the parts' storages back (same size, same tensors viewing them); returns the bytes moved."""
+        """Bring the parts' storages back (same size, same tensors viewing them; gradients come back as zeros);
+        returns the bytes copied from host memory."""
         moved = 0
         for part in parts:
             for item in self._away.pop(part, []):
-                assert item.host is not None
                 item.storage.resize_(item.nbytes)
-                _as_bytes(item.storage).copy_(item.host, non_blocking=True)
-                moved += item.nbytes
+                if item.host is None:
+                    _as_bytes(item.storage).zero_()
+                else:
+                    _as_bytes(item.storage).copy_(item.host, non_blocking=True)
+                    moved += item.nbytes
         if moved and self._pin:
             torch.cuda.current_stream().synchronize()  # the next offload may overwrite the host buffers
         return moved
