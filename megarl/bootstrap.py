@@ -9,30 +9,45 @@ from typing import Any
 
 from megarl import checkpoint
 from megarl.config import load_config, validate_layout
+from megarl.errors import UserError
 from megarl.tracking import Tracker, open_store
 
 
-def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
+def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None
+              ) -> tuple[Any, Any, int, list[Any], int, Any]:
+    """Everything that can be checked in one process before any worker starts: the config, the run
+    directory, the layout against the model's shape, the memory plan and the prompts. Returns (config,
+    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer)."""
     cfg = load_config(config_path, overrides)
+    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
+    check_writable(out_dir, "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)")
     from megarl.models.spec import load_spec
 
     spec = load_spec(cfg.model.hf_path)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = os.environ.get("LOCAL_WORLD_SIZE")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size,
-                         ranks_per_node=int(local) if local else None)
+                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp)
     from transformers import AutoTokenizer
 
     from megarl.data.batching import tokenize_prompts
-    from megarl.data.loader import PromptLoader
     from megarl.data.prompts import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     records = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key)
     prompts, dropped = tokenize_prompts(records, tokenizer, cfg.data.apply_chat_template,
-                                        cfg.rollout.max_prompt_tokens)
+                                        cfg.rollout.max_prompt_tokens, cfg.data.drop_long_prompts,
+                                        repr(cfg.data.train_path))
+    return cfg, spec, dp, prompts, dropped, tokenizer
+
+
+def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
+    standalone_env()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    cfg, spec, dp, prompts, dropped, tokenizer = check_run(
+        config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
+    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
+    from megarl.data.loader import PromptLoader
+
     loader = PromptLoader(prompts, cfg.data.num_prompts_per_step, cfg.data.shuffle, cfg.data.seed)
 
     from megarl.platform import init_platform
@@ -45,12 +60,11 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
                                               vpp=p.virtual_pipeline, order=p.rank_order), p.timeout_minutes)
     model_parallel_seed(cfg.trainer.seed)
-    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
     if groups.rank == 0 and cfg.tracking.backend == "mlflow":
         open_store(cfg, out_dir)  # a bad tracking.uri fails now, not after the models are built
     if groups.rank == 0:
-        print(f"megarl: {len(prompts)} prompts ({dropped} dropped: longer than rollout.max_prompt_tokens="
-              f"{cfg.rollout.max_prompt_tokens}); TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
+        skipped = f" ({dropped} longer than rollout.max_prompt_tokens skipped)" if dropped else ""
+        print(f"megarl: {len(prompts)} prompts{skipped}; TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
               flush=True)
     from megarl.trainer import RLTrainer
 
@@ -100,3 +114,29 @@ def memory_plan(cfg: Any, spec: Any, dp: int) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"megarl: memory plan per GPU: {plan.table()}; engine fraction "
               f"{cfg.rollout.gpu_memory_fraction:.2f}", flush=True)
+
+
+def check_writable(directory: Path, field: str) -> None:
+    """Fail in a second, before anything is built, when the run directory cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"{field} = {str(directory)!r} cannot be written ({err.strerror or err}): metrics, "
+                        "checkpoints and the mlflow store go there. Fix: point checkpoint.dir at a writable "
+                        "directory, or fix its permissions.") from None
+
+
+def standalone_env() -> None:
+    """Without torchrun (``python megarl/train.py``), run as a world of one process."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))

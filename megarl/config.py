@@ -206,7 +206,8 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     """Generation length limit per completion."""
     max_prompt_tokens: int = 1024
-    """Prompts longer than this (after the chat template) are an error in the data, not truncated."""
+    """Prompts longer than this (after the chat template) are an error in the data, never truncated; see
+    data.drop_long_prompts."""
     gpu_memory_fraction: float | Literal["auto"] = 0.7
     """Memory the engine may hold while awake (weights and KV cache): for SGLang a share of the GPU memory free
     when it starts, next to the trainer's rollout-time footprint; for vLLM a share of the whole GPU. auto = what
@@ -336,6 +337,8 @@ class DataConfig:
     """Shuffle seed."""
     num_prompts_per_step: int = 64
     """Prompts per RL step; the rollout batch is this times rollout.num_samples_per_prompt."""
+    drop_long_prompts: bool = False
+    """Skip prompts longer than rollout.max_prompt_tokens (counted at start-up) instead of stopping with an error."""
 
     def __post_init__(self) -> None:
         _nonempty(self, "train_path", "prompt_key", "answer_key")

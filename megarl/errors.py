@@ -15,6 +15,9 @@ class UserError(ValueError):
     The message must name what is wrong (field or path), the value seen, and how to fix it.
     """
 
+    on_every_rank = True
+    """Raised alike by every rank (config, data, a non-finite loss): rank 0 alone reports it."""
+
 
 class TrainingDiverged(UserError):
     """A NaN or infinity in training. Reported like bad input (one paragraph, exit 2) and raised on every
@@ -37,14 +40,24 @@ def fail(message: str) -> NoReturn:
     raise UserError(message)
 
 
+ERROR_FILE = "MEGARL_ERROR_FILE"
+"""Where workers append their error paragraph, for the launcher (megarl.launch) to print it last."""
+
+
 def run_main(main: Callable[[], object]) -> None:
-    """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2."""
+    """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2. Under several
+    ranks, an error every rank raises is reported by rank 0 only."""
     try:
         main()
     except UserError as err:
         if os.environ.get("MEGARL_DEBUG") == "1":
             raise
         rank = os.environ.get("RANK")
-        prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
-        print(prefix + " ".join(str(err).split()), file=sys.stderr, flush=True)
+        if rank in (None, "0") or not err.on_every_rank:
+            prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
+            line = prefix + " ".join(str(err).split())
+            print(line, file=sys.stderr, flush=True)
+            if os.environ.get(ERROR_FILE):
+                with open(os.environ[ERROR_FILE], "a") as f:
+                    f.write(line + "\n")
         sys.exit(2)

@@ -1,10 +1,15 @@
-"""Start torchrun on every node of a Slurm allocation, with its arguments derived from SLURM variables.
+"""Start torchrun for megarl: on every node of a Slurm allocation, or on this machine alone.
 
   srun --ntasks-per-node 1 python -m megarl.launch megarl/train.py --config RECIPE   # one task per node
-  python -m megarl.launch --print megarl/train.py ...                               # show the command
+  python -m megarl.launch megarl/train.py --config RECIPE    # outside Slurm: all GPUs here (MEGARL_NPROC)
+  python -m megarl.launch --print megarl/train.py ...        # show the command
 
 Nodes rendezvous through c10d at the first node of SLURM_JOB_NODELIST (port MEGARL_RDZV_PORT,
 default 29500) under the job id, so all nodes find each other without a shared file system.
+
+For megarl/train.py the launcher first checks, in this one process, everything that can be checked
+before a worker starts (config, run directory, layout, memory plan, prompts). A worker's error comes
+back through a file (MEGARL_ERROR_FILE) and is printed once, after torchrun's own report, with exit code 2.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 
-from megarl.errors import UserError, run_main
+from megarl.errors import ERROR_FILE, UserError, run_main
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -62,6 +70,56 @@ def torchrun_command(script_args: list[str], env: Mapping[str, str]) -> list[str
             *script_args]
 
 
+def standalone_command(script_args: list[str], env: Mapping[str, str]) -> list[str]:
+    """torchrun on this machine alone: MEGARL_NPROC ranks, else one per visible GPU, else one."""
+    if env.get("MEGARL_NPROC"):
+        nproc = int(env["MEGARL_NPROC"])
+    else:
+        import torch
+
+        nproc = max(1, torch.cuda.device_count())
+    return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", *script_args]
+
+
+def _world(cmd: list[str]) -> tuple[int, int]:
+    """(world size, ranks per node) of a torchrun command line."""
+    option = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if a.startswith("--") and "=" in a}
+    per_node = int(option["--nproc-per-node"])
+    return int(option.get("--nnodes", "1")) * per_node, per_node
+
+
+def precheck(script_args: list[str], world: int, per_node: int) -> None:
+    """For megarl/train.py: the checks every worker would make, made once, here, before any starts."""
+    if not script_args[0].endswith("train.py"):
+        return
+    from megarl.bootstrap import check_run
+    from megarl.train import parse_args
+
+    args = parse_args(script_args[1:])
+    check_run(args.config, args.set, world, per_node)
+
+
+def run(cmd: list[str]) -> int:
+    """Run torchrun with an error file; forward SIGTERM (Slurm, scancel) to it and let Ctrl-C reach the
+    workers, which share the terminal. A worker's error paragraph is printed last, once."""
+    with tempfile.NamedTemporaryFile(prefix="megarl-error-", delete=False) as f:
+        error_file = f.name
+    try:
+        # torchrun of this interpreter, whether or not its bin/ is on PATH
+        argv = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
+        child = subprocess.Popen(argv, env=os.environ | {ERROR_FILE: error_file})
+        signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        code = child.wait()
+        lines = list(dict.fromkeys(open(error_file).read().splitlines()))
+    finally:
+        os.unlink(error_file)
+    if code != 0 and lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return 2
+    return code if code >= 0 else 128 - code
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     show = bool(args) and args[0] == "--print"
@@ -70,10 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise UserError("usage: python -m megarl.launch [--print] SCRIPT [ARGS...], e.g. megarl/train.py "
                         "--config recipes/llama3_8b_ppo.yaml")
-    cmd = torchrun_command(args, os.environ)
+    env = os.environ
+    cmd = torchrun_command(args, env) if env.get("SLURM_JOB_ID") else standalone_command(args, env)
     print(shlex.join(cmd), flush=True)
-    if not show:
-        os.execvp(cmd[0], cmd)
+    if show:
+        return
+    precheck(args, *_world(cmd))
+    sys.exit(run(cmd))
 
 
 if __name__ == "__main__":

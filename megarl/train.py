@@ -15,11 +15,15 @@ import argparse  # noqa: E402
 from megarl.errors import run_main  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megarl/train.py", description=__doc__)
     parser.add_argument("--config", required=True, help="recipe YAML (see README: Configuration)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     from megarl.bootstrap import setup
 

@@ -91,15 +91,23 @@ def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
 PROMPTS = [PromptRecord(" ".join(["one", "two", "three", "four", "five"][:n]), str(n)) for n in (1, 4, 2, 5, 3)]
 
 
-def test_tokenize_drops_over_long_prompts() -> None:
+def test_over_long_prompts_are_an_error_by_default() -> None:
+    with pytest.raises(UserError) as err:
+        tokenize_prompts(PROMPTS, word_tokenizer(), apply_chat_template=False, max_prompt_tokens=3, source="'x.jsonl'")
+    message = str(err.value)
+    assert "data.train_path = 'x.jsonl': 2 of 5 prompts are longer than rollout.max_prompt_tokens = 3" in message
+    assert "record 4, has 5" in message and "data.drop_long_prompts: true" in message
+
+
+def test_tokenize_drops_over_long_prompts_when_asked() -> None:
     tok = word_tokenizer()
-    kept, dropped = tokenize_prompts(PROMPTS, tok, apply_chat_template=False, max_prompt_tokens=3)
+    kept, dropped = tokenize_prompts(PROMPTS, tok, apply_chat_template=False, max_prompt_tokens=3, drop_long=True)
     # Word counts 1, 4, 2, 5, 3: the 4- and 5-word prompts go; order and answers are kept.
     assert dropped == 2
     assert [p.record.answer for p in kept] == ["1", "2", "3"]
     assert [p.tokens for p in kept] == [tok.convert_tokens_to_ids("one two three".split()[:n]) for n in (1, 2, 3)]
     # No chat template: apply_chat_template falls back to plain encoding.
-    assert tokenize_prompts(PROMPTS, tok, apply_chat_template=True, max_prompt_tokens=3) == (kept, 2)
+    assert tokenize_prompts(PROMPTS, tok, apply_chat_template=True, max_prompt_tokens=3, drop_long=True) == (kept, 2)
 
 
 def test_tokenize_with_chat_template_counts_template_tokens() -> None:
@@ -108,7 +116,7 @@ def test_tokenize_with_chat_template_counts_template_tokens() -> None:
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     tok = word_tokenizer(template)
-    kept, dropped = tokenize_prompts(PROMPTS, tok, apply_chat_template=True, max_prompt_tokens=4)
+    kept, dropped = tokenize_prompts(PROMPTS, tok, apply_chat_template=True, max_prompt_tokens=4, drop_long=True)
     # The template adds 2 tokens: lengths 3, 6, 4, 7, 5, so only 1- and 2-word prompts fit in 4.
     assert dropped == 3
     assert kept[1].tokens == tok.convert_tokens_to_ids(["<user>", "one", "two", "<assistant>"])

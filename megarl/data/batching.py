@@ -25,8 +25,11 @@ def tokenize_prompts(
     tokenizer: PreTrainedTokenizerBase,
     apply_chat_template: bool,
     max_prompt_tokens: int,
+    drop_long: bool = False,
+    source: str = "the prompt file",
 ) -> tuple[list[TokenizedPrompt], int]:
-    """Tokenize prompts and drop those longer than max_prompt_tokens; returns (kept, number dropped).
+    """Tokenize prompts; returns (kept, number dropped). A prompt longer than max_prompt_tokens is an error
+    naming ``source``, the count and the longest, unless ``drop_long`` (data.drop_long_prompts) drops it.
 
     With apply_chat_template and a tokenizer that has a chat template, each prompt becomes one user
     turn followed by the assistant header; otherwise it is encoded as plain text (with the tokenizer's
@@ -43,11 +46,16 @@ def tokenize_prompts(
         )
     else:
         encoded = tokenizer(prompts)
-    kept = [
-        TokenizedPrompt(record, list(tokens))
-        for record, tokens in zip(records, encoded["input_ids"], strict=True)
-        if len(tokens) <= max_prompt_tokens
-    ]
+    lengths = [len(tokens) for tokens in encoded["input_ids"]]
+    long = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
+    if long and not drop_long:
+        worst = max(long, key=lambda i: lengths[i])
+        raise UserError(f"data.train_path = {source}: {len(long)} of {len(records)} prompts are longer than "
+                        f"rollout.max_prompt_tokens = {max_prompt_tokens} tokens (after the chat template; the "
+                        f"longest, record {worst + 1}, has {lengths[worst]}). Fix: raise rollout.max_prompt_tokens "
+                        f"to {lengths[worst]}, or set data.drop_long_prompts: true to train without them.")
+    kept = [TokenizedPrompt(record, list(tokens))
+            for record, tokens, n in zip(records, encoded["input_ids"], lengths, strict=True) if n <= max_prompt_tokens]
     return kept, len(records) - len(kept)
 
 

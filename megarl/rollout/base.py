@@ -74,7 +74,8 @@ def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_
         if len(prompt) + params.max_new_tokens > max_model_len:
             raise UserError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
                             f"{params.max_new_tokens} it exceeds the engine's limit of {max_model_len} "
-                            "tokens. Raise the limit or drop long prompts (data.max_prompt_tokens).")
+                            "tokens. Raise the limit or shorten the prompts (rollout.max_prompt_tokens, "
+                            "data.drop_long_prompts).")
 
 
 @contextmanager

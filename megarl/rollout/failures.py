@@ -22,6 +22,8 @@ from megarl.errors import UserError
 class EngineFailed(UserError):
     """The rollout engine failed (reported as one paragraph; the last complete checkpoint is intact)."""
 
+    on_every_rank = False  # only the engine's driver sees it
+
 
 def memory_summary() -> str:
     """What this machine's memory holds now: per visible GPU, or the host's."""
