@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from megarl.config import CheckpointConfig
 from megarl.errors import UserError
+from megarl.models.hf_io import apply_umask, copy_model_files
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.models.trainable import MegatronModel
@@ -84,6 +85,7 @@ def _save_model(model: MegatronModel, out: Path) -> None:
         (out / META).write_text(json.dumps({"format": FORMAT, "version": VERSION, "tp": g.dims.tp, "pp": g.dims.pp,
                                             "vocab_pad_multiple": model.opts.vocab_pad_multiple,
                                             "padded_vocab_size": padded, "critic": model.opts.critic}))
+        copy_model_files(Path(model.hf_dir), out)  # the tokenizer and generation config: exports load as they are
         (out / "config.json").write_text(json.dumps(model.spec.hf_config, indent=2) + "\n")
 
 
@@ -203,6 +205,7 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
     if rank == 0:
         final = root / name
         shutil.rmtree(final, ignore_errors=True)
+        apply_umask(tmp)
         os.replace(tmp, final)
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(name)

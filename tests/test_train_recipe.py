@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, train_recipe
 
@@ -133,3 +134,29 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
     assert "host:" in proc.stderr and "GiB in use" in proc.stderr  # the memory numbers
     assert (ckpt / "latest").read_text().strip() == "step_000001"  # step 1 finished before the hand-over
     assert (ckpt / "step_000001" / "trainer.json").is_file() and not list(ckpt.glob(".step_*.tmp"))
+    # The checkpoint it kept exports to a HF directory that loads as it is: tokenizer and generation config
+    # included, files and directories with the user's umask (022 here), not private ones.
+    hf = tmp_path / "hf"
+    export = subprocess.run([sys.executable, "-m", "megarl.convert", "mcore-to-hf", "--ckpt",
+                             str(ckpt / "step_000001" / "actor"), "--out", str(hf)], cwd=REPO, capture_output=True,
+                            text=True, env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]}, timeout=120,
+                            preexec_fn=lambda: os.umask(0o022))
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert oct(hf.stat().st_mode & 0o777) == "0o755"
+    assert {oct(f.stat().st_mode & 0o777) for f in hf.iterdir()} == {"0o644"}
+    assert (hf / "tokenizer.json").is_file() and (hf / "generation_config.json").is_file()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    prompt = tokenizer("3 4")["input_ids"]
+    assert model(torch.tensor([prompt])).logits.shape[-1] == model.config.vocab_size
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(str(hf), gpu_memory_fraction=0.1, max_model_len=32, dtype="float32")
+    try:
+        [completion] = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=2))
+        assert len(completion.token_ids) >= 1
+    finally:
+        engine.shutdown()

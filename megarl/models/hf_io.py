@@ -89,6 +89,15 @@ def copy_model_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / fname, dst / fname)
 
 
+def apply_umask(root: Path) -> None:
+    """Give ``root`` and everything below it the permissions the user's umask asks for (temporary files and
+    directories are created private, 0600/0700, whatever the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
     """A temporary directory beside ``out``, renamed to ``out`` when the block succeeds and removed
@@ -99,6 +108,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        apply_umask(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

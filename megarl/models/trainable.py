@@ -44,6 +44,7 @@ class MegatronModel:
         if temperature <= 0:
             raise ValueError(f"MegatronModel: temperature {temperature} must be > 0 (greedy has no logprobs)")
         self.spec, self.groups, self.opts, self.temperature = spec, groups, opts, temperature
+        self.hf_dir = hf_dir
         self.chunks = build_model(spec, groups, opts)
         load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
         self.optimizer: Any = None
