@@ -30,7 +30,7 @@ class Tracker:
     def __init__(self, cfg: Config, rank: int, out_dir: Path, start_step: int = 0, run_id: str | None = None
                  ) -> None:
         """``run_id``: the mlflow run to continue (a resumed training run), else a new one."""
-        self.cfg, self.rank, self.start_step = cfg, rank, start_step
+        self.cfg, self.rank, self.start_step, self.out_dir = cfg, rank, start_step, out_dir
         self.times: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         self.history: list[dict[str, float]] = []

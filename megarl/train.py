@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
             break
     tracker.close()
     trainer.close()
+    if trainer.groups.rank == 0 and tracker.history:
+        from megarl.report import report
+
+        print(report(tracker.out_dir), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""A run's closing summary and plot, rebuilt from its metrics.jsonl.
+
+  python -m megarl.report RUN_DIR
+
+Prints where everything is (metrics, mlflow store, checkpoints), the reward of the first and last steps
+and the median time of each phase, and writes RUN_DIR/metrics.png: reward, rollout/trainer logprob gap
+and phase times per step. Training prints the same at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from megarl.errors import UserError, run_main
+
+WINDOW = 10
+"""Steps averaged for "first" and "last"."""
+
+
+def read_rows(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: RUN_DIR must be a run's checkpoint.dir (where metrics.jsonl is).")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise UserError(f"{path} holds no steps yet.")
+    return rows
+
+
+def summary(run_dir: Path, rows: list[dict[str, float]]) -> str:
+    first, last = rows[:WINDOW], rows[-WINDOW:]
+
+    def mean(part: list[dict[str, float]], key: str) -> float:
+        return sum(r[key] for r in part) / len(part)
+
+    phases = sorted({k for r in rows for k in r if k.startswith("time/")})
+    times = ", ".join(f"{k[5:]} {statistics.median(r[k] for r in rows if k in r):.2f}s" for k in phases)
+    lines = [f"megarl: {len(rows)} steps (steps {rows[0]['step']}-{rows[-1]['step']}) in {run_dir}",
+             f"  reward {mean(first, 'reward_mean'):.3f} (first {len(first)} steps) -> "
+             f"{mean(last, 'reward_mean'):.3f} (last {len(last)})",
+             f"  median phase times per step: {times}",
+             f"  metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / 'metrics.png'}"]
+    store = run_dir / "mlflow.db"
+    if store.is_file():
+        lines.append(f"  mlflow: {store} (mlflow ui --backend-store-uri sqlite:///{store.resolve()})")
+    checkpoints = sorted(run_dir.glob("step_*"))
+    if checkpoints:
+        lines.append(f"  checkpoints: {', '.join(p.name for p in checkpoints)} in {run_dir} "
+                     f"(export: python -m megarl.convert mcore-to-hf --ckpt {checkpoints[-1] / 'actor'} --out DIR)")
+    return "\n".join(lines)
+
+
+def plot(run_dir: Path, rows: list[dict[str, float]]) -> Path:
+    """metrics.png: reward, logprob gap and phase times against the step; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    axes[0].plot(steps, [r["reward_mean"] for r in rows])
+    axes[0].set_ylabel("mean reward")
+    axes[1].semilogy(steps, [max(r.get("logprob_diff_max", 0.0), 1e-12) for r in rows])
+    axes[1].set_ylabel("max |rollout - trainer|\nlogprob")
+    for key in sorted({k for r in rows for k in r if k.startswith("time/")}):
+        axes[2].plot(steps, [r.get(key, float("nan")) for r in rows], label=key[5:])
+    axes[2].set_ylabel("seconds")
+    axes[2].set_xlabel("step")
+    axes[2].legend(fontsize="small", ncol=3)
+    fig.tight_layout()
+    out = run_dir / "metrics.png"
+    tmp = run_dir / ".metrics.png.tmp"
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+def report(run_dir: Path) -> str:
+    """Write the plot and return the summary."""
+    rows = read_rows(run_dir)
+    plot(run_dir, rows)
+    return summary(run_dir, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megarl.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run's checkpoint.dir (holding metrics.jsonl)")
+    args = parser.parse_args(argv)
+    print(report(Path(args.run_dir)), flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)

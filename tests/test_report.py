@@ -1,0 +1,23 @@
+"""`python -m megarl.report RUN_DIR`: the closing summary and plot, rebuilt from metrics.jsonl."""
+
+import json
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_report_from_metrics(tmp_path):
+    rows = [{"step": s, "reward_mean": 0.1 if s < 10 else 0.5, "logprob_diff_max": 1e-5, "time/generate": 2.0,
+             "time/update": 1.0 + s % 2} for s in range(30)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "step_000029" / "actor").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "megarl.report", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "30 steps" in proc.stdout and "reward 0.100 (first 10 steps) -> 0.500 (last 10)" in proc.stdout
+    assert "generate 2.00s, update 1.50s" in proc.stdout and "step_000029" in proc.stdout
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = subprocess.run([sys.executable, "-m", "megarl.report", str(tmp_path / "nothing")], cwd=REPO,
+                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
