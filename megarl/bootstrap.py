@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl import checkpoint
+from megarl import checkpoint, interrupt
 from megarl.config import load_config, validate_layout
 from megarl.errors import UserError
 from megarl.tracking import Tracker, open_store
@@ -42,6 +42,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
 
 def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
     standalone_env()
+    interrupt.install()
     local = os.environ.get("LOCAL_WORLD_SIZE")
     cfg, spec, dp, prompts, dropped, tokenizer = check_run(
         config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
@@ -83,6 +84,8 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
         if groups.rank == 0:
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
     tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
+    interrupt.at_interrupt(trainer.close)
+    interrupt.at_interrupt(lambda: tracker.close(status="KILLED"))
 
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))

@@ -192,16 +192,21 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
         for role in models:
             (tmp / role / OPTIMIZER).mkdir(parents=True)
     dist.barrier()
-    for role, model in models.items():
-        if prepare is not None:
-            prepare(role)
-        _save_model(model, tmp / role)
-        _save_optimizer(model, tmp / role / OPTIMIZER)
-    torch.save({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
-    if rank == 0:
-        layout = dataclasses.asdict(next(iter(models.values())).groups.dims)
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state | {"step": step, "layout": layout}))
-    dist.barrier()
+    try:
+        for role, model in models.items():
+            if prepare is not None:
+                prepare(role)
+            _save_model(model, tmp / role)
+            _save_optimizer(model, tmp / role / OPTIMIZER)
+        torch.save({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
+        if rank == 0:
+            layout = dataclasses.asdict(next(iter(models.values())).groups.dims)
+            (tmp / "trainer.json").write_text(json.dumps(trainer_state | {"step": step, "layout": layout}))
+        dist.barrier()
+    except BaseException:  # an interrupt or a crash abandons the checkpoint: nothing half-written stays
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
         final = root / name
         shutil.rmtree(final, ignore_errors=True)

@@ -47,8 +47,14 @@ ERROR_FILE = "MEGARL_ERROR_FILE"
 def run_main(main: Callable[[], object]) -> None:
     """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2. Under several
     ranks, an error every rank raises is reported by rank 0 only."""
+    from megarl.interrupt import Interrupted, handle
+
     try:
         main()
+    except (Interrupted, KeyboardInterrupt) as stop:
+        if os.environ.get("MEGARL_DEBUG") == "1":
+            raise
+        handle(stop)
     except UserError as err:
         if os.environ.get("MEGARL_DEBUG") == "1":
             raise

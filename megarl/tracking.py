@@ -97,11 +97,14 @@ class Tracker:
             f"lp-diff {row['logprob_diff_max']:.2e} | " + " ".join(
                 f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | {row['tokens_per_s']:.0f} tok/s")
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """Close metrics.jsonl and end the mlflow run with ``status`` (KILLED after an interrupt)."""
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None
         if self.mlflow is not None:
-            self.mlflow.end_run()
+            self.mlflow.end_run(status=status)
+            self.mlflow = None
 
 
 def open_store(cfg: Config, out_dir: Path) -> Any:

@@ -21,6 +21,7 @@ from megarl.algos.losses import token_weights
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig
 from megarl.data.batching import TokenizedPrompt
+from megarl.interrupt import sigint_ignored
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
@@ -81,8 +82,9 @@ class RLTrainer:
         self._hold("rollout")  # the engine starts next to the trainer's rollout-time footprint
         group = engine_group(groups.rank, groups.dims.world_size, cfg.rollout.tensor_parallel)
         in_engine = engine_class(cfg).copies_in_engine
-        self.engine = GroupEngine(group, make_engine(cfg, cfg.rollout.seed + group.index, group.devices())
-                                  if group.driver else None, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
+        with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
+            engine = make_engine(cfg, cfg.rollout.seed + group.index, group.devices()) if group.driver else None
+        self.engine = GroupEngine(group, engine, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node or groups.dims.world_size,
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,

