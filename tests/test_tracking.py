@@ -33,7 +33,7 @@ def assert_store_matches(client: MlflowClient, run, rows: list[dict]) -> None:
     assert set(run.data.metrics) == names
     for name in names:
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-        assert history == [(r["step"], r[name]) for r in rows], name
+        assert history == [(r["step"], r[name]) for r in rows if name in r], name  # the last step hands nothing over
 
 
 @pytest.mark.slow

@@ -165,10 +165,10 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_ends_the_run_with_one_line(tmp_path, signum):
-    """Ctrl-C or scancel after the first steps: exit 128 + signal with one line and no traceback, the mlflow
-    run marked KILLED, the engine shut down, and only complete checkpoints left behind."""
+def test_interrupt_ends_the_run_with_one_line(tmp_path):
+    """Ctrl-C after the first step: exit 130 with one line and no traceback, the mlflow run marked KILLED,
+    the engine shut down, and only complete checkpoints left behind. (SIGTERM takes the same path, 143.)"""
+    signum = signal.SIGINT
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
                              f"checkpoint.dir={ckpt}", "--set", "checkpoint.save_every=1"], cwd=REPO,
@@ -177,7 +177,7 @@ def test_interrupt_ends_the_run_with_one_line(tmp_path, signum):
                             | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     metrics = ckpt / "metrics.jsonl"
     deadline = time.time() + 240
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+    while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
         time.sleep(0.2)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
