@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-"$VENV/bin/torchrun" --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml "$@"
+"$VENV/bin/python" megarl/train.py --config recipes/tiny_cpu_grpo.yaml "$@"
