@@ -13,11 +13,12 @@ from megarl.errors import UserError
 from megarl.tracking import Tracker, open_store
 
 
-def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None
-              ) -> tuple[Any, Any, int, list[Any], int, Any]:
+def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
+              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any]:
     """Everything that can be checked in one process before any worker starts: the config, the run
     directory, the layout against the model's shape, the memory plan and the prompts. Returns (config,
-    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer)."""
+    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer). ``gpu_bytes``: one
+    GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context)."""
     cfg = load_config(config_path, overrides)
     out_dir = Path(cfg.checkpoint.dir or "runs/latest")
     check_writable(out_dir, "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)")
@@ -26,7 +27,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     spec = load_spec(cfg.model.hf_path)
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
-    memory_plan(cfg, spec, dp)
+    memory_plan(cfg, spec, dp, gpu_bytes)
     from transformers import AutoTokenizer
 
     from megarl.data.batching import tokenize_prompts
@@ -93,7 +94,7 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     return cfg, trainer, loader, decode, tracker
 
 
-def memory_plan(cfg: Any, spec: Any, dp: int) -> None:
+def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None) -> None:
     """On GPUs: check the per-GPU memory plan (megarl.memory) and resolve rollout.gpu_memory_fraction: auto,
     before anything is built. Without a GPU (CPU engines) auto leaves the engine its own default."""
     import torch
@@ -102,7 +103,9 @@ def memory_plan(cfg: Any, spec: Any, dp: int) -> None:
     from megarl.models.gpt import transformer_engine_available
     from megarl.parallel import ParallelDims
 
-    if not torch.cuda.is_available():
+    if gpu_bytes is None:
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    if not gpu_bytes:
         if cfg.rollout.gpu_memory_fraction == "auto":
             cfg.rollout.gpu_memory_fraction = None
         return
@@ -110,8 +113,7 @@ def memory_plan(cfg: Any, spec: Any, dp: int) -> None:
     dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp)
     flash = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                       and transformer_engine_available())
-    gpu = torch.cuda.get_device_properties(0).total_memory
-    plan = plan_memory(cfg, spec, dims, gpu, flash)
+    plan = plan_memory(cfg, spec, dims, gpu_bytes, flash)
     check_memory(plan, cfg, dims.world_size)
     cfg.rollout.gpu_memory_fraction = plan.engine_fraction
     if int(os.environ.get("RANK", "0")) == 0:

@@ -71,13 +71,18 @@ def torchrun_command(script_args: list[str], env: Mapping[str, str]) -> list[str
 
 
 def standalone_command(script_args: list[str], env: Mapping[str, str]) -> list[str]:
-    """torchrun on this machine alone: MEGARL_NPROC ranks, else one per visible GPU, else one."""
+    """torchrun on this machine alone: MEGARL_NPROC ranks, else one per visible GPU (CUDA_VISIBLE_DEVICES or
+    nvidia-smi), else one."""
     if env.get("MEGARL_NPROC"):
         nproc = int(env["MEGARL_NPROC"])
-    else:
-        import torch
-
-        nproc = max(1, torch.cuda.device_count())
+    elif env.get("CUDA_VISIBLE_DEVICES"):
+        nproc = len(env["CUDA_VISIBLE_DEVICES"].split(","))
+    else:  # nvidia-smi, not torch: no CUDA context in the launcher
+        try:
+            out = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=60)
+            nproc = max(1, len(out.stdout.splitlines())) if out.returncode == 0 else 1
+        except (OSError, subprocess.TimeoutExpired):
+            nproc = 1
     return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", *script_args]
 
 
@@ -96,7 +101,19 @@ def precheck(script_args: list[str], world: int, per_node: int) -> None:
     from megarl.train import parse_args
 
     args = parse_args(script_args[1:])
-    check_run(args.config, args.set, world, per_node)
+    check_run(args.config, args.set, world, per_node, gpu_bytes=gpu_memory_bytes())
+
+
+def gpu_memory_bytes() -> int:
+    """Memory of this machine's first GPU as nvidia-smi reports it, 0 without one. Not through torch: a CUDA
+    context here would hold memory on GPU 0 for the whole run."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    fields = out.stdout.split()
+    return int(fields[0]) * 2**20 if out.returncode == 0 and fields and fields[0].isdigit() else 0
 
 
 def run(cmd: list[str]) -> int:
