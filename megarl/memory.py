@@ -64,10 +64,6 @@ class MemoryPlan:
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
 
-    def worst(self) -> tuple[str, int]:
-        phase = max(self.phases, key=self.total)
-        return phase, self.total(phase)
-
     def table(self) -> str:
         """One line per phase: its total and its three largest parts, in GiB."""
         lines = []
@@ -81,9 +77,8 @@ class MemoryPlan:
 def busiest_stage_params(spec: ModelSpec, dims: ParallelDims, vocab_pad_multiple: int, critic: bool = False) -> int:
     """Parameters on the GPU of the busiest pipeline stage: its layers' TP shards plus the embedding or
     output layer it holds (norms are replicated)."""
-    h, heads, kv, d = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    attention = h * (heads + 2 * kv) * d + heads * d * h + (((heads + 2 * kv) * d) if spec.qkv_bias else 0)
-    layer = (attention + 3 * h * spec.intermediate_size) // dims.tp + 2 * h
+    h = spec.hidden_size
+    layer = (spec.layer_params() - 2 * h) // dims.tp + 2 * h
     layers = -(-spec.num_layers // dims.pp) * layer
     vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple) * h // dims.tp
     head = h if critic else (vocab if (dims.pp > 1 or not spec.tie_word_embeddings) else 0)
@@ -171,8 +166,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
 
     plan = MemoryPlan(gpu_bytes)
     entropy = algo.entropy_coef > 0
-    num_engines_here = 1  # engines never share a GPU: engine g spans its group's GPUs
-    asleep = {"engines asleep": ENGINE_ASLEEP * num_engines_here}
+    asleep = {"engines asleep": ENGINE_ASLEEP}  # engines never share a GPU: engine g spans its group's GPUs
     # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
     plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
         "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, flash, entropy),

@@ -46,13 +46,17 @@ class ModelSpec:
         step = multiple * tp
         return math.ceil(self.vocab_size / step) * step
 
-    def num_params(self) -> int:
-        """Parameter count of the HF model (embedding counted once when tied)."""
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer, its two norms (2 * hidden_size) included."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+        return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+
+    def num_params(self) -> int:
+        """Parameter count of the HF model (embedding counted once when tied)."""
+        h = self.hidden_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * self.layer_params() + embed + h
 
 
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
