@@ -73,8 +73,8 @@ class ModelResidency:
     already there. The optimizer's state only exists after its first step, so parts are collected at
     every offload; host buffers are kept and reused, since pinning memory is slow."""
 
-    def __init__(self, model: Any, name: str) -> None:
-        self.model, self.name = model, name
+    def __init__(self, model: Any) -> None:
+        self.model = model
         self._away: dict[Part, list[_Stored]] = {}
         self._host: dict[tuple[Part, int], torch.Tensor] = {}
         self._pin = torch.cuda.is_available()
@@ -132,9 +132,6 @@ class ModelResidency:
             torch.cuda.current_stream().synchronize()  # the next offload may overwrite the host buffers
         return moved
 
-    def away(self) -> set[Part]:
-        return set(self._away)
-
     def device_bytes(self, part: Part) -> int:
         """Bytes the part holds on the device now (0 while offloaded)."""
         return sum(s.nbytes() for s in self._storages(part))
@@ -152,7 +149,7 @@ class Residency:
     """
 
     def __init__(self, models: dict[str, Any], offloadable: dict[str, set[Part]]) -> None:
-        self.states = {name: ModelResidency(model, name) for name, model in models.items()}
+        self.states = {name: ModelResidency(model) for name, model in models.items()}
         self.offloadable = {name: offloadable.get(name, set()) for name in models}
         self.seconds = 0.0
 

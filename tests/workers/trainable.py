@@ -109,7 +109,7 @@ def main() -> None:
             metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2)
             if mode in ("twice", "offload"):  # a second step, after all state left the device and came back
                 if mode == "offload":
-                    residency = ModelResidency(actor, "actor")
+                    residency = ModelResidency(actor)
                     freed = residency.offload(PARTS)
                     assert freed > 0 and all(residency.device_bytes(p) == 0 for p in PARTS), freed
                     grads = sum(b.grad_data.nbytes for m in actor.models for b in m.buffers)
