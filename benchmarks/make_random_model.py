@@ -17,23 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from megarl.models.mapping import hf_shapes
 from megarl.models.presets import PRESETS
-
-
-def layer_shapes(cfg: dict, i: int) -> dict[str, tuple[int, ...]]:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    p = f"model.layers.{i}."
-    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-              p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-              p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
-              p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-              p + "mlp.down_proj.weight": (h, inter)}
-    if cfg["model_type"] == "qwen2":
-        shapes |= {p + "self_attn.q_proj.bias": (heads * d,), p + "self_attn.k_proj.bias": (kv * d,),
-                   p + "self_attn.v_proj.bias": (kv * d,)}
-    return shapes
+from megarl.models.spec import load_spec
 
 
 def main() -> None:
@@ -60,9 +46,10 @@ def main() -> None:
             return torch.ones(shape, dtype=torch.bfloat16)
         return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
 
-    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    shards = [{"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}]
-    shards += [layer_shapes(cfg, i) for i in range(cfg["num_hidden_layers"])]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    shards: list[dict[str, tuple[int, ...]]] = [{} for _ in range(cfg["num_hidden_layers"] + 1)]
+    for name, shape in hf_shapes(load_spec(out)).items():  # one shard per layer, the rest in the first
+        shards[int(name.split(".")[2]) + 1 if name.startswith("model.layers.") else 0][name] = shape
     index: dict[str, str] = {}
     total = 0
     for n, shapes in enumerate(shards):
@@ -73,11 +60,10 @@ def main() -> None:
         total += sum(t.numel() * 2 for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": index}))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in tok.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, out / f.name)
-    print(f"wrote {out}: {args.preset} body, vocab {vocab}, {total / 2**30:.1f} GiB bf16", flush=True)
+    print(f"wrote {out}: {args.preset} body, vocab {cfg['vocab_size']}, {total / 2**30:.1f} GiB bf16", flush=True)
 
 
 if __name__ == "__main__":
