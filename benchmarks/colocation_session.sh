@@ -8,6 +8,7 @@
 #   grpo_kept: the same with nothing offloaded (actor.offload_optimizer=false), as before offloading existed
 #   alone:    the same engine alone on an empty GPU, for the KV cache it gets there
 #   ppo:      KL-PPO with actor, critic and reference, TP=$NPROC DP1, $STEPS_PPO steps
+#   ppo_auto: the same with rollout.gpu_memory_fraction=auto
 # PART selects a subset (setup, grpo, alone, ppo; default all) so that calls stay under 10 minutes.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -32,9 +33,14 @@ BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor
 train() {  # name recipe steps [--set ...]
   local name=$1 recipe=$2 steps=$3; shift 3
   local start=$SECONDS
+  # The node's host memory in use, every 5 s: pinned offload buffers live there.
+  (while sleep 5; do free -m | awk -v t=$((SECONDS - start)) 'NR==2 {print t, $3}'; done) > "$OUT/$name.host_mib.txt" &
+  local sampler=$!
   timeout 540 torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
     --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
   echo "[h200] $name exit $? in $((SECONDS - start)) s"
+  kill $sampler
+  echo "[h200] $name host memory peak $(sort -k2 -n "$OUT/$name.host_mib.txt" | tail -1 | cut -d' ' -f2) MiB of $(free -m | awk 'NR==2 {print $2}')"
   cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
   grep -h "megarl error\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/$name.log" | cut -c1-400
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
@@ -67,6 +73,8 @@ PY
       echo "[h200] alone exit $?"; grep -h "ALONE\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/alone.log" | cut -c1-400 ;;
     ppo)
       train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;
+    ppo_auto)
+      train ppo_auto recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

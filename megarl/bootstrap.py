@@ -27,7 +27,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     spec = load_spec(cfg.model.hf_path)
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
-    memory_plan(cfg, spec, dp, gpu_bytes)
+    memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
     from transformers import AutoTokenizer
 
     from megarl.data.batching import tokenize_prompts
@@ -94,12 +94,13 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     return cfg, trainer, loader, decode, tracker
 
 
-def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None) -> None:
-    """On GPUs: check the per-GPU memory plan (megarl.memory) and resolve rollout.gpu_memory_fraction: auto,
-    before anything is built. Without a GPU (CPU engines) auto leaves the engine its own default."""
+def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus_per_node: int = 1) -> None:
+    """On GPUs: check the per-GPU memory plan and the node's host memory (megarl.memory) and resolve
+    rollout.gpu_memory_fraction: auto, before anything is built. Without a GPU (CPU engines) auto leaves
+    the engine its own default."""
     import torch
 
-    from megarl.memory import check_memory, plan_memory
+    from megarl.memory import check_host_memory, check_memory, plan_memory
     from megarl.models.gpt import transformer_engine_available
     from megarl.parallel import ParallelDims
 
@@ -115,10 +116,35 @@ def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None) -> N
                                                       and transformer_engine_available())
     plan = plan_memory(cfg, spec, dims, gpu_bytes, flash)
     check_memory(plan, cfg, dims.world_size)
+    check_host_memory(plan, cfg, gpus_per_node, host_memory_bytes())
     cfg.rollout.gpu_memory_fraction = plan.engine_fraction
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"megarl: memory plan per GPU: {plan.table()}; engine fraction "
-              f"{cfg.rollout.gpu_memory_fraction:.2f}", flush=True)
+              f"{cfg.rollout.gpu_memory_fraction:.2f}; pinned host buffers {plan.host_bytes() / 2**30:.1f} GiB",
+              flush=True)
+
+
+def host_memory_bytes() -> int:
+    """This node's memory, or this process's cgroup limit where lower (a Slurm job runs inside one)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # cgroup v2
+                limits.append(Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max")
+            elif "memory" in controllers.split(","):
+                limits.append(Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    for limit in limits:
+        try:
+            value = limit.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            total = min(total, int(value))
+    return total
 
 
 def check_writable(directory: Path, field: str) -> None:

@@ -159,8 +159,9 @@ class UpdateConfig:
     micro_batch_size: int = 1
     """Samples per micro-batch on one GPU when dynamic_batch is false."""
     offload_optimizer: bool = True
-    """Move the optimizer state (fp32 master weights, Adam moments) and the gradient buffer to host memory
-    while this model is not updating (rollout, scoring, the other model's update), for the engine's KV cache."""
+    """Move the optimizer state (fp32 master weights, Adam moments) to pinned host memory while this model is
+    not updating (rollout, scoring, the other model's update), for the engine's KV cache. The gradient buffer
+    is freed then either way: every update zeroes it first, so nothing is copied."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_ppo_epochs", "max_tokens_per_gpu", "micro_batch_size")

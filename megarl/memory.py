@@ -12,8 +12,12 @@ that log-probabilities and entropy need. What megarl.offload moves away in a pha
 The engine: SGLang fills ``rollout.gpu_memory_fraction`` of the memory free when it starts (weights
 and KV cache; measured on an H200: 0.7 of the free memory plus about 2 GiB); vLLM takes that fraction
 of the whole GPU. Asleep, an engine keeps its CUDA context and some buffers. Overheads: the CUDA
-context, NCCL and the caching allocator's fragmentation, measured at 10-13 GiB over the trainer's
-tensors on an H200 (benchmarks/results/h200/colocation).
+context, NCCL's buffers and the caching allocator's fragmentation, measured at 10-13 GiB over the
+trainer's tensors on one H200 and 5 GiB more on two (benchmarks/results/h200/colocation).
+
+Host memory: what megarl.offload moves away lands in pinned host buffers that are kept for reuse, so a
+node holds every offloaded part of every local rank at once, next to each process's own memory. A node
+without room is refused before launch too (one H200 host of 128 GiB was OOM-killed that way).
 """
 
 from __future__ import annotations
@@ -31,11 +35,20 @@ ENGINE_OVERHEAD = 2 * GIB
 ENGINE_ASLEEP = 4 * GIB
 """What a sleeping engine keeps on its GPU (CUDA context, buffers the memory saver does not release)."""
 TRAINER_OVERHEAD = 2 * GIB
-"""CUDA context and NCCL buffers of the trainer process."""
+"""CUDA context of the trainer process."""
+NCCL_OVERHEAD = 5 * GIB
+"""NCCL communicators' buffers (allocated outside torch) when the trainer spans several GPUs: measured
+5 GiB on two H200s joined by NVLink (TP2 trainer, TP1 engines)."""
 FRAGMENTATION = 0.10
 """Share of the trainer's tensors the caching allocator holds on top of them."""
 MARGIN = 0.03
 """Share of the GPU a plan leaves free."""
+HOST_PER_GPU = 7 * GIB
+"""Host memory of the processes on one GPU beyond the offload buffers: a trainer rank (torch, megatron-core,
+CUDA's host state, data) and its engine's scheduler. Measured 6.4-7.0 GiB on an H200 node (SGLang TP1
+engines; benchmarks/results/h200/colocation/*_tp2*.host_mib.txt)."""
+HOST_MARGIN = 0.10
+"""Share of the node's memory a plan leaves to the system and page cache."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,11 @@ class MemoryPlan:
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     engine_fraction: float = 0.0
     """rollout.gpu_memory_fraction as the engine gets it (``auto`` resolved)."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Pinned host bytes per GPU, by offloaded part (after the first step, when Adam's moments exist)."""
+
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -135,14 +153,18 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
         optimizer = actor.optimizer if started else actor.optimizer_at_start
         parts = {"actor weights": actor.weights}
+        if phase == "actor_update":
+            parts["actor grads"] = actor.grads
         if phase == "actor_update" or not cfg.actor.offload_optimizer:
-            parts |= {"actor grads": actor.grads, "actor optimizer": optimizer}
+            parts["actor optimizer"] = optimizer
         if critic is not None:
             critic_opt = critic.optimizer if started else critic.optimizer_at_start
             if phase in ("values", "critic_update") or not cfg.critic.offload_weights:
                 parts["critic weights"] = critic.weights
+            if phase == "critic_update":
+                parts["critic grads"] = critic.grads
             if phase == "critic_update" or not cfg.critic.offload_optimizer:
-                parts |= {"critic grads": critic.grads, "critic optimizer": critic_opt}
+                parts["critic optimizer"] = critic_opt
         if reference is not None and (phase == "reference" or not cfg.reference.offload_weights):
             parts["reference weights"] = reference.weights
         return parts
@@ -162,7 +184,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     def with_overhead(parts: dict[str, int]) -> dict[str, int]:
         parts = parts | buffers
         tensors = sum(parts.values())
-        return parts | {"trainer overhead": TRAINER_OVERHEAD + int(FRAGMENTATION * tensors)}
+        nccl = NCCL_OVERHEAD if dims.world_size > 1 else 0
+        return parts | {"trainer overhead": TRAINER_OVERHEAD + nccl + int(FRAGMENTATION * tensors)}
 
     plan = MemoryPlan(gpu_bytes)
     entropy = algo.entropy_coef > 0
@@ -183,6 +206,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     else:
         engine = int(plan.engine_fraction * gpu_bytes)
     plan.phases["rollout"] = with_overhead(resident("rollout")) | {"engine awake": engine}
+    # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
+    held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "rollout")]
+    plan.host = {k: v for parts in held for k, v in parts.items()
+                 if not k.endswith("grads") and any(k not in other for other in held)}
     return plan
 
 
@@ -196,6 +223,30 @@ def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int) -> flo
     if cfg.rollout.engine == "sglang":
         return max(0.05, min(0.9, free / (gpu_bytes - trainer_at_start)))
     return max(0.05, min(0.9, free / gpu_bytes))
+
+
+def host_need(plan: MemoryPlan, cfg: Config, gpus_per_node: int) -> int:
+    """Host bytes one node needs: every local rank's offload buffers and processes."""
+    return gpus_per_node * (plan.host_bytes() + HOST_PER_GPU)
+
+
+def check_host_memory(plan: MemoryPlan, cfg: Config, gpus_per_node: int, host_bytes: int) -> None:
+    """Refuse a plan whose offload buffers do not fit the node's memory (``host_bytes``: MemTotal)."""
+    need, usable = host_need(plan, cfg, gpus_per_node), int(host_bytes * (1 - HOST_MARGIN))
+    if need <= usable:
+        return
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(plan.host.items(), key=lambda kv: -kv[1]))
+    flags = {"actor optimizer": "actor.offload_optimizer", "critic optimizer": "critic.offload_optimizer",
+             "critic weights": "critic.offload_weights", "reference weights": "reference.offload_weights"}
+    keep = [f"{flags[k]}: false" for k in sorted(plan.host, key=lambda k: -plan.host[k]) if k in flags]
+    raise UserError(f"this config does not fit its node's host memory: offloading needs {need / GIB:.1f} GiB "
+                    f"on a node of {gpus_per_node} GPUs ({plan.host_bytes() / GIB:.1f} GiB of pinned buffers per "
+                    f"GPU: {parts}; plus each process's own), more than the {usable / GIB:.1f} GiB usable of "
+                    f"{host_bytes / GIB:.1f} GiB. Ways out: keep the largest part on the GPU "
+                    f"({keep[0] if keep else '-'}, if the GPU plan still fits); shard the optimizer over more "
+                    f"data-parallel ranks "
+                    f"(actor/critic.optimizer.use_distributed_optimizer: true, more GPUs); or raise "
+                    f"parallel.tensor_parallel / pipeline_parallel.")
 
 
 def check_memory(plan: MemoryPlan, cfg: Config, num_gpus: int) -> None:

@@ -17,6 +17,7 @@ weights and Adam moments, the optimizer's own tensors).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -104,7 +105,7 @@ class ModelResidency:
                     continue
                 host = self._host.get((part, i))
                 if host is None or host.numel() != storage.nbytes():
-                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self._pin)
+                    host = host_buffer(storage.nbytes(), self._pin)
                     self._host[part, i] = host
                 host.copy_(_as_bytes(storage), non_blocking=True)
                 stored.append(_Stored(storage, storage.nbytes(), host))
@@ -135,6 +136,20 @@ class ModelResidency:
     def device_bytes(self, part: Part) -> int:
         """Bytes the part holds on the device now (0 while offloaded)."""
         return sum(s.nbytes() for s in self._storages(part))
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked when ``pin``. Not through ``pin_memory=True``: torch's caching
+    host allocator rounds every block up to a power of two, so 39 GiB of optimizer state would take 64."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed with CUDA error {int(err)}: "
+                               "the host is out of lockable memory (see `ulimit -l` and the memory plan)")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

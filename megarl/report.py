@@ -30,7 +30,8 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
-def summary(run_dir: Path, rows: list[dict[str, float]]) -> str:
+def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None = None) -> str:
+    """``plot_note``: why metrics.png is missing, when it is."""
     first, last = rows[:WINDOW], rows[-WINDOW:]
 
     def mean(part: list[dict[str, float]], key: str) -> float:
@@ -42,7 +43,7 @@ def summary(run_dir: Path, rows: list[dict[str, float]]) -> str:
              f"  reward {mean(first, 'reward_mean'):.3f} (first {len(first)} steps) -> "
              f"{mean(last, 'reward_mean'):.3f} (last {len(last)})",
              f"  median phase times per step: {times}",
-             f"  metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / 'metrics.png'}"]
+             f"  metrics: {run_dir / 'metrics.jsonl'}, plot: {plot_note or run_dir / 'metrics.png'}"]
     store = run_dir / "mlflow.db"
     if store.is_file():
         lines.append(f"  mlflow: {store} (mlflow ui --backend-store-uri sqlite:///{store.resolve()})")
@@ -83,7 +84,10 @@ def plot(run_dir: Path, rows: list[dict[str, float]]) -> Path:
 def report(run_dir: Path) -> str:
     """Write the plot and return the summary."""
     rows = read_rows(run_dir)
-    plot(run_dir, rows)
+    try:
+        plot(run_dir, rows)
+    except Exception as err:  # a plot is a convenience: it never turns a finished run into a failed one
+        return summary(run_dir, rows, plot_note=f"not written ({type(err).__name__}: {err})")
     return summary(run_dir, rows)
 
 

@@ -55,7 +55,8 @@ class Tracker:
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase of the step; a phase entered twice in one step (the critic's) adds up. On GPUs also
         its memory peaks: this process's tensors (``memory/NAME_trainer_gib``) and the whole device's use,
-        engines included, at its end (``memory/NAME_device_gib``), each the largest over the step."""
+        engines included, at its end (``memory/NAME_device_gib``), and the node's host memory in use then
+        (``memory/NAME_host_gib``), each the largest over the step."""
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
@@ -66,7 +67,8 @@ class Tracker:
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
             for key, value in ((f"memory/{name}_trainer_gib", torch.cuda.max_memory_allocated() / 2**30),
-                               (f"memory/{name}_device_gib", (total - free) / 2**30)):
+                               (f"memory/{name}_device_gib", (total - free) / 2**30),
+                               (f"memory/{name}_host_gib", host_used_bytes() / 2**30)):
                 self.memory[key] = max(self.memory.get(key, 0.0), value)
         key = f"time/{name}"
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
@@ -169,3 +171,12 @@ def _max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device="cuda")
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return dict(zip(keys, tensor.tolist(), strict=True))
+
+
+def host_used_bytes() -> int:
+    """The node's memory in use (MemTotal - MemAvailable), 0 where /proc/meminfo is missing."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0

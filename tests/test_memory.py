@@ -10,7 +10,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.errors import UserError
-from megarl.memory import GIB, check_memory, plan_memory
+from megarl.memory import GIB, check_host_memory, check_memory, host_need, plan_memory
 from megarl.models.presets import PRESETS
 from megarl.models.spec import load_spec
 from megarl.parallel import ParallelDims
@@ -39,18 +39,22 @@ def trainer_tensors(plan, phase: str) -> float:
     return sum(v for k, v in plan.phases[phase].items() if k not in skip) / GIB
 
 
-@pytest.mark.parametrize("run,layers,tp,recipe", [("grpo", 16, 1, "recipes/tiny_cpu_grpo.yaml"),
-                                                  ("ppo", 8, 1, "recipes/tiny_cpu_ppo.yaml"),
-                                                  ("grpo_tp2", 32, 2, "recipes/tiny_cpu_grpo.yaml")])
-def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, tp, recipe):
+@pytest.mark.parametrize("run,layers,tp,recipe,fraction", [
+    ("grpo", 16, 1, "recipes/tiny_cpu_grpo.yaml", "0.7"),
+    ("ppo", 8, 1, "recipes/tiny_cpu_ppo.yaml", "0.7"),
+    ("grpo_tp2", 32, 2, "recipes/tiny_cpu_grpo.yaml", "0.7"),
+    ("grpo_tp2_auto", 32, 2, "recipes/tiny_cpu_grpo.yaml", "auto"),
+    ("ppo_tp2", 32, 2, "recipes/tiny_cpu_ppo.yaml", "0.6"),
+    ("ppo_tp2_auto", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto")])
+def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, tp, recipe, fraction):
     """benchmarks/colocation_session.sh on one H200 (Llama-3-8B's body with fewer layers) and on two
-    (the whole body, TP2 trainer, one engine per GPU): the tiny recipes' settings, SGLang at fraction
-    0.7, everything offloadable offloaded."""
+    (the whole body, TP2 trainer, one engine per GPU): the tiny recipes' settings, SGLang at the
+    fraction given, everything offloadable offloaded."""
     rows = [json.loads(line) for line in (MEASURED / f"{run}.metrics.jsonl").read_text().splitlines()]
     last = rows[-2]  # a step in steady state that handed weights over (the last one does not)
     spec = llama8b_body(tmp_path, layers, vocab=18)
     _, plan = plan_for(recipe, spec, ParallelDims(tp=tp, pp=1, dp=1), "rollout.engine=sglang",
-                       "rollout.gpu_memory_fraction=0.7")
+                       f"rollout.gpu_memory_fraction={fraction}")
     # The trainer's own tensors at their peak, within 10%: the model state plus the optimizer step's scratch.
     assert trainer_tensors(plan, "actor_update") == pytest.approx(last["memory/update_trainer_gib"], rel=0.1)
     assert trainer_tensors(plan, "rollout") == pytest.approx(last["memory/generate_trainer_gib"], rel=0.1)
@@ -59,17 +63,21 @@ def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, tp, r
     assert plan.total("rollout") / GIB == pytest.approx(last["memory/reshard_device_gib"], rel=0.1)
 
 
-def test_plan_refuses_the_8b_ppo_config_that_died_at_its_first_wake(tmp_path):
-    spec = llama8b_body(tmp_path)
-    dims = ParallelDims(tp=2, pp=1, dp=4)
-    nothing_offloaded = ["actor.offload_optimizer=false", "critic.offload_weights=false",
-                         "critic.offload_optimizer=false", "reference.offload_weights=false"]
-    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, dims, *nothing_offloaded, flash=True)
+def test_plan_refuses_the_config_that_died_at_its_first_wake(tmp_path):
+    """Issue 11's run on two H200s: Llama-3-8B's body, TP2 trainer, two TP1 SGLang engines at fraction 0.7,
+    the actor's optimizer state kept on the GPU. The engine sized itself before Adam's moments existed, and
+    the first wake after training ran out of memory."""
+    spec = llama8b_body(tmp_path, vocab=18)
+    cfg, plan = plan_for("recipes/tiny_cpu_grpo.yaml", spec, ParallelDims(tp=2, pp=1, dp=1), "rollout.engine=sglang",
+                         "rollout.gpu_memory_fraction=0.7", "actor.offload_optimizer=false")
     with pytest.raises(UserError) as err:
-        check_memory(plan, cfg, 8)
+        check_memory(plan, cfg, 2)
     message = str(err.value)
     assert "rollout phase" in message and "engine awake" in message and "enable offloading" in message, message
     assert "lower rollout.gpu_memory_fraction" in message
+    _, offloaded = plan_for("recipes/tiny_cpu_grpo.yaml", spec, ParallelDims(tp=2, pp=1, dp=1),
+                            "rollout.engine=sglang", "rollout.gpu_memory_fraction=0.7")
+    check_memory(offloaded, cfg, 2)
 
 
 @pytest.mark.parametrize("recipe", ["recipes/llama3_8b_ppo.yaml", "recipes/qwen2_7b_grpo.yaml"])
@@ -94,3 +102,47 @@ def test_auto_fraction_fills_what_the_trainer_leaves(tmp_path):
     check_memory(plan, cfg, 8)
     assert 0.5 < plan.engine_fraction <= 0.9
     assert plan.total("rollout") <= H200 and plan.total("rollout") > 0.85 * H200  # little left unused
+
+
+@pytest.mark.parametrize("run,recipe", [("ppo_tp2", "recipes/tiny_cpu_ppo.yaml"),
+                                        ("ppo_tp2_auto", "recipes/tiny_cpu_ppo.yaml"),
+                                        ("grpo_tp2_auto", "recipes/tiny_cpu_grpo.yaml")])
+def test_host_plan_matches_the_node_measured_with_two_h200s(tmp_path, run, recipe):
+    """benchmarks/colocation_session.sh on nvidia-h200-x2 (a node of 252 GiB): Llama-3-8B's body, TP2 DP1,
+    one TP1 SGLang engine per GPU, everything offloadable offloaded. The node's memory in use at its peak
+    (free(1), sampled every 5 s, and memory/*_host_gib) within 10% of the plan."""
+    rows = [json.loads(line) for line in (MEASURED / f"{run}.metrics.jsonl").read_text().splitlines()]
+    measured = max(v for r in rows for k, v in r.items() if k.startswith("memory/") and k.endswith("_host_gib"))
+    sampled = max(int(line.split()[1]) for line in (MEASURED / f"{run}.host_mib.txt").read_text().splitlines())
+    assert sampled / 1024 == pytest.approx(measured, rel=0.05)
+    spec = llama8b_body(tmp_path, vocab=18)
+    cfg, plan = plan_for(recipe, spec, ParallelDims(tp=2, pp=1, dp=1), "rollout.engine=sglang")
+    assert host_need(plan, cfg, 2) / GIB == pytest.approx(measured, rel=0.1)
+
+
+def test_host_plan_refuses_a_node_too_small_for_its_offload_buffers(tmp_path):
+    """The two-H200 KL-PPO above needed 197 GiB of host memory; on a node of 128 GiB it is refused before
+    launch, naming the largest part to keep on the GPU instead."""
+    spec = llama8b_body(tmp_path, vocab=18)
+    cfg, plan = plan_for("recipes/tiny_cpu_ppo.yaml", spec, ParallelDims(tp=2, pp=1, dp=1), "rollout.engine=sglang")
+    assert set(plan.host) == {"actor optimizer", "critic weights", "critic optimizer", "reference weights"}
+    check_host_memory(plan, cfg, 2, 252 * GIB)
+    with pytest.raises(UserError) as err:
+        check_host_memory(plan, cfg, 2, 128 * GIB)
+    message = str(err.value)
+    assert "host memory" in message and "128.0 GiB" in message and "offload_optimizer: false" in message, message
+    _, kept = plan_for("recipes/tiny_cpu_ppo.yaml", spec, ParallelDims(tp=2, pp=1, dp=1), "rollout.engine=sglang",
+                       "critic.offload_optimizer=false")
+    assert plan.host_bytes() - kept.host_bytes() == plan.host["critic optimizer"]
+
+
+@pytest.mark.parametrize("recipe", ["recipes/llama3_8b_ppo.yaml", "recipes/qwen2_7b_grpo.yaml"])
+def test_shipped_8b_recipes_fit_an_h200_node_host(tmp_path, recipe):
+    """8 H200s on a node of 2 TiB (DGX H200), and still on half that."""
+    cfg = load_config(REPO / recipe, ["model.hf_path=/unused"])
+    preset = "llama3-8b" if "llama" in recipe else "qwen2-7b"
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=8 // (p.tensor_parallel * p.pipeline_parallel))
+    plan = plan_memory(cfg, load_spec(tmp_path), dims, H200, True)
+    check_host_memory(plan, cfg, 8, 1024 * GIB)

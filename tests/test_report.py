@@ -21,3 +21,16 @@ def test_report_from_metrics(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megarl.report", str(tmp_path / "nothing")], cwd=REPO,
                           capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
+
+
+def test_a_broken_plotting_library_does_not_fail_the_run(tmp_path):
+    """The summary still prints, says why the plot is missing, and the exit code stays 0 (a GPU image
+    had a matplotlib that could not plot, and a finished 10-step run exited 1)."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.2, "time/generate": 1.0}) + "\n")
+    stub = tmp_path / "stub"
+    (stub / "matplotlib").mkdir(parents=True)
+    (stub / "matplotlib" / "__init__.py").write_text("def use(name):\n    raise RuntimeError('no backend')\n")
+    proc = subprocess.run([sys.executable, "-m", "megarl.report", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, env={"PYTHONPATH": f"{stub}:{REPO}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "reward 0.200" in proc.stdout and "plot: not written (RuntimeError: no backend)" in proc.stdout
