@@ -293,10 +293,13 @@ def offloadable_parts(cfg: Config) -> dict[str, set[Part]]:
     """Per model, the parts its config lets leave the device. The actor's weights never do: the
     resharder's copy tables and the engine's CUDA IPC mappings hold their addresses. Gradient buffers
     always may: they are freed, not copied (every update zeroes them first)."""
-    return {"actor": {"grads"} | ({"optimizer"} if cfg.actor.offload_optimizer else set()),
-            "critic": {"grads"} | ({"optimizer"} if cfg.critic.offload_optimizer else set())
-            | ({"weights"} if cfg.critic.offload_weights else set()),
-            "reference": {"weights"} if cfg.reference.offload_weights else set()}
+    grads: set[Part] = {"grads"}
+    optimizer: set[Part] = {"optimizer"}
+    weights: set[Part] = {"weights"}
+    return {"actor": grads | (optimizer if cfg.actor.offload_optimizer else set()),
+            "critic": grads | (optimizer if cfg.critic.offload_optimizer else set())
+            | (weights if cfg.critic.offload_weights else set()),
+            "reference": weights if cfg.reference.offload_weights else set()}
 
 
 def _batching(section: UpdateConfig) -> tuple[int | None, int]:
