@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl import checkpoint, interrupt
-from megarl.config import load_config, validate_layout
+from megarl.config import load_config, run_dir, validate_layout
 from megarl.errors import UserError
 from megarl.tracking import Tracker, open_store
 
@@ -20,7 +20,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     model spec, data-parallel size, tokenized prompts, number skipped, tokenizer). ``gpu_bytes``: one
     GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context)."""
     cfg = load_config(config_path, overrides)
-    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
+    out_dir = run_dir(cfg)
     check_writable(out_dir, "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)")
     from megarl.models.spec import load_spec
 
@@ -41,13 +41,32 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     return cfg, spec, dp, prompts, dropped, tokenizer
 
 
+EXPECTED_WARNINGS = (
+    r".*(Transformer Engine and Apex are|Apex is) not installed",  # torch fallbacks, by design without TE
+    r"full scope is deprecated",  # megatron-core's own default for cuda_graph_scope
+    r"`torch\.distributed\.\w+` is deprecated",  # megatron-core's calls into torch
+    r"The \.grad attribute of a Tensor that is not a leaf",  # megatron-core reads main_grad's owner
+)
+"""Warnings of libraries that say nothing to a megarl user; shown with MEGARL_WARNINGS=all."""
+
+
+def quiet_expected_warnings() -> None:
+    if os.environ.get("MEGARL_WARNINGS") == "all":
+        return
+    import warnings
+
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
+    quiet_expected_warnings()
     standalone_env()
     interrupt.install()
     local = os.environ.get("LOCAL_WORLD_SIZE")
     cfg, spec, dp, prompts, dropped, tokenizer = check_run(
         config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
-    out_dir = Path(cfg.checkpoint.dir or "runs/latest")
+    out_dir = run_dir(cfg)
     from megarl.data.loader import PromptLoader
 
     loader = PromptLoader(prompts, cfg.data.num_prompts_per_step, cfg.data.shuffle, cfg.data.seed)

@@ -524,6 +524,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     return build_config(data, overrides, origins)
 
 
+def run_dir(cfg: Config) -> Path:
+    """Where a run writes metrics, the mlflow store, checkpoints and engine logs."""
+    return Path(cfg.checkpoint.dir or "runs/latest")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -2,7 +2,7 @@
 
   python -m megarl.report RUN_DIR
 
-Prints where everything is (metrics, mlflow store, checkpoints), the reward of the first and last steps
+Prints where everything is (metrics, mlflow store, engine logs, checkpoints), the reward of the first and last steps
 and the median time of each phase, and writes RUN_DIR/metrics.png: reward, rollout/trainer logprob gap
 and phase times per step. Training prints the same at its end.
 """
@@ -47,6 +47,9 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     store = run_dir / "mlflow.db"
     if store.is_file():
         lines.append(f"  mlflow: {store} (mlflow ui --backend-store-uri sqlite:///{store.resolve()})")
+    engine_logs = sorted(run_dir.glob("engine_*.log"))
+    if engine_logs:
+        lines.append(f"  engine logs: {', '.join(str(p) for p in engine_logs)}")
     checkpoints = sorted(run_dir.glob("step_*"))
     if checkpoints:
         lines.append(f"  checkpoints: {', '.join(p.name for p in checkpoints)} in {run_dir} "

@@ -11,6 +11,8 @@ update, update: the actor's, reshard) and tokens_per_s (prompt + response tokens
 from __future__ import annotations
 
 import json
+import logging
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ class Tracker:
                  ) -> None:
         """``run_id``: the mlflow run to continue (a resumed training run), else a new one."""
         self.cfg, self.rank, self.start_step, self.out_dir = cfg, rank, start_step, out_dir
+        self.started = time.monotonic()
         self.times: dict[str, float] = {}
         self.memory: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
@@ -39,12 +42,13 @@ class Tracker:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        forget_jsonl_steps(out_dir, start_step)
         self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         from rich.console import Console
 
         self.console = Console(stderr=True, soft_wrap=True)  # one line per step in captured logs too
         if cfg.tracking.backend == "mlflow":
-            self.mlflow = start_mlflow(cfg, out_dir, run_id)
+            self.mlflow = start_mlflow(cfg, out_dir, run_id, start_step)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps so that a resumed run logs into the same mlflow run (rank 0)."""
@@ -97,7 +101,15 @@ class Tracker:
             f"len {row['response_length']:.1f} kl {row.get('kl', 0.0):.4f} "
             f"clip {row.get('actor/clip_fraction', 0.0):.3f} gnorm {row.get('actor/grad_norm', 0.0):.3f} "
             f"lp-diff {row['logprob_diff_max']:.2e} | " + " ".join(
-                f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | {row['tokens_per_s']:.0f} tok/s")
+                f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | {row['tokens_per_s']:.0f} tok/s"
+            + f" | ETA {self._eta(step)}")
+
+    def _eta(self, step: int) -> str:
+        """Time left at the mean pace of this process's steps so far (the first, with compilation, included)."""
+        done = step + 1 - self.start_step
+        left = self.cfg.trainer.num_steps - step - 1
+        seconds = int((time.monotonic() - self.started) / max(done, 1) * left)
+        return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
     def close(self, status: str = "FINISHED") -> None:
         """Close metrics.jsonl and end the mlflow run with ``status`` (KILLED after an interrupt)."""
@@ -121,6 +133,7 @@ def open_store(cfg: Config, out_dir: Path) -> Any:
         raise UserError(f"tracking.backend = mlflow but {err.name} is not installed. Fix: `pip install -r "
                         "requirements.txt`, or set tracking.backend: none (metrics still go to metrics.jsonl)."
                         ) from None
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its schema migrations on every start
     uri = t.uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,8 +147,45 @@ def open_store(cfg: Config, out_dir: Path) -> Any:
     return mlflow
 
 
-def start_mlflow(cfg: Config, out_dir: Path, run_id: str | None = None) -> Any:
-    """Open the store, start (or continue) a run and log the flattened config as params; the mlflow module."""
+def forget_jsonl_steps(out_dir: Path, start_step: int) -> None:
+    """Make metrics.jsonl hold only steps before ``start_step``: a run resumed from a checkpoint logs the
+    steps after it again. Rows dropped are appended to metrics.discarded.jsonl first, so none is lost."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] < start_step]
+    if len(kept) == len(lines):
+        return
+    dropped = [line for line in lines if json.loads(line)["step"] >= start_step]
+    with open(out_dir / "metrics.discarded.jsonl", "a") as f:
+        f.write("".join(line + "\n" for line in dropped))
+    tmp = out_dir / ".metrics.jsonl.tmp"
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    print(f"megarl: metrics.jsonl holds steps before {start_step} only; {len(dropped)} rows logged after the "
+          "checkpoint this run starts from moved to metrics.discarded.jsonl", flush=True)
+
+
+def forget_mlflow_steps(uri: str, run_id: str, start_step: int) -> int | None:
+    """Delete run ``run_id``'s metrics of steps >= ``start_step`` from an SQLite store (mlflow's API cannot
+    delete metrics) and recompute its latest values; the number of values deleted, None for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    with sqlite3.connect(uri[len("sqlite:///"):]) as db:
+        deleted = db.execute("DELETE FROM metrics WHERE run_uuid = ? AND step >= ?", (run_id, start_step)).rowcount
+        if deleted:
+            db.execute("DELETE FROM latest_metrics WHERE run_uuid = ?", (run_id,))
+            db.execute("""INSERT OR REPLACE INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid)
+                SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics AS m WHERE run_uuid = ?
+                AND NOT EXISTS (SELECT 1 FROM metrics AS o WHERE o.run_uuid = m.run_uuid AND o.key = m.key
+                                AND (o.step, o.timestamp, o.value) > (m.step, m.timestamp, m.value))""", (run_id,))
+    return deleted
+
+
+def start_mlflow(cfg: Config, out_dir: Path, run_id: str | None = None, start_step: int = 0) -> Any:
+    """Open the store, start (or continue) a run and log the flattened config as params; the mlflow module.
+    A continued run first forgets the steps from ``start_step`` on, which the resumed run logs again."""
     mlflow = open_store(cfg, out_dir)
     from mlflow.exceptions import MlflowException
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
@@ -154,6 +204,9 @@ def start_mlflow(cfg: Config, out_dir: Path, run_id: str | None = None) -> Any:
         mlflow.start_run(run_name=cfg.tracking.run_name)
         mlflow.log_params(params)
         return mlflow
+    if forget_mlflow_steps(mlflow.get_tracking_uri(), run_id, start_step) is None:
+        print(f"megarl: the mlflow server keeps what run {run_id} logged from step {start_step} on before it was "
+              "interrupted (mlflow cannot delete metrics); metrics.jsonl holds each step once", flush=True)
     mlflow.start_run(run_id=run_id)
     # A run's params are immutable: a resumed run adds new keys and reports changed ones.
     changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)

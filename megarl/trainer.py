@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
 from megarl.algos.shaping import informative_groups
-from megarl.config import Config, UpdateConfig
+from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
 from megarl.interrupt import sigint_ignored
 from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
@@ -45,12 +45,13 @@ def engine_class(cfg: Config) -> Any:
     return SGLangEngine
 
 
-def make_engine(cfg: Config, seed: int, devices: list[int] | None) -> RolloutEngine:
+def make_engine(cfg: Config, index: int, devices: list[int] | None) -> RolloutEngine:
+    """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory."""
     r = cfg.rollout
     engine: RolloutEngine = engine_class(cfg)(
         cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
-        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=seed, devices=devices,
-        **({"dtype": cfg.model.dtype} | r.engine_args))
+        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
+        log_file=run_dir(cfg) / f"engine_{index}.log", **({"dtype": cfg.model.dtype} | r.engine_args))
     return engine
 
 
@@ -83,7 +84,7 @@ class RLTrainer:
         group = engine_group(groups.rank, groups.dims.world_size, cfg.rollout.tensor_parallel)
         in_engine = engine_class(cfg).copies_in_engine
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
-            engine = make_engine(cfg, cfg.rollout.seed + group.index, group.devices()) if group.driver else None
+            engine = make_engine(cfg, group.index, group.devices()) if group.driver else None
         self.engine = GroupEngine(group, engine, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node or groups.dims.world_size,

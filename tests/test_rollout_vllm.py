@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import make_hf_model
+from helpers import REPO, make_hf_model
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import hf_shapes, param_rules, to_mcore_shard
@@ -21,7 +21,8 @@ from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.vllm import VLLMEngine, _LogTail, engine_rank_layout
+from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.vllm import VLLMEngine, engine_rank_layout
 from megarl.rollout.vllm_worker import load_engine_tensors
 
 # vLLM's CPU attention needs head_dim 64 (16 is rejected). ~2.4M parameters (9.5 MB in float32), so that a
@@ -63,15 +64,33 @@ def test_start_failure_reports_the_engine_processes_root_cause():
     child = ("import sys; print('(EngineCore pid=1) WARNING [a.py:1] ValueError: harmless warmup'); "
              "print('(Worker pid=2) ERROR [b.py:2] ValueError: not enough memory', flush=True); "
              "sys.stderr.write('Exception: WorkerProc initialization failed\\n')")
-    tail = _LogTail()
-    try:
+    log = EngineLog()
+    with log.capture():
         subprocess.run([sys.executable, "-c", child], check=True)  # inherits the teed stdout/stderr
-    finally:
-        tail.restore()
-    tail.drain(quiet=0.2)
+    log.drain(quiet=0.2)
     # stdout and stderr are pumped by separate threads, so the two lines may come in either order.
-    assert set(tail.summary().split(" | ")) == {"ValueError: not enough memory",
-                                                 "Exception: WorkerProc initialization failed"}
+    assert set(log.summary().split(" | ")) == {"ValueError: not enough memory",
+                                                "Exception: WorkerProc initialization failed"}
+
+
+def test_engine_processes_log_to_the_engine_file_not_the_console(tmp_path):
+    """What an engine's processes print, during its start and after, lands in its log file; this process's
+    own output goes to the console again once the engine has started."""
+    path = tmp_path / "engine_0.log"
+    script = ("import sys, time; print('(Worker pid=2) WARNING RotaryEmbedding: Failed to load weights', flush=True); "
+              "time.sleep(0.5); sys.stderr.write('(Worker pid=2) INFO later, after the start\\n')")
+    probe = ("import subprocess, sys; from pathlib import Path; from megarl.rollout.enginelog import EngineLog\n"
+             f"log = EngineLog(Path({str(path)!r}))\n"
+             "with log.capture():\n"
+             f"    child = subprocess.Popen([sys.executable, '-c', {script!r}])\n"
+             "print('megarl: step 1/1', flush=True)\n"
+             "child.wait(); log.drain(quiet=0.3)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                          env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "megarl: step 1/1\n" and proc.stderr == ""
+    text = path.read_text()
+    assert "Failed to load weights" in text and "later, after the start" in text
 
 
 class _Model(torch.nn.Module):

@@ -1,6 +1,8 @@
 """mlflow tracking: the flattened config as params and every step's metrics in a SQLite store, the same values
 as metrics.jsonl; a store that cannot be opened stops with a UserError naming tracking.uri (exit code 2)."""
 
+import json
+
 import pytest
 
 from helpers import REPO, run_torchrun, train_recipe
@@ -80,21 +82,33 @@ def test_tracker_logs_to_an_explicit_uri_and_cuts_long_params(tmp_path, monkeypa
     assert tracker.history[1]["entropy"] == pytest.approx(3.5 / 3)
 
 
-def test_a_resumed_run_continues_its_mlflow_run(tmp_path):
+def test_a_resumed_run_continues_its_mlflow_run_and_logs_each_step_once(tmp_path):
+    """Checkpointed after step 0, interrupted after step 2: the resumed run logs steps 1 and 2 again, and
+    both metrics.jsonl and the mlflow run then hold each step once, with the resumed values."""
     uri = f"sqlite:///{tmp_path / 'store.db'}"
-    first = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}", "trainer.num_steps=2"]),
-                    rank=0, out_dir=tmp_path / "run")
+    run_dir = tmp_path / "run"
+    first = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}", "trainer.num_steps=4"]),
+                    rank=0, out_dir=run_dir)
     first.log(0, tiny_batch(0), {"logprob_diff_max": 0.0})
     saved = first.state_dict()  # what a checkpoint after step 0 keeps
-    first.close()
+    for step in (1, 2):
+        first.log(step, tiny_batch(10 + step), {"logprob_diff_max": 0.0})
+    first.close(status="KILLED")
     # Resumed with one more step configured: the same run goes on; changed params keep their first value.
-    resumed = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}", "trainer.num_steps=3"]),
-                      rank=0, out_dir=tmp_path / "run", start_step=1, run_id=saved["mlflow_run_id"])
-    resumed.log(1, tiny_batch(1), {"logprob_diff_max": 0.0})
+    resumed = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}", "trainer.num_steps=5"]),
+                      rank=0, out_dir=run_dir, start_step=1, run_id=saved["mlflow_run_id"])
+    for step in (1, 2, 3):
+        resumed.log(step, tiny_batch(step), {"logprob_diff_max": 0.0})
     resumed.close()
     client, run = only_run(uri)
-    assert run.info.run_id == saved["mlflow_run_id"] and run.data.params["trainer.num_steps"] == "2"
-    assert_store_matches(client, run, first.history + resumed.history)
+    assert run.info.run_id == saved["mlflow_run_id"] and run.data.params["trainer.num_steps"] == "4"
+    rows = first.history[:1] + resumed.history
+    assert_store_matches(client, run, rows)
+    assert run.data.metrics["reward_mean"] == rows[-1]["reward_mean"]  # the latest value is the last step's
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == rows
+    discarded = [json.loads(line) for line in (run_dir / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert discarded == first.history[1:]
 
 
 def test_other_ranks_open_no_store(tmp_path):

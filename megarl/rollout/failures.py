@@ -45,7 +45,8 @@ def memory_summary() -> str:
 def _hung(phase: str, timeout_s: float) -> None:
     print(f"megarl error: the rollout engine did not finish {phase} within {timeout_s:.0f} s "
           f"(rollout.timeout_minutes). Memory: {memory_summary()}. Training stopped; the last complete checkpoint "
-          "is intact. Look at the engine's log above for the cause, or raise rollout.timeout_minutes if "
+          "is intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
+          "rollout.timeout_minutes if "
           "generation is legitimately that slow.", file=sys.stderr, flush=True)
     os._exit(3)
 
@@ -63,7 +64,8 @@ def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
     except Exception as err:
         text = " ".join(str(err).split())[-1500:] or "(no message)"
         raise EngineFailed(f"the rollout engine failed during {phase}: {type(err).__name__}: {text} Memory: "
-                           f"{memory_summary()}. Training stopped; the last complete checkpoint is intact and "
+                           f"{memory_summary()}. The engine's log is engine_*.log in the run directory. "
+                           "Training stopped; the last complete checkpoint is intact and "
                            "resumes with checkpoint.resume: auto. If the engine ran out of memory, lower "
                            "rollout.gpu_memory_fraction or enable offloading (actor.offload_optimizer, "
                            "critic.offload_weights, reference.offload_weights).") from err

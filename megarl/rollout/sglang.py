@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import EngineCopy, apply_message
 from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
+from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.group import visible_devices_env
 from megarl.rollout.sglang_loader import LOADER
 
@@ -40,13 +42,17 @@ class SGLangEngine:
 
     def __init__(self, hf_dir: str, *, tensor_parallel: int = 1, gpu_memory_fraction: float = 0.7,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
-                 load_format: str = "auto", devices: list[int] | None = None, **engine_args: Any) -> None:
+                 load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
+                 **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
-        visible ones); ``engine_args`` go to ``sglang.Engine`` unchanged."""
+        visible ones); ``log_file``: where the engine's processes log (None: the console); ``engine_args`` go
+        to ``sglang.Engine`` unchanged."""
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
         check_rollout_tp(spec, tensor_parallel)
+        engine_log = EngineLog(Path(log_file) if log_file else None)
         try:
-            import sglang
+            with engine_log.capture():
+                import sglang
         except ImportError as err:
             raise UserError(f"rollout.engine = sglang but SGLang cannot be imported ({err}). Install the GPU "
                             "image (Dockerfile) or use rollout.engine = vllm.") from None
@@ -61,11 +67,12 @@ class SGLangEngine:
             # SGLang's logprobs are those of softmax(logits / T), the distribution it samples from and the one
             # the trainer computes; this variable would switch them to T = 1, so it is pinned off.
             env = visible_devices_env(devices) | {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-            with engine_process_env(**env):
+            with engine_log.capture(), engine_process_env(**env):
                 self.engine = sglang.Engine(**args)
         except Exception as err:  # the engine's own exception carries its log tail
+            engine_log.drain()
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
-                            f"{str(err)[-2000:]}") from None
+                            f"{str(err)[-2000:]} Engine log: {engine_log.summary()[-1500:]}") from None
         # The KV cache the engine sized for itself next to the trainer: what colocation leaves it.
         tokens = self.engine.get_server_info().get("max_total_num_tokens")
         print(f"megarl: SGLang engine on devices {devices}: KV cache of {tokens} tokens "

