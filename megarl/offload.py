@@ -16,6 +16,7 @@ weights and Adam moments, the optimizer's own tensors).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,20 @@ class _Stored:
     storage: torch.UntypedStorage
     nbytes: int
     host: torch.Tensor | None = None
+    copied: Any = None
+    """CUDA event recorded after the copy to ``host`` (None: nothing copied, or not on a GPU)."""
+
+
+def bring_back(item: _Stored, stream: Any = None) -> int:
+    """Reallocate an offloaded storage (on the current stream, whose pool it came from) and enqueue its copy
+    back (on ``stream``, else the current one); the bytes copied."""
+    item.storage.resize_(item.nbytes)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if item.host is None:
+            _as_bytes(item.storage).zero_()
+            return 0
+        _as_bytes(item.storage).copy_(item.host, non_blocking=True)
+    return item.nbytes
 
 
 def _inner_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
@@ -98,37 +113,45 @@ class ModelResidency:
         for part in parts:
             if part in self._away:
                 continue
-            stored = []
-            for i, storage in enumerate(self._storages(part)):
-                if part == "grads":  # every train step zeroes them first: nothing to keep, only to free
-                    stored.append(_Stored(storage, storage.nbytes()))
-                    continue
-                host = self._host.get((part, i))
-                if host is None or host.numel() != storage.nbytes():
-                    host = host_buffer(storage.nbytes(), self._pin)
-                    self._host[part, i] = host
-                host.copy_(_as_bytes(storage), non_blocking=True)
-                stored.append(_Stored(storage, storage.nbytes(), host))
+            stored = self.start_offload(part)
             if self._pin:
                 torch.cuda.current_stream().synchronize()  # the copies finish before the memory is reused
             for item in stored:
                 item.storage.resize_(0)
                 freed += item.nbytes
-            self._away[part] = stored
         return freed
+
+    def start_offload(self, part: Part) -> list[_Stored]:
+        """Enqueue the copies of the part's storages to host memory on the current stream, recording an
+        event after each, and mark the part away; the caller frees each storage once its event completed."""
+        stored = []
+        for i, storage in enumerate(self._storages(part)):
+            if part == "grads":  # every train step zeroes them first: nothing to keep, only to free
+                stored.append(_Stored(storage, storage.nbytes()))
+                continue
+            host = self._host.get((part, i))
+            if host is None or host.numel() != storage.nbytes():
+                host = host_buffer(storage.nbytes(), self._pin)
+                self._host[part, i] = host
+            host.copy_(_as_bytes(storage), non_blocking=True)
+            stored.append(_Stored(storage, storage.nbytes(), host))
+            if self._pin:
+                stored[-1].copied = torch.cuda.Event()
+                stored[-1].copied.record()
+        self._away[part] = stored
+        return stored
+
+    def away(self, part: Part) -> list[_Stored]:
+        """Take the part's offloaded storages, for the caller to bring back (``bring_back``)."""
+        return self._away.pop(part, [])
 
     def onload(self, parts: Iterable[Part]) -> int:
         """Bring the parts' storages back (same size, same tensors viewing them; gradients come back as zeros);
         returns the bytes copied from host memory."""
         moved = 0
         for part in parts:
-            for item in self._away.pop(part, []):
-                item.storage.resize_(item.nbytes)
-                if item.host is None:
-                    _as_bytes(item.storage).zero_()
-                else:
-                    _as_bytes(item.storage).copy_(item.host, non_blocking=True)
-                    moved += item.nbytes
+            for item in self.away(part):
+                moved += bring_back(item)
         if moved and self._pin:
             torch.cuda.current_stream().synchronize()  # the next offload may overwrite the host buffers
         return moved
@@ -161,17 +184,62 @@ class Residency:
 
     ``offloadable`` maps a model name to the parts it may move; ``hold({name: parts})`` onloads those
     parts and offloads every other offloadable part. Seconds spent moving are summed in ``seconds``.
+
+    On a GPU the two directions overlap: copies to the host run on one stream, copies back on another, and
+    each storage that arrives takes the place of storages whose copy out has finished and which have been
+    freed, so the device never holds more than ``slack_bytes`` beyond what it held before the move.
     """
 
-    def __init__(self, models: dict[str, Any], offloadable: dict[str, set[Part]]) -> None:
+    def __init__(self, models: dict[str, Any], offloadable: dict[str, set[Part]],
+                 slack_bytes: int = 2**30) -> None:
         self.states = {name: ModelResidency(model) for name, model in models.items()}
         self.offloadable = {name: offloadable.get(name, set()) for name in models}
+        self.slack_bytes = slack_bytes
         self.seconds = 0.0
+        self._streams: tuple[Any, Any] | None = None
 
     def hold(self, needed: dict[str, set[Part]]) -> None:
         start = time.perf_counter()
-        for name, state in self.states.items():  # free first, then load: the peak stays lower
-            state.offload([p for p in PARTS if p in self.offloadable[name] and p not in needed.get(name, set())])
-        for name, state in self.states.items():
-            state.onload(needed.get(name, set()))
+        leaving = [(state, p) for name, state in self.states.items() for p in PARTS
+                   if p in self.offloadable[name] and p not in needed.get(name, set()) and p not in state._away]
+        coming = [(self.states[name], p) for name, parts in needed.items() for p in PARTS if p in parts]
+        if torch.cuda.is_available():
+            self._overlapped(leaving, coming)
+        else:
+            for state, part in leaving:  # free first, then load: the peak stays lower
+                state.offload([part])
+            for state, part in coming:
+                state.onload([part])
         self.seconds += time.perf_counter() - start
+
+    def _overlapped(self, leaving: list[tuple[ModelResidency, Part]], coming: list[tuple[ModelResidency, Part]]
+                    ) -> None:
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        out_stream, in_stream = self._streams
+        main = torch.cuda.current_stream()
+        out_stream.wait_stream(main)  # the copies out read what the phase before wrote
+        with torch.cuda.stream(out_stream):
+            pending = [item for state, part in leaving for item in state.start_offload(part)]
+        pending.reverse()  # oldest last: pop() frees in copy order
+        freed = loaded = 0
+
+        def free_one() -> None:
+            nonlocal freed
+            item = pending.pop()
+            if item.copied is not None:
+                item.copied.synchronize()
+            item.storage.resize_(0)
+            freed += item.nbytes
+
+        in_stream.wait_stream(main)
+        for state, part in coming:
+            for item in state.away(part):
+                while pending and loaded + item.nbytes > freed + self.slack_bytes:
+                    free_one()
+                loaded += item.nbytes
+                bring_back(item, in_stream)  # allocated on the main stream: in_stream has waited for its work
+        while pending:
+            free_one()
+        main.wait_stream(in_stream)
+        in_stream.synchronize()  # the next move may overwrite the host buffers

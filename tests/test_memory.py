@@ -45,7 +45,8 @@ def trainer_tensors(plan, phase: str) -> float:
     ("grpo_tp2", 32, 2, "recipes/tiny_cpu_grpo.yaml", "0.7"),
     ("grpo_tp2_auto", 32, 2, "recipes/tiny_cpu_grpo.yaml", "auto"),
     ("ppo_tp2", 32, 2, "recipes/tiny_cpu_ppo.yaml", "0.6"),
-    ("ppo_tp2_auto", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto")])
+    ("ppo_tp2_auto", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto"),
+    ("ppo_tp2_overlap", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto")])
 def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, tp, recipe, fraction):
     """benchmarks/colocation_session.sh on one H200 (Llama-3-8B's body with fewer layers) and on two
     (the whole body, TP2 trainer, one engine per GPU): the tiny recipes' settings, SGLang at the
@@ -106,6 +107,7 @@ def test_auto_fraction_fills_what_the_trainer_leaves(tmp_path):
 
 @pytest.mark.parametrize("run,recipe", [("ppo_tp2", "recipes/tiny_cpu_ppo.yaml"),
                                         ("ppo_tp2_auto", "recipes/tiny_cpu_ppo.yaml"),
+                                        ("ppo_tp2_overlap", "recipes/tiny_cpu_ppo.yaml"),
                                         ("grpo_tp2_auto", "recipes/tiny_cpu_grpo.yaml")])
 def test_host_plan_matches_the_node_measured_with_two_h200s(tmp_path, run, recipe):
     """benchmarks/colocation_session.sh on nvidia-h200-x2 (a node of 252 GiB): Llama-3-8B's body, TP2 DP1,

