@@ -32,7 +32,7 @@ from megarl.models.mapping import REPLICATED, param_rules, pipeline_stage, to_hf
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
 from megarl.reshard.engine_layout import engine_tensors  # noqa: E402
-from megarl.reshard.planner import Plan, make_plan  # noqa: E402
+from megarl.reshard.planner import Plan, make_plan, predict_ms  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -64,12 +64,10 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def plan_report(plan: Plan, link_gbps: float | None = None) -> dict:
-    stats = plan.stats()
-    report = {k: v for k, v in stats.items()}
-    if link_gbps:
-        report["predicted_transfer_ms_at_link_bw"] = stats["max_recv_bytes_per_gpu"] / (link_gbps * 1e9) * 1e3
-    return report
+def plan_report(plan: Plan) -> dict:
+    """The plan's byte counts and its predicted time and bound (megarl.reshard.planner.predict_ms, at the
+    default link rates)."""
+    return plan.stats() | predict_ms(plan)
 
 
 def trainer_shards(spec, plan: Plan, rank: int, dtype: torch.dtype, device: torch.device, hf_dir: str | None):
@@ -276,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         "peak_extra_bytes": peak_extra, "pool_bytes": resharder.pool_bytes,
         "baseline_ms": baseline_times, "baseline_p50_ms": percentile(baseline_times, 50) if baseline_times else None,
         "speedup": percentile(baseline_times, 50) / p50 if baseline_times else None,
-        "baseline_matches": match, "plan": stats, "num_buckets": len(plan.buckets),
+        "baseline_matches": match, "plan": plan_report(plan), "num_buckets": len(plan.buckets),
     }
     if args.dump:
         from safetensors.torch import save_file

@@ -1,6 +1,7 @@
 """The refit plan: every engine byte exactly once, nearest replica first, balanced, bucket-bounded."""
 
 import itertools
+import math
 from collections import defaultdict
 
 import pytest
@@ -12,7 +13,7 @@ from megarl.models.presets import preset_or_hf_spec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, allocate_flat_buckets, engine_tensor_allocations
-from megarl.reshard.planner import make_plan
+from megarl.reshard.planner import LinkModel, make_plan, predict_ms
 
 TINY = preset_or_hf_spec("tiny")  # 8 heads, 4 kv heads, vocab 1000 (not a multiple of 64 * R)
 LAYOUTS = [(tp, pp, dp, r) for tp, pp, dp, r in itertools.product((1, 2, 4), (1, 2), (1, 2), (1, 2, 4, 8))
@@ -96,6 +97,38 @@ def test_llama3_8b_tp4_pp2_to_r2_moves_less_than_all_gather():
     assert stats["max_recv_bytes_per_gpu"] <= stats["engine_bytes_per_gpu"]
     assert stats["max_recv_bytes_per_gpu"] < stats["naive_gathered_bytes_per_gpu"] / 1.9
     assert stats["local_bytes"] + stats["cross_gpu_bytes"] == 8 * stats["engine_bytes_per_gpu"]
+
+
+@pytest.mark.parametrize("tp,pp,r", [(1, 2, 1), (1, 2, 2), (2, 1, 1)])
+def test_buckets_carry_both_directions_of_the_link(tp, pp, r):
+    """On two GPUs each GPU lacks bytes the other holds. Buckets in layer order ran one direction at a time
+    under PP (PP2 -> R1: none of 73 buckets used both); filled first-fit, every bucket but possibly the
+    last carries both, and the bucket count nears the bytes over the budget."""
+    spec = preset_or_hf_spec("llama3-8b")
+    plan = make_plan(spec, ParallelDims(tp=tp, pp=pp, dp=1), r, element_size=2)
+    directions = [{(t.src_rank, t.dst_rank) for t in b if not t.local} for b in plan.buckets]
+    assert sum(len(d) == 2 for d in directions) >= len(plan.buckets) - 1, directions
+    most = max(plan.stats()["max_recv_bytes_per_gpu"], plan.stats()["max_send_bytes_per_gpu"])
+    assert len(plan.buckets) <= math.ceil(most / plan.bucket_bytes) + 1
+
+
+def test_predicted_time_counts_each_link_direction_and_the_network():
+    """The time model: a bucket takes its busiest GPU's link direction or its local copies (overlapped),
+    plus a fixed cost; the bound is the busiest direction over the whole refit."""
+    spec = preset_or_hf_spec("llama3-8b")
+    links = LinkModel(nvlink_gbps=100.0, network_gbps=10.0, hbm_copy_gbps=1000.0, bucket_overhead_ms=0.5)
+    plan = make_plan(spec, ParallelDims(tp=2, pp=1, dp=1), 1, element_size=2, gpus_per_node=8)
+    per_gpu = plan.stats()["max_recv_bytes_per_gpu"]
+    got = predict_ms(plan, links)
+    assert got["bound_ms"] == pytest.approx(per_gpu / 100e9 * 1e3)
+    assert got["predicted_ms"] >= got["bound_ms"] + 0.5 * len(plan.buckets) - 1e-9
+    # The same two GPUs on two nodes: every byte crosses the network, ten times slower.
+    apart = make_plan(spec, ParallelDims(tp=2, pp=1, dp=1), 1, element_size=2, gpus_per_node=1)
+    assert predict_ms(apart, links)["bound_ms"] == pytest.approx(10 * got["bound_ms"])
+    # One GPU: local copies only, read and written at the HBM rate.
+    alone = make_plan(spec, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=2)
+    local = alone.stats()["local_bytes"]
+    assert predict_ms(alone, links)["bound_ms"] == pytest.approx(2 * local / 1000e9 * 1e3)
 
 
 @pytest.mark.parametrize("r,needle", [(3, "must divide the world size"),

@@ -183,28 +183,89 @@ def _split(t: Transfer, max_bytes: int) -> list[Transfer]:
 
 
 def _bucketize(transfers_by_group: list[list[Transfer]], plan: Plan) -> list[list[Transfer]]:
-    """Greedy layer-order buckets in which no GPU sends or receives more than ``bucket_bytes``.
+    """Buckets in which no GPU sends or receives more than ``bucket_bytes``, filled first-fit.
 
-    Local copies need no buffer and do not count against the budget.
+    Each cross-GPU piece goes into the first bucket with room at both of its ends, so that pieces
+    moving in opposite directions (a pipeline stage's layers to the other stage's GPUs, and back)
+    share buckets and both directions of every link stay busy. Layer order only decides who comes
+    first. Local copies need no buffer: each joins the bucket where its GPU has copied the fewest
+    bytes so far, to run beside the transfers.
     """
     limit = plan.bucket_bytes
-    buckets: list[list[Transfer]] = [[]]
-    send: dict[int, int] = defaultdict(int)
-    recv: dict[int, int] = defaultdict(int)
+    buckets: list[list[Transfer]] = []
+    send: list[dict[int, int]] = []
+    recv: list[dict[int, int]] = []
+    # Buckets before first_free[g] are full for GPU g in that direction (budgets only grow).
+    first_send: dict[int, int] = defaultdict(int)
+    first_recv: dict[int, int] = defaultdict(int)
+    local: list[Transfer] = []
     for transfers in transfers_by_group:
         for whole in transfers:
-            for t in ([whole] if whole.local else _split(whole, limit)):
-                if not t.local and (send[t.src_rank] + t.nbytes > limit or recv[t.dst_rank] + t.nbytes > limit):
+            if whole.local:
+                local.append(whole)
+                continue
+            for t in _split(whole, limit):
+                k = max(first_send[t.src_rank], first_recv[t.dst_rank])
+                while k < len(buckets) and (send[k].get(t.src_rank, 0) + t.nbytes > limit
+                                            or recv[k].get(t.dst_rank, 0) + t.nbytes > limit):
+                    k += 1
+                if k == len(buckets):
                     buckets.append([])
-                    send.clear()
-                    recv.clear()
-                if not t.local:
-                    send[t.src_rank] += t.nbytes
-                    recv[t.dst_rank] += t.nbytes
-                buckets[-1].append(t)
-        # Close the bucket at layer boundaries once it is reasonably full, to keep buckets layer-aligned.
-        if max(list(send.values()) + list(recv.values()) + [0]) > limit // 2:
-            buckets.append([])
-            send.clear()
-            recv.clear()
+                    send.append(defaultdict(int))
+                    recv.append(defaultdict(int))
+                buckets[k].append(t)
+                send[k][t.src_rank] += t.nbytes
+                recv[k][t.dst_rank] += t.nbytes
+                while first_send[t.src_rank] < len(buckets) and send[first_send[t.src_rank]][t.src_rank] >= limit:
+                    first_send[t.src_rank] += 1
+                while first_recv[t.dst_rank] < len(buckets) and recv[first_recv[t.dst_rank]][t.dst_rank] >= limit:
+                    first_recv[t.dst_rank] += 1
+    if not buckets:
+        buckets.append([])
+    copied: dict[int, list[int]] = defaultdict(lambda: [0] * len(buckets))
+    for t in local:
+        k = min(range(len(buckets)), key=copied[t.dst_rank].__getitem__)
+        buckets[k].append(t)
+        copied[t.dst_rank][k] += t.nbytes
     return [b for b in buckets if b]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Bandwidths (GB/s, each direction) that turn a plan's bytes into time. Defaults measured on H200s:
+    NCCL over NV18 NVLink (365 GB/s per direction in an exchange of 4 GiB messages), the segment copy
+    kernel's HBM rate (3.7 TB/s read + write, benchmarks/results/h200/kernel_bandwidth.json); the network
+    is one 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE), not measured here."""
+
+    nvlink_gbps: float = 365.0
+    network_gbps: float = 50.0
+    hbm_copy_gbps: float = 3700.0
+    bucket_overhead_ms: float = 0.25
+    """Fixed cost per bucket (syncs, NCCL launch): 0.22-0.29 ms measured on two H200s."""
+
+
+def predict_ms(plan: Plan, links: LinkModel = LinkModel()) -> dict[str, float]:
+    """Predicted refit time and its bound, in ms.
+
+    A bucket takes its slowest GPU's time: the larger of what it sends and what it receives over NVLink
+    (inside a node) and over the network (across nodes), each direction at its own rate, or its local
+    copies, whichever is longer (they overlap), plus the fixed cost per bucket. The bound is the same
+    for the whole refit as one bucket: bytes over the busiest link direction of any GPU.
+    """
+    node = lambda g: g // plan.gpus_per_node  # noqa: E731
+
+    def seconds(transfers: list[Transfer]) -> float:
+        per_gpu: dict[tuple[int, str], float] = defaultdict(float)
+        for t in transfers:
+            if t.local:
+                per_gpu[t.dst_rank, "copy"] += 2 * t.nbytes / (links.hbm_copy_gbps * 1e9)  # read + write
+                continue
+            rate = links.nvlink_gbps if node(t.src_rank) == node(t.dst_rank) else links.network_gbps
+            kind = "nvlink" if rate == links.nvlink_gbps else "network"
+            per_gpu[t.src_rank, f"{kind} out"] += t.nbytes / (rate * 1e9)
+            per_gpu[t.dst_rank, f"{kind} in"] += t.nbytes / (rate * 1e9)
+        return max(per_gpu.values(), default=0.0)
+
+    predicted = sum(seconds(b) * 1e3 + links.bucket_overhead_ms for b in plan.buckets)
+    bound = seconds([t for b in plan.buckets for t in b]) * 1e3
+    return {"predicted_ms": predicted, "bound_ms": bound}
