@@ -65,9 +65,9 @@ def gib(nbytes: float) -> str:
 
 
 def plan_report(plan: Plan) -> dict:
-    """The plan's byte counts and its predicted time and bound (megarl.reshard.planner.predict_ms, at the
-    default link rates)."""
-    return plan.stats() | predict_ms(plan)
+    """The plan's byte counts, its predicted time and bound (megarl.reshard.planner.predict_ms, at the
+    default link rates) and ``engine_ranks``: the engine TP rank each GPU holds, in GPU order."""
+    return plan.stats() | predict_ms(plan) | {"engine_ranks": plan.engine_ranks}
 
 
 def trainer_shards(spec, plan: Plan, rank: int, dtype: torch.dtype, device: torch.device, hf_dir: str | None):

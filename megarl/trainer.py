@@ -9,6 +9,7 @@ weights over, and all ranks then see the whole batch.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -81,16 +82,18 @@ class RLTrainer:
         self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
                                    offloadable_parts(cfg))
         self._hold("rollout")  # the engine starts next to the trainer's rollout-time footprint
-        group = engine_group(groups.rank, groups.dims.world_size, cfg.rollout.tensor_parallel)
+        # The plan places the engines (which GPUs form each, most bytes already local): made first.
+        plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
+                         gpus_per_node=cfg.parallel.gpus_per_node
+                         or int(os.environ.get("LOCAL_WORLD_SIZE", groups.dims.world_size)),
+                         element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
+                         bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
+                         vocab_pad_multiple=cfg.model.vocab_pad_multiple)
+        group = engine_group(groups.rank, plan.engines())
         in_engine = engine_class(cfg).copies_in_engine
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
             engine = make_engine(cfg, group.index, group.devices()) if group.driver else None
         self.engine = GroupEngine(group, engine, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
-        plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
-                         gpus_per_node=cfg.parallel.gpus_per_node or groups.dims.world_size,
-                         element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
-                         bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
-                         vocab_pad_multiple=cfg.model.vocab_pad_multiple)
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
         self.engine_tensors = (None if in_engine else
                                engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], groups.device))

@@ -13,8 +13,10 @@ every refit. Guarantees:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megarl.errors import UserError
@@ -56,11 +58,18 @@ class Plan:
     src_shapes: dict[str, tuple[int, ...]]
     """Trainer tensor shapes by canonical Megatron name (identical on every rank holding it)."""
     dst_shapes: list[dict[str, tuple[int, ...]]]
-    """Engine tensor shapes by engine name, per engine rank (index: global rank % rollout_tp)."""
+    """Engine tensor shapes by engine name, per engine rank."""
+    engine_ranks: list[int] = field(default_factory=list)
+    """The engine rank each GPU (global rank) holds, chosen by ``place_engines``."""
     buckets: list[list[Transfer]] = field(default_factory=list)
 
     def engine_rank(self, rank: int) -> int:
-        return rank % self.rollout_tp
+        return self.engine_ranks[rank]
+
+    def engines(self) -> list[list[int]]:
+        """Each engine's GPUs (global ranks) in engine-rank order: within a node, the k-th GPU holding
+        engine rank r belongs to that node's k-th engine."""
+        return engine_groups(self.engine_ranks, self.rollout_tp)
 
     def link_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes each (src, dst) GPU pair carries per refit; (g, g) is the local copy on GPU g."""
@@ -104,12 +113,95 @@ def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[
     return index
 
 
+def engine_groups(engine_ranks: list[int], rollout_tp: int) -> list[list[int]]:
+    """Engines as lists of global ranks in engine-rank order, from the engine rank of each GPU: the k-th
+    GPU (in rank order) with engine rank r joins the k-th engine whose first GPU is on or after it."""
+    seen: dict[int, int] = defaultdict(int)
+    engines: list[list[int]] = []
+    for g, r in enumerate(engine_ranks):
+        k = seen[r]
+        seen[r] += 1
+        while len(engines) <= k:
+            engines.append([-1] * rollout_tp)
+        engines[k][r] = g
+    assert all(-1 not in e for e in engines), engine_ranks
+    return engines
+
+
+def held_bytes(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, element_size: int,
+               vocab_pad_multiple: int) -> list[list[int]]:
+    """held[g][r]: bytes of engine rank r's tensors that trainer rank g already holds."""
+    padded_vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple)
+    index = _rules_by_hf(spec, dims.tp, padded_vocab)
+    held = [[0] * rollout_tp for _ in range(dims.world_size)]
+    for r in range(rollout_tp):
+        for tensor in engine_tensors(spec, rollout_tp, r):
+            unit_bytes = row_bytes(tensor.shape, tensor.pieces[0].dim if tensor.pieces else 0, element_size)
+            for dpiece in tensor.pieces:
+                for t, name, spiece in index[dpiece.hf]:
+                    lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
+                    if lo < hi:
+                        pp = pipeline_stage(name, spec, dims.pp)
+                        for dp in range(dims.dp):
+                            held[dims.rank(tp=t, dp=dp, pp=pp)][r] += (hi - lo) * unit_bytes
+    return held
+
+
+def place_engines(held: list[list[int]], rollout_tp: int, gpus_per_node: int, max_search: int = 100_000
+                  ) -> list[int]:
+    """The engine rank of each GPU, chosen node by node so that the most engine bytes are already on the
+    GPU that needs them: each node's GPUs take every engine rank equally often (its engines stay inside
+    it). Exhaustive where the node has at most ``max_search`` assignments (8 GPUs always), greedy beyond;
+    ties keep engine rank = global rank % R. Engines span nodes only when R exceeds a node: then that."""
+    world = len(held)
+    node = min(gpus_per_node, world)
+    default = [g % rollout_tp for g in range(world)]
+    if rollout_tp == 1 or node % rollout_tp or world % node:
+        return default
+    out: list[int] = []
+    per_rank = node // rollout_tp
+    for first in range(0, world, node):
+        gpus = list(range(first, first + node))
+        if math.factorial(node) // math.factorial(per_rank) ** rollout_tp <= max_search:
+            score = functools.partial(_placement_score, held=held, gpus=gpus, rollout_tp=rollout_tp)
+            out += max(_arrangements([per_rank] * rollout_tp), key=score)
+            continue
+        assign = [-1] * node
+        left = [per_rank] * rollout_tp
+        for _, i, r in sorted((-held[g][r], i, r) for i, g in enumerate(gpus) for r in range(rollout_tp)):
+            if assign[i] < 0 and left[r]:
+                assign[i] = r
+                left[r] -= 1
+        out += assign
+    return out
+
+
+def _placement_score(assign: tuple[int, ...], held: list[list[int]], gpus: list[int], rollout_tp: int
+                     ) -> tuple[int, int]:
+    """Bytes already local, then (for ties) GPUs keeping engine rank = global rank % R."""
+    pairs = list(zip(gpus, assign, strict=True))
+    return sum(held[g][r] for g, r in pairs), sum(r == g % rollout_tp for g, r in pairs)
+
+
+def _arrangements(left: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every sequence holding value r exactly left[r] times."""
+    if not any(left):
+        yield ()
+        return
+    for r, n in enumerate(left):
+        if n:
+            left[r] -= 1
+            for rest in _arrangements(left):
+                yield (r, *rest)
+            left[r] += 1
+
+
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
               element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128) -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
 
-    Engine e spans global ranks [e*R, (e+1)*R) and its rank r sits on GPU e*R + r, the GPU of
-    trainer rank e*R + r (colocation).
+    Which GPUs form each engine, and which engine rank each holds, is ``place_engines``' choice: the
+    most bytes already local. Every GPU runs a trainer rank and one engine rank (colocation).
     """
     world = dims.world_size
     if rollout_tp < 1 or world % rollout_tp:
@@ -124,9 +216,11 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     rules = param_rules(spec)
     src_shapes = {r.mcore: mcore_shape(r, spec, dims.tp, padded_vocab) for r in rules}
     layouts = [engine_tensors(spec, rollout_tp, r) for r in range(rollout_tp)]
+    held = held_bytes(spec, dims, rollout_tp, element_size, vocab_pad_multiple)
     plan = Plan(spec=spec, dims=dims, rollout_tp=rollout_tp, gpus_per_node=gpus_per_node,
                 element_size=element_size, bucket_bytes=bucket_bytes, padded_vocab=padded_vocab,
-                src_shapes=src_shapes, dst_shapes=[{t.name: t.shape for t in layout} for layout in layouts])
+                src_shapes=src_shapes, dst_shapes=[{t.name: t.shape for t in layout} for layout in layouts],
+                engine_ranks=place_engines(held, rollout_tp, gpus_per_node))
     index = _rules_by_hf(spec, dims.tp, padded_vocab)
     sent: dict[int, int] = defaultdict(int)
 
@@ -141,7 +235,7 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
 
     # Engine tensors in forward order; every engine rank's tensor of one name forms one group.
     groups: list[list[tuple[int, EngineTensor]]] = [
-        [(g, layouts[g % rollout_tp][i]) for g in range(world)] for i in range(len(layouts[0]))]
+        [(g, layouts[plan.engine_rank(g)][i]) for g in range(world)] for i in range(len(layouts[0]))]
     transfers_by_group = []
     for group in groups:
         transfers = []

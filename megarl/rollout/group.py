@@ -1,8 +1,9 @@
 """Engine groups: the ranks that share one engine of ``rollout.tensor_parallel`` (R) devices.
 
-Engine g spans global ranks g*R .. g*R+R-1 (engine rank = global rank % R, as the resharding plan
-lays it out) and runs on those ranks' GPUs. Its first rank, the driver, starts and drives it; every
-rank of the group hands over its own engine rank's weights. Objects (file paths, IPC handles) travel
+The resharding plan chooses which ranks form each engine and which engine rank each holds
+(megarl.reshard.planner.place_engines: the most bytes already local, engines inside a node); an engine
+runs on its ranks' GPUs. Its engine rank 0, the driver, starts and drives it; every rank of the group
+hands over its own engine rank's weights. Objects (file paths, IPC handles) travel
 over a gloo group of the R ranks, so none of that touches the GPUs.
 """
 
@@ -31,6 +32,8 @@ class EngineGroup:
     """R: ranks (devices) per engine."""
     rank_in_group: int
     """This rank's engine rank."""
+    members: tuple[int, ...]
+    """The engine's global ranks in engine-rank order."""
     group: dist.ProcessGroup | None
     """gloo group of the engine's ranks; None when R is 1."""
 
@@ -42,40 +45,50 @@ class EngineGroup:
         """The engine's GPUs as indices among this process's visible devices (None on CPU)."""
         if not torch.cuda.is_available():
             return None
-        first = torch.cuda.current_device() - self.rank_in_group
-        return list(range(first, first + self.size))
+        here = torch.cuda.current_device()  # GPU = local rank: members of one node differ as their ranks do
+        me = self.members[self.rank_in_group]
+        return [here + m - me for m in self.members]
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in engine-rank order on the driver, None elsewhere."""
         if self.group is None:
             return [obj]
         out: list[Any] | None = [None] * self.size if self.driver else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        return out
+        dist.gather_object(obj, out, dst=self.members[0], group=self.group)
+        return self._engine_order(out) if out is not None else None
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in engine-rank order, on every rank."""
         out: list[Any] = [obj] * self.size
         if self.group is not None:
             dist.all_gather_object(out, obj, group=self.group)
+            out = self._engine_order(out)
         return out
+
+    def _engine_order(self, by_group_rank: list[Any]) -> list[Any]:
+        """A process group ranks its members by global rank; the engine by engine rank."""
+        position = {g: i for i, g in enumerate(sorted(self.members))}
+        return [by_group_rank[position[g]] for g in self.members]
 
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
 
 
-def engine_group(rank: int, world_size: int, size: int) -> EngineGroup:
-    """This rank's group; every rank must call it (collectively creates all groups)."""
-    assert world_size % size == 0, (world_size, size)
+def engine_group(rank: int, engines: list[list[int]]) -> EngineGroup:
+    """This rank's group among ``engines`` (global ranks in engine-rank order, as the plan places them);
+    every rank must call it (it collectively creates all groups)."""
+    size = len(engines[0])
     mine = None
+    index = next(i for i, members in enumerate(engines) if rank in members)
     if size > 1:
-        for g in range(world_size // size):
-            created = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo")
-            if g == rank // size:
+        for i, members in enumerate(engines):
+            created = dist.new_group(sorted(members), backend="gloo")
+            if i == index:
                 mine = created
-    return EngineGroup(index=rank // size, num_groups=world_size // size, size=size, rank_in_group=rank % size,
-                       group=mine)
+    members = engines[index]
+    return EngineGroup(index=index, num_groups=len(engines), size=size, rank_in_group=members.index(rank),
+                       members=tuple(members), group=mine)
 
 
 def visible_devices_env(devices: list[int] | None) -> dict[str, str]:

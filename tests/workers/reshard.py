@@ -93,7 +93,7 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
             t.fill_(float("nan"))
         resharder = Resharder(plan, rank, src, dst)
         resharder.refit()
-        ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, R, rank % R).items()}
+        ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, R, plan.engine_rank(rank)).items()}
         exact = sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref)
         pool = [resharder.pool.buffer(i).data_ptr() for i in range(4)] if resharder.pool else []
         for t in src.values():
