@@ -21,16 +21,22 @@ TINY = {
     "qwen2": dict(vocab_size=150, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rope_theta=1000000.0, tie_word_embeddings=True),
+    # head_dim 32 with 4 heads: the attention width (128) differs from hidden_size, as in Qwen3-4B.
+    "qwen3": dict(vocab_size=170, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                  rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
 
 def make_hf_model(path: Path, family: str, seed: int = 0, max_shard_size: str | None = None,
                   dtype: torch.dtype = torch.float32, **overrides: object) -> Path:
-    """Save a random tiny Llama/Qwen2 with transformers; weights ~N(0, 0.05) so logits are not flat."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a random tiny Llama/Qwen2/Qwen3 with transformers; weights ~N(0, 0.05) so logits are not flat."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**(TINY[family] | overrides)))
     with torch.no_grad():

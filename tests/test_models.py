@@ -38,6 +38,21 @@ def all_tensors(model_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("m") / "qwen3", "qwen3")
+
+
+def test_spec_reads_qwen3_qk_norm_and_head_dim(qwen3):
+    s = load_spec(qwen3)
+    assert (s.family, s.qk_norm, s.qkv_bias, s.head_dim, s.hidden_size) == ("qwen3", True, False, 32, 64)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(qwen3)
+    assert s.num_params() == sum(p.numel() for p in hf.parameters())
+    assert {n: tuple(p.shape) for n, p in hf.named_parameters()} == hf_shapes(s)
+
+
 def test_spec_reads_llama3_rope_and_qwen2_tied(llama, qwen2):
     s = load_spec(llama)
     assert (s.family, s.num_kv_heads, s.head_dim, s.tie_word_embeddings) == ("llama", 2, 16, False)
@@ -47,12 +62,14 @@ def test_spec_reads_llama3_rope_and_qwen2_tied(llama, qwen2):
     assert q.padded_vocab_size(tp=2, multiple=128) == 256
 
 
+@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_mapping_round_trip_is_exact(qwen2, tp):
-    spec = load_spec(qwen2)
-    reader = HFReader(qwen2, spec, hf_shapes(spec))
+def test_mapping_round_trip_is_exact(request, model, tp):
+    src = request.getfixturevalue(model)
+    spec = load_spec(src)
+    reader = HFReader(src, spec, hf_shapes(spec))
     padded = spec.padded_vocab_size(tp, 128)
-    ref = all_tensors(qwen2)
+    ref = all_tensors(src)
     for rule in param_rules(spec):
         shards = [to_mcore_shard(rule, spec, reader.read, r, tp, padded) for r in range(tp)]
         for name, tensor in to_hf(rule, spec, shards).items():
@@ -79,7 +96,7 @@ def test_vocab_shard_pads_with_zero_rows(llama):
     assert not shard[72:].any()
 
 
-@pytest.mark.parametrize("model,tp,pp", [("llama", 2, 2), ("qwen2", 2, 1), ("qwen2", 1, 4)])
+@pytest.mark.parametrize("model,tp,pp", [("llama", 2, 2), ("qwen2", 2, 1), ("qwen2", 1, 4), ("qwen3", 2, 2)])
 def test_convert_round_trip_is_bit_exact(request, tmp_path, model, tp, pp):
     src = request.getfixturevalue(model)
     proc = convert("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "mc"), "--tp", str(tp), "--pp", str(pp))

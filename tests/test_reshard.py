@@ -13,12 +13,15 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     # qwen2: QKV bias, tied embeddings, 4 kv heads so that TP=4 is possible.
     qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2", num_attention_heads=8, num_key_value_heads=4,
                           hidden_size=128)
-    rows = run_worker("reshard.py", tmp_path, llama, qwen2)
+    # qwen3: QK-norm, head_dim 32 with hidden 64 (attention wider than the residual stream).
+    qwen3 = make_hf_model(tmp_path / "qwen3", "qwen3")
+    rows = run_worker("reshard.py", tmp_path, llama, qwen2, qwen3)
     layouts = {(r["model"], r["tp"], r["pp"], r["R"], r["dtype"]) for r in rows}
-    expected = {("llama", tp, pp, R, "torch.float32") for tp in (1, 2) for pp in (1, 2) for R in (1, 2, 4)}
+    expected = {(m, tp, pp, R, "torch.float32") for m in ("llama", "qwen3") for tp in (1, 2) for pp in (1, 2)
+                for R in (1, 2, 4)}
     expected |= {("qwen2", tp, pp, R, "torch.float32") for tp in (1, 2, 4) for pp in (1, 2) if tp * pp <= 4
                  for R in (1, 2, 4)}
-    expected |= {(m, 2, 2, R, "torch.bfloat16") for m in ("llama", "qwen2") for R in (1, 2, 4)}
+    expected |= {(m, 2, 2, R, "torch.bfloat16") for m in ("llama", "qwen2", "qwen3") for R in (1, 2, 4)}
     assert layouts == expected
     assert len(rows) == 4 * len(expected)
     for r in rows:

@@ -6,7 +6,7 @@ the shard (vocab padding) is zero. Megatron's layouts that differ from HF (see D
   and TP splits whole groups;
 - fc1 is [gate shard; up shard] per TP rank;
 - embedding and output rows are padded to the padded vocab (zeros) and split over TP;
-- row-parallel weights (o_proj, down_proj) split along dim 1; norms are replicated.
+- row-parallel weights (o_proj, down_proj) split along dim 1; norms (QK-norm's too) are replicated.
 The same pieces drive checkpoint conversion, weight loading and the resharding planner.
 """
 
@@ -64,6 +64,9 @@ def param_rules(spec: ModelSpec, *, include_output: bool = True) -> list[ParamRu
         if spec.qkv_bias:
             bias = tuple(f"{h}self_attn.{p}_proj.bias" for p in "qkv")
             rules.append(ParamRule(d + "self_attention.linear_qkv.bias", bias, QKV, i))
+        if spec.qk_norm:
+            rules += [ParamRule(d + f"self_attention.{p}_layernorm.weight", (h + f"self_attn.{p}_norm.weight",),
+                                REPLICATED, i) for p in "qk"]
         rules += [
             ParamRule(d + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), ROW, i),
             ParamRule(d + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), REPLICATED, i),
@@ -92,6 +95,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
+        if spec.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         shapes |= {
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
@@ -104,10 +109,15 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def replicated_size(rule: ParamRule, spec: ModelSpec) -> int:
+    """Length of a replicated norm weight: head_dim for QK-norm, hidden_size for the others."""
+    return spec.head_dim if rule.mcore.endswith(("q_layernorm.weight", "k_layernorm.weight")) else spec.hidden_size
+
+
 def mcore_pieces(rule: ParamRule, spec: ModelSpec, tp_rank: int, tp: int, padded_vocab: int) -> list[Piece]:
     """The pieces of Megatron's TP shard ``tp_rank`` of ``rule``."""
     if rule.kind == REPLICATED:
-        return [Piece(rule.hf[0], 0, 0, spec.hidden_size, 0)]
+        return [Piece(rule.hf[0], 0, 0, replicated_size(rule, spec), 0)]
     if rule.kind == ROW:
         cols = spec.num_attention_heads * spec.head_dim if "linear_proj" in rule.mcore else spec.intermediate_size
         step = cols // tp
@@ -137,7 +147,7 @@ def mcore_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) ->
     """Shape of one Megatron TP shard of ``rule``."""
     h, d = spec.hidden_size, spec.head_dim
     if rule.kind == REPLICATED:
-        return (h,)
+        return (replicated_size(rule, spec),)
     if rule.kind == ROW:
         cols = spec.num_attention_heads * d if "linear_proj" in rule.mcore else spec.intermediate_size
         return (h, cols // tp)

@@ -1,4 +1,4 @@
-"""The architecture of a HuggingFace Llama/Qwen2 checkpoint, read from its config.json."""
+"""The architecture of a HuggingFace Llama/Qwen2/Qwen3 checkpoint, read from its config.json."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 
 from megarl.errors import UserError
 
-# HF architecture name -> family. Qwen2 differs from Llama only by QKV bias (and often tied embeddings).
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# HF architecture name -> family. Qwen2 differs from Llama only by QKV bias (and often tied embeddings);
+# Qwen3 (dense) by a per-head RMSNorm on queries and keys before RoPE (QK-norm), without the bias.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +20,7 @@ class ModelSpec:
     """Shapes and hyper-parameters of a decoder-only model; everything that layouts depend on."""
 
     family: str
-    """"llama" or "qwen2"."""
+    """"llama", "qwen2" or "qwen3"."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +35,8 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    qk_norm: bool
+    """RMSNorm over head_dim on every query and key head (weights of head_dim, shared by all heads)."""
     hf_config: dict[str, Any]
     """The config.json as read, written back unchanged on export."""
 
@@ -50,7 +53,8 @@ class ModelSpec:
         """Parameters of one transformer layer, its two norms (2 * hidden_size) included."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+        return (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0))
 
     def num_params(self) -> int:
         """Parameter count of the HF model (embedding counted once when tied)."""
@@ -61,7 +65,7 @@ class ModelSpec:
 
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
     if key not in cfg:
-        raise UserError(f"{path} has no `{key}`; a Llama/Qwen2 config.json must define it. "
+        raise UserError(f"{path} has no `{key}`; a Llama/Qwen2/Qwen3 config.json must define it. "
                         "Re-download the model or fix the file.")
     return cfg[key]
 
@@ -113,7 +117,7 @@ def load_spec(hf_dir: str | Path) -> ModelSpec:
         raise UserError(f"{path}: num_attention_heads={num_heads} is not a multiple of "
                         f"num_key_value_heads={num_kv}. Fix the config.")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise UserError(f"{path}: hidden_act={cfg['hidden_act']!r} is not supported (Llama/Qwen2 use silu).")
+        raise UserError(f"{path}: hidden_act={cfg['hidden_act']!r} is not supported (Llama/Qwen2/Qwen3 use silu).")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UserError(f"{path}: attention_bias/mlp_bias are not supported by megarl's Llama mapping.")
     theta, scaling = _rope(cfg, path)
@@ -132,5 +136,6 @@ def load_spec(hf_dir: str | Path) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        qk_norm=family == "qwen3",
         hf_config=cfg,
     )

@@ -1,10 +1,10 @@
-"""The rollout engines' per-rank parameter layout (SGLang and vLLM share it for Llama/Qwen2).
+"""The rollout engines' per-rank parameter layout (SGLang and vLLM share it for Llama/Qwen2/Qwen3).
 
 Engine rank r of an engine with tensor parallelism R holds (DESIGN.md, "The resharding problem"):
 - embed_tokens / lm_head: rows r*Vp/R .. (r+1)*Vp/R of the vocab padded to a multiple of 64 (pad rows zero);
 - qkv_proj: [q heads of rank r; its k head(s); its v head(s)], kv heads replicated when R > num_kv_heads;
 - o_proj: the columns of rank r's q heads; gate_up_proj: [gate rows of r; up rows of r];
-- down_proj: rank r's columns of the intermediate dim; norms replicated.
+- down_proj: rank r's columns of the intermediate dim; norms (Qwen3's q_norm/k_norm too) replicated.
 Tied embeddings: the engine's lm_head shares embed_tokens, so only embed_tokens is written.
 """
 
@@ -87,6 +87,9 @@ def engine_tensors(spec: ModelSpec, rollout_tp: int, rank: int) -> list[EngineTe
         ]
         if spec.qkv_bias:
             out.append(EngineTensor(e + "self_attn.qkv_proj.bias", (qkv_rows,), qkv("bias"), i))
+        if spec.qk_norm:
+            out += [EngineTensor(e + f"self_attn.{x}_norm.weight", (d,), (Piece(p + f"self_attn.{x}_norm.weight",
+                                                                                0, 0, d, 0),), i) for x in "qk"]
         out += [
             EngineTensor(e + "self_attn.o_proj.weight", (h, nq * d),
                          (Piece(p + "self_attn.o_proj.weight", 1, q0 * d, (q0 + nq) * d, 0),), i),

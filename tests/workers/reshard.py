@@ -40,7 +40,7 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
     """Engine rank r's tensors the way an engine's weight loader slices full HF tensors."""
     V, H, L = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
     nh, nkv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    d = H // nh
+    d = cfg.get("head_dim") or H // nh
     vp = math.ceil(V / 64) * 64
     rows = vp // R
 
@@ -73,6 +73,9 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
         out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"][:, rows_i]
         out[p + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[p + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        for norm in ("q_norm", "k_norm"):  # Qwen3's QK-norm, replicated
+            if p + f"self_attn.{norm}.weight" in hf:
+                out[p + f"self_attn.{norm}.weight"] = hf[p + f"self_attn.{norm}.weight"]
     return out
 
 
