@@ -18,6 +18,9 @@ from megarl.parallel import ParallelDims
 REPO = Path(__file__).resolve().parent.parent
 H200 = 143771 * 2**20  # nvidia-smi's memory.total
 MEASURED = REPO / "benchmarks/results/h200/colocation"
+RECIPE_PRESETS = {"recipes/llama3_8b_ppo.yaml": "llama3-8b", "recipes/qwen2_7b_grpo.yaml": "qwen2-7b",
+                  "recipes/qwen3_8b_grpo.yaml": "qwen3-8b"}
+"""The shipped 8-GPU recipes and the model shape each is for."""
 
 
 def llama8b_body(tmp_path: Path, layers: int = 32, vocab: int | None = None):
@@ -81,12 +84,12 @@ def test_plan_refuses_the_config_that_died_at_its_first_wake(tmp_path):
     check_memory(offloaded, cfg, 2)
 
 
-@pytest.mark.parametrize("recipe", ["recipes/llama3_8b_ppo.yaml", "recipes/qwen2_7b_grpo.yaml"])
+@pytest.mark.parametrize("recipe", list(RECIPE_PRESETS))
 @pytest.mark.parametrize("flash", [True, False])
 def test_shipped_8b_recipes_fit_eight_h200s(tmp_path, recipe, flash):
     """With or without Transformer Engine's flash attention, at the engine fraction the recipe sets."""
     cfg = load_config(REPO / recipe, ["model.hf_path=/unused"])
-    preset = "llama3-8b" if "llama" in recipe else "qwen2-7b"
+    preset = RECIPE_PRESETS[recipe]
     (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
     spec = load_spec(tmp_path)
     p = cfg.parallel
@@ -138,11 +141,11 @@ def test_host_plan_refuses_a_node_too_small_for_its_offload_buffers(tmp_path):
     assert plan.host_bytes() - kept.host_bytes() == plan.host["critic optimizer"]
 
 
-@pytest.mark.parametrize("recipe", ["recipes/llama3_8b_ppo.yaml", "recipes/qwen2_7b_grpo.yaml"])
+@pytest.mark.parametrize("recipe", list(RECIPE_PRESETS))
 def test_shipped_8b_recipes_fit_an_h200_node_host(tmp_path, recipe):
     """8 H200s on a node of 2 TiB (DGX H200), and still on half that."""
     cfg = load_config(REPO / recipe, ["model.hf_path=/unused"])
-    preset = "llama3-8b" if "llama" in recipe else "qwen2-7b"
+    preset = RECIPE_PRESETS[recipe]
     (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
     p = cfg.parallel
     dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=8 // (p.tensor_parallel * p.pipeline_parallel))

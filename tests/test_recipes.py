@@ -16,7 +16,8 @@ def test_recipe_loads(recipe):
     load_config(recipe)
 
 
-@pytest.mark.parametrize("recipe,preset", [("llama3_8b_ppo.yaml", "llama3-8b"), ("qwen2_7b_grpo.yaml", "qwen2-7b")])
+@pytest.mark.parametrize("recipe,preset", [("llama3_8b_ppo.yaml", "llama3-8b"), ("qwen2_7b_grpo.yaml", "qwen2-7b"),
+                                           ("qwen3_8b_grpo.yaml", "qwen3-8b")])
 def test_8b_recipes_validate_for_8_gpus(tmp_path, recipe, preset):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
     cfg = load_config(REPO / "recipes" / recipe, [f"model.hf_path={tmp_path}"])
