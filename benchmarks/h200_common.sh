@@ -12,7 +12,7 @@ h200_setup() {
   python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"
 }
 
-# Logprobs and logits of tiny random bf16 Llama/Qwen2 models against transformers (TP1 PP1, one GPU),
+# Logprobs and logits of tiny random bf16 Llama/Qwen2/Qwen3 models against transformers (TP1 PP1, one GPU),
 # written to $OUT/parity_bf16.json.
 bf16_parity() {
   echo "== bf16 parity vs transformers (TP1 PP1, one GPU)"
@@ -22,7 +22,8 @@ import sys, torch; sys.path.insert(0, 'tests')
 from pathlib import Path
 from helpers import make_hf_model
 make_hf_model(Path('/tmp/parity/llama'), 'llama', dtype=torch.bfloat16)
-make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)"
+make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)
+make_hf_model(Path('/tmp/parity/qwen3'), 'qwen3', dtype=torch.bfloat16)"
   PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
-    /tmp/parity/llama /tmp/parity/qwen2 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
+    /tmp/parity/llama /tmp/parity/qwen2 /tmp/parity/qwen3 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
 }
