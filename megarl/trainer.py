@@ -49,10 +49,13 @@ def engine_class(cfg: Config) -> Any:
 def make_engine(cfg: Config, index: int, devices: list[int] | None) -> RolloutEngine:
     """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory."""
     r = cfg.rollout
+    log_file = run_dir(cfg) / f"engine_{index}.log"
+    print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
+          f"{log_file}", flush=True)
     engine: RolloutEngine = engine_class(cfg)(
         cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
-        log_file=run_dir(cfg) / f"engine_{index}.log", **({"dtype": cfg.model.dtype} | r.engine_args))
+        log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args))
     return engine
 
 
