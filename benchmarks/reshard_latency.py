@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--rank-order", default="tp-dp-pp", choices=["tp-dp-pp", "tp-pp-dp"],
+                   help="trainer mesh axes from fastest- to slowest-varying rank (parallel.rank_order)")
     p.add_argument("--iters", type=int, default=20, help="timed warm refits (at least 10)")
     p.add_argument("--baseline-iters", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         world = args.plan_only
         if world % (args.train_tp * args.train_pp):
             raise UserError(f"--train-tp x --train-pp must divide the world size {world}.")
-        dims = ParallelDims(tp=args.train_tp, pp=args.train_pp, dp=world // (args.train_tp * args.train_pp))
+        dims = ParallelDims(tp=args.train_tp, pp=args.train_pp, dp=world // (args.train_tp * args.train_pp),
+                            order=args.rank_order)
         t0 = time.perf_counter()
         plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=args.gpus_per_node, element_size=es,
                          bucket_bytes=args.bucket_mb * 2**20)
@@ -208,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank()
-    dims = ParallelDims(tp=args.train_tp, pp=args.train_pp, dp=world // (args.train_tp * args.train_pp))
+    dims = ParallelDims(tp=args.train_tp, pp=args.train_pp, dp=world // (args.train_tp * args.train_pp),
+                        order=args.rank_order)
 
     t0 = time.perf_counter()
     plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=min(args.gpus_per_node, world), element_size=es,
