@@ -132,6 +132,13 @@ def destroy_model_parallel() -> None:
     ps.destroy_model_parallel()
 
 
+def shutdown_distributed() -> None:
+    """End of a run that every rank reaches: release the process groups (NCCL warns at exit otherwise)."""
+    if dist.is_initialized():
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def model_parallel_seed(seed: int) -> None:
     """Seed torch and megatron's per-TP-rank RNG tracker (dropout, init) reproducibly."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
             break
     tracker.close()
     trainer.close()
+    from megarl.parallel import shutdown_distributed
+
+    shutdown_distributed()
     if trainer.groups.rank == 0 and tracker.history:
         from megarl.report import report
 

@@ -29,7 +29,7 @@ from megarl.models.trainable import MegatronModel
 from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
-from megarl.reshard.planner import make_plan
+from megarl.reshard.planner import describe_plan, make_plan
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.base import RolloutEngine, SamplingParams
@@ -92,6 +92,8 @@ class RLTrainer:
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)
+        if groups.rank == 0:
+            print(f"megarl: hand-over plan: {describe_plan(plan, predict=torch.cuda.is_available())}", flush=True)
         group = engine_group(groups.rank, plan.engines())
         in_engine = engine_class(cfg).copies_in_engine
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself

@@ -324,6 +324,21 @@ def _bucketize(transfers_by_group: list[list[Transfer]], plan: Plan) -> list[lis
     return [b for b in buckets if b]
 
 
+def describe_plan(plan: Plan, predict: bool = True) -> str:
+    """One line for the console: engines, buckets, the busiest GPU's bytes and (``predict``, for GPUs) the
+    predicted time."""
+    stats = plan.stats()
+    gib = 2**30
+    engines = plan.engines()
+    text = (f"{len(engines)} engine(s) of {plan.rollout_tp} GPU(s) {engines if len(engines) <= 8 else ''}"
+            f"; {len(plan.buckets)} buckets; the busiest GPU receives {stats['max_recv_bytes_per_gpu'] / gib:.2f} "
+            f"GiB from other GPUs of the {stats['engine_bytes_per_gpu'] / gib:.2f} GiB its engine rank holds")
+    if predict and plan.dims.world_size > 1:
+        times = predict_ms(plan)
+        text += f"; predicted {times['predicted_ms']:.1f} ms on NVLink (bound {times['bound_ms']:.1f} ms)"
+    return text
+
+
 @dataclass(frozen=True, slots=True)
 class LinkModel:
     """Bandwidths (GB/s, each direction) that turn a plan's bytes into time. Defaults measured on H200s:
