@@ -128,3 +128,12 @@ class InEngineCopy(Protocol):
     def attach(self, per_rank: list[list[tuple[str, bytes]]], key: str) -> None: ...
 
     def apply(self) -> None: ...
+
+
+def visible_devices_env(devices: list[int] | None) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for an engine on ``devices`` (indices among this process's visible devices)."""
+    if devices is None:
+        return {}
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [parent.split(",")[d] for d in devices] if parent else [str(d) for d in devices]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(physical)}

@@ -91,15 +91,6 @@ def engine_group(rank: int, engines: list[list[int]]) -> EngineGroup:
                        members=tuple(members), group=mine)
 
 
-def visible_devices_env(devices: list[int] | None) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for an engine on ``devices`` (indices among this process's visible devices)."""
-    if devices is None:
-        return {}
-    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = [parent.split(",")[d] for d in devices] if parent else [str(d) for d in devices]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(physical)}
-
-
 class GroupEngine:
     """One group's engine as every rank of the group sees it: the driver runs the engine; every rank
     hands over its own engine rank's weights (``attach``/``deliver``)."""

@@ -27,9 +27,8 @@ from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import EngineCopy, apply_message
-from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
+from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
-from megarl.rollout.group import visible_devices_env
 from megarl.rollout.sglang_loader import LOADER
 
 log = logging.getLogger(__name__)

@@ -36,9 +36,8 @@ from megarl.errors import UserError
 from megarl.models.mapping import hf_shapes
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
-from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env
+from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
-from megarl.rollout.group import visible_devices_env
 
 log = logging.getLogger(__name__)
 
