@@ -225,14 +225,14 @@ def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int) -> flo
     return max(0.05, min(0.9, free / gpu_bytes))
 
 
-def host_need(plan: MemoryPlan, cfg: Config, gpus_per_node: int) -> int:
+def host_need(plan: MemoryPlan, gpus_per_node: int) -> int:
     """Host bytes one node needs: every local rank's offload buffers and processes."""
     return gpus_per_node * (plan.host_bytes() + HOST_PER_GPU)
 
 
 def check_host_memory(plan: MemoryPlan, cfg: Config, gpus_per_node: int, host_bytes: int) -> None:
     """Refuse a plan whose offload buffers do not fit the node's memory (``host_bytes``: MemTotal)."""
-    need, usable = host_need(plan, cfg, gpus_per_node), int(host_bytes * (1 - HOST_MARGIN))
+    need, usable = host_need(plan, gpus_per_node), int(host_bytes * (1 - HOST_MARGIN))
     if need <= usable:
         return
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(plan.host.items(), key=lambda kv: -kv[1]))

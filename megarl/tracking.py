@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megarl.config import Config
 from megarl.errors import UserError
+from megarl.platform.device import host_memory
 
 
 class Tracker:
@@ -72,7 +73,7 @@ class Tracker:
             free, total = torch.cuda.mem_get_info()
             for key, value in ((f"memory/{name}_trainer_gib", torch.cuda.max_memory_allocated() / 2**30),
                                (f"memory/{name}_device_gib", (total - free) / 2**30),
-                               (f"memory/{name}_host_gib", host_used_bytes() / 2**30)):
+                               (f"memory/{name}_host_gib", (host_memory() or (0, 0))[1] / 2**30)):
                 self.memory[key] = max(self.memory.get(key, 0.0), value)
         key = f"time/{name}"
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
@@ -224,12 +225,3 @@ def _max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device="cuda")
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return dict(zip(keys, tensor.tolist(), strict=True))
-
-
-def host_used_bytes() -> int:
-    """The node's memory in use (MemTotal - MemAvailable), 0 where /proc/meminfo is missing."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
-        return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,3 +34,13 @@ def init_platform() -> Platform:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return Platform(torch.device("cpu"), "gloo")
+
+
+def host_memory() -> tuple[int, int] | None:
+    """This node's (total, in use) bytes from /proc/meminfo (in use = MemTotal - MemAvailable); None without it."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        total, available = (int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+    except (OSError, KeyError, ValueError):
+        return None
+    return total, total - available

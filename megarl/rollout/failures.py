@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from megarl.errors import UserError
+from megarl.platform.device import host_memory
 
 
 class EngineFailed(UserError):
@@ -34,12 +35,11 @@ def memory_summary() -> str:
             parts.append(f"GPU {i}: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use, this process "
                          f"{torch.cuda.memory_reserved(i) / 2**30:.1f} GiB reserved")
         return "; ".join(parts)
-    try:
-        info = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines())
-        total, available = (int(info[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
-        return f"host: {(total - available) / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
-    except (OSError, KeyError, ValueError):
+    host = host_memory()
+    if host is None:
         return "host memory unknown"
+    total, used = host
+    return f"host: {used / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
 
 
 def _hung(phase: str, timeout_s: float) -> None:
