@@ -289,7 +289,7 @@ def _bucketize(transfers_by_group: list[list[Transfer]], plan: Plan) -> list[lis
     buckets: list[list[Transfer]] = []
     send: list[dict[int, int]] = []
     recv: list[dict[int, int]] = []
-    # Buckets before first_free[g] are full for GPU g in that direction (budgets only grow).
+    # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow).
     first_send: dict[int, int] = defaultdict(int)
     first_recv: dict[int, int] = defaultdict(int)
     local: list[Transfer] = []
