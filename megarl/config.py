@@ -172,6 +172,11 @@ class UpdateConfig:
 class ActorConfig(UpdateConfig):
     """Policy training."""
 
+    offload_weights: bool = True
+    """Move the actor's weights (and the hand-over's buffers) to pinned host memory while the engine generates,
+    so that the engine's copy is the only one on the GPU and its KV cache gets the room: one copy out after
+    each hand-over and one back before scoring."""
+
 
 @dataclass(kw_only=True, slots=True)
 class CriticConfig(UpdateConfig):

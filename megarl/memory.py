@@ -152,7 +152,9 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     def resident(phase: str, started: bool = True) -> dict[str, int]:
         """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
         optimizer = actor.optimizer if started else actor.optimizer_at_start
-        parts = {"actor weights": actor.weights}
+        parts = {}
+        if phase != "generate" or not cfg.actor.offload_weights:
+            parts["actor weights"] = actor.weights
         if phase == "actor_update":
             parts["actor grads"] = actor.grads
         if phase == "actor_update" or not cfg.actor.offload_optimizer:
@@ -169,9 +171,9 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             parts["reference weights"] = reference.weights
         return parts
 
-    # Hand-over buffers, allocated once and resident in every phase: SGLang copies in the engine from the
-    # actor's tensors, plus a landing buffer for the engine bytes other GPUs hold; vLLM gets whole
-    # engine-layout tensors.
+    # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
+    # engine bytes other GPUs hold; vLLM gets whole engine-layout tensors. The staging and landing buffers
+    # leave with the actor's weights (actor.offload_weights); vLLM's engine-layout tensors stay.
     model = spec.num_params() * dtype
     engine_rank = model // cfg.rollout.tensor_parallel
     if cfg.rollout.engine == "sglang":
@@ -179,10 +181,13 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     else:
         landing = engine_rank
     pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing else 0  # staging for bytes that cross GPUs
-    buffers = {"hand-over buffers": landing + pool}
+    def buffers(phase: str) -> dict[str, int]:
+        if phase == "generate" and cfg.actor.offload_weights:
+            return {} if cfg.rollout.engine == "sglang" else {"hand-over buffers": landing}
+        return {"hand-over buffers": landing + pool}
 
-    def with_overhead(parts: dict[str, int]) -> dict[str, int]:
-        parts = parts | buffers
+    def with_overhead(parts: dict[str, int], phase: str = "") -> dict[str, int]:
+        parts = parts | buffers(phase)
         tensors = sum(parts.values())
         nccl = NCCL_OVERHEAD if dims.world_size > 1 else 0
         return parts | {"trainer overhead": TRAINER_OVERHEAD + nccl + int(FRAGMENTATION * tensors)}
@@ -198,16 +203,19 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
             "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, flash, False,
                                                                   logits=False), critic.step_scratch)}) | asleep
-    # The engine sizes itself when it starts, next to the trainer's rollout footprint before any step.
-    at_start = sum(with_overhead(resident("rollout", started=False)).values())
+    # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
+    at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
     plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start)
     if cfg.rollout.engine == "sglang":
         engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
     else:
         engine = int(plan.engine_fraction * gpu_bytes)
-    plan.phases["rollout"] = with_overhead(resident("rollout")) | {"engine awake": engine}
+    # The hand-over: the engine's weights awake (its KV cache not yet), next to the actor's.
+    plan.phases["handover"] = with_overhead(resident("handover"), "handover") | {
+        "engine weights": engine_rank, "engines asleep": ENGINE_ASLEEP}
+    plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
     # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
-    held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "rollout")]
+    held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "generate")]
     plan.host = {k: v for parts in held for k, v in parts.items()
                  if not k.endswith("grads") and any(k not in other for other in held)}
     return plan
@@ -236,7 +244,8 @@ def check_host_memory(plan: MemoryPlan, cfg: Config, gpus_per_node: int, host_by
     if need <= usable:
         return
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(plan.host.items(), key=lambda kv: -kv[1]))
-    flags = {"actor optimizer": "actor.offload_optimizer", "critic optimizer": "critic.offload_optimizer",
+    flags = {"actor optimizer": "actor.offload_optimizer", "actor weights": "actor.offload_weights",
+             "critic optimizer": "critic.offload_optimizer",
              "critic weights": "critic.offload_weights", "reference weights": "reference.offload_weights"}
     keep = [f"{flags[k]}: false" for k in sorted(plan.host, key=lambda k: -plan.host[k]) if k in flags]
     raise UserError(f"this config does not fit its node's host memory: offloading needs {need / GIB:.1f} GiB "
@@ -256,12 +265,12 @@ def check_memory(plan: MemoryPlan, cfg: Config, num_gpus: int) -> None:
     if not over:
         return
     ways = []
-    if "rollout" in over:
+    if "generate" in over:
         ways.append("lower rollout.gpu_memory_fraction (or set it to auto)")
-    if not (cfg.actor.offload_optimizer and cfg.critic.offload_weights and cfg.critic.offload_optimizer
-            and cfg.reference.offload_weights):
-        ways.append("enable offloading (actor.offload_optimizer, critic.offload_weights, critic.offload_optimizer, "
-                    "reference.offload_weights)")
+    if not (cfg.actor.offload_optimizer and cfg.actor.offload_weights and cfg.critic.offload_weights
+            and cfg.critic.offload_optimizer and cfg.reference.offload_weights):
+        ways.append("enable offloading (actor.offload_optimizer, actor.offload_weights, critic.offload_weights, "
+                    "critic.offload_optimizer, reference.offload_weights)")
     if any(phase.endswith("update") for phase in over):
         ways.append("lower actor/critic.max_tokens_per_gpu")
         if not cfg.model.recompute_activations:

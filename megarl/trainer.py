@@ -12,7 +12,7 @@ import dataclasses
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,9 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None) -> RolloutEn
 class RLTrainer:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_token_ids: tuple[int, ...] = ()) -> None:
         self.cfg, self.groups, self.stop_ids = cfg, groups, stop_token_ids
-        self._engine_awake = True  # engines start awake
+        self._engine_state: Literal["asleep", "weights", "awake"] = "awake"  # engines start awake
+        self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
+        self._weights_leave = cfg.actor.offload_weights  # while the engine generates, it holds the only copy
         self.spec = load_spec(cfg.model.hf_path)
         use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                           and transformer_engine_available())
@@ -84,7 +86,7 @@ class RLTrainer:
         self.reward_fn = load_reward(cfg.trainer.reward)
         self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
                                    offloadable_parts(cfg))
-        self._hold("rollout")  # the engine starts next to the trainer's rollout-time footprint
+        self._hold("generate")  # the engine sizes itself next to what the trainer holds while it generates
         # The plan places the engines (which GPUs form each, most bytes already local): made first.
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node
@@ -99,13 +101,14 @@ class RLTrainer:
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
             engine = make_engine(cfg, group.index, group.devices()) if group.driver else None
         self.engine = GroupEngine(group, engine, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
+        if self._weights_leave:
+            self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
+        self._hold("handover")
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
         self.engine_tensors = (None if in_engine else
                                engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], groups.device))
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
                                    in_engine=in_engine)
-        if in_engine:
-            self.engine.attach(self.resharder.engine_copy())
         self.push_weights()
 
     def close(self) -> None:
@@ -114,14 +117,14 @@ class RLTrainer:
 
     def sleep_engine(self) -> None:
         """Colocation: the trainer gets the engine's memory until the next push_weights."""
-        if self._engine_awake:
+        if self._engine_state != "asleep":
             self.engine.sleep()
-            self._engine_awake = False
+            self._engine_state = "asleep"
 
     def hold_for_checkpoint(self, role: str) -> None:
         """Before a checkpoint reads or writes ``role``: its whole state on the device, the rest offloaded
         (one model's state at a time, with the engine asleep)."""
-        assert not self._engine_awake, "checkpoints are written and read while the engine sleeps"
+        assert self._engine_state == "asleep", "checkpoints are written and read while the engine sleeps"
         self.residency.hold({"actor": {"weights"}, role: set(PARTS)})
 
     def offload_metrics(self) -> dict[str, float]:
@@ -133,7 +136,8 @@ class RLTrainer:
         """Keep on the device only what ``phase`` uses (megarl.offload); what leaves goes back to the driver,
         not to torch's cache, where a colocated engine could not allocate it."""
         self.residency.hold(PHASE_NEEDS[phase])
-        if phase == "rollout" and torch.cuda.is_available():
+        if phase == "generate" and torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # blocks the engine mapped until its detach
             torch.cuda.empty_cache()
 
     def trained_models(self) -> dict[str, MegatronModel]:
@@ -141,13 +145,28 @@ class RLTrainer:
         return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
 
     def push_weights(self) -> None:
-        """Wake the engine, reshard the actor's current weights into its layout and hand them over."""
-        if not self._engine_awake:
-            self._hold("rollout")
-            self.engine.wake()
-            self._engine_awake = True
+        """Reshard the actor's current weights into the engine's layout and hand them over; the engine is
+        awake after it. The engine's weights wake first, next to the actor's; with actor.offload_weights the
+        actor's then leave the GPU (the resharder and the engine let go of their addresses), and only then
+        does the engine's KV cache wake, in the room they leave."""
+        if self._engine_state == "asleep":
+            self._hold("handover")
+            self.engine.wake("weights")
+            self._engine_state = "weights"
+        if self.engine.copies_in_engine and not self._attached:
+            self.engine.attach(self.resharder.engine_copy())  # the actor's tensors where they are now
+            self._attached = True
         self.resharder.refit()
         self.engine.deliver(self.engine_tensors)
+        if self._weights_leave:
+            if self._attached:
+                self.engine.detach()
+                self._attached = False
+            self.resharder.release()
+            self._hold("generate")
+        if self._engine_state == "weights":
+            self.engine.wake("cache")
+        self._engine_state = "awake"
 
     def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
                  ) -> tuple[Batch, dict[str, float]]:
@@ -194,7 +213,7 @@ class RLTrainer:
         """Generate this engine's share of the prompts (on its driver) and score the responses; every rank
         returns the whole batch (samples of one prompt contiguous)."""
         r, g, eg = self.cfg.rollout, self.groups, self.engine.group
-        assert self._engine_awake, "push_weights() wakes the engine before every rollout"
+        assert self._engine_state == "awake", "push_weights() wakes the engine before every rollout"
         mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
         params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003 + eg.index,
@@ -215,7 +234,7 @@ class RLTrainer:
         data-parallel replica scores its share of the sequences."""
         if model is None:
             return None
-        self._hold("values" if model is self.critic else "reference" if model is self.reference else "rollout")
+        self._hold("values" if model is self.critic else "reference" if model is self.reference else "score")
         section = self.cfg.critic if model is self.critic else self.cfg.actor
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
@@ -289,7 +308,9 @@ class RLTrainer:
 
 
 PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
-    "rollout": {"actor": {"weights"}},  # generate, hand-over and the actor's scoring
+    "handover": {"actor": {"weights"}},
+    "generate": {},  # the engine alone (the actor's weights too stay unless actor.offload_weights)
+    "score": {"actor": {"weights"}},
     "reference": {"actor": {"weights"}, "reference": {"weights"}},
     "values": {"actor": {"weights"}, "critic": {"weights"}},
     "actor_update": {"actor": {"weights", "grads", "optimizer"}},
@@ -299,13 +320,13 @@ PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
 
 
 def offloadable_parts(cfg: Config) -> dict[str, set[Part]]:
-    """Per model, the parts its config lets leave the device. The actor's weights never do: the
-    resharder's copy tables and the engine's CUDA IPC mappings hold their addresses. Gradient buffers
-    always may: they are freed, not copied (every update zeroes them first)."""
+    """Per model, the parts its config lets leave the device. Gradient buffers always may: they are
+    freed, not copied (every update zeroes them first)."""
     grads: set[Part] = {"grads"}
     optimizer: set[Part] = {"optimizer"}
     weights: set[Part] = {"weights"}
-    return {"actor": grads | (optimizer if cfg.actor.offload_optimizer else set()),
+    return {"actor": grads | (optimizer if cfg.actor.offload_optimizer else set())
+            | (weights if cfg.actor.offload_weights else set()),
             "critic": grads | (optimizer if cfg.critic.offload_optimizer else set())
             | (weights if cfg.critic.offload_weights else set()),
             "reference": weights if cfg.reference.offload_weights else set()}

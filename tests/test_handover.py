@@ -6,7 +6,7 @@ import torch
 from megarl.models.presets import preset_or_hf_spec
 from megarl.parallel import ParallelDims
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
-from megarl.reshard.handover import HandoverState, apply_message
+from megarl.reshard.handover import HandoverState, apply_message, detach_message
 from megarl.reshard.planner import make_plan
 
 TINY = preset_or_hf_spec("tiny")  # vocab 1000: the engine's vocab rows past it are padding
@@ -79,3 +79,59 @@ def test_engine_ranks_read_their_own_entries_of_padded_payloads():
     state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
     assert all(torch.equal(params[n], expected[n]) for n in expected)
     assert len(state.appliers["k"].sources) == len(copy.sources)  # the placeholders were dropped
+
+
+def _flat_views(shapes):
+    """Tensors viewing one flat buffer, as Megatron's DDP parameters view its parameter buffer."""
+    sizes = {name: torch.Size(shape).numel() for name, shape in shapes.items()}
+    flat = torch.randn(sum(sizes.values()))
+    views, offset = {}, 0
+    for name, shape in shapes.items():
+        views[name] = flat[offset:offset + sizes[name]].view(shape)
+        offset += sizes[name]
+    return flat, views
+
+
+def _move(flat: torch.Tensor) -> torch.Tensor:
+    """What megarl.offload does to the actor's weights during rollout: the storage is freed and comes back
+    elsewhere, with the same tensors viewing it. Returns what holds the old address meanwhile."""
+    storage, saved = flat.untyped_storage(), flat.clone()
+    before = flat.data_ptr()
+    storage.resize_(0)
+    squatter = torch.empty_like(saved)  # takes the freed memory, so the buffer comes back elsewhere
+    storage.resize_(saved.numel() * saved.element_size())
+    flat.copy_(saved)
+    assert flat.data_ptr() != before
+    return squatter
+
+
+@pytest.mark.parametrize("in_engine", [False, True])
+def test_weights_that_leave_the_device_are_handed_over_from_where_they_come_back(in_engine):
+    """actor.offload_weights: after each hand-over the resharder lets go of every address (``release``) and
+    the engine of its mappings (detach); the weights come back at other addresses, and the next refit,
+    bound and attached again, reads them there."""
+    plan, _, _, params = _setup()
+    flat, src = _flat_views(plan.src_shapes)
+    expected = engine_tensor_allocations(plan, 0, torch.float32, torch.device("cpu"))
+    dst = None if in_engine else engine_tensor_allocations(plan, 0, torch.float32, torch.device("cpu"))
+    resharder = Resharder(plan, 0, src, dst, in_engine=in_engine)
+    model, state = FakeEngineModel(params), HandoverState()
+    for update in range(2):
+        if in_engine:
+            state.handle(model, resharder.engine_copy().to_wire("actor"))
+        resharder.refit()
+        if in_engine:
+            state.handle(model, apply_message("actor", torch.zeros(1)))
+            state.handle(model, detach_message("actor", torch.zeros(1)))
+            assert not state.appliers  # the engine no longer maps the trainer's tensors
+        Resharder(plan, 0, src, expected).refit()  # a fresh resharder: the reference
+        for name, want in expected.items():
+            assert torch.equal((params if in_engine else dst)[name], want), (update, name)
+        resharder.release()
+        assert resharder.landing is None and resharder.pool is None
+        squatter = _move(flat)
+        flat.mul_(-2)  # the next update
+    if in_engine:
+        with pytest.raises(ValueError, match="no megarl attachment `actor`"):
+            state.handle(model, apply_message("actor", torch.zeros(1)))
+    del squatter

@@ -1,9 +1,11 @@
 """Run a refit plan on this rank: local copies, pack -> send/recv -> unpack, bucket by bucket.
 
-Everything that can be prepared is prepared once, in the constructor: the staging pool (two
-send and two receive buffers of ``plan.bucket_bytes``, one allocation), and for every bucket a
-compiled ``SegmentCopy`` for its local copies, its pack and its unpack (QKV/fc1 regrouping is
-part of those segment tables). A refit then only launches kernels and posts P2P operations.
+Everything that can be prepared is prepared once, in the constructor: for every bucket the segment
+tables of its local copies, its pack and its unpack (QKV/fc1 regrouping is part of them), and, bound
+to the tensors' addresses (``bind``), the staging pool (two send and two receive buffers of
+``plan.bucket_bytes``, one allocation) and a compiled ``SegmentCopy`` per table. A refit then only
+launches kernels and posts P2P operations. ``release`` frees the buffers while the trainer's weights
+are away during rollout.
 
 On GPU, three streams overlap the pipeline: pack(k+1) on the pack stream, transfer(k) on the
 communication stream, unpack(k-1) on the unpack stream, ordered by events; buffer k % 2 is
@@ -29,6 +31,19 @@ from megarl.errors import UserError
 from megarl.kernels import Segment, extension, segment_table
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.planner import Plan, Transfer, row_bytes
+
+
+@dataclass
+class _BucketSpec:
+    """A bucket's segment tables and regions: what ``Resharder.bind`` compiles against live addresses."""
+
+    local: torch.Tensor | None
+    pack: torch.Tensor | None
+    unpack: torch.Tensor | None
+    sends: list[tuple[int, int, int]]
+    recvs: list[tuple[int, int, int]]
+    buffer: int
+    landing: int | None = None
 
 
 @dataclass
@@ -67,9 +82,10 @@ class Resharder:
     """Executes ``plan`` on global rank ``rank``: reads trainer tensors, writes engine tensors.
 
     ``src`` maps canonical Megatron names to this rank's trainer parameters; ``dst`` maps engine
-    names to this rank's engine parameters (the engine's own tensors, written in place). Both
-    must stay allocated at the same address for the Resharder's life. With ``in_engine`` there is
-    no ``dst``: the engine rank writes its parameters itself from ``engine_copy()``.
+    names to this rank's engine parameters (the engine's own tensors, written in place). Both stay
+    at the addresses they had at the last ``bind`` (the constructor binds) until ``release``; after it,
+    their storages may move (offloaded and brought back), and the next refit binds again. With
+    ``in_engine`` there is no ``dst``: the engine rank writes its parameters itself from ``engine_copy()``.
     """
 
     def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
@@ -79,23 +95,18 @@ class Resharder:
         self.plan, self.rank, self.group, self.in_engine = plan, rank, group, in_engine
         self.device = device or next(iter((dst or src).values())).device
         self._check(src, dst)
-        ext = extension()
         self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
         self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank})
-        self._src = [src[n] for n in self.src_names]
-        self._dst = [dst[n] for n in self.dst_names] if dst is not None else []
         src_index = {n: i for i, n in enumerate(self.src_names)}
         dst_index = {n: i for i, n in enumerate(self.dst_names)}
         es = plan.element_size
         dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
-        needs_pool = any(not t.local and rank in (t.src_rank, t.dst_rank) for b in plan.buckets for t in b)
-        # In-engine mode receives into the landing buffer, so only the two send buffers are needed.
-        self.pool = ext.BufferPool(2 if in_engine else 4, plan.bucket_bytes, str(self.device)) if needs_pool else None
-        self.buckets: list[_Bucket] = []
+        self._needs_pool = any(not t.local and rank in (t.src_rank, t.dst_rank) for b in plan.buckets for t in b)
+        self._src_dict, self._dst_dict = src, dst
+        self._specs: list[_BucketSpec] = []
         engine_segments: list[Segment] = []
         landed = 0
         for k, transfers in enumerate(plan.buckets):
-            buf = k % 2
             local, packs, unpacks = [], [], []
             sends: dict[int, list[Transfer]] = {}
             recvs: dict[int, list[Transfer]] = {}
@@ -127,25 +138,57 @@ class Resharder:
             if in_engine:
                 # Sources of the engine's copy: this rank's trainer tensors, then the landing buffer.
                 engine_segments += local
-                engine_segments += [s._replace(src_index=len(self._src), src_offset=s.src_offset + landed)
+                engine_segments += [s._replace(src_index=len(self.src_names), src_offset=s.src_offset + landed)
                                     for s in unpacks]
-                self.buckets.append(_Bucket(
-                    local=None, unpack=None, sends=send_regions, recvs=recv_regions, buffer=buf, landing=landed,
-                    pack=ext.SegmentCopy(self._src, [self._send(buf)], segment_table(packs)) if packs else None))
+                self._specs.append(_BucketSpec(None, segment_table(packs) if packs else None, None, send_regions,
+                                               recv_regions, k % 2, landed))
                 landed += offset
                 continue
-            self.buckets.append(_Bucket(
-                local=ext.SegmentCopy(self._src, self._dst, segment_table(local)) if local else None,
-                pack=ext.SegmentCopy(self._src, [self._send(buf)], segment_table(packs)) if packs else None,
-                unpack=(ext.SegmentCopy([self._recv_buffer(buf)], self._dst, segment_table(unpacks)) if unpacks
-                        else None),
-                sends=send_regions, recvs=recv_regions, buffer=buf))
-        self.landing = torch.empty(landed, dtype=torch.uint8, device=self.device) if landed else None
+            self._specs.append(_BucketSpec(segment_table(local) if local else None,
+                                           segment_table(packs) if packs else None,
+                                           segment_table(unpacks) if unpacks else None,
+                                           send_regions, recv_regions, k % 2))
+        self._landing_bytes = landed
         self._engine_segments = engine_segments
+        self.pool: Any = None
+        self.landing: torch.Tensor | None = None
+        self.buckets: list[_Bucket] = []
+        self.bound = False
+        self.bind()
         if dst is not None:
             _zero_padding(dst, padding_rows(plan, rank))
         cuda = self.device.type == "cuda"
         self._streams = [torch.cuda.Stream(self.device) for _ in range(3)] if cuda else None
+
+    def bind(self) -> None:
+        """Allocate the staging buffers and compile the copies against the tensors' current addresses (done by
+        the constructor; again after ``release``, once the tensors are back on the device, wherever they are)."""
+        if self.bound:
+            return
+        ext = extension()
+        # In-engine mode receives into the landing buffer, so only the two send buffers are needed.
+        if self._needs_pool:
+            self.pool = ext.BufferPool(2 if self.in_engine else 4, self.plan.bucket_bytes, str(self.device))
+        if self._landing_bytes:
+            self.landing = torch.empty(self._landing_bytes, dtype=torch.uint8, device=self.device)
+        self._src = [self._src_dict[n] for n in self.src_names]
+        self._dst = [self._dst_dict[n] for n in self.dst_names] if self._dst_dict is not None else []
+
+        def compiled(table: torch.Tensor | None, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> Any:
+            return None if table is None else ext.SegmentCopy(srcs, dsts, table)
+
+        self.buckets = [_Bucket(
+            local=compiled(b.local, self._src, self._dst),
+            pack=compiled(b.pack, self._src, [self._send(b.buffer)] if b.pack is not None else []),
+            unpack=compiled(b.unpack, [self._recv_buffer(b.buffer)] if b.unpack is not None else [], self._dst),
+            sends=b.sends, recvs=b.recvs, buffer=b.buffer, landing=b.landing) for b in self._specs]
+        self.bound = True
+
+    def release(self) -> None:
+        """Free the staging and landing buffers and forget every address, so that the trainer's tensors may
+        leave the device (megarl.offload) until the next ``bind``."""
+        self.buckets, self.pool, self.landing, self._src, self._dst = [], None, None, [], []
+        self.bound = False
 
     def _send(self, buf: int) -> torch.Tensor:
         assert self.pool is not None
@@ -172,6 +215,7 @@ class Resharder:
         """The engine rank's share of the refit on this GPU (``in_engine`` mode): from ``sources`` (this
         rank's trainer tensors, then the landing buffer) into its parameters, after ``refit()``."""
         assert self.in_engine
+        self.bind()
         shapes = self.plan.dst_shapes[self.plan.engine_rank(self.rank)]
         return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else []),
                           dst_names=self.dst_names, dst_shapes=shapes, element_size=self.plan.element_size,
@@ -188,6 +232,7 @@ class Resharder:
     def refit(self) -> None:
         """Copy the trainer's current weights into the engine tensors. On GPU the caller's stream
         waits for the result; nothing blocks the host except on CPU."""
+        self.bind()
         if self._streams is None:
             for bucket in self.buckets:
                 if bucket.local is not None:

@@ -3,10 +3,11 @@
 Engines with a sleep mode allocate their weights through CUDA virtual memory (SGLang's torch memory
 saver, vLLM's CuMemAllocator), which cannot be exported by CUDA IPC; the trainer's tensors come
 from torch's caching allocator, which can. So the engine rank opens the trainer tensors on its GPU
-once (``attach``) and compiles one ``SegmentCopy`` from them into its parameters; every weight update
+(``attach``) and compiles one ``SegmentCopy`` from them into its parameters; every weight update
 after that is one call that replays the kernel (``apply``): no per-tensor IPC, no staging copy, and
 the parameters stay at the addresses the engine's CUDA graphs captured (the memory saver maps them
-back at the same addresses after a sleep).
+back at the same addresses after a sleep). When the trainer moves its weights off the GPU during
+rollout, the engine drops its mappings first (``detach``) and the trainer attaches again after.
 
 Wire format: engines such as SGLang accept only ``(name, tensor)`` pairs from outside (their
 unpickler allows no other classes), so an ``EngineCopy`` travels as named tensors (``to_wire``):
@@ -74,6 +75,12 @@ def apply_message(key: str, token: torch.Tensor) -> list[tuple[str, torch.Tensor
     return [(PREFIX + "apply." + key, token)]
 
 
+def detach_message(key: str, token: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors asking the engine to drop attachment ``key``: it closes its mappings of the trainer's
+    tensors, whose memory the trainer can then free (while the engine generates)."""
+    return [(PREFIX + "detach." + key, token)]
+
+
 class EngineApplier:
     """Engine side of an ``EngineCopy``: validated and compiled once, replayed by ``run``."""
 
@@ -109,7 +116,8 @@ class HandoverState:
         self.appliers: dict[str, EngineApplier] = {}
 
     def handle(self, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Serve one message for ``model``: an attachment (replacing any under the same key) or an apply."""
+        """Serve one message for ``model``: an attachment (replacing any under the same key), an apply or a
+        detach."""
         first = named[0][0] if named else ""
         if first == PREFIX + "attach":
             key, copy = EngineCopy.from_wire(named)
@@ -121,5 +129,7 @@ class HandoverState:
                 raise ValueError(f"no megarl attachment `{key}` in this engine (attached: {sorted(self.appliers)}); "
                                  "attach before applying")
             self.appliers[key].run()
+        elif first.startswith(PREFIX + "detach."):
+            self.appliers.pop(first[len(PREFIX + "detach."):], None)
         else:
             raise ValueError(f"not a megarl hand-over message: {first!r}")

@@ -105,6 +105,9 @@ def engine_process_env(**env: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+Wake = Literal["all", "weights", "cache"]
+
+
 class RolloutEngine(Protocol):
     max_model_len: int
     """Most tokens (prompt + generated) one sequence may hold."""
@@ -117,7 +120,9 @@ class RolloutEngine(Protocol):
 
     def sleep(self) -> None: ...
 
-    def wake(self) -> None: ...
+    def wake(self, what: Wake = "all") -> None:
+        """Resume ``what`` the last sleep released: everything, the weights alone (to take new weights before
+        the trainer frees its copy), or the KV cache (and what else generation needs) after them."""
 
     def shutdown(self) -> None: ...
 
@@ -128,6 +133,8 @@ class InEngineCopy(Protocol):
     def attach(self, per_rank: list[list[tuple[str, bytes]]], key: str) -> None: ...
 
     def apply(self) -> None: ...
+
+    def detach(self) -> None: ...
 
 
 def visible_devices_env(devices: list[int] | None) -> dict[str, str]:

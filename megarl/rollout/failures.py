@@ -68,6 +68,6 @@ def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
                            "Training stopped; the last complete checkpoint is intact and "
                            "resumes with checkpoint.resume: auto. If the engine ran out of memory, lower "
                            "rollout.gpu_memory_fraction or enable offloading (actor.offload_optimizer, "
-                           "critic.offload_weights, reference.offload_weights).") from err
+                           "actor.offload_weights, critic.offload_weights, reference.offload_weights).") from err
     finally:
         timer.cancel()

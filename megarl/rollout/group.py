@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.reshard.handover import EngineCopy
-from megarl.rollout.base import Completion, InEngineCopy, RolloutEngine, SamplingParams
+from megarl.rollout.base import Completion, InEngineCopy, RolloutEngine, SamplingParams, Wake
 from megarl.rollout.failures import engine_call
 
 
@@ -152,10 +152,18 @@ class GroupEngine:
             with self._call("sleep"):
                 self.engine.sleep()
 
-    def wake(self) -> None:
+    def wake(self, what: Wake = "all") -> None:
         if self.engine is not None:
             with self._call("wake"):
-                self.engine.wake()
+                self.engine.wake(what)
+
+    def detach(self) -> None:
+        """In-engine hand-over: the engine closes its mappings of every rank's trainer tensors (``attach``
+        again before the next ``deliver``)."""
+        if self.engine is not None:
+            with self._call("detach"):
+                cast(InEngineCopy, self.engine).detach()
+        self.group.barrier()  # no rank frees a tensor the engine still maps
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -1,17 +1,18 @@
 """SGLang rollout engine: one ``sglang.Engine`` per rollout group, colocated with the trainer.
 
 Two ways to hand weights over, both already in SGLang's per-rank layout:
-- in-engine copy (``attach`` once, then ``apply`` per update; what the RL loop uses): megarl's
-  loader (megarl.rollout.sglang_loader, registered as a custom weight loader) runs inside every
-  engine rank, keeps the trainer tensors on its GPU open by CUDA IPC and replays one compiled copy
-  kernel from them into its parameters (megarl.reshard.handover);
+- in-engine copy (``attach``, then ``apply`` per update, ``detach`` before the trainer's weights leave
+  the GPU; what the RL loop uses): megarl's loader (megarl.rollout.sglang_loader, registered as a
+  custom weight loader) runs inside every engine rank, keeps the trainer tensors on its GPU open by
+  CUDA IPC and replays one compiled copy kernel from them into its parameters (megarl.reshard.handover);
 - ``update_weights(named_tensors)``: engine-layout tensors filled by the resharder, delivered by
   ``update_weights_from_tensor(load_format="direct")``, one IPC handle per tensor per update.
 SGLang >= 0.5.22 requires
 ``begin_weight_update`` / ``end_weight_update`` around updates; 0.5.17 lacks them, so both are
 called only when present. Logprobs of sampled tokens are SGLang's default, log softmax(logits / T).
 Colocation: ``sleep`` releases weights and KV cache (torch memory
-saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them.
+saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them, the weights alone
+first when the trainer hands over before it frees its own copy (``wake("weights")``, then ``wake("cache")``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ import torch
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
-from megarl.reshard.handover import EngineCopy, apply_message
-from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env, visible_devices_env
+from megarl.reshard.handover import EngineCopy, apply_message, detach_message
+from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.sglang_loader import LOADER
 
 log = logging.getLogger(__name__)
+
+SGLANG_TAGS: dict[str, list[str] | None] = {"all": None, "weights": ["weights"], "cache": ["kv_cache", "cuda_graph"]}
+"""What ``wake(what)`` resumes: SGLang's memory-saver tags (None: all of them)."""
 
 
 class SGLangEngine:
@@ -131,6 +135,12 @@ class SGLangEngine:
         torch.cuda.synchronize()  # the engine reads what this process's streams wrote
         self._update(apply_message(self._attached, self._token), LOADER, flush_cache=True)
 
+    def detach(self) -> None:
+        """Every engine rank closes its mappings of the trainer's tensors (until the next ``attach``)."""
+        if self._attached is not None and self._token is not None:
+            self._update(detach_message(self._attached, self._token), LOADER, flush_cache=False)
+        self._attached = None
+
     def _update(self, payload: list, load_format: str, flush_cache: bool) -> None:
         if self._versioned_updates:
             self.engine.begin_weight_update(selector="all")
@@ -144,8 +154,8 @@ class SGLangEngine:
     def sleep(self) -> None:
         self.engine.release_memory_occupation()
 
-    def wake(self) -> None:
-        self.engine.resume_memory_occupation()
+    def wake(self, what: Wake = "all") -> None:
+        self.engine.resume_memory_occupation(tags=SGLANG_TAGS[what])
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -36,7 +36,7 @@ from megarl.errors import UserError
 from megarl.models.mapping import hf_shapes
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
-from megarl.rollout.base import Completion, SamplingParams, check_prompts, engine_process_env, visible_devices_env
+from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ trainer shares the device, so half of it."""
 WORKER_EXTENSION = "megarl.rollout.vllm_worker.MegarlWorkerExtension"
 
 
+VLLM_TAGS = {"weights": "weights", "cache": "kv_cache"}
+"""vLLM's sleep-mode tags for ``wake(what)``."""
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 """Where weight files go: RAM-backed, so an update writes no disk."""
 
@@ -107,7 +109,8 @@ class VLLMEngine:
         if enable_sleep and not self._sleep_mode:
             log.info("vLLM has no sleep mode on %s: sleep()/wake() keep the engine's memory",
                      current_platform.device_name)
-        self._asleep = False
+        self._released: set[str] = set()
+        """What the last sleep released and no wake has resumed yet: weights, cache."""
         self._closed = False
         args: dict[str, Any] = dict(
             model=str(hf_dir), tensor_parallel_size=tensor_parallel, dtype=dtype,
@@ -140,7 +143,8 @@ class VLLMEngine:
     def _check_awake(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"{what} after shutdown()")
-        if self._asleep:
+        needs = {"weights"} if what == "update_weights" else {"weights", "cache"}
+        if self._released & needs:
             raise RuntimeError(f"{what} while the engine sleeps; call wake() first")
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -213,16 +217,17 @@ class VLLMEngine:
         """Free weights and KV cache for training (level 1: weights kept in host memory)."""
         if self._closed:
             raise RuntimeError("sleep after shutdown()")
-        if self._sleep_mode and not self._asleep:
+        if self._sleep_mode and not self._released:
             self.llm.sleep(level=1)
-        self._asleep = True
+        self._released = {"weights", "cache"}
 
-    def wake(self) -> None:
+    def wake(self, what: Wake = "all") -> None:
         if self._closed:
             raise RuntimeError("wake after shutdown()")
-        if self._asleep and self._sleep_mode:
-            self.llm.wake_up()
-        self._asleep = False
+        parts = self._released & ({"weights", "cache"} if what == "all" else {what})
+        if parts and self._sleep_mode:
+            self.llm.wake_up(tags=[VLLM_TAGS[p] for p in sorted(parts, reverse=True)])  # weights first
+        self._released -= parts
 
     def worker_rss(self) -> list[int]:
         """Resident memory (bytes) of each engine worker process, after returning freed heap to the OS."""
