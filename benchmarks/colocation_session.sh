@@ -9,6 +9,8 @@
 #   alone:    the same engine alone on an empty GPU, for the KV cache it gets there
 #   ppo:      KL-PPO with actor, critic and reference, TP=$NPROC DP1, $STEPS_PPO steps
 #   ppo_auto: the same with rollout.gpu_memory_fraction=auto
+#   ppo_auto_kept: ppo_auto with the actor's weights kept on the GPU while the engine generates
+#   grpo_auto: grpo with rollout.gpu_memory_fraction=auto
 # PART selects a subset (setup, grpo, alone, ppo; default all) so that calls stay under 10 minutes.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -75,6 +77,11 @@ PY
       train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;
     ppo_auto)
       train ppo_auto recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto ;;
+    ppo_auto_kept)
+      train ppo_auto_kept recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto \
+        --set actor.offload_weights=false ;;
+    grpo_auto)
+      train grpo_auto recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

@@ -83,6 +83,7 @@ class SGLangEngine:
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
         self._attached: str | None = None
         self._token: torch.Tensor | None = None
+        self._cache_awake = True
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, params, self.max_model_len, self.vocab_size)
@@ -133,7 +134,8 @@ class SGLangEngine:
         """Copy the attached trainer tensors' current values into the engine's parameters."""
         assert self._attached is not None and self._token is not None, "attach() first"
         torch.cuda.synchronize()  # the engine reads what this process's streams wrote
-        self._update(apply_message(self._attached, self._token), LOADER, flush_cache=True)
+        # A KV cache asleep was flushed when it was released; one awake holds prefixes of the old weights.
+        self._update(apply_message(self._attached, self._token), LOADER, flush_cache=self._cache_awake)
 
     def detach(self) -> None:
         """Every engine rank closes its mappings of the trainer's tensors (until the next ``attach``)."""
@@ -153,9 +155,11 @@ class SGLangEngine:
 
     def sleep(self) -> None:
         self.engine.release_memory_occupation()
+        self._cache_awake = False
 
     def wake(self, what: Wake = "all") -> None:
         self.engine.resume_memory_occupation(tags=SGLANG_TAGS[what])
+        self._cache_awake = self._cache_awake or what != "weights"
 
     def shutdown(self) -> None:
         self.engine.shutdown()
