@@ -11,7 +11,8 @@
 #   ppo_auto: the same with rollout.gpu_memory_fraction=auto
 #   ppo_auto_kept: ppo_auto with the actor's weights kept on the GPU while the engine generates
 #   grpo_auto: grpo with rollout.gpu_memory_fraction=auto
-# PART selects a subset (setup, grpo, alone, ppo; default all) so that calls stay under 10 minutes.
+#   grpo_auto_kept: grpo_auto with the actor's weights kept on the GPU while the engine generates
+# PART selects a subset (setup and the runs above; default setup grpo grpo_kept alone ppo) so that calls stay under 10 minutes.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:-setup grpo grpo_kept alone ppo}
@@ -38,12 +39,13 @@ train() {  # name recipe steps [--set ...]
   # The node's host memory in use, every 5 s: pinned offload buffers live there.
   (while sleep 5; do free -m | awk -v t=$((SECONDS - start)) 'NR==2 {print t, $3}'; done) > "$OUT/$name.host_mib.txt" &
   local sampler=$!
-  timeout 540 torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
+  timeout "${RUN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
     --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
   echo "[h200] $name exit $? in $((SECONDS - start)) s"
   kill $sampler
   echo "[h200] $name host memory peak $(sort -k2 -n "$OUT/$name.host_mib.txt" | tail -1 | cut -d' ' -f2) MiB of $(free -m | awk 'NR==2 {print $2}')"
   cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
+  for f in /tmp/$name/engine_*.log; do [[ -f $f ]] && tail -c 200000 "$f" > "$OUT/$name.$(basename "$f")"; done
   grep -h "megarl error\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/$name.log" | cut -c1-400
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
 }
@@ -82,6 +84,9 @@ PY
         --set actor.offload_weights=false ;;
     grpo_auto)
       train grpo_auto recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto ;;
+    grpo_auto_kept)
+      train grpo_auto_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
+        --set actor.offload_weights=false ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

@@ -8,7 +8,9 @@ other ranks wait in a collective for the driver; once it exits, torchrun stops t
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import torch
 
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
+from megarl.rollout.enginelog import EngineLog
 
 
 class EngineFailed(UserError):
@@ -71,3 +74,39 @@ def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
                            "actor.offload_weights, critic.offload_weights, reference.offload_weights).") from err
     finally:
         timer.cancel()
+
+
+class ChildWatch:
+    """An engine whose processes signal SIGQUIT to this one when they fail (SGLang's schedulers do, and SGLang's
+    own handler then SIGKILLs the whole process tree, this process included: the user would see only
+    torchrun's ChildFailedError). The signal instead stops the engine's event loop in this process, which
+    ends the engine call waiting on it, and ``alive`` raises, naming the engine log's root cause."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, log: EngineLog, what: str) -> None:
+        """``loop``: the event loop the engine's calls run on; ``what``: the failing process, for the message."""
+        self.failed = False
+        self.log, self.what = log, what
+        loop.add_signal_handler(signal.SIGQUIT, self._signalled, loop)
+
+    def _signalled(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.failed = True
+        loop.stop()
+
+    @contextmanager
+    def alive(self) -> Iterator[None]:
+        """Around every call into the engine (an engine that failed between calls fails the next one)."""
+        if self.failed:
+            raise self._death()
+        try:
+            yield
+        except Exception as err:
+            if self.failed:
+                raise self._death() from err
+            raise
+        if self.failed:
+            raise self._death()
+
+    def _death(self) -> RuntimeError:
+        self.log.drain()
+        return RuntimeError(f"{self.what} failed and signalled this one (SIGQUIT). Engine log: "
+                            f"{self.log.summary()[-1500:]}")

@@ -13,10 +13,17 @@ called only when present. Logprobs of sampled tokens are SGLang's default, log s
 Colocation: ``sleep`` releases weights and KV cache (torch memory
 saver, ``enable_memory_saver``) while the trainer trains; ``wake`` resumes them, the weights alone
 first when the trainer hands over before it frees its own copy (``wake("weights")``, then ``wake("cache")``).
+
+A failed engine process (out of memory at wake, a crashed scheduler) sends SIGQUIT to this process, and
+SGLang's own handler answers by SIGKILLing the whole process tree, this process included: the user
+would see only torchrun's ChildFailedError. The engine replaces that handler, at start and once it
+runs, with one that ends the pending engine call, which then raises with the engine's log tail
+(megarl.rollout.failures turns it into a megarl error naming the phase and the memory in use).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +37,7 @@ from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import EngineCopy, apply_message, detach_message
 from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.failures import ChildWatch
 from megarl.rollout.sglang_loader import LOADER
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,10 @@ class SGLangEngine:
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
                     load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
+        from sglang.srt.server_args import ServerArgs
+
+        if "custom_sigquit_handler" in {f.name for f in dataclasses.fields(ServerArgs)}:
+            args["custom_sigquit_handler"] = _failed_at_start
         try:
             # SGLang's logprobs are those of softmax(logits / T), the distribution it samples from and the one
             # the trainer computes; this variable would switch them to T = 1, so it is pinned off.
@@ -76,8 +88,11 @@ class SGLangEngine:
             engine_log.drain()
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
                             f"{str(err)[-2000:]} Engine log: {engine_log.summary()[-1500:]}") from None
-        # The KV cache the engine sized for itself next to the trainer: what colocation leaves it.
+        # The KV cache the engine sized for itself next to the trainer: what colocation leaves it. This first
+        # request also creates the loop the engine's calls run on, and SGLang puts its SIGQUIT handler on it
+        # (a loop made before it would not be the engine's: its calls would hang): the watch replaces it.
         tokens = self.engine.get_server_info().get("max_total_num_tokens")
+        self._watch = ChildWatch(self.engine.tokenizer_manager.event_loop, engine_log, "an SGLang engine process")
         print(f"megarl: SGLang engine on devices {devices}: KV cache of {tokens} tokens "
               f"(mem_fraction_static {gpu_memory_fraction})", flush=True)
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
@@ -93,7 +108,8 @@ class SGLangEngine:
         expanded = [list(p) for p in prompts for _ in range(params.n)]
         per_request = [sampling | ({"sampling_seed": params.seed + i} if params.seed is not None else {})
                        for i in range(len(expanded))]
-        outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True)
+        with self._watch.alive():
+            outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True)
         completions = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -144,25 +160,33 @@ class SGLangEngine:
         self._attached = None
 
     def _update(self, payload: list, load_format: str, flush_cache: bool) -> None:
-        if self._versioned_updates:
-            self.engine.begin_weight_update(selector="all")
-        ok, message = self.engine.update_weights_from_tensor(payload, load_format=load_format,
-                                                             flush_cache=flush_cache)
-        if self._versioned_updates:
-            self.engine.end_weight_update()
+        with self._watch.alive():
+            if self._versioned_updates:
+                self.engine.begin_weight_update(selector="all")
+            ok, message = self.engine.update_weights_from_tensor(payload, load_format=load_format,
+                                                                 flush_cache=flush_cache)
+            if self._versioned_updates:
+                self.engine.end_weight_update()
         if not ok:
             raise RuntimeError(f"SGLang rejected the weight update: {message}")
 
     def sleep(self) -> None:
-        self.engine.release_memory_occupation()
+        with self._watch.alive():
+            self.engine.release_memory_occupation()
         self._cache_awake = False
 
     def wake(self, what: Wake = "all") -> None:
-        self.engine.resume_memory_occupation(tags=SGLANG_TAGS[what])
+        with self._watch.alive():
+            self.engine.resume_memory_occupation(tags=SGLANG_TAGS[what])
         self._cache_awake = self._cache_awake or what != "weights"
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _failed_at_start(*_: object) -> None:
+    """SIGQUIT while the engine starts: raised in the constructor's ``sglang.Engine`` call."""
+    raise RuntimeError("an SGLang engine process failed while the engine started (it signalled SIGQUIT)")
 
 
 def serialize_wire(copy: EngineCopy, key: str, num_sources: int) -> list[tuple[str, bytes]]:

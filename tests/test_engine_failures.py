@@ -1,0 +1,56 @@
+"""An engine process that fails and signals SIGQUIT to the trainer (as SGLang's schedulers do) ends the pending
+engine call with a megarl error, instead of the SIGKILL of the whole process tree that SGLang's own handler sends."""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.failures import ChildWatch, EngineFailed, engine_call
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    previous = signal.getsignal(signal.SIGQUIT)
+    yield loop
+    loop.remove_signal_handler(signal.SIGQUIT)
+    loop.close()
+    signal.signal(signal.SIGQUIT, previous)
+
+
+def test_a_sigquit_during_an_engine_call_ends_it_with_the_phase_and_the_log(loop):
+    log = EngineLog()
+    log.lines.append("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    watch = ChildWatch(loop, log, "an SGLang engine process")
+    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGQUIT)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineFailed) as failed, engine_call("wake", timeout_s=60), watch.alive():
+        loop.run_until_complete(asyncio.sleep(30))  # a request the dead scheduler never answers
+    assert time.monotonic() - start < 10
+    text = str(failed.value)
+    assert "during wake" in text and "SIGQUIT" in text and "OutOfMemoryError: CUDA out of memory" in text
+    # The engine stays failed: the next call raises at once, without waiting on the loop.
+    with pytest.raises(RuntimeError, match="signalled this one"), watch.alive():
+        pytest.fail("a failed engine must not be called")
+
+
+def test_a_sigquit_between_calls_fails_the_next_call(loop):
+    watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
+    os.kill(os.getpid(), signal.SIGQUIT)  # while no call runs: the loop sees it when it next runs
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="SIGQUIT"), watch.alive():
+        loop.run_until_complete(asyncio.sleep(30))
+    assert time.monotonic() - start < 10
+
+
+def test_calls_without_a_signal_are_untouched(loop):
+    watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
+    with watch.alive():
+        assert loop.run_until_complete(asyncio.sleep(0, result=7)) == 7
+    with pytest.raises(ValueError, match="engine's own"), watch.alive():
+        raise ValueError("the engine's own error passes through")
