@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-iters", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--plan-only", type=int, metavar="WORLD", help="print the plan for WORLD GPUs and exit")
+    p.add_argument("--verify", action="store_true",
+                   help="also time the hand-over check (rollout.verify_every): the trainer's and the engine's checksums")
     p.add_argument("--dump", help="write each rollout rank's engine tensors to DIR/rank{g}.safetensors")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG plot of the results")
@@ -254,6 +256,25 @@ def main(argv: list[str] | None = None) -> None:
         match = bool(match_t.item())
         resharder.refit()
 
+    verify: dict = {}
+    if args.verify:
+        from megarl.reshard.verify import tensor_checksum
+
+        runs = []
+        for _ in range(3):
+            sync(device)
+            t0 = time.perf_counter()
+            expected = resharder.expected_checksums()
+            sync(device)
+            t1 = time.perf_counter()
+            reported = torch.stack([tensor_checksum(dst[n]) for n in resharder.dst_names])
+            sync(device)
+            runs.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+        ok = torch.tensor([float(torch.equal(expected, reported))], device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        verify = {"verify_trainer_ms": percentile([r[0] for r in runs], 50),
+                  "verify_engine_ms": percentile([r[1] for r in runs], 50), "verify_matches": bool(ok.item())}
+
     copy_gbps = measure_copy_bandwidth(device) if cuda else 0.0
     link_gbps = measure_link_bandwidth(device, world, rank) if cuda else 0.0
     stats = plan.stats()
@@ -279,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         "baseline_ms": baseline_times, "baseline_p50_ms": percentile(baseline_times, 50) if baseline_times else None,
         "speedup": percentile(baseline_times, 50) / p50 if baseline_times else None,
         "baseline_matches": match, "plan": plan_report(plan), "num_buckets": len(plan.buckets),
-    }
+    } | verify
     if args.dump:
         from safetensors.torch import save_file
 
@@ -313,6 +334,9 @@ def print_table(r: dict) -> None:
                                                        if r["vs_bound"] else "")),
         ("peak extra memory", f"{gib(r['peak_extra_bytes'])} (pool {gib(r['pool_bytes'])})"),
     ]
+    if "verify_matches" in r:
+        rows.append(("hand-over check (verify_every)", f"trainer {r['verify_trainer_ms']:.1f} ms + engine "
+                     f"{r['verify_engine_ms']:.1f} ms, checksums {'match' if r['verify_matches'] else 'DIFFER'}"))
     if r["baseline_p50_ms"] is not None:
         rows.append(("naive all-gather p50", f"{r['baseline_p50_ms']:.1f} ms -> speedup {r['speedup']:.1f}x, "
                                              f"same result: {r['baseline_matches']}"))

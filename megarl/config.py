@@ -226,6 +226,10 @@ class RolloutConfig:
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
     """An engine call (wake, generate, hand-over, sleep) that takes longer stops training with an error naming it."""
+    verify_every: int = 0
+    """Check the hand-over every N updates (the first, then every N-th; 0 = never): every engine rank checksums its
+    parameters inside the engine and the trainer compares them with checksums of its own weights; a mismatch
+    stops training naming the tensors. Needs rollout.engine = sglang (the in-engine hand-over)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed unchanged to sglang.Engine or vllm.LLM, e.g.
     {attention_backend: triton}; they override megarl's own engine settings."""
@@ -241,6 +245,10 @@ class RolloutConfig:
         if self.gpu_memory_fraction != "auto":
             _within(self, "gpu_memory_fraction", "(0, 1)", "use a share such as 0.7, or auto")
         _within(self, "logprob_diff_max", "(0, inf)", "use the default 2.0")
+        check(self.verify_every >= 0, "verify_every", self.verify_every, "be >= 0", "use 0 (off) or N >= 1")
+        check(self.verify_every == 0 or self.engine == "sglang", "verify_every", self.verify_every,
+              "be 0 with rollout.engine = vllm (its checksums need the in-engine hand-over; vLLM's CPU backend "
+              "repacks its weights)", "use rollout.engine: sglang, or verify_every: 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,6 +24,11 @@ class TrainingDiverged(UserError):
     rank at the same point, before the step's weights can reach a checkpoint."""
 
 
+class HandoverMismatch(UserError):
+    """The engine's parameters after a hand-over differ from the trainer's weights (rollout.verify_every).
+    Raised on every rank at the same point, before the engine generates with them."""
+
+
 def check_finite(where: str, values: Mapping[str, float], hint: str) -> None:
     """Raise TrainingDiverged naming ``where`` (e.g. "step 3") and every NaN or infinity among ``values``.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import describe_plan, make_plan
+from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.base import RolloutEngine, SamplingParams
@@ -65,6 +67,7 @@ class RLTrainer:
         self._engine_state: Literal["asleep", "weights", "awake"] = "awake"  # engines start awake
         self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
         self._weights_leave = cfg.actor.offload_weights  # while the engine generates, it holds the only copy
+        self._num_handovers = 0
         self.spec = load_spec(cfg.model.hf_path)
         use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                           and transformer_engine_available())
@@ -158,6 +161,10 @@ class RLTrainer:
             self._attached = True
         self.resharder.refit()
         self.engine.deliver(self.engine_tensors)
+        every = self.cfg.rollout.verify_every
+        if every and self._num_handovers % every == 0:
+            self._verify_handover()
+        self._num_handovers += 1
         if self._weights_leave:
             if self._attached:
                 self.engine.detach()
@@ -167,6 +174,20 @@ class RLTrainer:
         if self._engine_state == "weights":
             self.engine.wake("cache")
         self._engine_state = "awake"
+
+    def _verify_handover(self) -> None:
+        """rollout.verify_every: every engine rank's parameters against the actor's weights (megarl.reshard.verify)."""
+        start = time.perf_counter()
+        names = self.resharder.dst_names
+        bad = mismatched(names, self.resharder.expected_checksums(), self.engine.checksums(len(names)))
+        everyone: list[Any] = [bad]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, bad)
+        check_reports(self._num_handovers, everyone)
+        if self.groups.rank == 0:
+            print(f"megarl: hand-over {self._num_handovers} verified: the engine's parameters match the actor's "
+                  f"weights on every GPU ({time.perf_counter() - start:.2f} s)", flush=True)
 
     def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
                  ) -> tuple[Batch, dict[str, float]]:

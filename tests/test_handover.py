@@ -6,7 +6,7 @@ import torch
 from megarl.models.presets import preset_or_hf_spec
 from megarl.parallel import ParallelDims
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
-from megarl.reshard.handover import HandoverState, apply_message, detach_message
+from megarl.reshard.handover import HandoverState, apply_message, checksum_message, detach_message
 from megarl.reshard.planner import make_plan
 
 TINY = preset_or_hf_spec("tiny")  # vocab 1000: the engine's vocab rows past it are padding
@@ -135,3 +135,34 @@ def test_weights_that_leave_the_device_are_handed_over_from_where_they_come_back
         with pytest.raises(ValueError, match="no megarl attachment `actor`"):
             state.handle(model, apply_message("actor", torch.zeros(1)))
     del squatter
+
+
+def test_the_engine_reports_checksums_that_match_the_trainers_and_catch_a_corrupted_tensor():
+    """rollout.verify_every: the engine rank checksums its parameters after an apply; they equal what the
+    trainer computes from its own tensors and the plan, and a parameter changed afterwards is named."""
+    from megarl.reshard.verify import engine_names, mismatched
+
+    plan, src, _, params = _setup()
+    model, state = FakeEngineModel(params), HandoverState()
+    resharder = Resharder(plan, 0, src, None, in_engine=True)
+    state.handle(model, resharder.engine_copy().to_wire("k"))
+    resharder.refit()
+    state.handle(model, apply_message("k", torch.zeros(1)))
+    names = resharder.dst_names
+    assert names == engine_names(plan)[0] and len(names) == len(params)
+    reported = torch.full((len(names), 2), -1, dtype=torch.int64)
+    state.handle(model, checksum_message("k", reported))
+    expected = resharder.expected_checksums()
+    assert torch.equal(reported, expected) and (reported >= 0).all()
+    assert mismatched(names, expected, reported) == []
+    # Two rows swapped: the same values, in the wrong place.
+    qkv = params["model.layers.1.self_attn.qkv_proj.weight"]
+    qkv[[0, 1]] = qkv[[1, 0]]
+    params["model.norm.weight"][3] += 1
+    state.handle(model, checksum_message("k", reported))
+    assert mismatched(names, expected, reported) == ["model.layers.1.self_attn.qkv_proj.weight",
+                                                     "model.norm.weight"]
+    with pytest.raises(ValueError, match="no megarl attachment `other`"):
+        state.handle(model, checksum_message("other", reported))
+    with pytest.raises(ValueError, match="checksum request for 2 parameters"):
+        state.handle(model, checksum_message("k", torch.zeros(2, 2, dtype=torch.int64)))

@@ -26,6 +26,7 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     assert len(rows) == 4 * len(expected)
     for r in rows:
         assert r["exact"] and r["second_refit"] and r["pool_reused"] and r["in_engine"], r
+        assert r["verified"] and r["corruption_caught"], r
     # Small buckets force many of them (split tensors, several per layer) in the multi-GPU layouts.
     assert max(r["buckets"] for r in rows) > 10
     assert all(r["pool_bytes"] <= 4 * 48 * 1024 + 256 for r in rows)

@@ -31,6 +31,7 @@ from megarl.errors import UserError
 from megarl.kernels import Segment, extension, segment_table
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.planner import Plan, Transfer, row_bytes
+from megarl.reshard.verify import expected_checksums
 
 
 @dataclass
@@ -220,6 +221,12 @@ class Resharder:
         return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else []),
                           dst_names=self.dst_names, dst_shapes=shapes, element_size=self.plan.element_size,
                           table=segment_table(self._engine_segments), zero_rows=padding_rows(self.plan, self.rank))
+
+    @torch.no_grad()
+    def expected_checksums(self) -> torch.Tensor:
+        """int64 [len(dst_names), 2]: what this GPU's engine rank must report after the refit of the trainer's
+        current weights (megarl.reshard.verify; collective over the world)."""
+        return expected_checksums(self.plan, self.rank, self._src_dict, self.group)
 
     def _p2p(self, bucket: _Bucket) -> list[Any]:
         ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), peer, self.group)

@@ -7,12 +7,13 @@ from torch's caching allocator, which can. So the engine rank opens the trainer 
 after that is one call that replays the kernel (``apply``): no per-tensor IPC, no staging copy, and
 the parameters stay at the addresses the engine's CUDA graphs captured (the memory saver maps them
 back at the same addresses after a sleep). When the trainer moves its weights off the GPU during
-rollout, the engine drops its mappings first (``detach``) and the trainer attaches again after.
+rollout, the engine drops its mappings first (``detach``) and the trainer attaches again after. With
+``rollout.verify_every`` the engine also reports checksums of its parameters (``checksum_message``).
 
 Wire format: engines such as SGLang accept only ``(name, tensor)`` pairs from outside (their
 unpickler allows no other classes), so an ``EngineCopy`` travels as named tensors (``to_wire``):
 its metadata as a JSON byte tensor, its segment table, then its sources. This module runs inside the
-engine process: it imports torch and megarl.kernels only.
+engine process: it imports torch, megarl.kernels and megarl.reshard.verify only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.kernels import SegmentCopy, make_segment_copy
+from megarl.reshard.verify import tensor_checksum
 
 PREFIX = "megarl.handover."
 
@@ -81,6 +83,12 @@ def detach_message(key: str, token: torch.Tensor) -> list[tuple[str, torch.Tenso
     return [(PREFIX + "detach." + key, token)]
 
 
+def checksum_message(key: str, result: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors asking the engine to write the checksums (megarl.reshard.verify) of attachment ``key``'s
+    parameters into ``result`` (int64 [num parameters, 2], a trainer tensor it maps), in ``dst_names`` order."""
+    return [(PREFIX + "checksum." + key, result)]
+
+
 class EngineApplier:
     """Engine side of an ``EngineCopy``: validated and compiled once, replayed by ``run``."""
 
@@ -95,6 +103,7 @@ class EngineApplier:
                                  f"elements (contiguous: {p.is_contiguous()}); the plan writes a contiguous "
                                  f"{list(shape)} of {copy.element_size}-byte elements")
         self.sources = copy.sources  # holds the IPC mappings open
+        self.params = [params[n] for n in copy.dst_names]
         self.zero = [(params[n], start) for n, start in copy.zero_rows.items()]
         self.copy: SegmentCopy = make_segment_copy(copy.sources, [params[n].data for n in copy.dst_names],
                                                    copy.table)
@@ -109,6 +118,18 @@ class EngineApplier:
             torch.cuda.current_stream().synchronize()  # the trainer may change its tensors once we return
 
 
+    @torch.no_grad()
+    def checksums(self, result: torch.Tensor) -> None:
+        """Write the checksum of every parameter the copy writes into ``result`` (one row each)."""
+        if result.shape != (len(self.params), 2):
+            raise ValueError(f"checksum request for {result.shape[0]} parameters; this attachment writes "
+                             f"{len(self.params)}")
+        for i, param in enumerate(self.params):
+            result[i] = tensor_checksum(param.data)
+        if result.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the trainer reads them once we return
+
+
 class HandoverState:
     """The attachments of one engine rank, keyed by the trainer's key."""
 
@@ -116,8 +137,8 @@ class HandoverState:
         self.appliers: dict[str, EngineApplier] = {}
 
     def handle(self, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Serve one message for ``model``: an attachment (replacing any under the same key), an apply or a
-        detach."""
+        """Serve one message for ``model``: an attachment (replacing any under the same key), an apply, a
+        detach or a checksum request."""
         first = named[0][0] if named else ""
         if first == PREFIX + "attach":
             key, copy = EngineCopy.from_wire(named)
@@ -131,5 +152,11 @@ class HandoverState:
             self.appliers[key].run()
         elif first.startswith(PREFIX + "detach."):
             self.appliers.pop(first[len(PREFIX + "detach."):], None)
+        elif first.startswith(PREFIX + "checksum."):
+            key = first[len(PREFIX + "checksum."):]
+            if key not in self.appliers:
+                raise ValueError(f"no megarl attachment `{key}` in this engine (attached: {sorted(self.appliers)}); "
+                                 "attach before verifying")
+            self.appliers[key].checksums(named[0][1])
         else:
             raise ValueError(f"not a megarl hand-over message: {first!r}")

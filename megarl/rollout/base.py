@@ -136,6 +136,8 @@ class InEngineCopy(Protocol):
 
     def detach(self) -> None: ...
 
+    def checksums(self, per_rank: list[list[tuple[str, bytes]]]) -> None: ...
+
 
 def visible_devices_env(devices: list[int] | None) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES for an engine on ``devices`` (indices among this process's visible devices)."""

@@ -116,6 +116,22 @@ class GroupEngine:
                 cast(InEngineCopy, self.engine).attach(wires, key)
         self.group.barrier()
 
+    def checksums(self, num_tensors: int, key: str = "actor") -> torch.Tensor:
+        """In-engine hand-over: this rank's engine rank's checksums of the ``num_tensors`` parameters it writes
+        (int64 [num_tensors, 2], megarl.reshard.verify), computed inside the engine."""
+        from megarl.reshard.handover import checksum_message
+        from megarl.rollout.sglang import serialize_named
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        result = torch.full((num_tensors, 2), -1, dtype=torch.int64, device=device)
+        wires = self.group.gather(serialize_named(checksum_message(key, result)))
+        if self.engine is not None:
+            assert wires is not None
+            with self._call("verification"):
+                cast(InEngineCopy, self.engine).checksums(wires)
+        self.group.barrier()  # every engine rank has written its rank's result
+        return result.cpu()
+
     def deliver(self, engine_tensors: dict[str, torch.Tensor] | None) -> None:
         """After every rank's refit: the engine takes the new weights (in-engine copy, or files of engine-layout
         tensors, one per engine rank, written by each rank)."""

@@ -138,11 +138,7 @@ class SGLangEngine:
         """Hand every engine rank its trainer tensors and copy (``serialize_wire`` on each rank's process);
         they must stay allocated at the same addresses until the next ``attach`` under ``key``."""
         assert len(per_rank) == self.tensor_parallel
-        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
-
-        payload = [(name, LocalSerializedTensor(values=[rank[i][1] for rank in per_rank]))
-                   for i, (name, _) in enumerate(per_rank[0])]
-        self._update(payload, LOADER, flush_cache=False)
+        self._update(_payload(per_rank), LOADER, flush_cache=False)
         self._attached = key
         self._token = torch.zeros(1, device="cuda")
 
@@ -152,6 +148,12 @@ class SGLangEngine:
         torch.cuda.synchronize()  # the engine reads what this process's streams wrote
         # A KV cache asleep was flushed when it was released; one awake holds prefixes of the old weights.
         self._update(apply_message(self._attached, self._token), LOADER, flush_cache=self._cache_awake)
+
+    def checksums(self, per_rank: list[list[tuple[str, bytes]]]) -> None:
+        """Every engine rank writes its parameters' checksums into the trainer tensor its rank sent
+        (``serialize_named(checksum_message(...))`` on each rank's process)."""
+        assert len(per_rank) == self.tensor_parallel
+        self._update(_payload(per_rank), LOADER, flush_cache=False)
 
     def detach(self) -> None:
         """Every engine rank closes its mappings of the trainer's tensors (until the next ``attach``)."""
@@ -191,11 +193,24 @@ def _failed_at_start(*_: object) -> None:
 
 def serialize_wire(copy: EngineCopy, key: str, num_sources: int) -> list[tuple[str, bytes]]:
     """This rank's part of an ``attach``: CUDA IPC handles of its trainer tensors, no data copied."""
+    return serialize_named(copy.to_wire(key, num_sources))
+
+
+def serialize_named(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
+    """This rank's part of a message to the engine's loader: CUDA IPC handles of its tensors."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()  # devices travel as UUIDs: engine processes see other device indices
-    return [(name, MultiprocessingSerializer.serialize(t)) for name, t in copy.to_wire(key, num_sources)]
+    return [(name, MultiprocessingSerializer.serialize(t)) for name, t in named]
+
+
+def _payload(per_rank: list[list[tuple[str, bytes]]]) -> list:
+    """One message from every engine rank's part: each name carries one serialized tensor per rank."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+    return [(name, LocalSerializedTensor(values=[rank[i][1] for rank in per_rank]))
+            for i, (name, _) in enumerate(per_rank[0])]
 
 
 def serialize_for_engine(named_tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:

@@ -5,7 +5,8 @@ For every model, trainer layout (TP, PP, DP over 4 ranks) and rollout TP R in {1
 HF weights into Megatron, refits into fresh engine tensors (filled with NaN so an unwritten byte
 shows), compares every engine tensor with an independent reference computed from the full HF
 tensors, doubles the trainer weights, refits again and checks the pool was reused; then the
-same in in-engine mode (this side sends and lands remote bytes, an EngineApplier copies the rest).
+same in in-engine mode (this side sends and lands remote bytes, an EngineApplier copies the rest), whose
+result the hand-over checksums (megarl.reshard.verify) must confirm, and whose corruption they must name.
 """
 
 import json
@@ -34,6 +35,7 @@ from megarl.parallel import (  # noqa: E402
 from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
 from megarl.reshard.handover import EngineApplier  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
+from megarl.reshard.verify import mismatched, tensor_checksum  # noqa: E402
 
 
 def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
@@ -114,8 +116,17 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
             t.fill_(float("nan"))
         EngineApplier(engine_side.engine_copy(), params).run()
         in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
+        # Verified hand-over: the engine's checksums against the trainer's (summed over the world), then one
+        # corrupted bit in one tensor of this rank's engine rank.
+        names = engine_side.dst_names
+        expected = engine_side.expected_checksums()
+        verified = torch.equal(torch.stack([tensor_checksum(params[n]) for n in names]), expected)
+        victim = params[names[rank % len(names)]]
+        victim.view(-1).view({2: torch.int16, 4: torch.int32}[victim.element_size()])[-1] ^= 1
+        caught = mismatched(names, expected, torch.stack([tensor_checksum(params[n]) for n in names]))
         results.append({"model": Path(model_dir).name, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "R": R,
                         "dtype": str(dtype), "in_engine": in_engine, "rank": rank, "exact": exact,
+                        "verified": verified, "corruption_caught": caught == [names[rank % len(names)]],
                         "second_refit": doubled, "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
                         "pool_bytes": resharder.pool_bytes})
     destroy_model_parallel()

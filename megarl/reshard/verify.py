@@ -1,0 +1,128 @@
+"""Verified hand-over (``rollout.verify_every``): after an update every engine rank checksums its parameters
+inside the engine, and the trainer compares them with checksums it computes from its own tensors and the plan.
+
+The checksum of a tensor: each element's bit pattern as an integer, weighted by a function of the element's
+flat position, summed modulo the prime 2^31 - 1, under two weightings (62 bits). The position weights catch
+rows, heads or columns in the wrong place, not only wrong values. Integer sums modulo a prime are exact and
+independent of order, so every trainer rank adds up the slices it sends (``planner.Transfer``) and one
+all-reduce totals them: no engine tensor is ever assembled on the trainer's side. This module also runs inside
+the engine process (megarl.reshard.handover): it imports torch only, and the planner's types for annotations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import HandoverMismatch
+
+if TYPE_CHECKING:
+    from megarl.reshard.planner import Plan, Transfer
+
+PRIME = 2**31 - 1
+MULTIPLIERS = (16807, 48271)
+"""Two position weightings, w(i) = (i * a mod PRIME) + 1."""
+CHUNK = 1 << 22
+"""Elements per step: bounds the temporaries (a few int64 tensors of this length)."""
+_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns as integers of the same size, flat."""
+    return t.detach().contiguous().view(-1).view(_INTEGER[t.element_size()])
+
+
+def _partial(bits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 [2]: sum over elements of (bits mod PRIME) * w(index), not yet reduced. Every product is below
+    2^62 and a sum of CHUNK of them, each reduced below 2^31, below 2^53: nothing overflows."""
+    values = torch.remainder(bits.to(torch.int64), PRIME)
+    return torch.stack([torch.remainder(values * (index % PRIME * a % PRIME + 1), PRIME).sum() for a in MULTIPLIERS])
+
+
+def _run(bits: torch.Tensor, first: int) -> torch.Tensor:
+    """Checksum part of a contiguous run of elements whose flat positions start at ``first``."""
+    total = torch.zeros(2, dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), CHUNK):
+        end = min(bits.numel(), start + CHUNK)
+        index = torch.arange(first + start, first + end, dtype=torch.int64, device=bits.device)
+        total = (total + _partial(bits[start:end], index)) % PRIME
+    return total
+
+
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+    """int64 [2], each in [0, PRIME): the checksum of a whole tensor."""
+    return _run(_bits(t), 0)
+
+
+def slice_checksum(src: torch.Tensor, t: Transfer, dst_shape: tuple[int, ...]) -> torch.Tensor:
+    """The part of the checksum of engine tensor ``t.dst_name`` (of ``dst_shape``) that transfer ``t`` writes,
+    computed from the trainer tensor ``src`` it reads."""
+    if t.dim == 0:
+        row = math.prod(dst_shape[1:])
+        return _run(_bits(src.narrow(0, t.src_offset, t.length)), t.dst_offset * row)
+    # A column slice of a matrix: positions r * columns + dst_offset + c.
+    rows, columns = src.shape[0], dst_shape[1]
+    per = max(1, CHUNK // t.length)
+    total = torch.zeros(2, dtype=torch.int64, device=src.device)
+    offsets = torch.arange(t.length, dtype=torch.int64, device=src.device) + t.dst_offset
+    for start in range(0, rows, per):
+        end = min(rows, start + per)
+        block = src[start:end, t.src_offset:t.src_offset + t.length]
+        index = (torch.arange(start, end, dtype=torch.int64, device=src.device)[:, None] * columns
+                 + offsets[None, :]).reshape(-1)
+        total = (total + _partial(_bits(block), index)) % PRIME
+    return total
+
+
+def engine_names(plan: Plan) -> list[list[str]]:
+    """Per GPU (global rank), the engine tensors the refit writes there, sorted: the order of
+    ``Resharder.dst_names`` on that rank, and of the engine's checksums."""
+    names: list[set[str]] = [set() for _ in range(plan.dims.world_size)]
+    for bucket in plan.buckets:
+        for t in bucket:
+            names[t.dst_rank].add(t.dst_name)
+    return [sorted(n) for n in names]
+
+
+def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
+                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """int64 [num names, 2]: the checksums this rank's engine rank must report, in ``engine_names(plan)[rank]``
+    order. Collective over the world (``group``): every rank adds the slices it sends."""
+    per_gpu = engine_names(plan)
+    row: dict[tuple[int, str], int] = {}
+    for g, names in enumerate(per_gpu):
+        base = len(row)
+        row |= {(g, n): base + i for i, n in enumerate(names)}
+    device = next(iter(src.values())).device
+    partial = torch.zeros(len(row), 2, dtype=torch.int64, device=device)
+    for bucket in plan.buckets:
+        for t in bucket:
+            if t.src_rank == rank:
+                shape = plan.dst_shapes[plan.engine_rank(t.dst_rank)][t.dst_name]
+                k = row[t.dst_rank, t.dst_name]
+                partial[k] = (partial[k] + slice_checksum(src[t.src_name], t, shape)) % PRIME
+    if dist.is_initialized() and plan.dims.world_size > 1:
+        dist.all_reduce(partial, group=group)  # world_size * PRIME stays far below 2^63
+    first = row[rank, per_gpu[rank][0]] if per_gpu[rank] else 0
+    return partial[first:first + len(per_gpu[rank])] % PRIME
+
+
+def mismatched(names: list[str], expected: torch.Tensor, reported: torch.Tensor) -> list[str]:
+    """The tensors whose reported checksum differs from the expected one."""
+    differ = (expected.cpu() != reported.cpu()).any(dim=1).tolist()
+    return [n for n, bad in zip(names, differ, strict=True) if bad]
+
+
+def check_reports(handover: int, mismatched_per_gpu: list[list[str]]) -> None:
+    """Raise HandoverMismatch naming every GPU's mismatched tensors (``mismatched`` on each, in rank order)."""
+    failed = [f"GPU {g}: {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+              for g, names in enumerate(mismatched_per_gpu) if names]
+    if failed:
+        raise HandoverMismatch(
+            f"hand-over {handover}: the engine's parameters differ from the actor's weights (by checksum, "
+            f"rollout.verify_every) on {'; '.join(failed)}. Training stopped before the engine generated with "
+            "them; the last complete checkpoint is intact. This is a bug in megarl's hand-over or in the engine: "
+            "please report it with this message (rollout.verify_every: 0 skips the check).")
