@@ -136,10 +136,11 @@ class RLTrainer:
         return {"offload_seconds": seconds}
 
     def _hold(self, phase: str) -> None:
-        """Keep on the device only what ``phase`` uses (megarl.offload); what leaves goes back to the driver,
-        not to torch's cache, where a colocated engine could not allocate it."""
+        """Keep on the device only what ``phase`` uses (megarl.offload). Before the phases in which the engine
+        takes memory (its weights wake for the hand-over, its KV cache for generation), what left and what the
+        last phase cached go back to the driver: in torch's cache a colocated engine could not allocate them."""
         self.residency.hold(PHASE_NEEDS[phase])
-        if phase == "generate" and torch.cuda.is_available():
+        if phase in ("handover", "generate") and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # blocks the engine mapped until its detach
             torch.cuda.empty_cache()
 
@@ -170,7 +171,8 @@ class RLTrainer:
                 self.engine.detach()
                 self._attached = False
             self.resharder.release()
-            self._hold("generate")
+        if self._weights_leave or self._engine_state == "weights":
+            self._hold("generate")  # also with the actor's weights kept: the update's cached memory must go
         if self._engine_state == "weights":
             self.engine.wake("cache")
         self._engine_state = "awake"

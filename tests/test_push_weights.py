@@ -1,0 +1,51 @@
+"""The order of a hand-over on the trainer's side (RLTrainer.push_weights), with the engine, resharder and
+offloading recorded: the engine only ever wakes into memory the trainer has given back to the driver, and the
+actor's weights leave only after the engine let go of them."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.trainer import RLTrainer
+
+
+class Recorder:
+    def __init__(self, events, name, copies_in_engine=True):
+        self.events, self.name, self.copies_in_engine = events, name, copies_in_engine
+
+    def __getattr__(self, method):
+        def call(*args, **kwargs):
+            self.events.append(f"{self.name}.{method}" + (f"({args[0]})" if args and isinstance(args[0], str) else ""))
+        return call
+
+
+def trainer_at_step(events, weights_leave):
+    """A trainer after a training step: engine asleep, nothing attached."""
+    t = object.__new__(RLTrainer)
+    t.cfg = SimpleNamespace(rollout=SimpleNamespace(verify_every=0))
+    t._engine_state, t._attached, t._weights_leave, t._num_handovers = "asleep", False, weights_leave, 1
+    t.engine, t.resharder = Recorder(events, "engine"), Recorder(events, "resharder")
+    t.engine_tensors = None
+    t.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
+    return t
+
+
+@pytest.mark.parametrize("weights_leave", [True, False])
+def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch, weights_leave):
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    t = trainer_at_step(events, weights_leave)
+    t.push_weights()
+    assert t._engine_state == "awake"
+    wakes = [i for i, e in enumerate(events) if e.startswith("engine.wake")]
+    assert [events[i] for i in wakes] == ["engine.wake(weights)", "engine.wake(cache)"]
+    for i in wakes:  # the last thing before every wake: the trainer's freed and cached memory went back
+        assert events[i - 1] == "empty_cache", events
+    assert events.index("engine.attach") < events.index("resharder.refit") < events.index("engine.deliver")
+    if weights_leave:  # the engine drops its mappings and the resharder its buffers before the weights leave
+        assert events.index("engine.detach") < events.index("resharder.release") < wakes[1] - 2
+    else:
+        assert "engine.detach" not in events and "resharder.release" not in events
