@@ -49,7 +49,8 @@ def trainer_tensors(plan, phase: str) -> float:
     ("grpo_tp2_auto", 32, 2, "recipes/tiny_cpu_grpo.yaml", "auto", False),
     ("ppo_tp2", 32, 2, "recipes/tiny_cpu_ppo.yaml", "0.6", False),
     ("ppo_tp2_auto", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto", False),
-    ("ppo_tp2_overlap", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto", False)])
+    ("ppo_tp2_overlap", 32, 2, "recipes/tiny_cpu_ppo.yaml", "auto", False),
+    ("grpo_tp1_weights", 16, 1, "recipes/tiny_cpu_grpo.yaml", "auto", True)])
 def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, tp, recipe, fraction, weights_leave):
     """benchmarks/colocation_session.sh on one H200 (Llama-3-8B's body with fewer layers) and on two
     (the whole body, TP2 trainer, one engine per GPU): the tiny recipes' settings, SGLang at the
@@ -61,7 +62,8 @@ def test_plan_matches_the_peaks_measured_on_an_h200(tmp_path, run, layers, tp, r
                        f"rollout.gpu_memory_fraction={fraction}", f"actor.offload_weights={weights_leave}")
     # The trainer's own tensors at their peak, within 10%: the model state plus the optimizer step's scratch.
     assert trainer_tensors(plan, "actor_update") == pytest.approx(last["memory/update_trainer_gib"], rel=0.1)
-    assert trainer_tensors(plan, "generate") == pytest.approx(last["memory/generate_trainer_gib"], rel=0.1)
+    # (0.06 GiB measured where the plan has nothing: the actor's weights away, what is left is scratch.)
+    assert trainer_tensors(plan, "generate") == pytest.approx(last["memory/generate_trainer_gib"], rel=0.1, abs=0.1)
     # The whole GPU, engine and overheads included, within 10%.
     assert plan.total("actor_update") / GIB == pytest.approx(last["memory/update_device_gib"], rel=0.1)
     assert plan.total("generate") / GIB == pytest.approx(last["memory/reshard_device_gib"], rel=0.1)
