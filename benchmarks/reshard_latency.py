@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--plan-only", type=int, metavar="WORLD", help="print the plan for WORLD GPUs and exit")
     p.add_argument("--verify", action="store_true",
-                   help="also time the hand-over check (rollout.verify_every): the trainer's and the engine's checksums")
+                   help="also time the hand-over check (rollout.verify_every): trainer and engine checksums")
     p.add_argument("--dump", help="write each rollout rank's engine tensors to DIR/rank{g}.safetensors")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG plot of the results")

@@ -121,10 +121,8 @@ def tiny_checks(work: Path, result: dict) -> None:
 
 
 def attach(engine, resharder) -> None:
-    from megarl.rollout.sglang import serialize_wire
-
     copy = resharder.engine_copy()
-    engine.attach([serialize_wire(copy, "bench", len(copy.sources))], "bench")
+    engine.attach([engine.package(copy.to_wire("bench", len(copy.sources)))], "bench")
 
 
 def divergence_margins(model_dir: Path, prompts: list[list[int]], got: list[list[int]], ref: list[list[int]]

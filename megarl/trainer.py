@@ -100,10 +100,11 @@ class RLTrainer:
         if groups.rank == 0:
             print(f"megarl: hand-over plan: {describe_plan(plan, predict=torch.cuda.is_available())}", flush=True)
         group = engine_group(groups.rank, plan.engines())
-        in_engine = engine_class(cfg).copies_in_engine
+        kind = engine_class(cfg)
+        in_engine = kind.copies_in_engine
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
             engine = make_engine(cfg, group.index, group.devices()) if group.driver else None
-        self.engine = GroupEngine(group, engine, in_engine, timeout_s=cfg.rollout.timeout_minutes * 60)
+        self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
         if self._weights_leave:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
         self._hold("handover")

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -127,16 +127,35 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-class InEngineCopy(Protocol):
-    """Engines that copy the trainer's tensors into their own parameters (megarl.reshard.handover)."""
+class EngineKind(Protocol):
+    """An engine class as every rank of its group uses it for a hand-over, whether it drives the engine or
+    not: the engine group (megarl.rollout.group) calls nothing else of an engine's module."""
 
-    def attach(self, per_rank: list[list[tuple[str, bytes]]], key: str) -> None: ...
+    copies_in_engine: bool
+
+    @staticmethod
+    def package(named: list[tuple[str, torch.Tensor]]) -> Any:
+        """This rank's part of a message to the engine, which the driver gathers and passes on: CUDA IPC
+        handles for an ``InEngineCopy`` engine, a file of engine-layout tensors for a ``FileLoading`` one."""
+
+
+class InEngineCopy(Protocol):
+    """Engines that copy the trainer's tensors into their own parameters (megarl.reshard.handover); every
+    ``per_rank`` holds each engine rank's ``package``d part."""
+
+    def attach(self, per_rank: list[Any], key: str) -> None: ...
 
     def apply(self) -> None: ...
 
     def detach(self) -> None: ...
 
-    def checksums(self, per_rank: list[list[tuple[str, bytes]]]) -> None: ...
+    def checksums(self, per_rank: list[Any]) -> None: ...
+
+
+class FileLoading(Protocol):
+    """Engines that load each engine rank's ``package``d file of engine-layout tensors."""
+
+    def load_files(self, paths: Sequence[str]) -> None: ...
 
 
 def visible_devices_env(devices: list[int] | None) -> dict[str, str]:

@@ -3,14 +3,14 @@
 The resharding plan chooses which ranks form each engine and which engine rank each holds
 (megarl.reshard.planner.place_engines: the most bytes already local, engines inside a node); an engine
 runs on its ranks' GPUs. Its engine rank 0, the driver, starts and drives it; every rank of the group
-hands over its own engine rank's weights. Objects (file paths, IPC handles) travel
-over a gloo group of the R ranks, so none of that touches the GPUs.
+hands over its own engine rank's weights, packaged by the engine's class (``EngineKind.package``: IPC
+handles, or a file) without importing any engine module. Those objects travel over a gloo group of the R
+ranks, so none of that touches the GPUs.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,8 +18,16 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megarl.reshard.handover import EngineCopy
-from megarl.rollout.base import Completion, InEngineCopy, RolloutEngine, SamplingParams, Wake
+from megarl.reshard.handover import EngineCopy, checksum_message
+from megarl.rollout.base import (
+    Completion,
+    EngineKind,
+    FileLoading,
+    InEngineCopy,
+    RolloutEngine,
+    SamplingParams,
+    Wake,
+)
 from megarl.rollout.failures import engine_call
 
 
@@ -95,10 +103,12 @@ class GroupEngine:
     """One group's engine as every rank of the group sees it: the driver runs the engine; every rank
     hands over its own engine rank's weights (``attach``/``deliver``)."""
 
-    def __init__(self, group: EngineGroup, engine: RolloutEngine | None, copies_in_engine: bool,
+    def __init__(self, group: EngineGroup, engine: RolloutEngine | None, kind: EngineKind,
                  timeout_s: float = 1800.0) -> None:
+        """``kind``: the engine's class (every rank packages its part of a hand-over with it)."""
         assert (engine is not None) == group.driver
-        self.group, self.engine, self.copies_in_engine = group, engine, copies_in_engine
+        self.group, self.engine, self.kind = group, engine, kind
+        self.copies_in_engine = kind.copies_in_engine
         self.timeout_s = timeout_s
 
     def _call(self, phase: str) -> AbstractContextManager[None]:
@@ -106,10 +116,8 @@ class GroupEngine:
 
     def attach(self, copy: EngineCopy, key: str = "actor") -> None:
         """In-engine hand-over: give the engine this rank's trainer tensors and copy, once."""
-        from megarl.rollout.sglang import serialize_wire
-
         num_sources = max(self.group.all_gather(len(copy.sources)))  # every rank sends as many names
-        wires = self.group.gather(serialize_wire(copy, key, num_sources))
+        wires = self.group.gather(self.kind.package(copy.to_wire(key, num_sources)))
         if self.engine is not None:
             assert wires is not None
             with self._call("attach"):
@@ -119,12 +127,9 @@ class GroupEngine:
     def checksums(self, num_tensors: int, key: str = "actor") -> torch.Tensor:
         """In-engine hand-over: this rank's engine rank's checksums of the ``num_tensors`` parameters it writes
         (int64 [num_tensors, 2], megarl.reshard.verify), computed inside the engine."""
-        from megarl.reshard.handover import checksum_message
-        from megarl.rollout.sglang import serialize_named
-
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         result = torch.full((num_tensors, 2), -1, dtype=torch.int64, device=device)
-        wires = self.group.gather(serialize_named(checksum_message(key, result)))
+        wires = self.group.gather(self.kind.package(checksum_message(key, result)))
         if self.engine is not None:
             assert wires is not None
             with self._call("verification"):
@@ -144,18 +149,17 @@ class GroupEngine:
                     cast(InEngineCopy, self.engine).apply()
             self.group.barrier()  # nobody changes a tensor the engine still reads
             return
-        from megarl.rollout.vllm import SHM, VLLMEngine, write_engine_file
-
         assert engine_tensors is not None
-        with tempfile.TemporaryDirectory(dir=SHM, prefix="megarl-weights-") as tmp:
-            path = os.path.join(tmp, "engine.safetensors")
-            write_engine_file(engine_tensors, path)
+        path = self.kind.package(list(engine_tensors.items()))
+        try:
             paths = self.group.gather(path)
             if self.engine is not None:
                 assert paths is not None
                 with self._call("hand-over"):
-                    cast(VLLMEngine, self.engine).load_files(paths)
-            self.group.barrier()  # files are read before their directories go
+                    cast(FileLoading, self.engine).load_files(paths)
+            self.group.barrier()  # every file is read before it goes
+        finally:
+            os.remove(path)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.engine is None or not prompts:

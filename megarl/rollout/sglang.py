@@ -34,7 +34,7 @@ import torch
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
-from megarl.reshard.handover import EngineCopy, apply_message, detach_message
+from megarl.reshard.handover import apply_message, detach_message
 from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch
@@ -100,6 +100,16 @@ class SGLangEngine:
         self._token: torch.Tensor | None = None
         self._cache_awake = True
 
+    @staticmethod
+    def package(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
+        """This rank's part of a message to megarl's loader in the engine (``EngineCopy.to_wire``,
+        ``checksum_message``): CUDA IPC handles of its tensors, no data copied."""
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # devices travel as UUIDs: engine processes see other device indices
+        return [(name, MultiprocessingSerializer.serialize(t)) for name, t in named]
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, params, self.max_model_len, self.vocab_size)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -135,7 +145,7 @@ class SGLangEngine:
         self._update(payload, "direct", flush_cache=True)
 
     def attach(self, per_rank: list[list[tuple[str, bytes]]], key: str) -> None:
-        """Hand every engine rank its trainer tensors and copy (``serialize_wire`` on each rank's process);
+        """Hand every engine rank its trainer tensors and copy (``package(copy.to_wire(...))`` on each rank's process);
         they must stay allocated at the same addresses until the next ``attach`` under ``key``."""
         assert len(per_rank) == self.tensor_parallel
         self._update(_payload(per_rank), LOADER, flush_cache=False)
@@ -151,7 +161,7 @@ class SGLangEngine:
 
     def checksums(self, per_rank: list[list[tuple[str, bytes]]]) -> None:
         """Every engine rank writes its parameters' checksums into the trainer tensor its rank sent
-        (``serialize_named(checksum_message(...))`` on each rank's process)."""
+        (``package(checksum_message(...))`` on each rank's process)."""
         assert len(per_rank) == self.tensor_parallel
         self._update(_payload(per_rank), LOADER, flush_cache=False)
 
@@ -189,20 +199,6 @@ class SGLangEngine:
 def _failed_at_start(*_: object) -> None:
     """SIGQUIT while the engine starts: raised in the constructor's ``sglang.Engine`` call."""
     raise RuntimeError("an SGLang engine process failed while the engine started (it signalled SIGQUIT)")
-
-
-def serialize_wire(copy: EngineCopy, key: str, num_sources: int) -> list[tuple[str, bytes]]:
-    """This rank's part of an ``attach``: CUDA IPC handles of its trainer tensors, no data copied."""
-    return serialize_named(copy.to_wire(key, num_sources))
-
-
-def serialize_named(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
-    """This rank's part of a message to the engine's loader: CUDA IPC handles of its tensors."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()  # devices travel as UUIDs: engine processes see other device indices
-    return [(name, MultiprocessingSerializer.serialize(t)) for name, t in named]
 
 
 def _payload(per_rank: list[list[tuple[str, bytes]]]) -> list:

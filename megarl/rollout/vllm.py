@@ -204,6 +204,15 @@ class VLLMEngine:
                 write_engine_file(tensors, path)
             self.load_files(paths)
 
+    @staticmethod
+    def package(named: list[tuple[str, torch.Tensor]]) -> str:
+        """This rank's engine-layout tensors as a safetensors file in shared memory, for ``load_files``: its
+        path (the caller removes it once the engine has read it)."""
+        fd, path = tempfile.mkstemp(dir=SHM, prefix="megarl-weights-", suffix=".safetensors")
+        os.close(fd)
+        write_engine_file(dict(named), path)
+        return path
+
     def load_files(self, paths: Sequence[str]) -> None:
         """Load one safetensors file of engine-layout tensors per engine rank (``write_engine_file``; the
         files may come from other processes), then drop the prefix cache computed with the old weights."""
