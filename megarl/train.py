@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megarl/train.py", description=__doc__)
     parser.add_argument("--config", required=True, help="recipe YAML (see README: Configuration)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    parser.add_argument("--profile", type=int, metavar="STEP",
+                        help="write a torch profiler trace of step STEP (profile_stepSTEP_rankR.json in the run dir)")
     return parser.parse_args(argv)
 
 
@@ -30,53 +32,56 @@ def main(argv: list[str] | None = None) -> None:
     cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
     from megarl import checkpoint
     from megarl.algos.correction import rollout_correction_weights
+    from megarl.profiling import check_profile_step, profiled, trace_path
     from megarl.rl_step import advantages_and_returns, check_drift, logprob_drift
 
     algo = cfg.algorithm
+    check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
     for step in range(tracker.start_step, cfg.trainer.num_steps):
-        with tracker.phase("generate"):  # sample responses with the current policy and score them
-            batch, sampling = trainer.generate(lambda: next(loader), decode, step)
-        with tracker.phase("score"):  # old logprobs: the trainer's view of the sampled tokens
-            old = trainer.score(batch, trainer.actor)
-        with tracker.phase("reference"):
-            ref = trainer.score(batch, trainer.reference)
-        with tracker.phase("critic"):  # values here, plus the critic's update below
-            values = trainer.score(batch, trainer.critic)
-        drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
-        check_drift(drift, cfg.rollout.logprob_diff_max, step)
-        advantages, returns, kl_metrics = advantages_and_returns(
-            batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
-            cfg.rollout.max_new_tokens)
-        extras = {"old_logprobs": old, "advantages": advantages}
-        if ref is not None:
-            extras["ref_logprobs"] = ref
-        # Truncated importance weights pi_old / pi_rollout: the engine's sampler is not the trainer's.
-        is_weights, correction = rollout_correction_weights(
-            old, batch.rollout_logprobs, batch.mask, algo.rollout_correction, algo.rollout_correction_cap)
-        if algo.rollout_correction != "none":
-            extras["is_weights"] = is_weights
-        with tracker.phase("update"):  # clipped policy updates, epochs x mini-batches
-            metrics = trainer.update_actor(batch, extras, step)
-        with tracker.phase("critic"):
-            if values is not None and returns is not None:
-                metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
-        if "kl" in kl_metrics:
-            trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
-        every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
-        stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
-        if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
-            state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
-            checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
-                            prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
-        if not (stop or last):
-            with tracker.phase("reshard"):  # new weights into the engine's layout, in place
-                trainer.push_weights()
-        correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
-        tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.offload_metrics()
-                    | {"kl_coef": trainer.kl.value})
-        if stop:
-            checkpoint.acknowledge_stop(cfg.checkpoint, step)
-            break
+        with profiled(step == args.profile, trace_path(tracker.out_dir, step, trainer.groups.rank)):
+            with tracker.phase("generate"):  # sample responses with the current policy and score them
+                batch, sampling = trainer.generate(lambda: next(loader), decode, step)
+            with tracker.phase("score"):  # old logprobs: the trainer's view of the sampled tokens
+                old = trainer.score(batch, trainer.actor)
+            with tracker.phase("reference"):
+                ref = trainer.score(batch, trainer.reference)
+            with tracker.phase("critic"):  # values here, plus the critic's update below
+                values = trainer.score(batch, trainer.critic)
+            drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
+            check_drift(drift, cfg.rollout.logprob_diff_max, step)
+            advantages, returns, kl_metrics = advantages_and_returns(
+                batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
+                cfg.rollout.max_new_tokens)
+            extras = {"old_logprobs": old, "advantages": advantages}
+            if ref is not None:
+                extras["ref_logprobs"] = ref
+            # Truncated importance weights pi_old / pi_rollout: the engine's sampler is not the trainer's.
+            is_weights, correction = rollout_correction_weights(
+                old, batch.rollout_logprobs, batch.mask, algo.rollout_correction, algo.rollout_correction_cap)
+            if algo.rollout_correction != "none":
+                extras["is_weights"] = is_weights
+            with tracker.phase("update"):  # clipped policy updates, epochs x mini-batches
+                metrics = trainer.update_actor(batch, extras, step)
+            with tracker.phase("critic"):
+                if values is not None and returns is not None:
+                    metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
+            if "kl" in kl_metrics:
+                trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
+            every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
+            stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
+            if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
+                state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
+                checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
+                                prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
+            if not (stop or last):
+                with tracker.phase("reshard"):  # new weights into the engine's layout, in place
+                    trainer.push_weights()
+            correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
+            tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.offload_metrics()
+                        | {"kl_coef": trainer.kl.value})
+            if stop:
+                checkpoint.acknowledge_stop(cfg.checkpoint, step)
+                break
     tracker.close()
     trainer.close()
     from megarl.parallel import shutdown_distributed

