@@ -5,7 +5,9 @@ Trainer tensors come from the model's shape and the layout: bf16/fp16 weights (2
 fp32 gradient buffer (4 B), Adam's fp32 master weights and two moments (12 B, 8 B in fp32 training,
 divided over data-parallel ranks with the distributed optimizer); activations of one micro-batch after
 Korthikanti et al. 2022 (34 B per token and hidden unit per layer with sequence parallelism, plus the
-5 * heads * width^2 attention scores per row without Transformer Engine's flash attention; with
+5 * heads * width^2 attention scores per row without Transformer Engine's flash attention, an upper
+bound since the local spec's attention is torch's fused SDPA (megarl.models.attention), not yet measured
+on a GPU; with
 recomputation only each layer's input is kept); logits of one micro-batch with the float32 copies
 that log-probabilities and entropy need. What megarl.offload moves away in a phase is not counted in it.
 

@@ -17,9 +17,9 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     """[b, s] segment ids -> [b, 1, s, s] bool attention mask, True = masked out.
 
     A token attends to itself and the earlier tokens of its own segment only, so sequences packed
-    into one row do not see each other. Megatron's local DotProductAttention applies this mask as
-    given (masked_fill with -10000, whose softmax weight underflows to exactly 0). Its memory,
-    b * s^2 bytes, is a quarter of one head's float32 attention scores, which that path materialises anyway.
+    into one row do not see each other (every token sees at least itself: no row is all masked). The local
+    spec's fused attention (megarl.models.attention) passes it to SDPA; Transformer Engine's takes it too.
+    Its memory is b * s^2 bytes per micro-batch, shared by every layer and head.
     """
     s = segments.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()

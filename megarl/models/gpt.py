@@ -120,8 +120,13 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
     )
 
     config = transformer_config(spec, groups, opts)
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm) if opts.transformer_engine
-                  else get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm))
+    if opts.transformer_engine:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    else:
+        from megarl.models.attention import FusedCoreAttention
+
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+        layer_spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     num_chunks = groups.dims.vpp or 1
     chunks: list[torch.nn.Module] = []
     for vp in range(num_chunks):

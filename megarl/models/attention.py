@@ -1,0 +1,58 @@
+"""Core attention of megarl's local (non-Transformer-Engine) layer spec: torch's fused attention (SDPA).
+
+Megatron's local ``DotProductAttention`` materialises every head's [s, s] score matrix in float32, masks,
+softmaxes and multiplies again: memory and time quadratic in the row length, on every GPU without TE. SDPA
+picks a fused kernel (flash, cuDNN or memory-efficient attention on GPUs, a fused CPU kernel elsewhere)
+with the same mathematics: softmax(q k^T * scale + mask) v, grouped-query heads shared without copies.
+Rows of one sequence use the causal flag; rows of packed sequences (megarl.models.forward's block-causal
+mask, True = masked out) pass the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class FusedCoreAttention(MegatronModule):
+    """Drop-in for ``DotProductAttention`` (same constructor and forward; no context parallelism, no
+    attention bias, no packed-sequence params: rows are packed through the mask)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        super().__init__(config=config)
+        assert config.context_parallel_size == 1, "context parallelism needs Transformer Engine's attention"
+        self.attn_mask_type = attn_mask_type
+        head_dim = config.kv_channels
+        assert head_dim is not None
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= max(1, layer_number)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        """query [s, b, heads, d], key and value [s, b, kv heads, d] (this TP rank's heads); attention_mask
+        None (causal) or bool [b, 1, s, s], True = masked out. Returns [s, b, heads * d]."""
+        assert attention_bias is None and packed_seq_params is None, "not supported without Transformer Engine"
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        dropout = self.dropout if self.training else 0.0
+        forked = dropout and not self.config.sequence_parallel  # as Megatron's: dropout streams per TP rank
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout,
+                is_causal=causal, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+

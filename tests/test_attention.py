@@ -1,0 +1,50 @@
+"""The local spec's fused core attention (megarl.models.attention) against attention written out in float64:
+causal rows, packed rows under a block-causal mask, grouped-query heads."""
+
+import pytest
+import torch
+
+from megarl.models.forward import block_causal_mask
+
+
+def reference(q, k, v, mask, scale):
+    """[s, b, h, d] inputs; mask None (causal) or [b, 1, s, s] True = masked out. Returns [s, b, h * d]."""
+    s, b, h, d = q.shape
+    group = h // k.shape[2]
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is None:
+        mask = ~torch.ones(s, s, dtype=torch.bool).tril()
+    scores = scores.masked_fill(mask, float("-inf"))
+    return (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+@pytest.fixture(scope="module")
+def attention():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.models.attention import FusedCoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0)
+    return FusedCoreAttention(config, 1, AttnMaskType.causal, "self")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_attention_equals_attention_written_out(attention, packed):
+    torch.manual_seed(0)
+    s, b = 12, 3
+    q = torch.randn(s, b, 4, 16)
+    k, v = torch.randn(s, b, 2, 16), torch.randn(s, b, 2, 16)
+    # Three rows: one sequence, two packed, three packed then padding (a segment of its own).
+    segments = torch.tensor([[0] * 12, [0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 2 + [3] * 3])
+    mask = block_causal_mask(segments) if packed else None
+    got = attention(q, k, v, mask)
+    want = reference(q, k, v, mask, 16 ** -0.5)
+    assert got.shape == (s, b, 64)
+    assert (got.double() - want).abs().max() < 1e-5
+    if packed:  # the packed row's second sequence equals that sequence alone in its own row
+        alone = attention(q[5:, 1:2], k[5:, 1:2], v[5:, 1:2], None)
+        assert (alone - got[5:, 1:2]).abs().max() < 1e-5
