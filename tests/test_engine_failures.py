@@ -54,3 +54,11 @@ def test_calls_without_a_signal_are_untouched(loop):
         assert loop.run_until_complete(asyncio.sleep(0, result=7)) == 7
     with pytest.raises(ValueError, match="engine's own"), watch.alive():
         raise ValueError("the engine's own error passes through")
+
+
+def test_without_a_loop_to_watch_calls_pass_through_with_a_warning(capsys):
+    watch = ChildWatch(None, EngineLog(), "an SGLang engine process")
+    assert "found no event loop" in capsys.readouterr().out
+    with watch.alive():
+        pass
+    assert not watch.failed

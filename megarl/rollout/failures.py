@@ -82,10 +82,15 @@ class ChildWatch:
     torchrun's ChildFailedError). The signal instead stops the engine's event loop in this process, which
     ends the engine call waiting on it, and ``alive`` raises, naming the engine log's root cause."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, log: EngineLog, what: str) -> None:
-        """``loop``: the event loop the engine's calls run on; ``what``: the failing process, for the message."""
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str) -> None:
+        """``loop``: the event loop the engine's calls run on (None where an engine version has none to find:
+        then a failure is still caught, by the engine call's deadline); ``what``: the failing process."""
         self.failed = False
         self.log, self.what = log, what
+        if loop is None:
+            print(f"megarl: warning: found no event loop to watch {what} on; if it fails, the run ends at the "
+                  "engine call's deadline (rollout.timeout_minutes) or by the engine's own SIGKILL", flush=True)
+            return
         loop.add_signal_handler(signal.SIGQUIT, self._signalled, loop)
 
     def _signalled(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -92,7 +92,8 @@ class SGLangEngine:
         # request also creates the loop the engine's calls run on, and SGLang puts its SIGQUIT handler on it
         # (a loop made before it would not be the engine's: its calls would hang): the watch replaces it.
         tokens = self.engine.get_server_info().get("max_total_num_tokens")
-        self._watch = ChildWatch(self.engine.tokenizer_manager.event_loop, engine_log, "an SGLang engine process")
+        loop = getattr(getattr(self.engine, "tokenizer_manager", None), "event_loop", None)
+        self._watch = ChildWatch(loop, engine_log, "an SGLang engine process")
         print(f"megarl: SGLang engine on devices {devices}: KV cache of {tokens} tokens "
               f"(mem_fraction_static {gpu_memory_fraction})", flush=True)
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
