@@ -174,8 +174,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         return parts
 
     # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
-    # engine bytes other GPUs hold; vLLM gets whole engine-layout tensors. The staging and landing buffers
-    # leave with the actor's weights (actor.offload_weights); vLLM's engine-layout tensors stay.
+    # engine bytes other GPUs hold; vLLM gets whole engine-layout tensors. All of them go during generation
+    # with the actor's weights (actor.offload_weights).
     model = spec.num_params() * dtype
     engine_rank = model // cfg.rollout.tensor_parallel
     if cfg.rollout.engine == "sglang":
@@ -185,7 +185,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing else 0  # staging for bytes that cross GPUs
     def buffers(phase: str) -> dict[str, int]:
         if phase == "generate" and cfg.actor.offload_weights:
-            return {} if cfg.rollout.engine == "sglang" else {"hand-over buffers": landing}
+            return {}
         return {"hand-over buffers": landing + pool}
 
     def with_overhead(parts: dict[str, int], phase: str = "") -> dict[str, int]:

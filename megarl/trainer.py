@@ -109,11 +109,15 @@ class RLTrainer:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
         self._hold("handover")
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
-        self.engine_tensors = (None if in_engine else
-                               engine_tensor_allocations(plan, groups.rank, DTYPES[cfg.model.dtype], groups.device))
+        self._plan = plan
+        self.engine_tensors = None if in_engine else self._allocate_engine_tensors()
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
                                    in_engine=in_engine)
         self.push_weights()
+
+    def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:
+        return engine_tensor_allocations(self._plan, self.groups.rank, DTYPES[self.cfg.model.dtype],
+                                         self.groups.device)
 
     def close(self) -> None:
         """Stop the engine before this process ends: its processes still map the actor's memory."""
@@ -161,6 +165,8 @@ class RLTrainer:
         if self.engine.copies_in_engine and not self._attached:
             self.engine.attach(self.resharder.engine_copy())  # the actor's tensors where they are now
             self._attached = True
+        if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
+            self.engine_tensors.update(self._allocate_engine_tensors())
         self.resharder.refit()
         self.engine.deliver(self.engine_tensors)
         every = self.cfg.rollout.verify_every
@@ -172,6 +178,8 @@ class RLTrainer:
                 self.engine.detach()
                 self._attached = False
             self.resharder.release()
+            if self.engine_tensors is not None:
+                self.engine_tensors.clear()  # the engine has loaded them: no copy of the weights stays
         if self._weights_leave or self._engine_state == "weights":
             self._hold("generate")  # also with the actor's weights kept: the update's cached memory must go
         if self._engine_state == "weights":

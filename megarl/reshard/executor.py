@@ -85,7 +85,8 @@ class Resharder:
     ``src`` maps canonical Megatron names to this rank's trainer parameters; ``dst`` maps engine
     names to this rank's engine parameters (the engine's own tensors, written in place). Both stay
     at the addresses they had at the last ``bind`` (the constructor binds) until ``release``; after it,
-    their storages may move (offloaded and brought back), and the next refit binds again. With
+    their storages may move (offloaded and brought back) and ``dst``'s tensors may be replaced in the same
+    dict (freed during rollout, allocated again), and the next refit binds again. With
     ``in_engine`` there is no ``dst``: the engine rank writes its parameters itself from ``engine_copy()``.
     """
 
@@ -156,8 +157,6 @@ class Resharder:
         self.buckets: list[_Bucket] = []
         self.bound = False
         self.bind()
-        if dst is not None:
-            _zero_padding(dst, padding_rows(plan, rank))
         cuda = self.device.type == "cuda"
         self._streams = [torch.cuda.Stream(self.device) for _ in range(3)] if cuda else None
 
@@ -174,6 +173,8 @@ class Resharder:
             self.landing = torch.empty(self._landing_bytes, dtype=torch.uint8, device=self.device)
         self._src = [self._src_dict[n] for n in self.src_names]
         self._dst = [self._dst_dict[n] for n in self.dst_names] if self._dst_dict is not None else []
+        if self._dst_dict is not None:  # (maybe new) engine tensors: their vocab padding is never sent
+            _zero_padding(self._dst_dict, padding_rows(self.plan, self.rank))
 
         def compiled(table: torch.Tensor | None, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> Any:
             return None if table is None else ext.SegmentCopy(srcs, dsts, table)
