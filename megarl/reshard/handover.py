@@ -105,8 +105,7 @@ class EngineApplier:
         self.sources = copy.sources  # holds the IPC mappings open
         self.params = [params[n] for n in copy.dst_names]
         self.zero = [(params[n], start) for n, start in copy.zero_rows.items()]
-        self.copy: SegmentCopy = make_segment_copy(copy.sources, [params[n].data for n in copy.dst_names],
-                                                   copy.table)
+        self.copy: SegmentCopy = make_segment_copy(copy.sources, [p.data for p in self.params], copy.table)
 
     @torch.no_grad()
     def run(self) -> None:
@@ -116,7 +115,6 @@ class EngineApplier:
         self.copy.run()
         if self.copy.total_bytes and self.sources and self.sources[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # the trainer may change its tensors once we return
-
 
     @torch.no_grad()
     def checksums(self, result: torch.Tensor) -> None:

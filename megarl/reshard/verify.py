@@ -6,7 +6,8 @@ flat position, summed modulo the prime 2^31 - 1, under two weightings (62 bits).
 rows, heads or columns in the wrong place, not only wrong values. Integer sums modulo a prime are exact and
 independent of order, so every trainer rank adds up the slices it sends (``planner.Transfer``) and one
 all-reduce totals them: no engine tensor is ever assembled on the trainer's side. This module also runs inside
-the engine process (megarl.reshard.handover): it imports torch only, and the planner's types for annotations.
+the engine process (megarl.reshard.handover): it imports torch and megarl.errors only (the planner's types
+for annotations).
 """
 
 from __future__ import annotations

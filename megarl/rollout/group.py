@@ -108,8 +108,11 @@ class GroupEngine:
         """``kind``: the engine's class (every rank packages its part of a hand-over with it)."""
         assert (engine is not None) == group.driver
         self.group, self.engine, self.kind = group, engine, kind
-        self.copies_in_engine = kind.copies_in_engine
         self.timeout_s = timeout_s
+
+    @property
+    def copies_in_engine(self) -> bool:
+        return self.kind.copies_in_engine
 
     def _call(self, phase: str) -> AbstractContextManager[None]:
         return engine_call(phase, self.timeout_s)

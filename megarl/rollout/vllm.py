@@ -198,11 +198,14 @@ class VLLMEngine:
                             f"tensor_parallel={self.tensor_parallel}.")
         for rank, tensors in enumerate(per_rank):
             self._check_layout(rank, tensors)
-        with tempfile.TemporaryDirectory(dir=SHM, prefix="megarl-vllm-") as tmp:
-            paths = [os.path.join(tmp, f"rank{r}.safetensors") for r in range(len(per_rank))]
-            for path, tensors in zip(paths, per_rank, strict=True):
-                write_engine_file(tensors, path)
+        paths: list[str] = []
+        try:
+            for tensors in per_rank:
+                paths.append(self.package(list(tensors.items())))
             self.load_files(paths)
+        finally:
+            for path in paths:
+                os.remove(path)
 
     @staticmethod
     def package(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -210,7 +213,11 @@ class VLLMEngine:
         path (the caller removes it once the engine has read it)."""
         fd, path = tempfile.mkstemp(dir=SHM, prefix="megarl-weights-", suffix=".safetensors")
         os.close(fd)
-        write_engine_file(dict(named), path)
+        try:
+            write_engine_file(dict(named), path)
+        except BaseException:
+            os.remove(path)
+            raise
         return path
 
     def load_files(self, paths: Sequence[str]) -> None:
