@@ -11,7 +11,10 @@
 #   ppo_auto: the same with rollout.gpu_memory_fraction=auto
 #   ppo_auto_kept: ppo_auto with the actor's weights kept on the GPU while the engine generates
 #   grpo_auto: grpo with rollout.gpu_memory_fraction=auto
-#   grpo_auto_kept: grpo_auto with the actor's weights kept on the GPU while the engine generates
+#   grpo_auto_kept: grpo_auto with the actor's weights kept on the GPU while the engine generates, every
+#             hand-over verified (rollout.verify_every=1)
+#   grpo_death: grpo_auto with the engine's scheduler process killed (SIGKILL) after step 2: the run must end
+#             with a megarl error naming the phase and a non-zero exit, not torchrun's SIGKILL report
 # PART selects a subset (setup and the runs above; default setup grpo grpo_kept alone ppo) so that calls stay under 10 minutes.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -86,7 +89,12 @@ PY
       train grpo_auto recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto ;;
     grpo_auto_kept)
       train grpo_auto_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
-        --set actor.offload_weights=false ;;
+        --set actor.offload_weights=false --set rollout.verify_every=1 ;;
+    grpo_death)
+      (for _ in $(seq 400); do grep -q "step 2/" "$OUT/grpo_death.log" 2>/dev/null && break; sleep 1; done
+       pkill -9 -f "sglang::scheduler" && echo "[h200] killed the engine's scheduler after step 2") &
+      train grpo_death recipes/tiny_cpu_grpo.yaml 30 --set rollout.gpu_memory_fraction=auto
+      tail -5 "$OUT/grpo_death.log" | cut -c1-600 ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

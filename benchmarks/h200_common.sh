@@ -13,8 +13,9 @@ h200_setup() {
 }
 
 # Logprobs and logits of tiny random bf16 Llama/Qwen2/Qwen3 models against transformers (TP1 PP1, one GPU),
-# written to $OUT/parity_bf16.json.
+# written to $OUT/${1:-parity_bf16}.json (PARITY_TE=1: Transformer Engine's layers).
 bf16_parity() {
+  local name=${1:-parity_bf16}
   echo "== bf16 parity vs transformers (TP1 PP1, one GPU)"
   mkdir -p /tmp/parity/out
   timeout 60 python3 -c "
@@ -25,5 +26,5 @@ make_hf_model(Path('/tmp/parity/llama'), 'llama', dtype=torch.bfloat16)
 make_hf_model(Path('/tmp/parity/qwen2'), 'qwen2', dtype=torch.bfloat16)
 make_hf_model(Path('/tmp/parity/qwen3'), 'qwen3', dtype=torch.bfloat16)"
   PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
-    /tmp/parity/llama /tmp/parity/qwen2 /tmp/parity/qwen3 && cp /tmp/parity/out/rank0.json "$OUT/parity_bf16.json" && cat "$OUT/parity_bf16.json"
+    /tmp/parity/llama /tmp/parity/qwen2 /tmp/parity/qwen3 && cp /tmp/parity/out/rank0.json "$OUT/$name.json" && cat "$OUT/$name.json"
 }

@@ -1,7 +1,7 @@
 """Megatron training-step throughput of a model preset: tokens/s and MFU.
 
   torchrun --nproc-per-node W benchmarks/train_throughput.py --model llama-1b [--tp N --pp M]
-      [--seq 2048 --micro-batch 4 --num-micro-batches 1 --steps 10] [--json OUT]
+      [--seq 2048 --micro-batch 4 --num-micro-batches 1 --steps 10] [--attention sdpa|unfused] [--te] [--json OUT]
 
 One step = forward + backward over the micro-batches (Megatron's pipeline schedule), DDP grad
 reduction and an Adam step (distributed optimizer), bf16 on GPU. MFU counts 6 x (parameters
@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--num-micro-batches", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--attention", choices=["sdpa", "unfused"], default="sdpa",
+                   help="local spec's core attention: torch's fused SDPA (megarl's) or Megatron's unfused one")
+    p.add_argument("--te", action="store_true", help="Transformer Engine's layer spec (TE installed)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--json")
     args = p.parse_args()
@@ -46,7 +49,7 @@ def main() -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.models.gpt import BuildOptions, build_model
+    from megarl.models.gpt import BuildOptions, build_model, layer_implementation
     from megarl.models.presets import preset_or_hf_spec
     from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
@@ -56,7 +59,9 @@ def main() -> None:
     groups = init_model_parallel(ParallelDims(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp)))
     model_parallel_seed(0)
     dtype = torch.bfloat16 if platform.is_cuda else torch.float32
-    chunks = build_model(spec, groups, BuildOptions(dtype=dtype))
+    chunks = build_model(spec, groups, BuildOptions(dtype=dtype, transformer_engine=args.te,
+                                                    fused_attention=args.attention == "sdpa"))
+    layers = layer_implementation(chunks)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     models = [DistributedDataParallel(chunks[0].config, ddp_config, module=c) for c in chunks]
     chunks[0].config.finalize_model_grads_func = finalize_model_grads
@@ -97,12 +102,13 @@ def main() -> None:
         6 * spec.num_layers * args.seq * spec.num_attention_heads * spec.head_dim
     tflops = flops_per_token * tokens_per_step / step_s / 1e12
     result = {"model": args.model, "params": spec.num_params(), "world": world, "tp": args.tp, "pp": args.pp,
-              "seq": args.seq, "micro_batch": args.micro_batch, "num_micro_batches": args.num_micro_batches,
+              "layers": layers, "seq": args.seq, "micro_batch": args.micro_batch,
+              "num_micro_batches": args.num_micro_batches,
               "device": torch.cuda.get_device_name(device) if platform.is_cuda else "cpu",
               "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_step / step_s,
               "tflops_per_gpu": tflops / world, "mfu": tflops / world / args.peak_tflops}
     if dist.get_rank() == 0:
-        print(f"{args.model} ({spec.num_params() / 1e9:.2f}B) TP{args.tp} PP{args.pp} DP{groups.dims.dp} "
+        print(f"{args.model} ({spec.num_params() / 1e9:.2f}B) [{layers}] TP{args.tp} PP{args.pp} DP{groups.dims.dp} "
               f"seq {args.seq} x mbs {args.micro_batch} x {args.num_micro_batches}: step {step_s * 1e3:.0f} ms, "
               f"{result['tokens_per_s']:.0f} tokens/s, {tflops / world:.0f} TFLOP/s/GPU, MFU {result['mfu']:.1%}",
               flush=True)

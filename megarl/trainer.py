@@ -24,7 +24,7 @@ from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
 from megarl.interrupt import sigint_ignored
-from megarl.models.gpt import DTYPES, BuildOptions, transformer_engine_available
+from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
 from megarl.offload import PARTS, Part, Residency
@@ -85,6 +85,9 @@ class RLTrainer:
             critic_opts = dataclasses.replace(opts, critic=True)
             self.critic = MegatronModel(self.spec, cfg.critic.hf_path or cfg.model.hf_path, groups, critic_opts,
                                         cfg.critic.optimizer, steps)
+        if groups.rank == 0:
+            print(f"megarl: {'Transformer Engine' if use_te else 'local'} layers "
+                  f"({layer_implementation(self.actor.chunks)})", flush=True)
         self.kl = make_kl_controller(algo)
         self.reward_fn = load_reward(cfg.trainer.reward)
         self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),

@@ -32,6 +32,9 @@ class BuildOptions:
     recompute_activations: bool = False
     critic: bool = False
     """Replace the LM head by a scalar value head (PPO critic)."""
+    fused_attention: bool = True
+    """Local spec: torch's fused SDPA as core attention; False keeps Megatron's unfused DotProductAttention
+    (the baseline benchmarks/train_throughput.py compares against)."""
 
 
 def transformer_engine_available() -> bool:
@@ -126,7 +129,8 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
         from megarl.models.attention import FusedCoreAttention
 
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-        layer_spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
+        if opts.fused_attention:
+            layer_spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     num_chunks = groups.dims.vpp or 1
     chunks: list[torch.nn.Module] = []
     for vp in range(num_chunks):
@@ -158,6 +162,14 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def layer_implementation(chunks: list[torch.nn.Module]) -> str:
+    """The classes that run a transformer layer here (QKV projection, core attention, first MLP linear):
+    whether a run used Transformer Engine or the local spec, read from the model itself."""
+    layer: Any = _unwrap(chunks[0]).decoder.layers[0]
+    attention, mlp = layer.self_attention, layer.mlp
+    return ", ".join(type(m).__name__ for m in (attention.linear_qkv, attention.core_attention, mlp.linear_fc1))
 
 
 def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,

@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megarl.models.forward import forward_only, micro_batches, sequence_logprobs  # noqa: E402
-from megarl.models.gpt import BuildOptions, build_model, load_hf_weights  # noqa: E402
+from megarl.models.gpt import BuildOptions, build_model, layer_implementation, load_hf_weights  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.parallel import (  # noqa: E402
     ParallelDims,
@@ -32,6 +32,7 @@ from megarl.parallel import (  # noqa: E402
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[os.environ.get("PARITY_DTYPE", "float32")]
+TE = os.environ.get("PARITY_TE") == "1"  # Transformer Engine's layer spec (GPU with TE installed)
 
 
 def main() -> None:
@@ -55,9 +56,10 @@ def main() -> None:
                 continue
             groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp))
             model_parallel_seed(1)
-            entry = {"model": Path(model_dir).name, "tp": tp, "pp": pp, "vpp": vpp}
-            opts = BuildOptions(dtype=DTYPE)
+            opts = BuildOptions(dtype=DTYPE, transformer_engine=TE)
             chunks = build_model(spec, groups, opts)
+            entry = {"model": Path(model_dir).name, "tp": tp, "pp": pp, "vpp": vpp,
+                     "layers": layer_implementation(chunks)}
             load_hf_weights(chunks, spec, model_dir, groups, opts)
 
             def gather_logits(tokens: torch.Tensor, logits: torch.Tensor, g=groups, v=spec.vocab_size) -> torch.Tensor:
@@ -69,7 +71,7 @@ def main() -> None:
             logits = forward_only(chunks, groups, batches, gather_logits)
             logprobs = sequence_logprobs(chunks, spec, groups, sequences, micro_batch_size=2)
 
-            critic_opts = BuildOptions(critic=True, dtype=DTYPE)
+            critic_opts = BuildOptions(critic=True, dtype=DTYPE, transformer_engine=TE)
             critic = build_model(spec, groups, critic_opts)
             load_hf_weights(critic, spec, model_dir, groups, critic_opts)
             if groups.is_last_stage:

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Transformer Engine and fast attention on one H200, written to $OUT. Expects (same machine, earlier calls):
+# SGLang and megatron-core in /tmp/site (benchmarks/colocation_session.sh PART=setup, which also builds the
+# extension and writes the random Llama-3-8B-body model to $MODEL), and TE 2.20.2 staged in /tmp/te
+# (../shared/tools/te-h200: the five parts of transformer-engine-cu13 there, its last wheels in .te/last).
+# Every run prints the layer classes it used, so a TE run cannot silently be a local-spec run.
+#   parity:     bf16 logprobs/logits/critic values of tiny Llama/Qwen2/Qwen3 vs transformers, TE layers
+#   throughput: training steps of the Llama-3-8B shape ($TRAIN_LAYERS layers, seq 4096, 8 micro-batches per
+#               optimizer step) with TE, with the local spec on SDPA, and on Megatron's unfused attention
+#   grpo_te:    the RL loop (GRPO, SGLang) on TE layers, every hand-over verified against the actor's weights
+set -uo pipefail
+OUT=${OUT:?set OUT to the results folder}
+PART=${PART:-install parity throughput grpo_te}
+TRAIN_LAYERS=${TRAIN_LAYERS:-8}
+MODEL=${MODEL:-/tmp/llama8b}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+source benchmarks/h200_common.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/te_site:/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+
+throughput() {  # name [train_throughput flags]
+  local name=$1; shift
+  timeout 240 torchrun --standalone --nproc-per-node 1 benchmarks/train_throughput.py --model llama3-8b \
+    --num-layers "$TRAIN_LAYERS" --seq 4096 --micro-batch 1 --num-micro-batches 8 --steps 8 \
+    --json "$OUT/train_$name.json" "$@" 2>&1 | grep -v "^\s*$" | tail -3
+}
+
+for part in $PART; do
+  case $part in
+    install)
+      cat /tmp/te/cu13.part* > /tmp/te/transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site /tmp/te/*.whl .te/last/*.whl \
+        .te/last/deps/nvdlfw_inspect-*.whl .te/last/deps/importlib_metadata-*.whl
+      python3 -c "import transformer_engine, megatron.core.extensions.transformer_engine; print('[h200] TE', transformer_engine.__version__)" ;;
+    parity)
+      PARITY_TE=1 bf16_parity parity_bf16_te ;;
+    throughput)
+      throughput te --te
+      throughput sdpa --attention sdpa
+      throughput unfused --attention unfused ;;
+    grpo_te)
+      start=$SECONDS
+      timeout 300 torchrun --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml \
+        --set model.hf_path=$MODEL --set model.dtype=bfloat16 --set model.transformer_engine=on \
+        --set rollout.gpu_memory_fraction=auto --set rollout.verify_every=1 --set rollout.logprob_diff_max=2.0 \
+        --set tracking.backend=none --set trainer.num_steps=4 --set checkpoint.dir=/tmp/grpo_te \
+        --set rollout.engine=sglang --set rollout.engine_args.disable_cuda_graph=true \
+        --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch \
+        --set rollout.engine_args.grammar_backend=none > "$OUT/grpo_te.log" 2>&1
+      echo "[h200] grpo_te exit $? in $((SECONDS - start)) s"
+      cp /tmp/grpo_te/metrics.jsonl "$OUT/grpo_te.metrics.jsonl" 2>/dev/null
+      grep -h "megarl" "$OUT/grpo_te.log" | cut -c1-300 | tail -20 ;;
+  esac
+done
+echo "[h200] done in $SECONDS s"
