@@ -167,7 +167,8 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
 def layer_implementation(chunks: list[torch.nn.Module]) -> str:
     """The classes that run a transformer layer here (QKV projection, core attention, first MLP linear):
     whether a run used Transformer Engine or the local spec, read from the model itself."""
-    layer: Any = _unwrap(chunks[0]).decoder.layers[0]
+    decoder: Any = _unwrap(chunks[0]).decoder
+    layer = decoder.layers[0]
     attention, mlp = layer.self_attention, layer.mlp
     return ", ".join(type(m).__name__ for m in (attention.linear_qkv, attention.core_attention, mlp.linear_fc1))
 
