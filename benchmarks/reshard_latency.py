@@ -1,7 +1,8 @@
 """Refit latency: megarl's zero-redundancy resharder against the all-gather way, and the bandwidth bound.
 
   torchrun --nproc-per-node W benchmarks/reshard_latency.py --model PRESET_OR_HF_DIR \
-      --train-tp N --train-pp M --rollout-tp R [--dump DIR] [--json OUT] [--plot OUT.png]
+      --train-tp N --train-pp M --rollout-tp R [--in-engine [--landing-mb MB]] [--dump DIR] [--json OUT]
+      [--plot OUT.png]
 
 Trainer shards hold the model in Megatron's layout (from the HF weights when --model is a
 directory, random otherwise); engine tensors are the engines' per-rank layout. Both sides share
@@ -55,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-only", type=int, metavar="WORLD", help="print the plan for WORLD GPUs and exit")
     p.add_argument("--verify", action="store_true",
                    help="also time the hand-over check (rollout.verify_every): trainer and engine checksums")
+    p.add_argument("--in-engine", action="store_true",
+                   help="also time the in-engine hand-over (SGLang's): round by round into an engine-side copy in "
+                        "this process, with its peak extra memory")
+    p.add_argument("--landing-mb", type=int, help="in-engine landing buffer (default: two buckets; 0: no limit)")
     p.add_argument("--dump", help="write each rollout rank's engine tensors to DIR/rank{g}.safetensors")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG plot of the results")
@@ -275,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         verify = {"verify_trainer_ms": percentile([r[0] for r in runs], 50),
                   "verify_engine_ms": percentile([r[1] for r in runs], 50), "verify_matches": bool(ok.item())}
 
+    in_engine = measure_in_engine(plan, rank, src, dst, device, args) if args.in_engine else {}
     copy_gbps = measure_copy_bandwidth(device) if cuda else 0.0
     link_gbps = measure_link_bandwidth(device, world, rank) if cuda else 0.0
     stats = plan.stats()
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         "baseline_ms": baseline_times, "baseline_p50_ms": percentile(baseline_times, 50) if baseline_times else None,
         "speedup": percentile(baseline_times, 50) / p50 if baseline_times else None,
         "baseline_matches": match, "plan": plan_report(plan), "num_buckets": len(plan.buckets),
-    } | verify
+    } | verify | in_engine
     if args.dump:
         from safetensors.torch import save_file
 
@@ -316,6 +322,40 @@ def main(argv: list[str] | None = None) -> None:
         if args.plot:
             plot(result, args.plot)
     dist.destroy_process_group()
+
+
+def measure_in_engine(plan, rank: int, src: dict, dst: dict, device: torch.device, args) -> dict:
+    """The in-engine hand-over with the engine's side (megarl.reshard.handover) in this process: per round, this
+    side's refit, then the engine rank's copy into its parameters. Exact against ``dst`` (the direct refit's)."""
+    from megarl.reshard.executor import Resharder, engine_tensor_allocations
+    from megarl.reshard.handover import EngineApplier
+
+    cuda = device.type == "cuda"
+    params = engine_tensor_allocations(plan, rank, dst[next(iter(dst))].dtype, device)
+    sync(device)
+    base_mem = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    landing = None if args.landing_mb is None else args.landing_mb * 2**20
+    resharder = Resharder(plan, rank, src, None, device=device, in_engine=True, landing_bytes=landing)
+    applier = EngineApplier(resharder.engine_copy(), params)
+
+    def handover() -> None:
+        for r in range(resharder.num_rounds):
+            resharder.refit(r)
+            sync(device)  # what an engine call waits for
+            applier.run(r)
+
+    for _ in range(3):
+        handover()
+    times = slowest([time_ms(handover, device) for _ in range(args.iters)], device)
+    peak = (torch.cuda.max_memory_allocated(device) - base_mem) if cuda else resharder.pool_bytes
+    ok = torch.tensor([float(all(torch.equal(params[n], dst[n]) for n in dst))], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return {"in_engine_p50_ms": percentile(times, 50), "in_engine_rounds": resharder.num_rounds,
+            "in_engine_landing_bytes": resharder.landing_bytes, "in_engine_pool_bytes": resharder.pool_bytes,
+            "in_engine_peak_extra_bytes": peak + (0 if cuda else resharder.landing_bytes),
+            "in_engine_matches": bool(ok.item())}
 
 
 def print_table(r: dict) -> None:
@@ -337,6 +377,11 @@ def print_table(r: dict) -> None:
     if "verify_matches" in r:
         rows.append(("hand-over check (verify_every)", f"trainer {r['verify_trainer_ms']:.1f} ms + engine "
                      f"{r['verify_engine_ms']:.1f} ms, checksums {'match' if r['verify_matches'] else 'DIFFER'}"))
+    if "in_engine_p50_ms" in r:
+        rows.append(("in-engine hand-over p50", f"{r['in_engine_p50_ms']:.2f} ms in {r['in_engine_rounds']} rounds "
+                     f"(an engine call each in a real engine), peak extra memory "
+                     f"{gib(r['in_engine_peak_extra_bytes'])} (landing {gib(r['in_engine_landing_bytes'])}), "
+                     f"same result: {r['in_engine_matches']}"))
     if r["baseline_p50_ms"] is not None:
         rows.append(("naive all-gather p50", f"{r['baseline_p50_ms']:.1f} ms -> speedup {r['speedup']:.1f}x, "
                                              f"same result: {r['baseline_matches']}"))

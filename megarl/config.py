@@ -222,6 +222,11 @@ class RolloutConfig:
     """Sampling seed."""
     reshard_bucket_mb: int = 256
     """Bucket size of the trainer-to-engine weight transfer; the pool holds two."""
+    landing_buffer_mb: int = 512
+    """In-engine hand-over (SGLang): memory per GPU for the weights other GPUs send, until the engine copies them
+    in. A hand-over makes one engine call per this many MB a GPU receives; 0 = no limit: one engine call, with a
+    buffer as large as all a GPU receives (7.5 GiB for Llama-3-8B from a TP2 trainer into TP1 engines). At least
+    reshard_bucket_mb."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
@@ -245,6 +250,9 @@ class RolloutConfig:
         if self.gpu_memory_fraction != "auto":
             _within(self, "gpu_memory_fraction", "(0, 1)", "use a share such as 0.7, or auto")
         _within(self, "logprob_diff_max", "(0, inf)", "use the default 2.0")
+        check(self.landing_buffer_mb == 0 or self.landing_buffer_mb >= self.reshard_bucket_mb, "landing_buffer_mb",
+              self.landing_buffer_mb, f"be 0 or at least reshard_bucket_mb ({self.reshard_bucket_mb}): one bucket "
+              "lands whole", f"use {2 * self.reshard_bucket_mb} (two buckets) or 0 (no limit)")
         check(self.verify_every >= 0, "verify_every", self.verify_every, "be >= 0", "use 0 (off) or N >= 1")
         check(self.verify_every == 0 or self.engine == "sglang", "verify_every", self.verify_every,
               "be 0 with rollout.engine = vllm (its checksums need the in-engine hand-over; vLLM's CPU backend "

@@ -174,12 +174,14 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         return parts
 
     # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
-    # engine bytes other GPUs hold; vLLM gets whole engine-layout tensors. All of them go during generation
-    # with the actor's weights (actor.offload_weights).
+    # engine bytes other GPUs hold (one round of them: rollout.landing_buffer_mb); vLLM gets whole engine-layout
+    # tensors. All of them go during generation with the actor's weights (actor.offload_weights).
     model = spec.num_params() * dtype
     engine_rank = model // cfg.rollout.tensor_parallel
     if cfg.rollout.engine == "sglang":
         landing = max(0, engine_rank - model // (dims.tp * dims.pp))
+        if cfg.rollout.landing_buffer_mb:
+            landing = min(landing, cfg.rollout.landing_buffer_mb * 2**20)
     else:
         landing = engine_rank
     pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing else 0  # staging for bytes that cross GPUs

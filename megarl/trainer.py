@@ -115,7 +115,7 @@ class RLTrainer:
         self._plan = plan
         self.engine_tensors = None if in_engine else self._allocate_engine_tensors()
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
-                                   in_engine=in_engine)
+                                   in_engine=in_engine, landing_bytes=cfg.rollout.landing_buffer_mb * 2**20)
         self.push_weights()
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:
@@ -170,8 +170,9 @@ class RLTrainer:
             self._attached = True
         if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
             self.engine_tensors.update(self._allocate_engine_tensors())
-        self.resharder.refit()
-        self.engine.deliver(self.engine_tensors)
+        for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
+            self.resharder.refit(round)
+            self.engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
         if every and self._num_handovers % every == 0:
             self._verify_handover()

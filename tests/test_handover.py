@@ -65,6 +65,9 @@ def test_engine_side_errors_name_the_problem():
         state.handle(FakeEngineModel(bad), copy.to_wire("k"))
     with pytest.raises(ValueError, match="not a megarl hand-over message"):
         state.handle(FakeEngineModel(params), [("model.norm.weight", torch.zeros(1))])
+    state.handle(FakeEngineModel(params), copy.to_wire("k"))
+    with pytest.raises(ValueError, match="hand-over round 1 requested; this attachment has 1"):
+        state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1), 1))
 
 
 def test_engine_ranks_read_their_own_entries_of_padded_payloads():

@@ -30,3 +30,10 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     # Small buckets force many of them (split tensors, several per layer) in the multi-GPU layouts.
     assert max(r["buckets"] for r in rows) > 10
     assert all(r["pool_bytes"] <= 4 * 48 * 1024 + 256 for r in rows)
+    # In-engine mode within the same bound (two send buffers, a landing buffer of at most one bucket here), in as
+    # many rounds as it takes; without a limit the landing buffer grows with what a GPU receives.
+    for r in rows:
+        assert r["in_engine_extra_bytes"] <= 3 * r["bucket_bytes"] + 256, r
+    assert max(r["in_engine_rounds"] for r in rows) > 5
+    assert max(r["unbounded_extra_bytes"] for r in rows) > 4 * 48 * 1024 + 256
+    assert all(r["unbounded_rounds"] == 1 for r in rows)

@@ -12,9 +12,11 @@ communication stream, unpack(k-1) on the unpack stream, ordered by events; buffe
 reused only after bucket k-2 finished with it. On CPU (gloo) the same schedule runs in order.
 
 ``in_engine=True`` splits the work with an engine process (megarl.reshard.handover): this side only
-packs and sends, and receives into a landing buffer that holds every remote byte of this rank;
-``engine_copy()`` describes the rest (local copies from the trainer tensors, unpacking from the
-landing buffer) as one segment table, which the engine rank runs into its own parameters.
+packs and sends, and receives into a landing buffer; ``engine_copy()`` describes the rest (local copies
+from the trainer tensors, unpacking from the landing buffer) as segment tables, which the engine rank
+runs into its own parameters. The landing buffer holds at most ``landing_bytes`` (whatever the model's
+size): the buckets form rounds (``landing_rounds``, the same on every rank) in which no rank receives more,
+and a hand-over is ``refit(r)`` then the engine's copy of round r, for every round in order.
 """
 
 from __future__ import annotations
@@ -92,9 +94,14 @@ class Resharder:
 
     def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None, *,
-                 in_engine: bool = False) -> None:
+                 in_engine: bool = False, landing_bytes: int | None = None) -> None:
+        """``landing_bytes`` (``in_engine``): the most the landing buffer holds (None: twice the bucket size, the
+        receive buffers the other mode has; 0: every remote byte, one round)."""
         assert (dst is None) == in_engine, "pass engine tensors (dst) exactly when the engine does not copy itself"
         self.plan, self.rank, self.group, self.in_engine = plan, rank, group, in_engine
+        limit = 2 * plan.bucket_bytes if landing_bytes is None else landing_bytes
+        self.rounds = landing_rounds(plan, limit) if in_engine else [(0, len(plan.buckets))]
+        """Bucket ranges [start, end): ``refit(r)`` runs round r; outside ``in_engine`` one round holds them all."""
         self.device = device or next(iter((dst or src).values())).device
         self._check(src, dst)
         self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
@@ -106,9 +113,12 @@ class Resharder:
         self._needs_pool = any(not t.local and rank in (t.src_rank, t.dst_rank) for b in plan.buckets for t in b)
         self._src_dict, self._dst_dict = src, dst
         self._specs: list[_BucketSpec] = []
-        engine_segments: list[Segment] = []
-        landed = 0
+        engine_segments: list[list[Segment]] = [[] for _ in self.rounds]
+        round_of = [r for r, (start, end) in enumerate(self.rounds) for _ in range(start, end)]
+        landed = landing_size = 0
         for k, transfers in enumerate(plan.buckets):
+            if k == self.rounds[round_of[k]][0]:
+                landed = 0  # a round lands at the buffer's start: the engine copied the last one out
             local, packs, unpacks = [], [], []
             sends: dict[int, list[Transfer]] = {}
             recvs: dict[int, list[Transfer]] = {}
@@ -139,18 +149,19 @@ class Resharder:
             assert max(sum(r[2] for r in send_regions), sum(r[2] for r in recv_regions)) <= plan.bucket_bytes
             if in_engine:
                 # Sources of the engine's copy: this rank's trainer tensors, then the landing buffer.
-                engine_segments += local
-                engine_segments += [s._replace(src_index=len(self.src_names), src_offset=s.src_offset + landed)
-                                    for s in unpacks]
+                engine_segments[round_of[k]] += local
+                engine_segments[round_of[k]] += [
+                    s._replace(src_index=len(self.src_names), src_offset=s.src_offset + landed) for s in unpacks]
                 self._specs.append(_BucketSpec(None, segment_table(packs) if packs else None, None, send_regions,
                                                recv_regions, k % 2, landed))
                 landed += offset
+                landing_size = max(landing_size, landed)
                 continue
             self._specs.append(_BucketSpec(segment_table(local) if local else None,
                                            segment_table(packs) if packs else None,
                                            segment_table(unpacks) if unpacks else None,
                                            send_regions, recv_regions, k % 2))
-        self._landing_bytes = landed
+        self._landing_bytes = landing_size
         self._engine_segments = engine_segments
         self.pool: Any = None
         self.landing: torch.Tensor | None = None
@@ -215,13 +226,26 @@ class Resharder:
 
     def engine_copy(self) -> EngineCopy:
         """The engine rank's share of the refit on this GPU (``in_engine`` mode): from ``sources`` (this
-        rank's trainer tensors, then the landing buffer) into its parameters, after ``refit()``."""
+        rank's trainer tensors, then the landing buffer) into its parameters, round r after ``refit(r)``."""
         assert self.in_engine
         self.bind()
         shapes = self.plan.dst_shapes[self.plan.engine_rank(self.rank)]
+        bounds = [0]
+        for segments in self._engine_segments:
+            bounds.append(bounds[-1] + len(segments))
+        rows = [s for segments in self._engine_segments for s in segments]
         return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else []),
                           dst_names=self.dst_names, dst_shapes=shapes, element_size=self.plan.element_size,
-                          table=segment_table(self._engine_segments), zero_rows=padding_rows(self.plan, self.rank))
+                          table=segment_table(rows), zero_rows=padding_rows(self.plan, self.rank), rounds=bounds)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def landing_bytes(self) -> int:
+        """Size of the landing buffer (``in_engine``): the most this rank receives in one round."""
+        return self._landing_bytes
 
     @torch.no_grad()
     def expected_checksums(self) -> torch.Tensor:
@@ -237,12 +261,17 @@ class Resharder:
         return dist.batch_isend_irecv(ops) if ops else []
 
     @torch.no_grad()
-    def refit(self) -> None:
-        """Copy the trainer's current weights into the engine tensors. On GPU the caller's stream
-        waits for the result; nothing blocks the host except on CPU."""
+    def refit(self, round: int | None = None) -> None:
+        """Copy the trainer's current weights into the engine tensors (round ``round`` of them; None: all, where
+        there is one). On GPU the caller's stream waits for the result; nothing blocks the host except on CPU."""
+        if round is None:
+            assert len(self.rounds) == 1, "the landing buffer holds one round at a time: refit(r) for each"
+            round = 0
         self.bind()
+        start, end = self.rounds[round]
+        buckets = self.buckets[start:end]
         if self._streams is None:
-            for bucket in self.buckets:
+            for bucket in buckets:
                 if bucket.local is not None:
                     bucket.local.run()
                 if bucket.pack is not None:
@@ -252,16 +281,16 @@ class Resharder:
                 if bucket.unpack is not None:
                     bucket.unpack.run()
             return
-        self._refit_streams()
+        self._refit_streams(buckets)
 
-    def _refit_streams(self) -> None:
+    def _refit_streams(self, buckets: list[_Bucket]) -> None:
         pack_s, comm_s, unpack_s = self._streams  # type: ignore[misc]
         caller = torch.cuda.current_stream(self.device)
         for s in (pack_s, comm_s, unpack_s):
             s.wait_stream(caller)  # the trainer's last optimizer step must be done
         sent: list[list[Any]] = []
         unpacked: list[torch.cuda.Event] = []
-        for k, bucket in enumerate(self.buckets):
+        for k, bucket in enumerate(buckets):
             with torch.cuda.stream(pack_s):
                 if k >= 2:
                     for work in sent[k - 2]:
@@ -320,6 +349,26 @@ class Resharder:
     @property
     def pool_bytes(self) -> int:
         return 0 if self.pool is None else int(self.pool.total_bytes)
+
+
+def landing_rounds(plan: Plan, limit: int) -> list[tuple[int, int]]:
+    """Consecutive buckets grouped so that no rank receives more than ``limit`` bytes from other GPUs in one
+    group (0: no limit); [start, end) bucket ranges, the same on every rank."""
+    assert limit == 0 or limit >= plan.bucket_bytes, "a bucket must fit the landing buffer"
+    rounds: list[tuple[int, int]] = []
+    start, received = 0, dict[int, int]()
+    for k, transfers in enumerate(plan.buckets):
+        incoming: dict[int, int] = {}
+        for t in transfers:
+            if not t.local:
+                incoming[t.dst_rank] = incoming.get(t.dst_rank, 0) + t.nbytes
+        if limit and any(received.get(r, 0) + n > limit for r, n in incoming.items()):
+            rounds.append((start, k))
+            start, received = k, {}
+        for r, n in incoming.items():
+            received[r] = received.get(r, 0) + n
+    rounds.append((start, len(plan.buckets)))
+    return rounds
 
 
 def padding_rows(plan: Plan, rank: int) -> dict[str, int]:

@@ -3,8 +3,9 @@
 Engines with a sleep mode allocate their weights through CUDA virtual memory (SGLang's torch memory
 saver, vLLM's CuMemAllocator), which cannot be exported by CUDA IPC; the trainer's tensors come
 from torch's caching allocator, which can. So the engine rank opens the trainer tensors on its GPU
-(``attach``) and compiles one ``SegmentCopy`` from them into its parameters; every weight update
-after that is one call that replays the kernel (``apply``): no per-tensor IPC, no staging copy, and
+(``attach``) and compiles a ``SegmentCopy`` from them into its parameters for each round of the
+hand-over (the trainer's landing buffer holds one round of what other GPUs send); every weight update
+after that replays the kernels, one call per round (``apply``): no per-tensor IPC, no staging copy, and
 the parameters stay at the addresses the engine's CUDA graphs captured (the memory saver maps them
 back at the same addresses after a sleep). When the trainer moves its weights off the GPU during
 rollout, the engine drops its mappings first (``detach``) and the trainer attaches again after. With
@@ -18,6 +19,7 @@ engine process: it imports torch, megarl.kernels and megarl.reshard.verify only.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -42,14 +44,16 @@ class EngineCopy:
     table: torch.Tensor
     """int64 [num_segments, 8] CPU segment table."""
     zero_rows: dict[str, int]
-    """Engine vocab tensors whose rows from this index on are padding: zeroed on every apply, since
+    """Engine vocab tensors whose rows from this index on are padding: zeroed on every update, since
     an engine's memory after a sleep holds no defined values."""
+    rounds: list[int]
+    """Row bounds of the rounds in ``table``: round r is rows [rounds[r], rounds[r + 1])."""
 
     def to_wire(self, key: str, num_sources: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """Named tensors carrying this copy; ``key`` names the attachment for later ``apply`` calls.
         ``num_sources`` pads the sources with placeholders (an engine over several GPUs takes the same
         names from every rank)."""
-        meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes,
+        meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes, "rounds": self.rounds,
                 "element_size": self.element_size, "zero_rows": self.zero_rows, "num_sources": len(self.sources)}
         device = self.sources[0].device if self.sources else torch.device("cpu")
         encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
@@ -69,12 +73,13 @@ class EngineCopy:
         return meta["key"], EngineCopy(
             sources=sources, dst_names=meta["dst_names"], element_size=meta["element_size"],
             dst_shapes={n: tuple(s) for n, s in meta["dst_shapes"].items()},
-            table=named[1][1].cpu(), zero_rows=meta["zero_rows"])
+            table=named[1][1].cpu(), zero_rows=meta["zero_rows"], rounds=meta["rounds"])
 
 
-def apply_message(key: str, token: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Named tensors asking the engine to replay attachment ``key`` (``token``: any small tensor)."""
-    return [(PREFIX + "apply." + key, token)]
+def apply_message(key: str, token: torch.Tensor, round: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors asking the engine to replay round ``round`` of attachment ``key`` (``token``: any small
+    tensor)."""
+    return [(PREFIX + f"apply.{round}." + key, token)]
 
 
 def detach_message(key: str, token: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -102,18 +107,29 @@ class EngineApplier:
                 raise ValueError(f"engine parameter `{name}` is {list(p.shape)} with {p.element_size()}-byte "
                                  f"elements (contiguous: {p.is_contiguous()}); the plan writes a contiguous "
                                  f"{list(shape)} of {copy.element_size}-byte elements")
+        bounds = copy.rounds
+        if bounds[0] != 0 or bounds[-1] != len(copy.table) or bounds != sorted(bounds):
+            raise ValueError(f"round bounds {bounds} do not split a table of {len(copy.table)} segments")
         self.sources = copy.sources  # holds the IPC mappings open
         self.params = [params[n] for n in copy.dst_names]
         self.zero = [(params[n], start) for n, start in copy.zero_rows.items()]
-        self.copy: SegmentCopy = make_segment_copy(copy.sources, [p.data for p in self.params], copy.table)
+        dsts = [p.data for p in self.params]
+        self.copies: list[SegmentCopy] = [make_segment_copy(copy.sources, dsts, copy.table[a:b])
+                                          for a, b in itertools.pairwise(bounds)]
 
     @torch.no_grad()
-    def run(self) -> None:
-        """Write the trainer's current weights into the parameters; returns once they are written."""
-        for param, start in self.zero:
-            param.data[start:].zero_()
-        self.copy.run()
-        if self.copy.total_bytes and self.sources and self.sources[0].is_cuda:
+    def run(self, round: int | None = None) -> None:
+        """Write round ``round`` of the trainer's current weights into the parameters (None: every round, when
+        the landing buffer holds them all at once); returns once they are written."""
+        if round is not None and not 0 <= round < len(self.copies):
+            raise ValueError(f"hand-over round {round} requested; this attachment has {len(self.copies)}")
+        if round in (None, 0):
+            for param, start in self.zero:
+                param.data[start:].zero_()
+        copies = self.copies if round is None else [self.copies[round]]
+        for c in copies:
+            c.run()
+        if any(c.total_bytes for c in copies) and self.sources and self.sources[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # the trainer may change its tensors once we return
 
     @torch.no_grad()
@@ -143,11 +159,11 @@ class HandoverState:
             self.appliers.pop(key, None)  # drop the old mappings before opening new ones
             self.appliers[key] = EngineApplier(copy, dict(model.named_parameters()))
         elif first.startswith(PREFIX + "apply."):
-            key = first[len(PREFIX + "apply."):]
+            round, _, key = first[len(PREFIX + "apply."):].partition(".")
             if key not in self.appliers:
                 raise ValueError(f"no megarl attachment `{key}` in this engine (attached: {sorted(self.appliers)}); "
                                  "attach before applying")
-            self.appliers[key].run()
+            self.appliers[key].run(int(round))
         elif first.startswith(PREFIX + "detach."):
             self.appliers.pop(first[len(PREFIX + "detach."):], None)
         elif first.startswith(PREFIX + "checksum."):

@@ -140,16 +140,16 @@ class GroupEngine:
         self.group.barrier()  # every engine rank has written its rank's result
         return result.cpu()
 
-    def deliver(self, engine_tensors: dict[str, torch.Tensor] | None) -> None:
-        """After every rank's refit: the engine takes the new weights (in-engine copy, or files of engine-layout
-        tensors, one per engine rank, written by each rank)."""
+    def deliver(self, engine_tensors: dict[str, torch.Tensor] | None, round: int = 0) -> None:
+        """After every rank's refit (of round ``round``, in-engine): the engine takes the new weights (in-engine
+        copy, or files of engine-layout tensors, one per engine rank, written by each rank)."""
         if self.copies_in_engine:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the engine reads what this rank's streams wrote
             self.group.barrier()
             if self.engine is not None:
                 with self._call("hand-over"):
-                    cast(InEngineCopy, self.engine).apply()
+                    cast(InEngineCopy, self.engine).apply(round)
             self.group.barrier()  # nobody changes a tensor the engine still reads
             return
         assert engine_tensors is not None

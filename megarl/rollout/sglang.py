@@ -153,12 +153,13 @@ class SGLangEngine:
         self._attached = key
         self._token = torch.zeros(1, device="cuda")
 
-    def apply(self) -> None:
-        """Copy the attached trainer tensors' current values into the engine's parameters."""
+    def apply(self, round: int = 0) -> None:
+        """Copy round ``round`` of the attached trainer tensors' current values into the engine's parameters."""
         assert self._attached is not None and self._token is not None, "attach() first"
         torch.cuda.synchronize()  # the engine reads what this process's streams wrote
         # A KV cache asleep was flushed when it was released; one awake holds prefixes of the old weights.
-        self._update(apply_message(self._attached, self._token), LOADER, flush_cache=self._cache_awake)
+        self._update(apply_message(self._attached, self._token, round), LOADER,
+                     flush_cache=self._cache_awake and round == 0)
 
     def checksums(self, per_rank: list[list[tuple[str, bytes]]]) -> None:
         """Every engine rank writes its parameters' checksums into the trainer tensor its rank sent

@@ -5,8 +5,9 @@ For every model, trainer layout (TP, PP, DP over 4 ranks) and rollout TP R in {1
 HF weights into Megatron, refits into fresh engine tensors (filled with NaN so an unwritten byte
 shows), compares every engine tensor with an independent reference computed from the full HF
 tensors, doubles the trainer weights, refits again and checks the pool was reused; then the
-same in in-engine mode (this side sends and lands remote bytes, an EngineApplier copies the rest), whose
-result the hand-over checksums (megarl.reshard.verify) must confirm, and whose corruption they must name.
+same in in-engine mode (this side sends and lands remote bytes, the engine's HandoverState copies the rest,
+round by round when the landing buffer holds one bucket, at once when it holds all), whose result the
+hand-over checksums (megarl.reshard.verify) must confirm, and whose corruption they must name.
 """
 
 import json
@@ -33,7 +34,7 @@ from megarl.parallel import (  # noqa: E402
     model_parallel_seed,
 )
 from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
-from megarl.reshard.handover import EngineApplier  # noqa: E402
+from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
 from megarl.reshard.verify import mismatched, tensor_checksum  # noqa: E402
 
@@ -81,6 +82,16 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
     return out
 
 
+class EngineModel:
+    """What megarl's loader sees of an engine's model: named parameters."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
 def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype: torch.dtype) -> list[dict]:
     """Every rollout TP of one trainer layout; ``dtype`` is the training dtype (the engine's too)."""
     spec, rank = load_spec(model_dir), dist.get_rank()
@@ -108,14 +119,21 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
         doubled = all(torch.equal(dst[n], ref[n] * 2) for n in ref)
         for t in src.values():
             t.div_(2)
-        # In-engine mode: this side sends and lands remote bytes, the "engine" copies the rest.
-        engine_side = Resharder(plan, rank, src, None, in_engine=True)
-        engine_side.refit()
-        params = engine_tensor_allocations(plan, rank, dtype, torch.device("cpu"))
-        for t in params.values():
-            t.fill_(float("nan"))
-        EngineApplier(engine_side.engine_copy(), params).run()
-        in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
+        # In-engine mode: this side sends and lands remote bytes, the "engine" copies the rest, through the wire
+        # format and messages an engine gets. A landing buffer of one bucket makes the most rounds; 0 holds all.
+        in_engine, rounds, landing = True, {}, {}
+        for limit in (plan.bucket_bytes, 0):
+            engine_side = Resharder(plan, rank, src, None, in_engine=True, landing_bytes=limit)
+            params = engine_tensor_allocations(plan, rank, dtype, torch.device("cpu"))
+            for t in params.values():
+                t.fill_(float("nan"))
+            state, model = HandoverState(), EngineModel(params)
+            state.handle(model, engine_side.engine_copy().to_wire("actor"))
+            for r in range(engine_side.num_rounds):
+                engine_side.refit(r)
+                state.handle(model, apply_message("actor", torch.zeros(1), r))
+            in_engine &= all(torch.equal(params[n], ref[n]) for n in ref)
+            rounds[limit], landing[limit] = engine_side.num_rounds, engine_side.landing_bytes + engine_side.pool_bytes
         # Verified hand-over: the engine's checksums against the trainer's (summed over the world), then one
         # corrupted bit in one tensor of this rank's engine rank.
         names = engine_side.dst_names
@@ -128,7 +146,10 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
                         "dtype": str(dtype), "in_engine": in_engine, "rank": rank, "exact": exact,
                         "verified": verified, "corruption_caught": caught == [names[rank % len(names)]],
                         "second_refit": doubled, "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
-                        "pool_bytes": resharder.pool_bytes})
+                        "pool_bytes": resharder.pool_bytes, "bucket_bytes": plan.bucket_bytes,
+                        "in_engine_rounds": rounds[plan.bucket_bytes],
+                        "in_engine_extra_bytes": landing[plan.bucket_bytes],
+                        "unbounded_rounds": rounds[0], "unbounded_extra_bytes": landing[0]})
     destroy_model_parallel()
     return results
 
