@@ -4,6 +4,7 @@ engine call with a megarl error, instead of the SIGKILL of the whole process tre
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -39,6 +40,21 @@ def test_a_sigquit_during_an_engine_call_ends_it_with_the_phase_and_the_log(loop
         pytest.fail("a failed engine must not be called")
 
 
+def test_a_sigquit_ends_a_call_blocked_outside_the_event_loop(loop):
+    """What happened on the H200: the engine's scheduler was killed while the trainer trained, and the next call
+    (wake) blocked in a socket send to it, inside the loop's first step, so a handler on the loop never ran."""
+    watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
+    ours, theirs = socket.socketpair()
+    ours.settimeout(20)  # a regression fails the test instead of hanging it
+    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGQUIT)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineFailed, match="during wake.*SIGQUIT"), engine_call("wake", timeout_s=60), watch.alive():
+        ours.recv(1)  # blocks: nobody answers
+    assert time.monotonic() - start < 10
+    ours.close()
+    theirs.close()
+
+
 def test_a_sigquit_between_calls_fails_the_next_call(loop):
     watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
     os.kill(os.getpid(), signal.SIGQUIT)  # while no call runs: the loop sees it when it next runs
@@ -56,9 +72,15 @@ def test_calls_without_a_signal_are_untouched(loop):
         raise ValueError("the engine's own error passes through")
 
 
-def test_without_a_loop_to_watch_calls_pass_through_with_a_warning(capsys):
-    watch = ChildWatch(None, EngineLog(), "an SGLang engine process")
-    assert "found no event loop" in capsys.readouterr().out
-    with watch.alive():
-        pass
-    assert not watch.failed
+def test_without_an_engine_loop_the_watch_still_ends_a_call():
+    previous = signal.getsignal(signal.SIGQUIT)
+    try:
+        watch = ChildWatch(None, EngineLog(), "an SGLang engine process")
+        with watch.alive():
+            pass
+        assert not watch.failed
+        threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGQUIT)).start()
+        with pytest.raises(RuntimeError, match="SIGQUIT"), watch.alive():
+            time.sleep(30)
+    finally:
+        signal.signal(signal.SIGQUIT, previous)

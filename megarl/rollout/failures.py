@@ -76,26 +76,38 @@ def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
         timer.cancel()
 
 
+class EngineProcessDied(Exception):
+    """Raised in the main thread by the SIGQUIT handler, out of whatever an engine call blocks in."""
+
+
 class ChildWatch:
     """An engine whose processes signal SIGQUIT to this one when they fail (SGLang's schedulers do, and SGLang's
     own handler then SIGKILLs the whole process tree, this process included: the user would see only
-    torchrun's ChildFailedError). The signal instead stops the engine's event loop in this process, which
-    ends the engine call waiting on it, and ``alive`` raises, naming the engine log's root cause."""
+    torchrun's ChildFailedError). This process's handler replaces the engine's: during an engine call it raises
+    in the main thread, which ends the call wherever it blocks (a socket send to the dead process, a wait for
+    its answer: on an asyncio loop the engine's own handler would run only once the loop gets control, which a
+    blocking send never gives it), and ``alive`` raises, naming the engine log's root cause; between calls it
+    marks the engine failed, and the next call raises before it starts."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str) -> None:
-        """``loop``: the event loop the engine's calls run on (None where an engine version has none to find:
-        then a failure is still caught, by the engine call's deadline); ``what``: the failing process."""
+        """``loop``: the event loop on which the engine registered its own SIGQUIT handler (None: none); install
+        after the engine has (SGLang: after its first request); ``what``: the failing process."""
         self.failed = False
+        self._calling = False
         self.log, self.what = log, what
-        if loop is None:
-            print(f"megarl: warning: found no event loop to watch {what} on; if it fails, the run ends at the "
-                  "engine call's deadline (rollout.timeout_minutes) or by the engine's own SIGKILL", flush=True)
+        if threading.current_thread() is not threading.main_thread():
+            print(f"megarl: warning: the engine is driven outside the main thread, where no signal handler can be "
+                  f"installed; if {what} fails, the run ends at the engine call's deadline "
+                  "(rollout.timeout_minutes) or by the engine's own SIGKILL", flush=True)
             return
-        loop.add_signal_handler(signal.SIGQUIT, self._signalled, loop)
+        if loop is not None:
+            loop.remove_signal_handler(signal.SIGQUIT)
+        signal.signal(signal.SIGQUIT, self._signalled)
 
-    def _signalled(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _signalled(self, signum: int, frame: object) -> None:
         self.failed = True
-        loop.stop()
+        if self._calling:
+            raise EngineProcessDied(f"{self.what} failed (SIGQUIT)")
 
     @contextmanager
     def alive(self) -> Iterator[None]:
@@ -103,8 +115,12 @@ class ChildWatch:
         if self.failed:
             raise self._death()
         try:
-            yield
-        except Exception as err:
+            self._calling = True
+            try:
+                yield
+            finally:
+                self._calling = False
+        except Exception as err:  # the handler's exception may also surface from the line above
             if self.failed:
                 raise self._death() from err
             raise
