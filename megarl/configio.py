@@ -137,6 +137,8 @@ def _convert(value: object, tp: Any, path: str, nullable: bool = False) -> objec
         choices = [str(a) for a in get_args(tp)]
         if isinstance(value, str) and value in choices:
             return value
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            return "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as a boolean
         close = difflib.get_close_matches(str(value), choices, n=1)
         fix = f"use {show(close[0])}" if close else "use one of them"
         if nullable:

@@ -153,6 +153,18 @@ def error_of(data: object, overrides: tuple[str, ...] = ()) -> str:
     return str(info.value)
 
 
+def test_unquoted_on_and_off_mean_the_words_not_booleans(tmp_path: Path) -> None:
+    """YAML 1.1 reads `on`/`off` as true/false: in a file and after --set they still select the choice."""
+    for word in ("on", "off"):
+        base = "data:\n  train_path: gsm8k\nmodel:\n  hf_path: /m\n"
+        cfg = load_config(write(tmp_path, base + f"  transformer_engine: {word}\n"))
+        assert cfg.model.transformer_engine == word
+        cfg = load_config(write(tmp_path, base), [f"model.transformer_engine={word}"])
+        assert cfg.model.transformer_engine == word
+    bad = {"data": {"train_path": "gsm8k"}, "model": {"hf_path": "/m", "transformer_engine": 1}}
+    assert "is not one of auto, on, off" in error_of(bad)
+
+
 def test_full_recipe_loads_every_section(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, FULL))
     assert cfg.model.transformer_engine == "off"
