@@ -9,6 +9,7 @@ from typing import Any
 
 from megarl import checkpoint, interrupt
 from megarl.config import load_config, run_dir, validate_layout
+from megarl.configio import check
 from megarl.errors import UserError
 from megarl.tracking import Tracker, open_store
 
@@ -23,8 +24,15 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     out_dir = run_dir(cfg)
     check_writable(out_dir, "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)")
     from megarl.models.spec import load_spec
+    from megarl.reshard.engine_layout import check_rollout_tp
 
     spec = load_spec(cfg.model.hf_path)
+    check_rollout_tp(spec, cfg.rollout.tensor_parallel)
+    p = cfg.parallel
+    check(not spec.is_moe or p.tensor_parallel == 1 or p.sequence_parallel, "parallel.sequence_parallel",
+          p.sequence_parallel, f"be true for an MoE model ({spec.hf_config.get('architectures')}) with "
+          f"tensor_parallel = {p.tensor_parallel}: Megatron's MoE layers train under TP only with it",
+          "set parallel.sequence_parallel: true")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)

@@ -62,10 +62,14 @@ class ModelConfig:
     """Use Transformer Engine layers: auto = when installed and on GPU; on = required; off = local layers."""
     recompute_activations: bool = False
     """Recompute transformer-layer activations in backward to save memory (about 30% more compute)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models (Qwen3-MoE): weight of the router's load-balancing loss in the actor's loss (0 = none, as RL
+    fine-tuning usually runs; pretraining used 0.001)."""
 
     def __post_init__(self) -> None:
         _nonempty(self, "hf_path")
         _positive(self, "vocab_pad_multiple")
+        _within(self, "moe_aux_loss_coeff", "[0, inf)", "use 0 (no load-balancing loss) or a small weight, 0.001")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,5 +1,9 @@
 """Trainer parallelism: the TP x PP x DP mesh, rank coordinates, and megatron-core process groups.
 
+MoE experts are split over ``ep`` expert-parallel ranks carved out of DP (Megatron's expert mesh, with expert
+TP equal to TP): a rank's expert-parallel rank is ``dp % ep``, and it holds experts
+[ep_rank * E / ep, (ep_rank + 1) * E / ep) of every MoE layer.
+
 This is the only module that touches megatron's global ``parallel_state``; everything else
 receives a ``ParallelGroups`` and passes its groups explicitly.
 """
@@ -26,10 +30,18 @@ class ParallelDims:
     dp: int
     vpp: int | None = None
     order: str = "tp-dp-pp"
+    ep: int = 1
+    """Expert-parallel ranks (MoE); divides dp."""
 
     def __post_init__(self) -> None:
         assert self.tp >= 1 and self.pp >= 1 and self.dp >= 1, self
         assert self.order in _MEGATRON_ORDER, self.order
+        assert self.ep >= 1 and self.dp % self.ep == 0, self
+        assert self.ep == 1 or self.order == "tp-dp-pp", "expert parallelism needs the tp-dp-pp rank order"
+
+    def ep_rank(self, rank: int) -> int:
+        """The expert-parallel rank of a global rank."""
+        return self.coords(rank)["dp"] % self.ep
 
     @property
     def world_size(self) -> int:
@@ -72,6 +84,7 @@ class ParallelGroups:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     world_group: dist.ProcessGroup
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -105,6 +118,7 @@ def init_model_parallel(dims: ParallelDims, timeout_minutes: int = 30) -> Parall
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp,
+        expert_model_parallel_size=dims.ep,
         distributed_timeout_minutes=timeout_minutes,
         order=_MEGATRON_ORDER[dims.order],
     )
@@ -119,9 +133,11 @@ def init_model_parallel(dims: ParallelDims, timeout_minutes: int = 30) -> Parall
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         world_group=dist.group.WORLD,  # type: ignore[arg-type]
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
     coords = dims.coords(rank)
-    assert (coords["tp"], coords["pp"], coords["dp"]) == (groups.tp_rank, groups.pp_rank, groups.dp_rank), (
+    assert (coords["tp"], coords["pp"], coords["dp"], dims.ep_rank(rank)) == (
+        groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.ep_rank), (
         "megatron's rank order disagrees with ParallelDims", coords, groups)
     return groups
 

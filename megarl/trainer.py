@@ -73,7 +73,8 @@ class RLTrainer:
                                                           and transformer_engine_available())
         opts = BuildOptions(dtype=DTYPES[cfg.model.dtype], vocab_pad_multiple=cfg.model.vocab_pad_multiple,
                             transformer_engine=use_te, sequence_parallel=cfg.parallel.sequence_parallel,
-                            recompute_activations=cfg.model.recompute_activations)
+                            recompute_activations=cfg.model.recompute_activations,
+                            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff)
         algo, steps = cfg.algorithm, cfg.trainer.num_steps
         temperature = cfg.rollout.temperature  # log-probabilities of the distribution the engine samples from
         self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps,

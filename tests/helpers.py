@@ -25,22 +25,27 @@ TINY = {
     "qwen3": dict(vocab_size=170, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                   rope_theta=1000000.0, tie_word_embeddings=True),
+    # Qwen3-30B-A3B's kind: 8 experts of width 32, top-2 renormalised, in every layer.
+    "qwen3_moe": dict(vocab_size=170, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      rope_theta=1000000.0, tie_word_embeddings=False),
 }
 
 
 def make_hf_model(path: Path, family: str, seed: int = 0, max_shard_size: str | None = None,
                   dtype: torch.dtype = torch.float32, **overrides: object) -> Path:
-    """Save a random tiny Llama/Qwen2/Qwen3 with transformers; weights ~N(0, 0.05) so logits are not flat."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """Save a random tiny Llama/Qwen2/Qwen3(-MoE) with transformers; weights ~N(0, 0.05) so logits are not flat,
+    MoE routers ~N(0, 1) so that expert choices are clear-cut (float rounding does not flip them)."""
+    import transformers
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+    config_cls, model_cls = getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**(TINY[family] | overrides)))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.05)
+            param.normal_(1.0 if "norm" in name else 0.0, 1.0 if name.endswith("mlp.gate.weight") else 0.05)
     model.to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return path
 

@@ -111,3 +111,18 @@ def test_launcher_checks_before_any_worker_starts(tmp_path):
         assert "Traceback" not in proc.stderr and "megarl/train.py FAILED" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith(
             f"megarl error: checkpoint.dir = '{blocker / 'run'}' cannot be written"), proc.stderr
+
+
+def test_a_moe_model_under_tensor_parallelism_needs_sequence_parallelism(tmp_path):
+    """Megatron's MoE layers refuse to train under TP without sequence parallelism: the launcher says so
+    before any worker starts, in one paragraph naming the field and the fix, exit 2."""
+    from helpers import make_hf_model
+
+    model = make_hf_model(tmp_path / "moe", "qwen3_moe")
+    proc = subprocess.run([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                           f"model.hf_path={model}", "--set", "parallel.tensor_parallel=2", "--set",
+                           f"checkpoint.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(REPO), "MEGARL_NPROC": "2", "PATH": os.environ["PATH"]})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "parallel.sequence_parallel" in last and "set parallel.sequence_parallel: true" in last, last

@@ -53,6 +53,28 @@ def test_spec_reads_qwen3_qk_norm_and_head_dim(qwen3):
     assert {n: tuple(p.shape) for n, p in hf.named_parameters()} == hf_shapes(s)
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("m") / "qwen3_moe", "qwen3_moe")
+
+
+def test_spec_reads_qwen3_moe_experts(qwen3_moe, tmp_path):
+    s = load_spec(qwen3_moe)
+    assert (s.family, s.is_moe, s.qk_norm, s.num_experts, s.num_experts_per_tok, s.moe_intermediate_size,
+            s.norm_topk_prob) == ("qwen3_moe", True, True, 8, 2, 32, True)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_moe)  # transformers fuses the experts in memory, not on disk
+    assert s.num_params() == sum(p.numel() for p in hf.parameters())
+    assert {n: tuple(t.shape) for n, t in all_tensors(qwen3_moe).items()} == hf_shapes(s)
+    config = json.loads((qwen3_moe / "config.json").read_text())
+    for bad, message in [({"decoder_sparse_step": 2}, "experts in every layer"), ({"mlp_only_layers": [1]},
+                         "experts in every layer"), ({"num_experts_per_tok": 9}, "between 1 and num_experts=8")]:
+        (tmp_path / "config.json").write_text(json.dumps(config | bad))
+        with pytest.raises(UserError, match=message):
+            load_spec(tmp_path)
+
+
 def test_spec_reads_llama3_rope_and_qwen2_tied(llama, qwen2):
     s = load_spec(llama)
     assert (s.family, s.num_kv_heads, s.head_dim, s.tie_word_embeddings) == ("llama", 2, 16, False)
@@ -62,7 +84,7 @@ def test_spec_reads_llama3_rope_and_qwen2_tied(llama, qwen2):
     assert q.padded_vocab_size(tp=2, multiple=128) == 256
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mapping_round_trip_is_exact(request, model, tp):
     src = request.getfixturevalue(model)
@@ -96,7 +118,8 @@ def test_vocab_shard_pads_with_zero_rows(llama):
     assert not shard[72:].any()
 
 
-@pytest.mark.parametrize("model,tp,pp", [("llama", 2, 2), ("qwen2", 2, 1), ("qwen2", 1, 4), ("qwen3", 2, 2)])
+@pytest.mark.parametrize("model,tp,pp", [("llama", 2, 2), ("qwen2", 2, 1), ("qwen2", 1, 4), ("qwen3", 2, 2),
+                                         ("qwen3_moe", 2, 2)])
 def test_convert_round_trip_is_bit_exact(request, tmp_path, model, tp, pp):
     src = request.getfixturevalue(model)
     proc = convert("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "mc"), "--tp", str(tp), "--pp", str(pp))

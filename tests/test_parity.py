@@ -1,4 +1,4 @@
-"""megarl's Megatron models equal HF transformers across TP/PP/VPP layouts (float32, CPU, gloo)."""
+"""megarl's Megatron models equal HF transformers across TP/PP/VPP(/EP) layouts (float32, CPU, gloo)."""
 
 
 import pytest
@@ -14,10 +14,15 @@ def test_logits_logprobs_values_match_transformers(tmp_path):
     llama = make_hf_model(tmp_path / "llama", "llama")
     qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2", max_shard_size="100KB")  # sharded, with an index
     qwen3 = make_hf_model(tmp_path / "qwen3", "qwen3")  # QK-norm, head_dim 32 with hidden 64
-    results = run_worker("parity.py", tmp_path, llama, qwen2, qwen3)
-    seen = {(r["model"], r["tp"], r["pp"], r["vpp"]) for r in results}
-    layouts = {(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)}
-    assert seen == {(m, *layout) for m in ("llama", "qwen2", "qwen3") for layout in layouts}
+    qwen3_moe = make_hf_model(tmp_path / "qwen3_moe", "qwen3_moe")  # 8 experts, top-2, in every layer
+    results = run_worker("parity.py", tmp_path, llama, qwen2, qwen3, qwen3_moe)
+    seen = {(r["model"], r["tp"], r["pp"], r["vpp"], r["ep"]) for r in results}
+    layouts = {(1, 1, None, 1), (2, 1, None, 1), (1, 2, None, 1), (2, 2, None, 1), (1, 2, 2, 1)}
+    # Experts split over 2 or 4 expert-parallel ranks, with TP or PP beside them.
+    moe_layouts = {(1, 1, None, 2), (1, 1, None, 4), (2, 1, None, 2), (1, 2, None, 2)}
+    assert seen == ({(m, *layout) for m in ("llama", "qwen2", "qwen3", "qwen3_moe") for layout in layouts}
+                    | {("qwen3_moe", *layout) for layout in moe_layouts})
+    assert all("SequentialMLP" in r["layers"] for r in results if r["model"] == "qwen3_moe")
     for row in results:
         for key in ("logits", "logprobs", "values"):
             assert row[key] < MAX_ABS_DIFF, row

@@ -214,3 +214,38 @@ def test_flat_buckets_hand_out_filled_engine_tensors():
     for b in buckets:
         for t in b.tensors.values():
             assert t.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+
+
+def moe_spec(tmp_path):
+    """Qwen3-MoE's kind, small: 8 experts in each of 4 layers."""
+    import json
+
+    from helpers import TINY as HF_TINY
+    from megarl.models.spec import load_spec
+
+    config = HF_TINY["qwen3_moe"] | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return load_spec(tmp_path)
+
+
+MOE_LAYOUTS = [(tp, pp, dp, ep, r) for tp, pp, dp, ep, r in itertools.product((1, 2), (1, 2), (1, 2, 4), (1, 2, 4),
+                                                                              (1, 2, 4))
+               if dp % ep == 0 and (tp * pp * dp) % r == 0 and tp * pp * dp <= 8]
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep,r", MOE_LAYOUTS)
+def test_moe_experts_come_from_their_expert_parallel_rank_exactly_once(tmp_path, tp, pp, dp, ep, r):
+    """Each expert's bytes come from a rank of its expert-parallel rank, locally where the GPU holds them, and
+    fill the engine's fused w13/w2 tensors exactly once."""
+    spec = moe_spec(tmp_path)
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep)
+    plan = make_plan(spec, dims, r, gpus_per_node=8, element_size=2, bucket_bytes=16 * 1024)
+    check_exactly_once(plan)
+    per_rank = spec.num_experts // ep
+    for t in (t for bucket in plan.buckets for t in bucket if ".mlp.experts." in t.src_name):
+        expert = int(t.src_name.split(".mlp.experts.")[1].split(".")[0])
+        assert dims.ep_rank(t.src_rank) == expert // per_rank, t
+        dst = dims.coords(t.dst_rank)
+        holds = (dims.ep_rank(t.dst_rank) == expert // per_rank and dst["pp"] == dims.coords(t.src_rank)["pp"]
+                 and dst["tp"] == dims.coords(t.src_rank)["tp"])
+        assert t.local or not holds, f"{t} moves an expert shard its destination already holds"

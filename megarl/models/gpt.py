@@ -1,4 +1,4 @@
-"""Build Llama/Qwen2 (and the critic) as megatron-core GPTModel chunks and load HF weights into them."""
+"""Build Llama/Qwen2/Qwen3(-MoE) (and the critic) as megatron-core GPTModel chunks and load HF weights into them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# An expert's weights: local-spec SequentialMLP names, or TE's grouped GEMM names; canonical names use the global index.
+_EXPERT = (re.compile(r"^mlp\.experts\.local_experts\.(?P<index>\d+)\.(?P<linear>linear_fc[12])\.weight$"),
+           re.compile(r"^mlp\.experts\.(?P<linear>linear_fc[12])\.weight(?P<index>\d+)$"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class BuildOptions:
     recompute_activations: bool = False
     critic: bool = False
     """Replace the LM head by a scalar value head (PPO critic)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: weight of the router's load-balancing loss (0 = none, RL's usual choice)."""
     fused_attention: bool = True
     """Local spec: torch's fused SDPA as core attention; False keeps Megatron's unfused DotProductAttention
     (the baseline benchmarks/train_throughput.py compares against)."""
@@ -87,6 +92,28 @@ def transformer_config(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptio
         recompute_granularity="full" if opts.recompute_activations else None,
         recompute_method="uniform" if opts.recompute_activations else None,
         recompute_num_layers=1 if opts.recompute_activations else None,
+        **(_moe_config(spec, groups, opts) if spec.is_moe else {}),
+    )
+
+
+def _moe_config(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> dict[str, Any]:
+    """Qwen3-MoE's routing as transformers computes it: softmax over the router's logits, the top k experts,
+    their probabilities renormalised (norm_topk_prob; Megatron's top-k-then-softmax is the same thing) or not
+    (softmax first); no shared expert; tokens dispatched all-to-all over the expert-parallel ranks."""
+    from megarl.platform.megatron_fixes import fix_moe_without_te
+
+    fix_moe_without_te()
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if opts.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=opts.transformer_engine,
+        expert_model_parallel_size=groups.dims.ep,
     )
 
 
@@ -123,12 +150,15 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
     )
 
     config = transformer_config(spec, groups, opts)
+    experts = spec.num_experts or None
     if opts.transformer_engine:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=bool(experts),
+                                                                qk_layernorm=spec.qk_norm)
     else:
         from megarl.models.attention import FusedCoreAttention
 
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+        layer_spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm",
+                                              qk_layernorm=spec.qk_norm)
         if opts.fused_attention:
             layer_spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     num_chunks = groups.dims.vpp or 1
@@ -165,24 +195,29 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
 
 
 def layer_implementation(chunks: list[torch.nn.Module]) -> str:
-    """The classes that run a transformer layer here (QKV projection, core attention, first MLP linear):
-    whether a run used Transformer Engine or the local spec, read from the model itself."""
+    """The classes that run a transformer layer here (QKV projection, core attention, first MLP linear or MoE
+    experts): whether a run used Transformer Engine or the local spec, read from the model itself."""
     decoder: Any = _unwrap(chunks[0]).decoder
     layer = decoder.layers[0]
     attention, mlp = layer.self_attention, layer.mlp
-    return ", ".join(type(m).__name__ for m in (attention.linear_qkv, attention.core_attention, mlp.linear_fc1))
+    ffn = getattr(mlp, "experts", None) or mlp.linear_fc1
+    return ", ".join(type(m).__name__ for m in (attention.linear_qkv, attention.core_attention, ffn))
 
 
 def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,
                      groups: ParallelGroups) -> dict[str, torch.nn.Parameter]:
     """This rank's parameters by canonical name (local-spec names, global layer indices)."""
     out = {}
+    first_expert = groups.ep_rank * (spec.num_experts // groups.dims.ep)
     for vp, chunk in enumerate(chunks):
         offset = chunk_layer_offset(spec, groups, vp)
         for name, param in _unwrap(chunk).named_parameters():
             match = _LAYER.match(name)
             if match:
                 rest = _TE_NAMES.get(match.group(2), match.group(2))
+                for pattern in _EXPERT:
+                    if expert := pattern.match(rest):
+                        rest = f"mlp.experts.{first_expert + int(expert['index'])}.{expert['linear']}.weight"
                 name = f"decoder.layers.{int(match.group(1)) + offset}.{rest}"
             out[name] = param
     return out

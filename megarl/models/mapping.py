@@ -7,6 +7,9 @@ the shard (vocab padding) is zero. Megatron's layouts that differ from HF (see D
 - fc1 is [gate shard; up shard] per TP rank;
 - embedding and output rows are padded to the padded vocab (zeros) and split over TP;
 - row-parallel weights (o_proj, down_proj) split along dim 1; norms (QK-norm's too) are replicated.
+- MoE layers (Qwen3-MoE): the router [num_experts, hidden] is replicated; each expert is an MLP of its own
+  (fc1 = [gate; up] per TP rank, fc2 row-parallel, as the dense MLP), named by its global index
+  (``decoder.layers.L.mlp.experts.E.linear_fc1.weight``) whichever expert-parallel rank holds it.
 The same pieces drive checkpoint conversion, weight loading and the resharding planner.
 """
 
@@ -30,10 +33,12 @@ class ParamRule:
     """One Megatron parameter: its canonical name, the HF tensors it is made of, and how it is split."""
 
     mcore: str
-    """Canonical Megatron name (local layer spec, global layer index)."""
+    """Canonical Megatron name (local layer spec, global layer and expert indices)."""
     hf: tuple[str, ...]
     kind: str
     layer: int | None = None
+    expert: int | None = None
+    """The expert an MoE weight belongs to (global index); None for every other parameter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +75,18 @@ def param_rules(spec: ModelSpec, *, include_output: bool = True) -> list[ParamRu
         rules += [
             ParamRule(d + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), ROW, i),
             ParamRule(d + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), REPLICATED, i),
-            ParamRule(d + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), FC1, i),
-            ParamRule(d + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), ROW, i),
         ]
+        if spec.is_moe:
+            rules.append(ParamRule(d + "mlp.router.weight", (h + "mlp.gate.weight",), REPLICATED, i))
+            for e in range(spec.num_experts):
+                m, x = f"{d}mlp.experts.{e}.", f"{h}mlp.experts.{e}."
+                rules += [ParamRule(m + "linear_fc1.weight", (x + "gate_proj.weight", x + "up_proj.weight"), FC1, i, e),
+                          ParamRule(m + "linear_fc2.weight", (x + "down_proj.weight",), ROW, i, e)]
+        else:
+            rules += [
+                ParamRule(d + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), FC1, i),
+                ParamRule(d + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), ROW, i),
+            ]
     rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
     if include_output and not spec.tie_word_embeddings:
         rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), VOCAB))
@@ -101,29 +115,47 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
         }
+        if spec.is_moe:
+            m = spec.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                shapes |= {x + "gate_proj.weight": (m, h), x + "up_proj.weight": (m, h), x + "down_proj.weight": (h, m)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)}
         if spec.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
     return shapes
 
 
-def replicated_size(rule: ParamRule, spec: ModelSpec) -> int:
-    """Length of a replicated norm weight: head_dim for QK-norm, hidden_size for the others."""
-    return spec.head_dim if rule.mcore.endswith(("q_layernorm.weight", "k_layernorm.weight")) else spec.hidden_size
+def replicated_shape(rule: ParamRule, spec: ModelSpec) -> tuple[int, ...]:
+    """Shape of a replicated weight: [num_experts, hidden] for an MoE router, [head_dim] for QK-norm, [hidden]
+    for the other norms."""
+    if rule.mcore.endswith("mlp.router.weight"):
+        return (spec.num_experts, spec.hidden_size)
+    qk_norm = rule.mcore.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+    return (spec.head_dim,) if qk_norm else (spec.hidden_size,)
+
+
+def _row_cols(rule: ParamRule, spec: ModelSpec) -> int:
+    """Input width of a row-parallel weight: attention's output projection, or an MLP's (an expert's) fc2."""
+    if "linear_proj" in rule.mcore:
+        return spec.num_attention_heads * spec.head_dim
+    return spec.ffn_size(rule.expert is not None)
 
 
 def mcore_pieces(rule: ParamRule, spec: ModelSpec, tp_rank: int, tp: int, padded_vocab: int) -> list[Piece]:
     """The pieces of Megatron's TP shard ``tp_rank`` of ``rule``."""
     if rule.kind == REPLICATED:
-        return [Piece(rule.hf[0], 0, 0, replicated_size(rule, spec), 0)]
+        return [Piece(rule.hf[0], 0, 0, replicated_shape(rule, spec)[0], 0)]
     if rule.kind == ROW:
-        cols = spec.num_attention_heads * spec.head_dim if "linear_proj" in rule.mcore else spec.intermediate_size
-        step = cols // tp
+        step = _row_cols(rule, spec) // tp
         return [Piece(rule.hf[0], 1, tp_rank * step, (tp_rank + 1) * step, 0)]
     if rule.kind == FC1:
-        step = spec.intermediate_size // tp
+        step = spec.ffn_size(rule.expert is not None) // tp
         return [Piece(name, 0, tp_rank * step, (tp_rank + 1) * step, i * step) for i, name in enumerate(rule.hf)]
     if rule.kind == VOCAB:
         step = padded_vocab // tp
@@ -147,12 +179,11 @@ def mcore_shape(rule: ParamRule, spec: ModelSpec, tp: int, padded_vocab: int) ->
     """Shape of one Megatron TP shard of ``rule``."""
     h, d = spec.hidden_size, spec.head_dim
     if rule.kind == REPLICATED:
-        return (replicated_size(rule, spec),)
+        return replicated_shape(rule, spec)
     if rule.kind == ROW:
-        cols = spec.num_attention_heads * d if "linear_proj" in rule.mcore else spec.intermediate_size
-        return (h, cols // tp)
+        return (h, _row_cols(rule, spec) // tp)
     if rule.kind == FC1:
-        return (2 * spec.intermediate_size // tp, h)
+        return (2 * spec.ffn_size(rule.expert is not None) // tp, h)
     if rule.kind == VOCAB:
         return (padded_vocab // tp, h)
     rows = (spec.num_attention_heads + 2 * spec.num_kv_heads) * d // tp

@@ -11,8 +11,10 @@ from typing import Any
 from megarl.errors import UserError
 
 # HF architecture name -> family. Qwen2 differs from Llama only by QKV bias (and often tied embeddings);
-# Qwen3 (dense) by a per-head RMSNorm on queries and keys before RoPE (QK-norm), without the bias.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# Qwen3 (dense) by a per-head RMSNorm on queries and keys before RoPE (QK-norm), without the bias; Qwen3-MoE
+# by a mixture of experts in place of every layer's MLP (a softmax router, top-k experts, no shared expert).
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +22,7 @@ class ModelSpec:
     """Shapes and hyper-parameters of a decoder-only model; everything that layouts depend on."""
 
     family: str
-    """"llama", "qwen2" or "qwen3"."""
+    """"llama", "qwen2", "qwen3" or "qwen3_moe"."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,22 +41,47 @@ class ModelSpec:
     """RMSNorm over head_dim on every query and key head (weights of head_dim, shared by all heads)."""
     hf_config: dict[str, Any]
     """The config.json as read, written back unchanged on export."""
+    num_experts: int = 0
+    """Experts per MoE layer (every layer); 0 = a dense MLP."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's MLP width."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (softmax over all experts, then top-k)."""
 
     @property
     def q_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def ffn_size(self, expert: bool) -> int:
+        """Width of a dense MLP, or of one expert's."""
+        return self.moe_intermediate_size if expert else self.intermediate_size
 
     def padded_vocab_size(self, tp: int, multiple: int) -> int:
         """Megatron's vocab rows: the vocab rounded up to ``multiple * tp`` so every TP shard is equal."""
         step = multiple * tp
         return math.ceil(self.vocab_size / step) * step
 
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention, QK-norm and QKV bias included."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm
+                                                                                   else 0)
+
+    def expert_params(self) -> int:
+        """Parameters of one layer's experts (0 for a dense model)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
     def layer_params(self) -> int:
-        """Parameters of one transformer layer, its two norms (2 * hidden_size) included."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return (h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (q + 2 * kv if self.qkv_bias else 0)
-                + (2 * self.head_dim if self.qk_norm else 0))
+        """Parameters of one transformer layer, its two norms (2 * hidden_size) and an MoE router included."""
+        h = self.hidden_size
+        mlp = self.expert_params() + self.num_experts * h if self.is_moe else 3 * h * self.intermediate_size
+        return self.attention_params() + mlp + 2 * h
 
     def num_params(self) -> int:
         """Parameter count of the HF model (embedding counted once when tied)."""
@@ -121,6 +148,9 @@ def load_spec(hf_dir: str | Path) -> ModelSpec:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UserError(f"{path}: attention_bias/mlp_bias are not supported by megarl's Llama mapping.")
     theta, scaling = _rope(cfg, path)
+    moe: dict[str, Any] = {}
+    if family == "qwen3_moe":
+        moe = _moe(cfg, path)
     return ModelSpec(
         family=family,
         vocab_size=int(_require(cfg, "vocab_size", path)),
@@ -136,6 +166,22 @@ def load_spec(hf_dir: str | Path) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         hf_config=cfg,
+        **moe,
     )
+
+
+def _moe(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json (transformers >= 5 writes num_local_experts for num_experts)."""
+    num_experts = int(cfg.get("num_experts") or _require(cfg, "num_local_experts", path))
+    top_k = int(_require(cfg, "num_experts_per_tok", path))
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise UserError(f"{path}: decoder_sparse_step={cfg.get('decoder_sparse_step')} and mlp_only_layers="
+                        f"{cfg.get('mlp_only_layers')}: megarl's Qwen3-MoE mapping needs experts in every layer "
+                        "(decoder_sparse_step 1, no mlp_only_layers), as Qwen3's released MoE models have.")
+    if not 1 <= top_k <= num_experts:
+        raise UserError(f"{path}: num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}.")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(_require(cfg, "moe_intermediate_size", path)),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}

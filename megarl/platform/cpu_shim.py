@@ -15,6 +15,7 @@ same code that runs on clusters. This shim makes that possible without forking m
 4. The torch ``LayerNorm``/``RMSNorm`` wrapper refuses sequence parallelism; it is correct
    under SP as long as its parameters carry ``sequence_parallel=True`` (so their grads are
    all-reduced over TP), which we set.
+5. MoE's token dispatcher gets its split sizes as numpy arrays, as its device-to-host copy makes them.
 
 Measured with it: TP 2/4 (with and without SP), PP 2/4, interleaved PP and DP match the
 single-rank loss and grad norm to ~1e-7 over several Adam steps. Pitfalls it does not fix
@@ -90,7 +91,8 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 class _Inert:
-    """Stands in for CUDA streams and events: every method is a no-op."""
+    """Stands in for CUDA streams and events: every method is a no-op that returns another stand-in (MoE's token
+    dispatcher synchronizes the event its stream's ``record_event()`` returns)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
@@ -102,7 +104,7 @@ class _Inert:
         return None
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _Inert()
 
 
 def _patch_torch_cuda() -> None:
@@ -141,6 +143,17 @@ def _patch_megatron() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign]
+
+    # MoE's token dispatcher copies its split sizes "to the host" as numpy arrays, which all_to_all takes; a tensor
+    # already on the CPU would stay a tensor, which it does not take.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def install() -> None:

@@ -5,7 +5,14 @@ Engine rank r of an engine with tensor parallelism R holds (DESIGN.md, "The resh
 - qkv_proj: [q heads of rank r; its k head(s); its v head(s)], kv heads replicated when R > num_kv_heads;
 - o_proj: the columns of rank r's q heads; gate_up_proj: [gate rows of r; up rows of r];
 - down_proj: rank r's columns of the intermediate dim; norms (Qwen3's q_norm/k_norm too) replicated.
+- MoE layers (Qwen3-MoE; the engines' FusedMoE, experts split by TP): mlp.gate (the router) replicated;
+  experts.w13_weight [E, 2 I/R, hidden]: per expert [gate rows of r; up rows of r]; experts.w2_weight
+  [E, hidden, I/R]: per expert rank r's columns of down_proj.
 Tied embeddings: the engine's lm_head shares embed_tokens, so only embed_tokens is written.
+
+Tensors of three dims (the experts) are addressed as the matrix [-1, last dim] (``matrix_shape``): a piece along
+dim 0 covers rows of it, and a piece along dim 1 covers columns of a block of rows, its ``offset`` counting
+elements from the matrix's start (block row * columns + first column).
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ class EngineTensor:
     layer: int | None = None
 
 
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The (rows, columns) a tensor is addressed as: [n] as [n, 1], [a, b] as itself, [a, b, c] as [a * b, c]."""
+    return (shape[0], 1) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
+
+
 def engine_vocab_padded(spec: ModelSpec) -> int:
     return math.ceil(spec.vocab_size / ENGINE_VOCAB_PAD) * ENGINE_VOCAB_PAD
 
@@ -41,8 +53,9 @@ def check_rollout_tp(spec: ModelSpec, rollout_tp: int, field: str = "rollout.ten
         problems.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by it")
     if rollout_tp % spec.num_kv_heads and spec.num_kv_heads % rollout_tp:
         problems.append(f"it neither divides nor is a multiple of num_key_value_heads={spec.num_kv_heads}")
-    if spec.intermediate_size % rollout_tp:
-        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by it")
+    if spec.ffn_size(spec.is_moe) % rollout_tp:
+        field_name = "moe_intermediate_size" if spec.is_moe else "intermediate_size"
+        problems.append(f"{field_name}={spec.ffn_size(spec.is_moe)} is not divisible by it")
     if engine_vocab_padded(spec) % rollout_tp:
         problems.append(f"the engine's padded vocab {engine_vocab_padded(spec)} is not divisible by it")
     if problems:
@@ -53,7 +66,7 @@ def check_rollout_tp(spec: ModelSpec, rollout_tp: int, field: str = "rollout.ten
 
 def _fits(spec: ModelSpec, r: int) -> bool:
     return (spec.num_attention_heads % r == 0 and (r % spec.num_kv_heads == 0 or spec.num_kv_heads % r == 0)
-            and spec.intermediate_size % r == 0 and engine_vocab_padded(spec) % r == 0)
+            and spec.ffn_size(spec.is_moe) % r == 0 and engine_vocab_padded(spec) % r == 0)
 
 
 def engine_tensors(spec: ModelSpec, rollout_tp: int, rank: int) -> list[EngineTensor]:
@@ -95,6 +108,11 @@ def engine_tensors(spec: ModelSpec, rollout_tp: int, rank: int) -> list[EngineTe
                          (Piece(p + "self_attn.o_proj.weight", 1, q0 * d, (q0 + nq) * d, 0),), i),
             EngineTensor(e + "post_attention_layernorm.weight", (h,),
                          (Piece(p + "post_attention_layernorm.weight", 0, 0, h, 0),), i),
+        ]
+        if spec.is_moe:
+            out += _moe_tensors(spec, R, rank, i)
+            continue
+        out += [
             EngineTensor(e + "mlp.gate_up_proj.weight", (2 * inter, h),
                          (Piece(p + "mlp.gate_proj.weight", 0, rank * inter, (rank + 1) * inter, 0),
                           Piece(p + "mlp.up_proj.weight", 0, rank * inter, (rank + 1) * inter, inter)), i),
@@ -105,3 +123,17 @@ def engine_tensors(spec: ModelSpec, rollout_tp: int, rank: int) -> list[EngineTe
     if not spec.tie_word_embeddings:
         out.append(EngineTensor("lm_head.weight", (rows, h), vocab_pieces("lm_head.weight")))
     return out
+
+
+def _moe_tensors(spec: ModelSpec, R: int, rank: int, layer: int) -> list[EngineTensor]:
+    """Layer ``layer``'s router and experts on engine rank ``rank`` (FusedMoE's layout, experts split by TP)."""
+    h, n, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size // R
+    p = f"model.layers.{layer}.mlp."
+    lo, hi = rank * inter, (rank + 1) * inter
+    w13 = tuple(piece for x in range(n) for piece in (
+        Piece(f"{p}experts.{x}.gate_proj.weight", 0, lo, hi, 2 * x * inter),
+        Piece(f"{p}experts.{x}.up_proj.weight", 0, lo, hi, (2 * x + 1) * inter)))
+    w2 = tuple(Piece(f"{p}experts.{x}.down_proj.weight", 1, lo, hi, x * h * inter) for x in range(n))
+    return [EngineTensor(p + "gate.weight", (n, h), (Piece(p + "gate.weight", 0, 0, n, 0),), layer),
+            EngineTensor(p + "experts.w13_weight", (n, 2 * inter, h), w13, layer),
+            EngineTensor(p + "experts.w2_weight", (n, h, inter), w2, layer)]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megarl.errors import UserError
 from megarl.kernels import Segment, extension, segment_table
+from megarl.reshard.engine_layout import matrix_shape
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.planner import Plan, Transfer, row_bytes
 from megarl.reshard.verify import expected_checksums
@@ -76,7 +77,8 @@ def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
     rows, run = src_shape[0], t.length * element_size
     src_off, src_stride = ((t.src_offset * element_size, src_shape[1] * element_size) if src_packed is None
                            else (src_packed, run))
-    dst_off, dst_stride = ((t.dst_offset * element_size, dst_shape[1] * element_size) if dst_packed is None
+    dst_off, dst_stride = ((t.dst_offset * element_size, matrix_shape(dst_shape)[1] * element_size)
+                           if dst_packed is None
                            else (dst_packed, run))
     return Segment(src_index, src_off, src_stride, dst_index, dst_off, dst_stride, rows, run)
 

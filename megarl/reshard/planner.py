@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megarl.errors import UserError
-from megarl.models.mapping import Piece, mcore_pieces, mcore_shape, param_rules, pipeline_stage
+from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mcore_shape, param_rules, pipeline_stage
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors
@@ -104,13 +104,29 @@ class Plan:
         }
 
 
-def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[tuple[int, str, Piece]]]:
-    index: dict[str, list[tuple[int, str, Piece]]] = defaultdict(list)
+def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[tuple[int, ParamRule, Piece]]]:
+    index: dict[str, list[tuple[int, ParamRule, Piece]]] = defaultdict(list)
     for rule in param_rules(spec):
         for t in range(tp):
             for piece in mcore_pieces(rule, spec, t, tp, padded_vocab):
-                index[piece.hf].append((t, rule.mcore, piece))
+                index[piece.hf].append((t, rule, piece))
     return index
+
+
+def holders(rule: ParamRule, tp_rank: int, spec: ModelSpec, dims: ParallelDims) -> list[int]:
+    """The trainer ranks holding TP shard ``tp_rank`` of ``rule``: its pipeline stage's DP replicas, those of
+    the expert's expert-parallel rank for an MoE expert."""
+    stage = pipeline_stage(rule.mcore, spec, dims.pp)
+    ranks = [dims.rank(tp=tp_rank, dp=dp, pp=stage) for dp in range(dims.dp)]
+    if rule.expert is None:
+        return ranks
+    owner = rule.expert // (spec.num_experts // dims.ep)
+    return [g for g in ranks if dims.ep_rank(g) == owner]
+
+
+def unit_bytes(spec: ModelSpec, piece: Piece, element_size: int) -> int:
+    """Bytes per unit of a piece's length: a row of its HF tensor (dim 0) or a column (dim 1)."""
+    return row_bytes(hf_shapes(spec)[piece.hf], piece.dim, element_size)
 
 
 def engine_groups(engine_ranks: list[int], rollout_tp: int) -> list[list[int]]:
@@ -136,14 +152,13 @@ def held_bytes(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, element_siz
     held = [[0] * rollout_tp for _ in range(dims.world_size)]
     for r in range(rollout_tp):
         for tensor in engine_tensors(spec, rollout_tp, r):
-            unit_bytes = row_bytes(tensor.shape, tensor.pieces[0].dim if tensor.pieces else 0, element_size)
             for dpiece in tensor.pieces:
-                for t, name, spiece in index[dpiece.hf]:
+                unit = unit_bytes(spec, dpiece, element_size)
+                for t, rule, spiece in index[dpiece.hf]:
                     lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
                     if lo < hi:
-                        pp = pipeline_stage(name, spec, dims.pp)
-                        for dp in range(dims.dp):
-                            held[dims.rank(tp=t, dp=dp, pp=pp)][r] += (hi - lo) * unit_bytes
+                        for g in holders(rule, t, spec, dims):
+                            held[g][r] += (hi - lo) * unit
     return held
 
 
@@ -240,22 +255,21 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     for group in groups:
         transfers = []
         for dst, tensor in group:
-            unit_bytes = row_bytes(tensor.shape, tensor.pieces[0].dim if tensor.pieces else 0, element_size)
             for dpiece in tensor.pieces:
+                unit = unit_bytes(spec, dpiece, element_size)
                 # Trainer pieces of the same HF tensor, grouped by the range they cover.
-                by_range: dict[tuple[int, int], list[tuple[int, str, int]]] = defaultdict(list)
-                for t, name, spiece in index[dpiece.hf]:
+                by_range: dict[tuple[int, int], list[tuple[int, ParamRule, int]]] = defaultdict(list)
+                for t, rule, spiece in index[dpiece.hf]:
                     lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
                     if lo < hi:
-                        by_range[lo, hi].append((t, name, spiece.offset + lo - spiece.start))
+                        by_range[lo, hi].append((t, rule, spiece.offset + lo - spiece.start))
                 covered = sum(hi - lo for lo, hi in by_range)
                 assert covered == dpiece.length, (tensor.name, dpiece, covered)
                 for (lo, hi), options in sorted(by_range.items()):
-                    holders = {dims.rank(tp=t, dp=dp, pp=pipeline_stage(name, spec, dims.pp)): (name, off)
-                               for t, name, off in options for dp in range(dims.dp)}
-                    nbytes = (hi - lo) * unit_bytes
-                    src = pick(sorted(holders), dst, nbytes)
-                    name, off = holders[src]
+                    sources = {g: (rule.mcore, off) for t, rule, off in options for g in holders(rule, t, spec, dims)}
+                    nbytes = (hi - lo) * unit
+                    src = pick(sorted(sources), dst, nbytes)
+                    name, off = sources[src]
                     transfers.append(Transfer(src, name, dst, tensor.name, dpiece.dim, off,
                                               dpiece.offset + lo - dpiece.start, hi - lo, nbytes))
         transfers_by_group.append(transfers)

@@ -12,7 +12,6 @@ for annotations).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,11 +60,11 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
 def slice_checksum(src: torch.Tensor, t: Transfer, dst_shape: tuple[int, ...]) -> torch.Tensor:
     """The part of the checksum of engine tensor ``t.dst_name`` (of ``dst_shape``) that transfer ``t`` writes,
     computed from the trainer tensor ``src`` it reads."""
+    columns = dst_shape[-1] if len(dst_shape) > 1 else 1  # as a matrix (megarl.reshard.engine_layout.matrix_shape)
     if t.dim == 0:
-        row = math.prod(dst_shape[1:])
-        return _run(_bits(src.narrow(0, t.src_offset, t.length)), t.dst_offset * row)
-    # A column slice of a matrix: positions r * columns + dst_offset + c.
-    rows, columns = src.shape[0], dst_shape[1]
+        return _run(_bits(src.narrow(0, t.src_offset, t.length)), t.dst_offset * columns)
+    # A column slice of a block of rows: positions r * columns + dst_offset + c.
+    rows = src.shape[0]
     per = max(1, CHUNK // t.length)
     total = torch.zeros(2, dtype=torch.int64, device=src.device)
     offsets = torch.arange(t.length, dtype=torch.int64, device=src.device) + t.dst_offset

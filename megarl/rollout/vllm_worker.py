@@ -17,7 +17,9 @@ Two ways in, chosen by parameter shapes (``load_engine_tensors``):
   pieces go back to their places in full-size HF tensors (qkv_proj -> q/k/v, gate_up_proj -> gate/up,
   vocab padding dropped; with tensor parallelism the other ranks' slices stay zero, since vLLM's loaders
   read only their own) and through vLLM's in-place reload (``Worker.reload_weights``), which runs the
-  model's ``load_weights`` layer by layer and repacks each layer.
+  model's ``load_weights`` layer by layer and repacks each layer (fused MoE experts: megarl repacks them, since
+  vLLM does so only at the first load). Engine tensors are named as SGLang names them; vLLM's fused experts sit
+  one module deeper (``experts.routed_experts.w13_weight``).
 """
 
 from __future__ import annotations
@@ -44,11 +46,18 @@ def _to_hf(names: list[str], get: Callable[[str], torch.Tensor], layout: Layout
     them) keep each layer's tensors together, so vLLM's layer-wise reload holds one layer at a time."""
     for name in names:
         tensor = get(name)
+        # Addressed as a matrix (megarl.reshard.engine_layout.matrix_shape): MoE experts [E, a, b] as [E * a, b].
+        matrix = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 2 else tensor
         built: dict[str, torch.Tensor] = {}
         for hf, dim, start, stop, offset in layout["pieces"][name]:
             if hf not in built:
                 built[hf] = torch.zeros(layout["hf_shapes"][hf], dtype=tensor.dtype, device=tensor.device)
-            built[hf].narrow(dim, start, stop - start).copy_(tensor.narrow(dim, offset, stop - start))
+            target = built[hf].narrow(dim, start, stop - start)
+            if dim == 0:
+                target.copy_(matrix.narrow(0, offset, stop - start))
+            else:  # columns of a block of rows: offset = first row * columns + first column
+                row, column = divmod(offset, matrix.shape[1])
+                target.copy_(matrix[row:row + target.shape[0], column:column + stop - start])
         yield from built.items()
 
 
@@ -58,15 +67,22 @@ def load_engine_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...
     """Write engine-layout tensors (``get(name)``, of ``shapes``) into ``model``; returns the path taken.
     ``layout``: this engine rank's HF pieces per engine tensor (megarl.rollout.vllm.engine_rank_layout)."""
     params = dict(model.named_parameters())
-    unknown = sorted(set(shapes) - set(params))
+    own = {name: _own_name(name, params) for name in shapes}
+    unknown = sorted(n for n in own.values() if n not in params)
     if unknown:
         raise ValueError(f"the engine has no parameters {unknown[:3]} ({len(unknown)} unknown); the model and "
                          "the engine layout disagree")
-    if all(tuple(params[n].shape) == tuple(s) for n, s in shapes.items()):
+    if all(tuple(params[own[n]].shape) == tuple(s) for n, s in shapes.items()):
         for name in shapes:
-            params[name].copy_(get(name))
+            params[own[name]].copy_(get(name))
         return "in_place"
     reload(_to_hf(list(shapes), get, layout))
+    # A fused MoE layer repacks its experts for its kernel only at the first load (vLLM skips it on weight
+    # updates): after a reload they would stay in the checkpoint's layout, which the CPU kernel misreads.
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if hasattr(module, "w13_weight") and kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
     # A tied lm_head shares embed_tokens' parameter but is never loaded itself, so vLLM's reload does not
     # rerun its post-load processing: on CPU that would leave its packed copy of the old embedding.
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -74,6 +90,14 @@ def load_engine_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...
             and head.weight.data_ptr() == embed.weight.data_ptr() and hasattr(head, "quant_method")):
         head.quant_method.process_weights_after_loading(head)
     return "load"
+
+
+def _own_name(name: str, params: dict[str, torch.nn.Parameter]) -> str:
+    """vLLM's name for an engine-layout tensor: its fused MoE experts sit one module deeper than SGLang's
+    (``mlp.experts.routed_experts.w13_weight``)."""
+    if name in params:
+        return name
+    return name.replace(".mlp.experts.", ".mlp.experts.routed_experts.")
 
 
 def rss_bytes() -> int:

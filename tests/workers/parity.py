@@ -31,6 +31,8 @@ from megarl.parallel import (  # noqa: E402
 )
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
+# MoE models also with experts split over expert-parallel ranks: (tp, pp, vpp, ep).
+MOE_LAYOUTS = [(1, 1, None, 2), (1, 1, None, 4), (2, 1, None, 2), (1, 2, None, 2)]
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[os.environ.get("PARITY_DTYPE", "float32")]
 TE = os.environ.get("PARITY_TE") == "1"  # Transformer Engine's layer spec (GPU with TE installed)
 
@@ -51,16 +53,18 @@ def main() -> None:
             inputs = [torch.tensor([s], device=platform.device) for s in sequences]
             ref_logits = [hf(t).logits[0].float().cpu() for t in inputs]
             ref_values = [(hf.model(t).last_hidden_state[0].float().cpu() @ head[0]) for t in inputs]
-        for tp, pp, vpp in LAYOUTS:
-            if world % (tp * pp):
+        for tp, pp, vpp, ep in [(*layout, 1) for layout in LAYOUTS] + (MOE_LAYOUTS if spec.is_moe else []):
+            if world % (tp * pp) or (world // (tp * pp)) % ep:
                 continue
-            groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp))
+            groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp, ep=ep))
             model_parallel_seed(1)
             opts = BuildOptions(dtype=DTYPE, transformer_engine=TE)
             chunks = build_model(spec, groups, opts)
-            entry = {"model": Path(model_dir).name, "tp": tp, "pp": pp, "vpp": vpp,
+            entry = {"model": Path(model_dir).name, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep,
                      "layers": layer_implementation(chunks)}
             load_hf_weights(chunks, spec, model_dir, groups, opts)
+            for chunk in chunks:
+                chunk.eval()  # as megarl.score does (MoE under TP refuses training mode without sequence parallel)
 
             def gather_logits(tokens: torch.Tensor, logits: torch.Tensor, g=groups, v=spec.vocab_size) -> torch.Tensor:
                 parts = [torch.empty_like(logits) for _ in range(g.dims.tp)]
@@ -74,6 +78,8 @@ def main() -> None:
             critic_opts = BuildOptions(critic=True, dtype=DTYPE, transformer_engine=TE)
             critic = build_model(spec, groups, critic_opts)
             load_hf_weights(critic, spec, model_dir, groups, critic_opts)
+            for chunk in critic:
+                chunk.eval()
             if groups.is_last_stage:
                 with torch.no_grad():
                     critic[-1].output_layer.weight.copy_(head.to(DTYPE))

@@ -70,10 +70,19 @@ def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
             out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
         o_proj = hf[p + "self_attn.o_proj.weight"]
         out[p + "self_attn.o_proj.weight"] = o_proj.unflatten(1, (nh, d))[:, q_heads].flatten(1)
-        rows_i = slice(r * inter // R, (r + 1) * inter // R)
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"][rows_i],
-                                                        hf[p + "mlp.up_proj.weight"][rows_i]])
-        out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"][:, rows_i]
+        if "num_experts" in cfg or "num_local_experts" in cfg:  # FusedMoE: every expert, split by TP
+            n, m = cfg.get("num_experts") or cfg["num_local_experts"], cfg["moe_intermediate_size"]
+            rows_m = slice(r * m // R, (r + 1) * m // R)
+            x = [f"{p}mlp.experts.{e}." for e in range(n)]
+            out[p + "mlp.gate.weight"] = hf[p + "mlp.gate.weight"]
+            out[p + "mlp.experts.w13_weight"] = torch.stack([torch.cat([hf[e + "gate_proj.weight"][rows_m],
+                                                                        hf[e + "up_proj.weight"][rows_m]]) for e in x])
+            out[p + "mlp.experts.w2_weight"] = torch.stack([hf[e + "down_proj.weight"][:, rows_m] for e in x])
+        else:
+            rows_i = slice(r * inter // R, (r + 1) * inter // R)
+            out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"][rows_i],
+                                                            hf[p + "mlp.up_proj.weight"][rows_i]])
+            out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"][:, rows_i]
         out[p + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
         out[p + "post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
         for norm in ("q_norm", "k_norm"):  # Qwen3's QK-norm, replicated
@@ -142,7 +151,8 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
         victim = params[names[rank % len(names)]]
         victim.view(-1).view({2: torch.int16, 4: torch.int32}[victim.element_size()])[-1] ^= 1
         caught = mismatched(names, expected, torch.stack([tensor_checksum(params[n]) for n in names]))
-        results.append({"model": Path(model_dir).name, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "R": R,
+        results.append({"model": Path(model_dir).name, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep,
+                        "R": R,
                         "dtype": str(dtype), "in_engine": in_engine, "rank": rank, "exact": exact,
                         "verified": verified, "corruption_caught": caught == [names[rank % len(names)]],
                         "second_refit": doubled, "pool_reused": pool == pool_again, "buckets": len(plan.buckets),
@@ -170,6 +180,10 @@ def main() -> None:
                 if spec.num_kv_heads % tp or world % (tp * pp):
                     continue
                 results += check_layout(model_dir, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)),
+                                        torch.float32)
+        if spec.is_moe:  # experts split over expert-parallel ranks (out of DP), with TP or PP beside them
+            for tp, pp, ep in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)):
+                results += check_layout(model_dir, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep),
                                         torch.float32)
         # 16-bit training: every trainer tensor (norm weights included) is in the training dtype.
         results += check_layout(model_dir, hf, cfg, ParallelDims(tp=2, pp=2, dp=world // 4), torch.bfloat16)
