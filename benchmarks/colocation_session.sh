@@ -15,6 +15,8 @@
 #             hand-over verified (rollout.verify_every=1)
 #   grpo_death: grpo_auto with the engine's scheduler process killed (SIGKILL) after step 2: the run must end
 #             with a megarl error naming the phase and a non-zero exit, not torchrun's SIGKILL report
+#   grpo_moe: GRPO on a tiny Qwen3-MoE (4 experts, top-2; the tiny recipe's tokenizer) with SGLang, every hand-over
+#             into the engine's fused experts verified (rollout.verify_every=1)
 # PART selects a subset (setup and the runs above; default setup grpo grpo_kept alone ppo) so that calls stay under 10 minutes.
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -95,6 +97,20 @@ PY
        pkill -9 -f "sglang::scheduler" && echo "[h200] killed the engine's scheduler after step 2") &
       train grpo_death recipes/tiny_cpu_grpo.yaml 30 --set rollout.gpu_memory_fraction=auto
       tail -5 "$OUT/grpo_death.log" | cut -c1-600 ;;
+    grpo_moe)
+      python3 -c "
+import shutil, sys; sys.path.insert(0, 'tests')
+from pathlib import Path
+from helpers import make_hf_model
+out = Path('/tmp/moe')
+make_hf_model(out, 'qwen3_moe', vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+              num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
+for name in ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json'):
+    shutil.copy(Path('recipes/tiny/model') / name, out / name)"
+      BIG=(--set model.hf_path=/tmp/moe --set model.dtype=bfloat16 --set rollout.gpu_memory_fraction=0.3
+           --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
+      train grpo_moe recipes/tiny_cpu_grpo.yaml 8 --set rollout.verify_every=1 ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

@@ -18,6 +18,9 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/h200_common.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=/tmp/te_site:/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+# TE must load torch's pip cuDNN, not the system's (../shared/tools/te-h200: an undefined symbol otherwise).
+CUDNN_PATH=$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])' 2>/dev/null)
+export CUDNN_PATH LD_LIBRARY_PATH=$CUDNN_PATH/lib:${LD_LIBRARY_PATH:-}
 
 throughput() {  # name [train_throughput flags]
   local name=$1; shift
