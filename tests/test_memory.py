@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 H200 = 143771 * 2**20  # nvidia-smi's memory.total
 MEASURED = REPO / "benchmarks/results/h200/colocation"
 RECIPE_PRESETS = {"recipes/llama3_8b_ppo.yaml": "llama3-8b", "recipes/qwen2_7b_grpo.yaml": "qwen2-7b",
-                  "recipes/qwen3_8b_grpo.yaml": "qwen3-8b"}
+                  "recipes/qwen3_8b_grpo.yaml": "qwen3-8b", "recipes/qwen3_30b_a3b_grpo.yaml": "qwen3-30b-a3b"}
 """The shipped 8-GPU recipes and the model shape each is for."""
 
 

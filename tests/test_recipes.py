@@ -17,13 +17,16 @@ def test_recipe_loads(recipe):
 
 
 @pytest.mark.parametrize("recipe,preset", [("llama3_8b_ppo.yaml", "llama3-8b"), ("qwen2_7b_grpo.yaml", "qwen2-7b"),
-                                           ("qwen3_8b_grpo.yaml", "qwen3-8b")])
+                                           ("qwen3_8b_grpo.yaml", "qwen3-8b"),
+                                           ("qwen3_30b_a3b_grpo.yaml", "qwen3-30b-a3b")])
 def test_8b_recipes_validate_for_8_gpus(tmp_path, recipe, preset):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
     cfg = load_config(REPO / "recipes" / recipe, [f"model.hf_path={tmp_path}"])
     spec = preset_or_hf_spec(str(tmp_path))
     dp = validate_layout(cfg, 8, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size)
-    assert dp == 4
+    assert dp == 8 // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
     assert cfg.algorithm.kl_coef == 0.02 and cfg.algorithm.entropy_coef == 0.01
     assert cfg.rollout.gpu_memory_fraction == 0.7 and cfg.actor.dynamic_batch
+    if spec.is_moe:  # checked before launch (megarl.bootstrap): Megatron's MoE layers under TP need it
+        assert cfg.parallel.sequence_parallel

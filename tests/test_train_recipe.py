@@ -79,18 +79,20 @@ def test_tiny_ppo_recipe_runs_on_qwen3(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_grpo_recipe_runs_on_qwen3_moe(tmp_path):
-    """The loop on a Qwen3-MoE-shaped model (4 experts, top-2): the engine's fused experts (w13/w2) take the
+    """The loop on a Qwen3-MoE-shaped model (4 experts, top-2), experts split over 2 TP ranks (with sequence
+    parallelism) in the trainer and over an engine of 2 ranks: the engine's fused experts (w13/w2) take the
     trainer's experts at every hand-over (the rollout/trainer gap stays at float32 rounding), and the actor
     learns from every step, its experts and router included."""
     model = tmp_path / "moe"
     make_hf_model(model, "qwen3_moe", vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                   num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
+                  num_key_value_heads=2, head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(REPO / "recipes/tiny/model" / name, model / name)
-    steps = 4
+    steps = 3
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "run", f"trainer.num_steps={steps}",
-                        f"model.hf_path={model}", "data.num_prompts_per_step=16", *SEEDS)
+                        f"model.hf_path={model}", "data.num_prompts_per_step=8", "parallel.tensor_parallel=2",
+                        "parallel.sequence_parallel=true", "rollout.tensor_parallel=2", *SEEDS, nproc=2)
     assert [r["step"] for r in rows] == list(range(steps))
     assert max(r["logprob_diff_max"] for r in rows) < 1e-3
     assert all(r["actor/grad_norm"] > 0 for r in rows[:2])
