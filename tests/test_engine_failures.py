@@ -55,6 +55,24 @@ def test_a_sigquit_ends_a_call_blocked_outside_the_event_loop(loop):
     theirs.close()
 
 
+def test_a_sigquit_ends_a_call_on_an_event_loop_that_runs_signal_handlers_itself():
+    """SGLang runs its calls on uvloop, which calls Python signal handlers from inside a loop callback and only
+    logs what they raise (on the H200 the MoE run's call then waited for its deadline)."""
+    uvloop = pytest.importorskip("uvloop")
+    loop = uvloop.new_event_loop()
+    previous = signal.getsignal(signal.SIGQUIT)
+    try:
+        watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
+        threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGQUIT)).start()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="SIGQUIT"), watch.alive():
+            loop.run_until_complete(asyncio.sleep(30))
+        assert time.monotonic() - start < 10
+    finally:
+        loop.close()
+        signal.signal(signal.SIGQUIT, previous)
+
+
 def test_a_sigquit_between_calls_fails_the_next_call(loop):
     watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
     os.kill(os.getpid(), signal.SIGQUIT)  # while no call runs: the loop sees it when it next runs

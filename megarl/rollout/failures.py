@@ -83,18 +83,19 @@ class EngineProcessDied(Exception):
 class ChildWatch:
     """An engine whose processes signal SIGQUIT to this one when they fail (SGLang's schedulers do, and SGLang's
     own handler then SIGKILLs the whole process tree, this process included: the user would see only
-    torchrun's ChildFailedError). This process's handler replaces the engine's: during an engine call it raises
-    in the main thread, which ends the call wherever it blocks (a socket send to the dead process, a wait for
-    its answer: on an asyncio loop the engine's own handler would run only once the loop gets control, which a
-    blocking send never gives it), and ``alive`` raises, naming the engine log's root cause; between calls it
-    marks the engine failed, and the next call raises before it starts."""
+    torchrun's ChildFailedError). This process's handler replaces the engine's: during an engine call it stops
+    the engine's event loop and raises in the main thread, which ends the call wherever it blocks (a socket send
+    to the dead process, where a handler on the loop would never run; a wait on the loop, where uvloop, which
+    SGLang uses, runs the handler inside a loop callback and only logs what it raises), and ``alive`` raises,
+    naming the engine log's root cause; between calls it marks the engine failed, and the next call raises
+    before it starts."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str) -> None:
         """``loop``: the event loop on which the engine registered its own SIGQUIT handler (None: none); install
         after the engine has (SGLang: after its first request); ``what``: the failing process."""
         self.failed = False
         self._calling = False
-        self.log, self.what = log, what
+        self.log, self.what, self.loop = log, what, loop
         if threading.current_thread() is not threading.main_thread():
             print(f"megarl: warning: the engine is driven outside the main thread, where no signal handler can be "
                   f"installed; if {what} fails, the run ends at the engine call's deadline "
@@ -107,6 +108,8 @@ class ChildWatch:
     def _signalled(self, signum: int, frame: object) -> None:
         self.failed = True
         if self._calling:
+            if self.loop is not None and self.loop.is_running():
+                self.loop.stop()
             raise EngineProcessDied(f"{self.what} failed (SIGQUIT)")
 
     @contextmanager
