@@ -19,7 +19,11 @@ ENV PATH=/opt/venv/bin:$PATH
 COPY docker/requirements-gpu.txt /tmp/requirements-gpu.txt
 RUN pip install pip==25.3 setuptools==80.9.0 wheel==0.45.1 \
     && pip install -r /tmp/requirements-gpu.txt \
-    && pip install --no-build-isolation "transformer_engine[pytorch]==2.8.0"
+    && pip install --no-build-isolation "transformer_engine[pytorch]==2.20.2"
+# TE 2.20.2 is the version run on an H200 (parity, a training step, the RL loop on SGLang): it must load torch's
+# pip cuDNN, not the base image's, or it fails with an undefined cuDNN symbol at import.
+ENV CUDNN_PATH=/opt/venv/lib/python3.12/site-packages/nvidia/cudnn \
+    LD_LIBRARY_PATH=/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib:${LD_LIBRARY_PATH}
 
 RUN useradd --create-home --uid 1000 megarl
 WORKDIR /opt/megarl

@@ -105,7 +105,7 @@ from helpers import make_hf_model
 out = Path('/tmp/moe')
 make_hf_model(out, 'qwen3_moe', vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
               num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
+              head_dim=128, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)  # SGLang's MoE rope: 64/128
 for name in ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json'):
     shutil.copy(Path('recipes/tiny/model') / name, out / name)"
       BIG=(--set model.hf_path=/tmp/moe --set model.dtype=bfloat16 --set rollout.gpu_memory_fraction=0.3
