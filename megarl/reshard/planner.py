@@ -113,20 +113,23 @@ def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[
     return index
 
 
-def holders(rule: ParamRule, tp_rank: int, spec: ModelSpec, dims: ParallelDims) -> list[int]:
+def holders(rule: ParamRule, tp_rank: int, spec: ModelSpec, dims: ParallelDims) -> tuple[int, ...]:
     """The trainer ranks holding TP shard ``tp_rank`` of ``rule``: its pipeline stage's DP replicas, those of
     the expert's expert-parallel rank for an MoE expert."""
-    stage = pipeline_stage(rule.mcore, spec, dims.pp)
+    owner = None if rule.expert is None else rule.expert // (spec.num_experts // dims.ep)
+    return _holders(dims, tp_rank, pipeline_stage(rule.mcore, spec, dims.pp), owner)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _holders(dims: ParallelDims, tp_rank: int, stage: int, owner: int | None) -> tuple[int, ...]:
     ranks = [dims.rank(tp=tp_rank, dp=dp, pp=stage) for dp in range(dims.dp)]
-    if rule.expert is None:
-        return ranks
-    owner = rule.expert // (spec.num_experts // dims.ep)
-    return [g for g in ranks if dims.ep_rank(g) == owner]
+    return tuple(g for g in ranks if owner is None or dims.ep_rank(g) == owner)
 
 
-def unit_bytes(spec: ModelSpec, piece: Piece, element_size: int) -> int:
-    """Bytes per unit of a piece's length: a row of its HF tensor (dim 0) or a column (dim 1)."""
-    return row_bytes(hf_shapes(spec)[piece.hf], piece.dim, element_size)
+def unit_bytes(shapes: dict[str, tuple[int, ...]], piece: Piece, element_size: int) -> int:
+    """Bytes per unit of a piece's length: a row of its HF tensor (dim 0) or a column (dim 1); ``shapes``:
+    mapping.hf_shapes of the model."""
+    return row_bytes(shapes[piece.hf], piece.dim, element_size)
 
 
 def engine_groups(engine_ranks: list[int], rollout_tp: int) -> list[list[int]]:
@@ -150,10 +153,11 @@ def held_bytes(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, element_siz
     padded_vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple)
     index = _rules_by_hf(spec, dims.tp, padded_vocab)
     held = [[0] * rollout_tp for _ in range(dims.world_size)]
+    shapes = hf_shapes(spec)
     for r in range(rollout_tp):
         for tensor in engine_tensors(spec, rollout_tp, r):
             for dpiece in tensor.pieces:
-                unit = unit_bytes(spec, dpiece, element_size)
+                unit = unit_bytes(shapes, dpiece, element_size)
                 for t, rule, spiece in index[dpiece.hf]:
                     lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
                     if lo < hi:
@@ -252,11 +256,12 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     groups: list[list[tuple[int, EngineTensor]]] = [
         [(g, layouts[plan.engine_rank(g)][i]) for g in range(world)] for i in range(len(layouts[0]))]
     transfers_by_group = []
+    shapes = hf_shapes(spec)
     for group in groups:
         transfers = []
         for dst, tensor in group:
             for dpiece in tensor.pieces:
-                unit = unit_bytes(spec, dpiece, element_size)
+                unit = unit_bytes(shapes, dpiece, element_size)
                 # Trainer pieces of the same HF tensor, grouped by the range they cover.
                 by_range: dict[tuple[int, int], list[tuple[int, ParamRule, int]]] = defaultdict(list)
                 for t, rule, spiece in index[dpiece.hf]:
