@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import percentile, slowest, sync, time_ms  # noqa: E402
 
 from megarl.errors import UserError, run_main  # noqa: E402
-from megarl.models.mapping import REPLICATED, param_rules, pipeline_stage, to_hf  # noqa: E402
+from megarl.models.mapping import REPLICATED, hf_shapes, param_rules, pipeline_stage, to_hf  # noqa: E402
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
 from megarl.reshard.engine_layout import engine_tensors  # noqa: E402
@@ -127,6 +127,7 @@ class NaiveRefit:
                     self.pp_group, self.pp_ranks = group, ranks
         self.engine = engine_tensors(spec, plan.rollout_tp, plan.engine_rank(rank))
         self.rules = param_rules(spec)
+        self.shapes = hf_shapes(spec)
         self.dtype = next(iter(src.values())).dtype
 
     @torch.no_grad()
@@ -145,7 +146,7 @@ class NaiveRefit:
             if dims.tp > 1:
                 shards = [torch.empty_like(local) for _ in range(dims.tp)]
                 dist.all_gather(shards, local, group=self.tp_group)
-            for name, full in to_hf(rule, spec, shards).items():
+            for name, full in to_hf(rule, spec, shards, self.shapes).items():
                 if name in wanted:
                     hf_full[name] = full
             # Engine-style loading: each engine tensor takes its slices of the full HF tensors.

@@ -180,13 +180,14 @@ def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
         engine.update_weights(dst)
         torch.cuda.synchronize()
 
-    from megarl.models.mapping import param_rules, to_hf
+    from megarl.models.mapping import hf_shapes, param_rules, to_hf
 
     def stock() -> None:
         # What verl/slime hand SGLang on one GPU: full HF tensors, SGLang's load_weights slices them.
         tensors = []
+        shapes = hf_shapes(spec)
         for rule in param_rules(spec):
-            tensors += list(to_hf(rule, spec, [src[rule.mcore]]).items())
+            tensors += list(to_hf(rule, spec, [src[rule.mcore]], shapes).items())
         engine.engine.update_weights_from_tensor(tensors, load_format=None, flush_cache=True)
         torch.cuda.synchronize()
 

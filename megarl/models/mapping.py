@@ -209,11 +209,13 @@ def to_mcore_shard(rule: ParamRule, spec: ModelSpec, read: Reader, tp_rank: int,
                     mcore_shape(rule, spec, tp, padded_vocab), read)
 
 
-def to_hf(rule: ParamRule, spec: ModelSpec, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The HF tensors of ``rule`` from its Megatron TP shards (ordered by TP rank); inverse of to_mcore_shard."""
+def to_hf(rule: ParamRule, spec: ModelSpec, shards: list[torch.Tensor],
+          shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """The HF tensors of ``rule`` from its Megatron TP shards (ordered by TP rank); inverse of to_mcore_shard.
+    ``shapes``: hf_shapes(spec), passed by callers that convert every rule (an MoE model has tens of thousands)."""
     tp = len(shards)
     padded_vocab = shards[0].shape[0] * tp if rule.kind == VOCAB else 0
-    shapes = hf_shapes(spec)
+    shapes = shapes if shapes is not None else hf_shapes(spec)
     out = {name: torch.empty(shapes[name], dtype=shards[0].dtype, device=shards[0].device) for name in rule.hf}
     for t, shard in enumerate(shards):
         for p in mcore_pieces(rule, spec, t, tp, padded_vocab):

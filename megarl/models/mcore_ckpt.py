@@ -122,8 +122,9 @@ def open_mcore(ckpt_dir: str | Path) -> tuple[ModelSpec, Iterator[tuple[str, tor
     spec, get = load_spec(ckpt_dir), saved_shards(ckpt_dir)
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        shapes = hf_shapes(spec)
         for rule in param_rules(spec):
-            yield from to_hf(rule, spec, [get(t, rule.mcore) for t in range(tp)]).items()
+            yield from to_hf(rule, spec, [get(t, rule.mcore) for t in range(tp)], shapes).items()
 
     return spec, merged()
 
@@ -149,13 +150,14 @@ def reshard(spec: ModelSpec, get: Callable[[int, str], torch.Tensor], saved: dic
         # With PP > 1 the last stage keeps its own copy of the tied embedding as its output layer.
         rules["output_layer.weight"] = ParamRule("output_layer.weight", ("model.embed_tokens.weight",), VOCAB)
     producer = {hf: rule for rule in param_rules(spec, include_output=not critic) for hf in rule.hf}
+    shapes = hf_shapes(spec)
     merged: dict[str, torch.Tensor] = {}
 
     def read(hf: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
         if hf not in merged:  # q, k, v (gate, up) are read in turn from one merged parameter
             rule = producer[hf]
             merged.clear()
-            merged.update(to_hf(rule, spec, [get(t, rule.mcore) for t in range(saved["tp"])]))
+            merged.update(to_hf(rule, spec, [get(t, rule.mcore) for t in range(saved["tp"])], shapes))
         return merged[hf] if dim is None else merged[hf].narrow(dim, start, stop - start)
 
     for name in names:
