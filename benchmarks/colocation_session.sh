@@ -27,14 +27,8 @@ STEPS_PPO=${STEPS_PPO:-10}
 NPROC=${NPROC:-2}
 LAYERS=${LAYERS:-32}
 MODEL=${MODEL:-/tmp/llama8b}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/h200_common.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-SGL=(--set rollout.engine=sglang --set rollout.engine_args.disable_cuda_graph=true
-     --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch
-     --set rollout.engine_args.grammar_backend=none)
+h200_session
 BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor_parallel=$NPROC
      --set rollout.gpu_memory_fraction=$FRACTION --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
 
@@ -44,7 +38,7 @@ train() {  # name recipe steps [--set ...]
   # The node's host memory in use, every 5 s: pinned offload buffers live there.
   (while sleep 5; do free -m | awk -v t=$((SECONDS - start)) 'NR==2 {print t, $3}'; done) > "$OUT/$name.host_mib.txt" &
   local sampler=$!
-  timeout "${RUN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGL[@]}" \
+  timeout "${RUN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGLANG_ARGS[@]}" \
     --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
   echo "[h200] $name exit $? in $((SECONDS - start)) s"
   kill $sampler

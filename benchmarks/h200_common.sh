@@ -1,4 +1,18 @@
-# Sourced by the H200 session scripts (run from the repository root, after `exec > >(tee "$OUT/log.txt")`).
+# Sourced by the H200 session scripts (run from the repository root).
+
+# A session's log and environment: everything printed also goes to $OUT/log.txt; megatron-core (and a staged
+# SGLang) come from /tmp/site; NVLink multicast stays off (../shared/tools: it hangs NCCL on these machines).
+h200_session() {
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/log.txt") 2>&1
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+}
+
+# megarl/train.py settings for SGLang 0.5.17 on this image (no CUDA graphs, triton attention, torch sampling).
+SGLANG_ARGS=(--set rollout.engine=sglang --set rollout.engine_args.disable_cuda_graph=true
+             --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch
+             --set rollout.engine_args.grammar_backend=none)
 
 # Record the machine in $OUT/env.txt, install the wheels carried in .whl/ into /tmp/site (where a staged
 # SGLang also lives) and build the extension against the machine's torch.

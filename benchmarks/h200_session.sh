@@ -6,9 +6,8 @@
 # wheel in .whl/ (pip download --python-version 3.12 megatron-core==0.16.1).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
-mkdir -p "$OUT"
-exec > >(tee "$OUT/log.txt") 2>&1
 source benchmarks/h200_common.sh
+h200_session
 h200_setup
 python3 -c "import megarl._C as C; print('[h200] with_cuda', C.with_cuda())"
 

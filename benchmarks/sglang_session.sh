@@ -6,9 +6,8 @@
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 STEPS=${STEPS:-40}
-mkdir -p "$OUT"
-exec > >(tee "$OUT/log.txt") 2>&1
 source benchmarks/h200_common.sh
+h200_session
 h200_setup
 python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
 

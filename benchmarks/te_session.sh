@@ -13,11 +13,9 @@ OUT=${OUT:?set OUT to the results folder}
 PART=${PART:-install parity throughput grpo_te}
 TRAIN_LAYERS=${TRAIN_LAYERS:-8}
 MODEL=${MODEL:-/tmp/llama8b}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log.txt") 2>&1
 source benchmarks/h200_common.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/te_site:/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+h200_session
+export PYTHONPATH=/tmp/te_site:$PYTHONPATH
 # TE must load torch's pip cuDNN, not the system's (../shared/tools/te-h200: an undefined symbol otherwise).
 CUDNN_PATH=$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])' 2>/dev/null)
 export CUDNN_PATH LD_LIBRARY_PATH=$CUDNN_PATH/lib:${LD_LIBRARY_PATH:-}
@@ -48,9 +46,7 @@ for part in $PART; do
         --set model.hf_path=$MODEL --set model.dtype=bfloat16 --set model.transformer_engine=on \
         --set rollout.gpu_memory_fraction=auto --set rollout.verify_every=1 --set rollout.logprob_diff_max=2.0 \
         --set tracking.backend=none --set trainer.num_steps=4 --set checkpoint.dir=/tmp/grpo_te \
-        --set rollout.engine=sglang --set rollout.engine_args.disable_cuda_graph=true \
-        --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch \
-        --set rollout.engine_args.grammar_backend=none > "$OUT/grpo_te.log" 2>&1
+        "${SGLANG_ARGS[@]}" > "$OUT/grpo_te.log" 2>&1
       echo "[h200] grpo_te exit $? in $((SECONDS - start)) s"
       cp /tmp/grpo_te/metrics.jsonl "$OUT/grpo_te.metrics.jsonl" 2>/dev/null
       grep -h "megarl" "$OUT/grpo_te.log" | cut -c1-300 | tail -20 ;;
