@@ -18,10 +18,8 @@ fi
 
 echo "== RL loop on SGLang: tiny GRPO recipe, $STEPS steps"
 timeout 300 torchrun --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml \
-  --set rollout.engine=sglang --set model.dtype=bfloat16 --set rollout.logprob_diff_max=1.0 \
-  --set trainer.num_steps="$STEPS" --set checkpoint.dir=/tmp/train_tiny_sglang --set tracking.backend=none \
-  --set rollout.engine_args.disable_cuda_graph=true --set rollout.engine_args.attention_backend=triton \
-  --set rollout.engine_args.sampling_backend=pytorch --set rollout.engine_args.grammar_backend=none &
+  "${SGLANG_ARGS[@]}" --set model.dtype=bfloat16 --set rollout.logprob_diff_max=1.0 \
+  --set trainer.num_steps="$STEPS" --set checkpoint.dir=/tmp/train_tiny_sglang --set tracking.backend=none &
 train=$!
 # A stalled run shows where it waits (py-spy travels in .whl/ when wanted).
 ( sleep "${STALL_S:-200}"; if kill -0 $train 2>/dev/null && command -v py-spy >/dev/null; then
