@@ -117,6 +117,9 @@ class RLTrainer:
         self.engine_tensors = None if in_engine else self._allocate_engine_tensors()
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
                                    in_engine=in_engine, landing_bytes=cfg.rollout.landing_buffer_mb * 2**20)
+        if groups.rank == 0 and self.resharder.num_rounds > 1:
+            print(f"megarl: each hand-over lands what other GPUs send in {self.resharder.num_rounds} rounds, one "
+                  f"engine call each (rollout.landing_buffer_mb = {cfg.rollout.landing_buffer_mb})", flush=True)
         self.push_weights()
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:

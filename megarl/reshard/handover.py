@@ -118,18 +118,17 @@ class EngineApplier:
                                           for a, b in itertools.pairwise(bounds)]
 
     @torch.no_grad()
-    def run(self, round: int | None = None) -> None:
-        """Write round ``round`` of the trainer's current weights into the parameters (None: every round, when
-        the landing buffer holds them all at once); returns once they are written."""
-        if round is not None and not 0 <= round < len(self.copies):
+    def run(self, round: int) -> None:
+        """Write round ``round`` of the trainer's current weights into the parameters; returns once they are
+        written."""
+        if not 0 <= round < len(self.copies):
             raise ValueError(f"hand-over round {round} requested; this attachment has {len(self.copies)}")
-        if round in (None, 0):
+        if round == 0:
             for param, start in self.zero:
                 param.data[start:].zero_()
-        copies = self.copies if round is None else [self.copies[round]]
-        for c in copies:
-            c.run()
-        if any(c.total_bytes for c in copies) and self.sources and self.sources[0].is_cuda:
+        copy = self.copies[round]
+        copy.run()
+        if copy.total_bytes and self.sources and self.sources[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # the trainer may change its tensors once we return
 
     @torch.no_grad()
