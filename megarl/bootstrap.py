@@ -33,6 +33,10 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           p.sequence_parallel, f"be true for an MoE model ({spec.hf_config.get('architectures')}) with "
           f"tensor_parallel = {p.tensor_parallel}: Megatron's MoE layers train under TP only with it",
           "set parallel.sequence_parallel: true")
+    check(p.expert_parallel == 1 or (spec.is_moe and spec.num_experts % p.expert_parallel == 0),
+          "parallel.expert_parallel", p.expert_parallel,
+          f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
+          "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
@@ -87,7 +91,8 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     init_distributed(platform, cfg.parallel.timeout_minutes)
     p = cfg.parallel
     groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
-                                              vpp=p.virtual_pipeline, order=p.rank_order), p.timeout_minutes)
+                                              vpp=p.virtual_pipeline, order=p.rank_order, ep=p.expert_parallel),
+                                 p.timeout_minutes)
     model_parallel_seed(cfg.trainer.seed)
     if groups.rank == 0 and cfg.tracking.backend == "mlflow":
         open_store(cfg, out_dir)  # a bad tracking.uri fails now, not after the models are built
@@ -138,7 +143,7 @@ def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus
             cfg.rollout.gpu_memory_fraction = None
         return
     p = cfg.parallel
-    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp)
+    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp, ep=p.expert_parallel)
     flash = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                       and transformer_engine_available())
     plan = plan_memory(cfg, spec, dims, gpu_bytes, flash)

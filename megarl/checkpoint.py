@@ -74,15 +74,32 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _save_model(model: MegatronModel, out: Path) -> None:
-    """The canonical shard of this (TP, PP) position, written by its first DP replica."""
+def _saving(model: MegatronModel, whole: bool) -> dict[str, torch.Tensor] | None:
+    """The parameters (None: none) this rank writes: the first DP replica of a (TP, PP) position writes its
+    shard, and with experts split over expert-parallel ranks the first replica of each other EP rank writes
+    its experts. ``whole``: every DP rank writes (its own ranges, the distributed optimizer's way)."""
     g = model.groups
-    if g.dp_rank == 0:
-        tensors = {n: t.detach().cpu().contiguous() for n, t in model.named_params().items()}
-        save_file(tensors, str(out / shard_file(g.tp_rank, g.pp_rank)), metadata={"format": FORMAT})
+    params = model.named_params()
+    if whole or g.dp_rank == 0:
+        return params
+    if g.dp_rank < g.dims.ep:  # DP ranks 1..ep-1 are the first replicas of the other expert-parallel ranks
+        return {n: t for n, t in params.items() if ".mlp.experts." in n}
+    return None
+
+
+def _save_model(model: MegatronModel, out: Path) -> None:
+    """The canonical shard of this (TP, PP) position, written by its first DP replica (other expert-parallel
+    ranks' experts: by theirs, in files of their own)."""
+    g = model.groups
+    params = _saving(model, whole=False)
+    if params is not None:
+        tensors = {n: t.detach().cpu().contiguous() for n, t in params.items()}
+        ep_rank = g.dp_rank  # 0, or the expert-parallel rank of an experts-only writer
+        save_file(tensors, str(out / shard_file(g.tp_rank, g.pp_rank, ep_rank)), metadata={"format": FORMAT})
     if g.rank == 0:
         padded = model.spec.padded_vocab_size(g.dims.tp, model.opts.vocab_pad_multiple)
         (out / META).write_text(json.dumps({"format": FORMAT, "version": VERSION, "tp": g.dims.tp, "pp": g.dims.pp,
+                                            "ep": g.dims.ep,
                                             "vocab_pad_multiple": model.opts.vocab_pad_multiple,
                                             "padded_vocab_size": padded, "critic": model.opts.critic}))
         copy_model_files(Path(model.hf_dir), out)  # the tokenizer and generation config: exports load as they are
@@ -164,9 +181,12 @@ def _grad_scaler(model: MegatronModel) -> Any:
 
 def _save_optimizer(model: MegatronModel, out: Path) -> None:
     g = model.groups
-    if g.dp_rank == 0 or _distributed(model):
-        tensors, offsets, params = {}, {}, model.named_params()
+    params = _saving(model, whole=_distributed(model))
+    if params is not None:
+        tensors, offsets = {}, {}
         for name, (start, live) in _slots(model).items():
+            if name not in params:
+                continue
             for key in STATE_KEYS:
                 tensors[f"{name}/{key}"] = live[key].detach().reshape(-1).cpu().contiguous()
             offsets[name] = [start, *params[name].shape]

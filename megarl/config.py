@@ -84,6 +84,10 @@ class ParallelConfig:
     """Megatron sequence parallelism for norms/dropout (needs tensor_parallel > 1)."""
     data_parallel: int | None = None
     """Data-parallel size; null = world size / (TP * PP). When set it must equal that."""
+    expert_parallel: int = 1
+    """MoE models: the ranks each layer's experts are split over, carved out of data_parallel (Megatron's expert
+    parallelism, expert TP = TP); it divides data_parallel and the expert count. 1 = every DP rank holds every
+    expert."""
     rank_order: Literal["tp-dp-pp", "tp-pp-dp"] = "tp-dp-pp"
     """Order in which ranks are assigned to parallel groups, fastest-varying first (Megatron's order)."""
     gpus_per_node: int | None = None
@@ -93,8 +97,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "tensor_parallel", "pipeline_parallel", "data_parallel", "gpus_per_node", "timeout_minutes"
+            self, "tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "gpus_per_node",
+            "timeout_minutes"
         )
+        check(self.expert_parallel == 1 or self.rank_order == "tp-dp-pp", "expert_parallel", self.expert_parallel,
+              f"be 1 with rank_order {self.rank_order} (experts are split over consecutive DP ranks)",
+              "set rank_order: tp-dp-pp, or expert_parallel: 1")
         _within(self, "virtual_pipeline", "[2, inf)", "use null for a plain (non-interleaved) pipeline")
         check(
             self.virtual_pipeline is None or self.pipeline_parallel > 1,
@@ -614,6 +622,9 @@ def validate_layout(
         f"choose TP and PP whose product is one of {_divisors(world_size)}, or launch more ranks",
     )
     dp = world_size // (tp * pp)
+    check(dp % p.expert_parallel == 0, "parallel.expert_parallel", p.expert_parallel,
+          f"divide the data-parallel size {dp} (experts are split over DP ranks)",
+          f"use one of {_divisors(dp)}")
     check(
         p.data_parallel is None or p.data_parallel == dp,
         "parallel.data_parallel",

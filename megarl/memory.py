@@ -95,10 +95,11 @@ class MemoryPlan:
 
 
 def busiest_stage_params(spec: ModelSpec, dims: ParallelDims, vocab_pad_multiple: int, critic: bool = False) -> int:
-    """Parameters on the GPU of the busiest pipeline stage: its layers' TP shards plus the embedding or
-    output layer it holds (norms are replicated)."""
+    """Parameters on the GPU of the busiest pipeline stage: its layers' TP shards (MoE experts: their TP x EP
+    shards) plus the embedding or output layer it holds (norms are replicated)."""
     h = spec.hidden_size
-    layer = (spec.layer_params() - 2 * h) // dims.tp + 2 * h
+    layer = (spec.layer_params() - spec.expert_params() - 2 * h) // dims.tp + 2 * h
+    layer += stage_expert_params(spec, dims) // -(-spec.num_layers // dims.pp)
     layers = -(-spec.num_layers // dims.pp) * layer
     vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple) * h // dims.tp
     head = h if critic else (vocab if (dims.pp > 1 or not spec.tie_word_embeddings) else 0)
@@ -107,13 +108,26 @@ def busiest_stage_params(spec: ModelSpec, dims: ParallelDims, vocab_pad_multiple
     return layers + max(vocab, head + h)
 
 
-def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distributed: bool) -> ModelState:
+def stage_expert_params(spec: ModelSpec, dims: ParallelDims) -> int:
+    """MoE experts' parameters on one GPU of the busiest pipeline stage (split over TP x EP)."""
+    return -(-spec.num_layers // dims.pp) * spec.expert_params() // (dims.tp * dims.ep)
+
+
+def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distributed: bool, expert_params: int = 0,
+                ep: int = 1) -> ModelState:
+    """``expert_params`` of ``params`` are MoE experts, whose optimizer state a distributed optimizer shards over
+    their expert-data-parallel ranks (dp / ep) instead of dp."""
     if not trained:
         return ModelState(weights=params * dtype_bytes)
-    shard = dp if distributed else 1
     master = 0 if dtype_bytes == 4 else 4  # fp32 training updates the weights themselves
-    return ModelState(weights=params * dtype_bytes, grads=params * 4, optimizer=params * (master + 8) // shard,
-                      optimizer_at_start=params * master // shard, step_scratch=params * 4 // shard)
+
+    def sharded(per_param: int) -> int:
+        if not distributed:
+            return params * per_param
+        return (params - expert_params) * per_param // dp + expert_params * per_param // (dp // ep)
+
+    return ModelState(weights=params * dtype_bytes, grads=params * 4, optimizer=sharded(master + 8),
+                      optimizer_at_start=sharded(master), step_scratch=sharded(4))
 
 
 def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: ParallelDims, flash: bool,
@@ -145,7 +159,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     def state(critic: bool, trained: bool, section: UpdateConfig | None) -> ModelState:
         params = busiest_stage_params(spec, dims, cfg.model.vocab_pad_multiple, critic=critic)
         distributed = section is not None and section.optimizer.use_distributed_optimizer
-        return model_state(params, dtype, trained, dims.dp, distributed)
+        return model_state(params, dtype, trained, dims.dp, distributed, stage_expert_params(spec, dims), dims.ep)
 
     actor = state(False, True, cfg.actor)
     critic = state(True, True, cfg.critic) if algo.name == "ppo" else None

@@ -99,6 +99,26 @@ def test_tiny_grpo_recipe_runs_on_qwen3_moe(tmp_path):
 
 
 @pytest.mark.slow
+def test_tiny_grpo_recipe_runs_on_qwen3_moe_with_expert_parallelism(tmp_path):
+    """DP2 with the experts split over both ranks (parallel.expert_parallel 2): each rank's micro-batches run in
+    step with the other's (tokens cross ranks all-to-all), and each engine gets every expert, half of them from
+    the other rank."""
+    model = tmp_path / "moe"
+    make_hf_model(model, "qwen3_moe", vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                  num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(REPO / "recipes/tiny/model" / name, model / name)
+    steps = 3
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "run", f"trainer.num_steps={steps}",
+                        f"model.hf_path={model}", "data.num_prompts_per_step=8", "parallel.expert_parallel=2",
+                        *SEEDS, nproc=2)
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-3
+    assert all(r["actor/grad_norm"] > 0 for r in rows[:2])
+
+
+@pytest.mark.slow
 def test_engine_over_two_ranks_takes_weights_from_a_pipeline(tmp_path):
     """rollout.tensor_parallel = 2: one vLLM engine over both ranks, driven by rank 0. The trainer is PP2, so
     each engine rank's layers come from both trainer ranks (across processes) every step."""

@@ -158,7 +158,7 @@ class MicroBatch:
         Position start+len-1, where a sequence's last token "predicts" the next sequence's first,
         and padding get 0, so a weight of 0 keeps them out of every loss.
         """
-        out = torch.zeros(self.tokens.shape[0], self.tokens.shape[1] - 1, dtype=values[self.spans[0][0]].dtype)
+        out = torch.zeros(self.tokens.shape[0], self.tokens.shape[1] - 1, dtype=values[0].dtype)
         for i, row, start, n in self.spans:
             out[row, start: start + n - 1] = values[i]
         return out

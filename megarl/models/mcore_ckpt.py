@@ -4,7 +4,10 @@ Layout of a checkpoint directory:
   megarl_checkpoint.json     format, version, tp, pp, vocab_pad_multiple, padded_vocab_size
   config.json + tokenizer    the HF files of the source model, so export needs nothing else
   tp{T:02d}_pp{P:02d}.safetensors  that shard's parameters by canonical Megatron name (global layer index)
-Any TP/PP layout loads it (``reshard``): each parameter's TP shards are merged into its HF tensors
+  tp{T:02d}_pp{P:02d}_ep{E:02d}.safetensors  with MoE experts split over expert-parallel ranks (training only):
+                             the experts of expert-parallel rank E >= 1 (global expert index); rank 0's are
+                             in the file above
+Any TP/PP(/EP) layout loads it (``reshard``): each parameter's TP shards are merged into its HF tensors
 and split again, and names are found in whichever PP file holds them.
 """
 
@@ -28,8 +31,8 @@ META = "megarl_checkpoint.json"
 FORMAT, VERSION = "megarl-mcore", 1
 
 
-def shard_file(tp_rank: int, pp_rank: int) -> str:
-    return f"tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
+def shard_file(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    return f"tp{tp_rank:02d}_pp{pp_rank:02d}{f'_ep{ep_rank:02d}' if ep_rank else ''}.safetensors"
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, tp_flag: str = "--tp", pp_flag: str = "--pp") -> None:
@@ -98,13 +101,14 @@ def saved_shards(ckpt_dir: str | Path) -> Callable[[int, str], torch.Tensor]:
     where: dict[tuple[int, str], Any] = {}
     for t in range(meta["tp"]):
         for p in range(meta["pp"]):
-            path = ckpt / shard_file(t, p)
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise UserError(f"checkpoint shard `{path}` is missing or unreadable ({err}). "
-                                "The checkpoint is incomplete; re-create it.") from None
-            where |= {(t, name): handle for name in handle.keys()}
+            for e in range(meta.get("ep", 1)):
+                path = ckpt / shard_file(t, p, e)
+                try:
+                    handle = safe_open(str(path), framework="pt")
+                except (SafetensorError, OSError) as err:
+                    raise UserError(f"checkpoint shard `{path}` is missing or unreadable ({err}). "
+                                    "The checkpoint is incomplete; re-create it.") from None
+                where |= {(t, name): handle for name in handle.keys()}
 
     def get(tp_rank: int, name: str) -> torch.Tensor:
         if (tp_rank, name) not in where:

@@ -75,14 +75,25 @@ class MegatronModel:
         # Sequence parallelism splits every row over the TP ranks.
         multiple = self.groups.dims.tp if self.opts.sequence_parallel else 1
         if max_tokens is None:
-            return micro_batches(sequences, micro_batch_size, multiple)
+            return self._same_count(micro_batches(sequences, micro_batch_size, multiple))
         # Transformer Engine's attention, built with the causal mask type, applies its own causal mask,
         # not a dense one, so packed rows would attend across sequences; packing there needs THD
         # PackedSeqParams (cu_seqlens), which no CPU test can run. Until then TE rows hold one
         # sequence each, right-padded.
         layout = plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1,
                                     pack=not self.opts.transformer_engine, width_multiple=multiple)
-        return build_micro_batches(sequences, layout)
+        return self._same_count(build_micro_batches(sequences, layout))
+
+    def _same_count(self, batches: list[MicroBatch]) -> list[MicroBatch]:
+        """With experts split over DP ranks (expert parallelism) every rank must run as many forward passes as
+        the others (each MoE layer exchanges tokens all-to-all): ranks with fewer micro-batches append empty
+        ones (padding only, no sequence, no loss weight) up to the most any DP rank has."""
+        if self.groups.dims.ep == 1:
+            return batches
+        count = torch.tensor([len(batches)], device=self.groups.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+        empty = MicroBatch(torch.zeros_like(batches[-1].tokens), None, [])
+        return batches + [empty] * (int(count.item()) - len(batches))
 
     def _vocab_start(self) -> int:
         padded = self.spec.padded_vocab_size(self.groups.dims.tp, self.opts.vocab_pad_multiple)

@@ -6,6 +6,7 @@ A then takes a third step. Each resumed layout (A itself, other TP/PP/DP, withou
 optimizer) loads the checkpoint and takes the same third step: its loss, grad norm, learning rate
 and updated weights must equal A's. Rank 0 writes one row per layout. Last, loading a checkpoint
 whose config.json names another architecture must stop every rank with a UserError (exit code 2).
+An MoE model runs MOE_LAYOUTS instead: A splits its experts over 2 expert-parallel ranks.
 """
 
 import json
@@ -38,9 +39,11 @@ from megarl.parallel import (  # noqa: E402
     model_parallel_seed,
 )
 
-# (TP, PP, DP, virtual pipeline, distributed optimizer); the first is layout A.
-LAYOUTS = [(2, 1, 2, None, True), (1, 2, 2, None, True), (1, 1, 4, None, False), (2, 2, 1, None, True),
-           (1, 2, 2, 2, True)]
+# (TP, PP, DP, virtual pipeline, distributed optimizer, expert parallel); the first is layout A.
+LAYOUTS = [(2, 1, 2, None, True, 1), (1, 2, 2, None, True, 1), (1, 1, 4, None, False, 1), (2, 2, 1, None, True, 1),
+           (1, 2, 2, 2, True, 1)]
+MOE_LAYOUTS = [(1, 1, 4, None, True, 2), (1, 1, 4, None, True, 4), (1, 1, 4, None, False, 2),
+               (2, 1, 2, None, True, 1), (1, 2, 2, None, False, 2)]
 NUM_STEPS = 4
 
 
@@ -50,19 +53,20 @@ def batch(step: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def build(model_dir: str, layout: tuple[int, int, int, int | None, bool]) -> dict[str, MegatronModel]:
-    tp, pp, dp, vpp, distributed = layout
-    groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=dp, vpp=vpp))
+def build(model_dir: str, layout: tuple[int, int, int, int | None, bool, int]) -> dict[str, MegatronModel]:
+    tp, pp, dp, vpp, distributed, ep = layout
+    groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep))
     model_parallel_seed(0)
     spec = load_spec(model_dir)
+    sp = spec.is_moe and tp > 1  # Megatron's MoE layers train under TP only with sequence parallelism
     # Warm-up, cosine decay and weight decay, so the schedule and every optimizer field matter. Some
     # gradients are pure rounding noise (the key bias: softmax ignores a shift; the critic body while its
     # value head is near zero), and Adam scales noise below its epsilon up to full-size steps that differ
     # between any two layouts, resumed or not; epsilon 1e-5 keeps those steps below the tolerance.
     optim = OptimizerConfig(lr=1e-2, min_lr=1e-3, lr_schedule="cosine", num_warmup_steps=1, weight_decay=0.1,
                             adam_eps=1e-5, clip_grad=1.0, use_distributed_optimizer=distributed)
-    return {role: MegatronModel(spec, model_dir, groups, BuildOptions(critic=role == "critic"), optim, NUM_STEPS)
-            for role in ("actor", "critic")}
+    return {role: MegatronModel(spec, model_dir, groups, BuildOptions(critic=role == "critic", sequence_parallel=sp),
+                                optim, NUM_STEPS) for role in ("actor", "critic")}
 
 
 def train_step(models: dict[str, MegatronModel], step: int) -> dict[str, float]:
@@ -109,7 +113,8 @@ def main() -> None:
     out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
     init_distributed(platform)
     rank = dist.get_rank()
-    models = build(model_dir, LAYOUTS[0])
+    layouts = MOE_LAYOUTS if load_spec(model_dir).is_moe else LAYOUTS
+    models = build(model_dir, layouts[0])
     for step in range(2):
         train_step(models, step)
     started = time.perf_counter()
@@ -122,7 +127,7 @@ def main() -> None:
         expected = weights(out_dir / "a_next" / "step_000002")
         size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
         rows: list[dict] = [{"save_s": save_s, "size": size, "moved": max_diff(weights(saved), expected)}]
-    for i, layout in enumerate(LAYOUTS):
+    for i, layout in enumerate(layouts):
         models = build(model_dir, layout)
         started = time.perf_counter()
         state = checkpoint.load(saved, models)
@@ -133,7 +138,7 @@ def main() -> None:
             rows.append({"layout": list(layout), "loader": state["loader"], "load_s": load_s,
                          **max_diff(weights(after), expected),
                          **{k: abs(metrics[k] - reference[k]) for k in reference}})
-        if i < len(LAYOUTS) - 1:
+        if i < len(layouts) - 1:
             destroy_model_parallel()
     bad = out_dir / "bad"
     if rank == 0:
