@@ -9,7 +9,8 @@ Layout of ``checkpoint.dir``:
                               "NAME/exp_avg_sq"), each the flat range [start, start + n) of the
                               parameter that DP rank D owns (metadata "offsets": name -> [start, *shape]);
                               with the distributed optimizer every DP rank writes its own range, without
-                              it DP rank 0 writes whole parameters
+                              it DP rank 0 writes whole parameters (and, with MoE experts over EP ranks,
+                              DP ranks 1..EP-1 their experts)
   step_000012/actor/optimizer/common.pt   Adam step count, LR scheduler, loss scaler
   step_000012/critic/         same for the critic (PPO)
   step_000012/rank{r}.pt      this rank's RNG states
