@@ -62,6 +62,16 @@ def tiny_qwen3(path: Path) -> Path:
     return path
 
 
+def tiny_qwen3_moe(path: Path) -> Path:
+    """recipes/tiny's model as a Qwen3-MoE (4 experts, top-2), same tokenizer."""
+    make_hf_model(path, "qwen3_moe", vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                  num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(REPO / "recipes/tiny/model" / name, path / name)
+    return path
+
+
 @pytest.mark.slow
 def test_tiny_ppo_recipe_runs_on_qwen3(tmp_path):
     """The whole loop on a Qwen3-shaped model (the PPO recipe: actor, critic and reference; GRPO's path is a
@@ -83,12 +93,7 @@ def test_tiny_grpo_recipe_runs_on_qwen3_moe(tmp_path):
     parallelism) in the trainer and over an engine of 2 ranks: the engine's fused experts (w13/w2) take the
     trainer's experts at every hand-over (the rollout/trainer gap stays at float32 rounding), and the actor
     learns from every step, its experts and router included."""
-    model = tmp_path / "moe"
-    make_hf_model(model, "qwen3_moe", vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                  num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(REPO / "recipes/tiny/model" / name, model / name)
+    model = tiny_qwen3_moe(tmp_path / "moe")
     steps = 3
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "run", f"trainer.num_steps={steps}",
                         f"model.hf_path={model}", "data.num_prompts_per_step=8", "parallel.tensor_parallel=2",
@@ -103,12 +108,7 @@ def test_tiny_grpo_recipe_runs_on_qwen3_moe_with_expert_parallelism(tmp_path):
     """DP2 with the experts split over both ranks (parallel.expert_parallel 2): each rank's micro-batches run in
     step with the other's (tokens cross ranks all-to-all), and each engine gets every expert, half of them from
     the other rank."""
-    model = tmp_path / "moe"
-    make_hf_model(model, "qwen3_moe", vocab_size=18, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                  num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=96, max_position_embeddings=64, eos_token_id=1, pad_token_id=0)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(REPO / "recipes/tiny/model" / name, model / name)
+    model = tiny_qwen3_moe(tmp_path / "moe")
     steps = 3
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "run", f"trainer.num_steps={steps}",
                         f"model.hf_path={model}", "data.num_prompts_per_step=8", "parallel.expert_parallel=2",
