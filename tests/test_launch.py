@@ -126,3 +126,13 @@ def test_a_moe_model_under_tensor_parallelism_needs_sequence_parallelism(tmp_pat
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "parallel.sequence_parallel" in last and "set parallel.sequence_parallel: true" in last, last
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused_before_any_worker_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                           "parallel.expert_parallel=2", "--set", f"checkpoint.dir={tmp_path / 'run'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "MEGARL_NPROC": "2", "PATH": os.environ["PATH"]})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "parallel.expert_parallel" in last and "be 1 for a dense model" in last, last
