@@ -1,7 +1,7 @@
 # Sourced by the H200 session scripts (run from the repository root).
 
 # A session's log and environment: everything printed also goes to $OUT/log.txt; megatron-core (and a staged
-# SGLang) come from /tmp/site; NVLink multicast stays off (../shared/tools: it hangs NCCL on these machines).
+# SGLang) come from /tmp/site; NVLink multicast stays off, as the lent H200 machines require.
 h200_session() {
   mkdir -p "$OUT"
   exec > >(tee -a "$OUT/log.txt") 2>&1
