@@ -98,8 +98,7 @@ def busiest_stage_params(spec: ModelSpec, dims: ParallelDims, vocab_pad_multiple
     """Parameters on the GPU of the busiest pipeline stage: its layers' TP shards (MoE experts: their TP x EP
     shards) plus the embedding or output layer it holds (norms are replicated)."""
     h = spec.hidden_size
-    layer = (spec.layer_params() - spec.expert_params() - 2 * h) // dims.tp + 2 * h
-    layer += stage_expert_params(spec, dims) // -(-spec.num_layers // dims.pp)
+    layer = (spec.layer_params() - spec.expert_params() - 2 * h) // dims.tp + 2 * h + layer_expert_params(spec, dims)
     layers = -(-spec.num_layers // dims.pp) * layer
     vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple) * h // dims.tp
     head = h if critic else (vocab if (dims.pp > 1 or not spec.tie_word_embeddings) else 0)
@@ -108,9 +107,14 @@ def busiest_stage_params(spec: ModelSpec, dims: ParallelDims, vocab_pad_multiple
     return layers + max(vocab, head + h)
 
 
+def layer_expert_params(spec: ModelSpec, dims: ParallelDims) -> int:
+    """One layer's MoE expert parameters on one GPU (split over TP x EP; 0 for a dense model)."""
+    return spec.expert_params() // (dims.tp * dims.ep)
+
+
 def stage_expert_params(spec: ModelSpec, dims: ParallelDims) -> int:
-    """MoE experts' parameters on one GPU of the busiest pipeline stage (split over TP x EP)."""
-    return -(-spec.num_layers // dims.pp) * spec.expert_params() // (dims.tp * dims.ep)
+    """MoE experts' parameters on one GPU of the busiest pipeline stage."""
+    return -(-spec.num_layers // dims.pp) * layer_expert_params(spec, dims)
 
 
 def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distributed: bool, expert_params: int = 0,
