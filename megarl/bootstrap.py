@@ -33,6 +33,9 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           p.sequence_parallel, f"be true for an MoE model ({spec.hf_config.get('architectures')}) with "
           f"tensor_parallel = {p.tensor_parallel}: Megatron's MoE layers train under TP only with it",
           "set parallel.sequence_parallel: true")
+    check(not cfg.algorithm.routing_replay or spec.is_moe, "algorithm.routing_replay", True,
+          f"be false for a dense model ({spec.hf_config.get('architectures')}): it has no routers",
+          "set algorithm.routing_replay: false")
     check(p.expert_parallel == 1 or (spec.is_moe and spec.num_experts % p.expert_parallel == 0),
           "parallel.expert_parallel", p.expert_parallel,
           f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",

@@ -324,6 +324,11 @@ class AlgorithmConfig:
     loses reward linearly, overlong_penalty at the limit; 0 = off."""
     overlong_penalty: float = 1.0
     """Reward lost by a response that reaches rollout.max_new_tokens, with overlong_buffer_tokens > 0."""
+    routing_replay: bool = False
+    """MoE models: the actor's routers use the experts the engine routed each token to (the engine returns them;
+    SGLang only), in the old-logprob pass and the updates, so trainer and engine agree on expert choice. The
+    router's probabilities and gradients stay its own. Logs routing/disagreement: the share of expert choices
+    the trainer would have made otherwise."""
 
     def __post_init__(self) -> None:
         _within(self, "gamma", "[0, 1]", "use 1.0 (usual for LLM RL)")
@@ -488,6 +493,10 @@ class Config:
         check(not algo.dynamic_sampling or algo.name == "grpo", "algorithm.dynamic_sampling", algo.dynamic_sampling,
               "be false for ppo (it selects prompts by the spread of their group's rewards, a grpo notion)",
               "set algorithm.dynamic_sampling: false, or algorithm.name: grpo")
+        check(not algo.routing_replay or self.rollout.engine == "sglang", "algorithm.routing_replay",
+              algo.routing_replay, f"be false with rollout.engine = {self.rollout.engine}: only SGLang returns the "
+              "experts it routed each token to (vLLM 0.32 needs its Model Runner V2, which the CPU build lacks)",
+              "use rollout.engine: sglang, or routing_replay: false")
         check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
               algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")

@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megarl.algos.advantages import gae, grpo_advantages, whiten
@@ -32,10 +33,13 @@ class Batch:
     rollout_logprobs: torch.Tensor
     scores: torch.Tensor
     """[N] outcome rewards."""
+    routing: list[np.ndarray] | None = None
+    """MoE with routing replay: each sequence's [len-1, num_layers, k] experts, as the engine routed them."""
 
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-              rollout_logprobs: Sequence[Sequence[float]], scores: Sequence[float]) -> Batch:
+              rollout_logprobs: Sequence[Sequence[float]], scores: Sequence[float],
+              routing: Sequence[np.ndarray] | None = None) -> Batch:
         sequences = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
         width = max(len(s) for s in sequences) - 1
         mask = torch.zeros(len(sequences), width)
@@ -43,7 +47,10 @@ class Batch:
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             mask[i, len(p) - 1: len(p) - 1 + len(r)] = 1.0
             lp[i, len(p) - 1: len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
-        return Batch(sequences, [len(p) for p in prompts], mask, lp, torch.tensor(scores, dtype=torch.float32))
+        if routing is not None:
+            assert all(r.shape[0] == len(s) - 1 for r, s in zip(routing, sequences, strict=True))
+        return Batch(sequences, [len(p) for p in prompts], mask, lp, torch.tensor(scores, dtype=torch.float32),
+                     None if routing is None else list(routing))
 
     def stack(self, rows: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """Per-sequence [len-1] tensors by batch index -> [N, T], zero where no row is given."""
@@ -62,7 +69,8 @@ class Batch:
         width = max(len(s) for s in sequences) - 1
         rows = torch.tensor(list(index), dtype=torch.long)
         return Batch(sequences, [self.prompt_lens[i] for i in index], self.mask[rows, :width],
-                     self.rollout_logprobs[rows, :width], self.scores[rows])
+                     self.rollout_logprobs[rows, :width], self.scores[rows],
+                     None if self.routing is None else [self.routing[i] for i in index])
 
     @staticmethod
     def concat(parts: Sequence[Batch]) -> Batch:
@@ -73,8 +81,11 @@ class Batch:
             return torch.cat([torch.nn.functional.pad(getattr(p, name), (0, width - p.mask.shape[1]))
                               for p in parts])
 
+        routed = [p.routing for p in parts]
+        assert len({r is None for r in routed}) == 1, "routing on some parts only"
         return Batch([s for p in parts for s in p.sequences], [n for p in parts for n in p.prompt_lens],
-                     cat("mask"), cat("rollout_logprobs"), torch.cat([p.scores for p in parts]))
+                     cat("mask"), cat("rollout_logprobs"), torch.cat([p.scores for p in parts]),
+                     None if any(r is None for r in routed) else [x for r in routed if r is not None for x in r])
 
 
 def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, float]:

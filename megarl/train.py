@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                     trainer.push_weights()
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
             tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.offload_metrics()
-                        | {"kl_coef": trainer.kl.value})
+                        | trainer.actor.routing_disagreement() | {"kl_coef": trainer.kl.value})
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)
                 break

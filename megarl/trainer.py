@@ -57,7 +57,8 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None) -> RolloutEn
     engine: RolloutEngine = engine_class(cfg)(
         cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
-        log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args))
+        log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
+                               | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})))
     return engine
 
 
@@ -78,7 +79,7 @@ class RLTrainer:
         algo, steps = cfg.algorithm, cfg.trainer.num_steps
         temperature = cfg.rollout.temperature  # log-probabilities of the distribution the engine samples from
         self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps,
-                                   temperature=temperature)
+                                   temperature=temperature, routing_replay=algo.routing_replay)
         self.reference = (MegatronModel(self.spec, cfg.model.hf_path, groups, opts, temperature=temperature)
                           if algo.kl_coef > 0 else None)
         self.critic = None
@@ -259,15 +260,16 @@ class RLTrainer:
                                 max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003 + eg.index,
                                 stop_token_ids=self.stop_ids)
         done = self.engine.generate([prompts[i] for i in mine], params)
-        local = [(mine[c.prompt_index], c.token_ids, c.logprobs) for c in done]
+        local = [(mine[c.prompt_index], c.token_ids, c.logprobs, c.routed_experts) for c in done]
         everything: list[Any] = [None] * g.dims.world_size
         dist.all_gather_object(everything, local)
         rows = sorted((row for part in everything for row in part), key=lambda x: x[0])  # stable per prompt
-        texts = [decode(tokens) for _, tokens, _ in rows]
-        scores = self.reward_fn(texts, [answers[i] for i, _, _ in rows])
+        texts = [decode(row[1]) for row in rows]
+        scores = self.reward_fn(texts, [answers[row[0]] for row in rows])
         check_scores(scores, len(rows), self.cfg.trainer.reward, step)
-        return Batch.build([prompts[i] for i, _, _ in rows], [t for _, t, _ in rows], [lp for _, _, lp in rows],
-                           scores)
+        routing = [row[3] for row in rows] if self.cfg.algorithm.routing_replay else None
+        return Batch.build([prompts[row[0]] for row in rows], [row[1] for row in rows], [row[2] for row in rows],
+                           scores, routing)
 
     def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
@@ -278,7 +280,8 @@ class RLTrainer:
         section = self.cfg.critic if model is self.critic else self.cfg.actor
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
-        rows = model.score([batch.sequences[i] for i in mine], *_batching(section))
+        rows = model.score([batch.sequences[i] for i in mine], *_batching(section),
+                           routing=_routing(batch, mine) if model.replay is not None else None)
         return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
 
     def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
@@ -301,7 +304,9 @@ class RLTrainer:
                 rows = {k: [v[index[j], : len(seqs[m]) - 1] for m, j in enumerate(mine)] for k, v in extras.items()}
                 rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
                 last = model.train_step(seqs, rows, loss, *_batching(section),
-                                        where=f"{where}, epoch {epoch}, samples {start}-{index[-1]}")
+                                        where=f"{where}, epoch {epoch}, samples {start}-{index[-1]}",
+                                        routing=_routing(batch, [index[j] for j in mine])
+                                        if model.replay is not None else None)
                 for k, v in last.items():
                     totals[k] += v
                 num_updates += 1
@@ -370,6 +375,12 @@ def offloadable_parts(cfg: Config) -> dict[str, set[Part]]:
             "critic": grads | (optimizer if cfg.critic.offload_optimizer else set())
             | (weights if cfg.critic.offload_weights else set()),
             "reference": weights if cfg.reference.offload_weights else set()}
+
+
+def _routing(batch: Batch, index: list[int]) -> list[Any]:
+    """The engine's expert choices for the samples at ``index`` (routing replay)."""
+    assert batch.routing is not None, "routing replay without the engine's routing"
+    return [batch.routing[i] for i in index]
 
 
 def _batching(section: UpdateConfig) -> tuple[int | None, int]:

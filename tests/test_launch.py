@@ -136,3 +136,13 @@ def test_expert_parallelism_on_a_dense_model_is_refused_before_any_worker_starts
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "parallel.expert_parallel" in last and "be 1 for a dense model" in last, last
+
+
+def test_routing_replay_on_a_dense_model_is_refused_before_any_worker_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+                           "algorithm.routing_replay=true", "--set", "rollout.engine=sglang", "--set",
+                           f"checkpoint.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1", "PATH": os.environ["PATH"]})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "algorithm.routing_replay" in last and "be false for a dense model" in last, last

@@ -25,7 +25,7 @@ def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     layouts = {(1, 1), (2, 1), (1, 2), (2, 2)}
     assert set(rows) == ({(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
                          | {(2, 1, "sp"), (2, 2, "sp"), (2, 1, "bfloat16"), (2, 1, "float16"), (2, 1, "twice"),
-                            (2, 1, "offload")})
+                            (2, 1, "offload"), (1, 2, "vpp")})
     # Weights, gradient buffers and optimizer state (Adam moments, master weights) offloaded to host
     # memory between two steps and brought back: the second step is bit for bit the one without.
     offloaded, kept = rows.pop((2, 1, "offload")), rows.pop((2, 1, "twice"))

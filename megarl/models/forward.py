@@ -42,13 +42,14 @@ def model_inputs(batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor,
 
 
 def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches: list[MicroBatch],
-                 collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
+                 collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 prepare: Callable[[torch.nn.Module, MicroBatch], None] | None = None) -> list[torch.Tensor] | None:
     """Run micro-batches of [B, S] token rows through the pipeline without grad.
 
     ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, or
     [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
     order on the last pipeline stage, None elsewhere. With pipeline parallelism all micro-batches
-    must share one shape.
+    must share one shape. ``prepare(chunk, batch)`` runs before each chunk's forward of a micro-batch.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -58,7 +59,10 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     device = groups.device
 
     def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module) -> Any:
-        tokens, positions, mask = model_inputs(next(data), device)
+        batch = next(data)
+        if prepare is not None:
+            prepare(model, batch)
+        tokens, positions, mask = model_inputs(batch, device)
 
         def keep(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
             assert non_loss_data

@@ -197,7 +197,7 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
 def layer_implementation(chunks: list[torch.nn.Module]) -> str:
     """The classes that run a transformer layer here (QKV projection, core attention, first MLP linear or MoE
     experts): whether a run used Transformer Engine or the local spec, read from the model itself."""
-    decoder: Any = _unwrap(chunks[0]).decoder
+    decoder: Any = unwrap(chunks[0]).decoder
     layer = decoder.layers[0]
     attention, mlp = layer.self_attention, layer.mlp
     ffn = getattr(mlp, "experts", None) or mlp.linear_fc1
@@ -211,7 +211,7 @@ def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,
     first_expert = groups.ep_rank * (spec.num_experts // groups.dims.ep)
     for vp, chunk in enumerate(chunks):
         offset = chunk_layer_offset(spec, groups, vp)
-        for name, param in _unwrap(chunk).named_parameters():
+        for name, param in unwrap(chunk).named_parameters():
             match = _LAYER.match(name)
             if match:
                 rest = _TE_NAMES.get(match.group(2), match.group(2))
@@ -223,7 +223,7 @@ def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,
     return out
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while isinstance(getattr(module, "module", None), torch.nn.Module):
         module = module.module  # type: ignore[assignment]
     return module

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -17,8 +18,9 @@ from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
 from megarl.errors import check_finite
 from megarl.models.forward import forward_only, micro_batches, model_inputs
-from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights
+from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.models.routing import RoutingReplay, place_routing
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelGroups
 
@@ -30,11 +32,14 @@ class MegatronModel:
     """Actor, reference or critic: Megatron chunks, and for trainable roles DDP plus optimizer.
 
     ``temperature`` is the sampling temperature T of the rollout: log-probabilities and entropies are
-    those of softmax(logits / T), the distribution the engine sampled from.
+    those of softmax(logits / T), the distribution the engine sampled from. With ``routing_replay`` (MoE)
+    ``score`` and ``train_step`` take each sequence's expert choices and the routers replay them
+    (megarl.models.routing).
     """
 
     def __init__(self, spec: ModelSpec, hf_dir: str, groups: ParallelGroups, opts: BuildOptions,
-                 optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0) -> None:
+                 optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0,
+                 routing_replay: bool = False) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -47,6 +52,11 @@ class MegatronModel:
         self.hf_dir = hf_dir
         self.chunks = build_model(spec, groups, opts)
         load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
+        assert not routing_replay or spec.is_moe, "routing replay needs an MoE model"
+        self.replay = RoutingReplay(
+            self.chunks, [chunk_layer_offset(spec, groups, vp) for vp in range(len(self.chunks))],
+            recompute=opts.recompute_activations, sequence_parallel=opts.sequence_parallel,
+            tp_rank=groups.tp_rank, tp=groups.dims.tp) if routing_replay else None
         self.optimizer: Any = None
         self.models: list[torch.nn.Module] = list(self.chunks)
         if optim is None:
@@ -85,15 +95,21 @@ class MegatronModel:
         return self._same_count(build_micro_batches(sequences, layout))
 
     def _same_count(self, batches: list[MicroBatch]) -> list[MicroBatch]:
-        """With experts split over DP ranks (expert parallelism) every rank must run as many forward passes as
-        the others (each MoE layer exchanges tokens all-to-all): ranks with fewer micro-batches append empty
-        ones (padding only, no sequence, no loss weight) up to the most any DP rank has."""
-        if self.groups.dims.ep == 1:
-            return batches
-        count = torch.tensor([len(batches)], device=self.groups.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+        """Micro-batch counts the schedule can run, made up with empty micro-batches (padding only, no
+        sequence, no loss weight):
+        - with experts split over DP ranks (expert parallelism) every rank must run as many forward passes as
+          the others (each MoE layer exchanges tokens all-to-all): up to the most any DP rank has;
+        - the interleaved (virtual) pipeline schedule runs micro-batches in groups of PP: a multiple of PP."""
+        dims = self.groups.dims
+        count = len(batches)
+        if dims.ep > 1:
+            most = torch.tensor([count], device=self.groups.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+            count = int(most.item())
+        if dims.vpp:
+            count = -(-count // dims.pp) * dims.pp
         empty = MicroBatch(torch.zeros_like(batches[-1].tokens), None, [])
-        return batches + [empty] * (int(count.item()) - len(batches))
+        return batches + [empty] * (count - len(batches))
 
     def _vocab_start(self) -> int:
         padded = self.spec.padded_vocab_size(self.groups.dims.tp, self.opts.vocab_pad_multiple)
@@ -111,21 +127,53 @@ class MegatronModel:
                                       vocab_size=self.spec.vocab_size, group=self.groups.tp_group,
                                       temperature=self.temperature)
 
+    def _replaying(self, routing: Sequence[np.ndarray] | None, counting: bool
+                   ) -> Callable[[torch.nn.Module, MicroBatch], None] | None:
+        """What runs before each chunk's forward of a micro-batch: the routers take its sequences' routing
+        (``counting``: and count where they would have chosen otherwise)."""
+        if routing is None:
+            assert self.replay is None, "this model replays routing: pass every sequence's"
+            return None
+        assert self.replay is not None, "routing given to a model built without routing_replay"
+        replay, spec = self.replay, self.spec
+        replay.clear()
+        placed: dict[int, torch.Tensor] = {}
+
+        def prepare(model: torch.nn.Module, batch: MicroBatch) -> None:
+            if id(batch) not in placed:
+                placed[id(batch)] = place_routing(batch, routing, spec.num_layers, spec.num_experts_per_tok)
+            replay.set(model, placed[id(batch)], counting)
+
+        return prepare
+
+    def routing_disagreement(self) -> dict[str, float]:
+        """Share of the replayed expert choices (token x layer, all ranks) that this model's routers would have
+        made differently in its scoring passes since the last call: the mismatch routing replay corrects."""
+        if self.replay is None:
+            return {}
+        counts = torch.tensor(self.replay.disagreement(), dtype=torch.float64, device=self.groups.device)
+        dist.all_reduce(counts)
+        return {"routing/disagreement": float(counts[1] / counts[0]) if counts[0] else 0.0}
+
     @torch.no_grad()
-    def score(self, sequences: Sequence[Sequence[int]], max_tokens: int | None, micro_batch_size: int = 1
-              ) -> list[torch.Tensor] | None:
+    def score(self, sequences: Sequence[Sequence[int]], max_tokens: int | None, micro_batch_size: int = 1,
+              routing: Sequence[np.ndarray] | None = None) -> list[torch.Tensor] | None:
         """Per-sequence [len-1] logprobs (policy/reference) or [len-1] values (critic), last stage only.
 
-        Values are those of the positions that predict tokens 1..len-1, aligned like logprobs.
+        Values are those of the positions that predict tokens 1..len-1, aligned like logprobs. ``routing``:
+        each sequence's [len-1, num_layers, k] expert choices, with routing replay.
         """
         batches = self._micro_batches(sequences, max_tokens, micro_batch_size)
+        prepare = self._replaying(routing, counting=True)
 
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
                 return output[:, :-1, 0].float().cpu()
             return self.token_logprobs(output, tokens).cpu()
 
-        outputs = forward_only(self.chunks, self.groups, batches, keep)
+        outputs = forward_only(self.chunks, self.groups, batches, keep, prepare)
+        if self.replay is not None:
+            self.replay.clear()
         if outputs is None:
             return None
         rows: dict[int, torch.Tensor] = {}
@@ -134,8 +182,8 @@ class MegatronModel:
         return [rows[i] for i in range(len(sequences))]
 
     def train_step(self, sequences: Sequence[Sequence[int]], extras: dict[str, list[torch.Tensor]],
-                   loss_fn: LossFn, max_tokens: int | None, micro_batch_size: int = 1, where: str = "train step"
-                   ) -> dict[str, float]:
+                   loss_fn: LossFn, max_tokens: int | None, micro_batch_size: int = 1, where: str = "train step",
+                   routing: Sequence[np.ndarray] | None = None) -> dict[str, float]:
         """One optimizer step over ``sequences`` (this DP rank's share).
 
         A non-finite loss stops training before the optimizer step, a non-finite grad norm right after
@@ -144,10 +192,12 @@ class MegatronModel:
         ``extras`` holds per-sequence [len-1] tensors (advantages, old logprobs, weights, ...);
         ``loss_fn`` returns the micro-batch's *weighted sum*, already normalised for the global
         batch (see algos.losses.token_weights), so micro-batches and DP ranks simply add up.
+        ``routing`` as for ``score``.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(sequences, max_tokens, micro_batch_size)
+        prepare = self._replaying(routing, counting=False)
         # Padding and the position where one packed sequence "predicts" the next get 0 extras: weight 0.
         extra_batches = [{name: b.place(rows) for name, rows in extras.items()} for b in batches]
         device = self.groups.device
@@ -159,6 +209,8 @@ class MegatronModel:
 
         def forward_step(it: Iterator, model: torch.nn.Module) -> Any:
             batch, part = next(it)
+            if prepare is not None:
+                prepare(model, batch)
             tokens, positions, mask = model_inputs(batch, device)
             part = {k: v.to(device) for k, v in part.items()}
             output = model(tokens, positions, mask)
@@ -180,6 +232,8 @@ class MegatronModel:
             forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
             model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=width,
             micro_batch_size=rows, forward_only=False)
+        if self.replay is not None:
+            self.replay.clear()
         metrics = _sum_metrics(outputs, self.groups)
         check_finite(where, metrics, "The loss is not finite: its inputs (log-probabilities, advantages, values) "
                      "or the model's outputs overflowed.")

@@ -16,6 +16,8 @@ same code that runs on clusters. This shim makes that possible without forking m
    under SP as long as its parameters carry ``sequence_parallel=True`` (so their grads are
    all-reduced over TP), which we set.
 5. MoE's token dispatcher gets its split sizes as numpy arrays, as its device-to-host copy makes them.
+6. ``torch.distributed.all_gather`` takes tensors of different lengths, as NCCL does and gloo does not: MoE under
+   tensor parallelism gathers each TP rank's tokens for the local experts, whose counts differ by rank.
 
 Measured with it: TP 2/4 (with and without SP), PP 2/4, interleaved PP and DP match the
 single-rank loss and grad norm to ~1e-7 over several Adam steps. Pitfalls it does not fix
@@ -156,6 +158,28 @@ def _patch_megatron() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def _patch_uneven_all_gather() -> None:
+    import torch.distributed as dist
+
+    even = dist.all_gather
+
+    def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+                   async_op: bool = False) -> Any:
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return even(tensor_list, tensor, group=group, async_op=async_op)
+        assert not async_op, "uneven all_gather on gloo runs synchronously"
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        even(parts, padded, group=group)
+        for out, part in zip(tensor_list, parts, strict=True):
+            out.copy_(part[: out.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
+
+
 def install() -> None:
     """Activate the shim for the life of the process. Must precede ``import megatron.core``."""
     global _installed
@@ -165,6 +189,7 @@ def install() -> None:
     _CudaToCpuMode().__enter__()
     _patch_torch_cuda()
     _patch_megatron()
+    _patch_uneven_all_gather()
     _installed = True
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from megarl.errors import UserError
@@ -59,6 +60,9 @@ class Completion:
     logprobs: list[float]
     """The engine's log-probability of each generated token."""
     finish_reason: Literal["stop", "length"]
+    routed_experts: np.ndarray | None = None
+    """MoE engines started with ``return_routed_experts``: [len(prompt) + len(token_ids) - 1, num_layers, k],
+    the experts every layer routed each token it ran to (the last sampled token never runs)."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int,

@@ -23,15 +23,18 @@ runs, with one that ends the pending engine call, which then raises with the eng
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megarl.errors import UserError
+from megarl.models.routing import routing_dtype
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import apply_message, detach_message
@@ -54,12 +57,16 @@ class SGLangEngine:
     def __init__(self, hf_dir: str, *, tensor_parallel: int = 1, gpu_memory_fraction: float = 0.7,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
-                 **engine_args: Any) -> None:
+                 return_routed_experts: bool = False, **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
-        visible ones); ``log_file``: where the engine's processes log (None: the console); ``engine_args`` go
-        to ``sglang.Engine`` unchanged."""
+        visible ones); ``log_file``: where the engine's processes log (None: the console);
+        ``return_routed_experts`` (MoE): every completion carries the experts its tokens were routed to;
+        ``engine_args`` go to ``sglang.Engine`` unchanged."""
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
         check_rollout_tp(spec, tensor_parallel)
+        assert not return_routed_experts or spec.is_moe, "routed experts of a dense model"
+        self._routing = (spec.num_layers, spec.num_experts_per_tok, spec.num_experts) if return_routed_experts \
+            else None
         engine_log = EngineLog(Path(log_file) if log_file else None)
         try:
             with engine_log.capture():
@@ -73,7 +80,8 @@ class SGLangEngine:
         args = dict(model_path=hf_dir, tp_size=tensor_parallel, skip_tokenizer_init=True,
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
-                    load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
+                    load_format=load_format, custom_weight_loader=[LOADER],
+                    enable_return_routed_experts=return_routed_experts) | engine_args
         from sglang.srt.server_args import ServerArgs
 
         if "custom_sigquit_handler" in {f.name for f in dataclasses.fields(ServerArgs)}:
@@ -120,16 +128,20 @@ class SGLangEngine:
         per_request = [sampling | ({"sampling_seed": params.seed + i} if params.seed is not None else {})
                        for i in range(len(expanded))]
         with self._watch.alive():
-            outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True)
+            outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True,
+                                           **({"return_routed_experts": True} if self._routing else {}))
         completions = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
             finish = meta.get("finish_reason") or {}
+            tokens = list(out["output_ids"])
             completions.append(Completion(
                 prompt_index=i // params.n,
-                token_ids=list(out["output_ids"]),
+                token_ids=tokens,
                 logprobs=[float(entry[0]) for entry in meta["output_token_logprobs"]],
-                finish_reason="length" if finish.get("type") == "length" else "stop"))
+                finish_reason="length" if finish.get("type") == "length" else "stop",
+                routed_experts=None if self._routing is None else decode_routed_experts(
+                    meta.get("routed_experts"), len(expanded[i]) + len(tokens) - 1, *self._routing)))
         return completions
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -196,6 +208,24 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def decode_routed_experts(encoded: str | None, num_tokens: int, num_layers: int, topk: int, num_experts: int
+                          ) -> np.ndarray:
+    """SGLang's ``meta_info["routed_experts"]`` (base64 of int32 [tokens, layers, k]) -> [num_tokens, num_layers,
+    topk] in megarl's routing dtype; anything else is the engine breaking its contract, which replay must not
+    train on."""
+    if encoded is None:
+        raise RuntimeError("SGLang returned no routed experts although the request asked for them "
+                           "(enable_return_routed_experts)")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if flat.size != num_tokens * num_layers * topk:
+        raise RuntimeError(f"SGLang returned {flat.size} routed expert ids for {num_tokens} tokens x {num_layers} "
+                           f"layers x top-{topk} = {num_tokens * num_layers * topk}")
+    if flat.size and not 0 <= flat.min() <= flat.max() < num_experts:
+        raise RuntimeError(f"SGLang returned expert ids in [{flat.min()}, {flat.max()}] for a model of "
+                           f"{num_experts} experts")
+    return flat.reshape(num_tokens, num_layers, topk).astype(routing_dtype(num_experts))
 
 
 def _failed_at_start(*_: object) -> None:

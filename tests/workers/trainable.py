@@ -70,10 +70,13 @@ def main() -> None:
     # 16-bit training: float16 must scale the loss (Megatron's grad scaler unscales the gradients), or its
     # update comes out ~2^-32 of bfloat16's.
     runs += [((2, 1), "bfloat16"), ((2, 1), "float16"), ((1, 2), "nan"), ((2, 1), "twice"), ((2, 1), "offload")]
+    # The interleaved schedule runs micro-batches in groups of PP: scoring 8 sequences in 3 micro-batches must not
+    # stop it (empty ones make up a multiple of PP).
+    runs += [((1, 2), "vpp")]
     for (tp, pp), mode in runs:
         # Token budgets for scoring and training, or None: fixed micro-batches of 2 (dynamic_batch: false).
         score_budget, train_budget = (64, 40) if mode != "fixed" else (None, None)
-        dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp))
+        dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=2 if mode == "vpp" else None)
         groups = init_model_parallel(dims)
         model_parallel_seed(0)
         with contextlib.nullcontext() if mode != "unpacked" else mock.patch.object(trainable, "plan_micro_batches",
