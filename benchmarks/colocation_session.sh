@@ -32,23 +32,6 @@ h200_session
 BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor_parallel=$NPROC
      --set rollout.gpu_memory_fraction=$FRACTION --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
 
-train() {  # name recipe steps [--set ...]
-  local name=$1 recipe=$2 steps=$3; shift 3
-  local start=$SECONDS
-  # The node's host memory in use, every 5 s: pinned offload buffers live there.
-  (while sleep 5; do free -m | awk -v t=$((SECONDS - start)) 'NR==2 {print t, $3}'; done) > "$OUT/$name.host_mib.txt" &
-  local sampler=$!
-  timeout "${RUN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGLANG_ARGS[@]}" \
-    --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
-  echo "[h200] $name exit $? in $((SECONDS - start)) s"
-  kill $sampler
-  echo "[h200] $name host memory peak $(sort -k2 -n "$OUT/$name.host_mib.txt" | tail -1 | cut -d' ' -f2) MiB of $(free -m | awk 'NR==2 {print $2}')"
-  cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
-  for f in /tmp/$name/engine_*.log; do [[ -f $f ]] && tail -c 200000 "$f" > "$OUT/$name.$(basename "$f")"; done
-  grep -h "megarl error\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/$name.log" | cut -c1-400
-  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
-}
-
 for part in $PART; do
   case $part in
     setup)
@@ -56,9 +39,9 @@ for part in $PART; do
       python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
       python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer recipes/tiny/model --out $MODEL --layers "$LAYERS" ;;
     grpo)
-      train grpo recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" ;;
+      h200_train grpo recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" ;;
     grpo_kept)
-      train grpo_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set actor.offload_optimizer=false ;;
+      h200_train grpo_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set actor.offload_optimizer=false ;;
     alone)
       # SGLang spawns its scheduler, which re-imports the main module: it must be a file.
       cat > /tmp/alone.py <<'PY'
@@ -75,21 +58,21 @@ PY
       timeout 300 python3 /tmp/alone.py "$MODEL" "$FRACTION" > "$OUT/alone.log" 2>&1
       echo "[h200] alone exit $?"; grep -h "ALONE\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/alone.log" | cut -c1-400 ;;
     ppo)
-      train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;
+      h200_train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;
     ppo_auto)
-      train ppo_auto recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto ;;
+      h200_train ppo_auto recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto ;;
     ppo_auto_kept)
-      train ppo_auto_kept recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto \
+      h200_train ppo_auto_kept recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto \
         --set actor.offload_weights=false ;;
     grpo_auto)
-      train grpo_auto recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto ;;
+      h200_train grpo_auto recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto ;;
     grpo_auto_kept)
-      train grpo_auto_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
+      h200_train grpo_auto_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
         --set actor.offload_weights=false --set rollout.verify_every=1 ;;
     grpo_death)
       (for _ in $(seq 400); do grep -q "step 2/" "$OUT/grpo_death.log" 2>/dev/null && break; sleep 1; done
        pkill -9 -f "sglang::scheduler" && echo "[h200] killed the engine's scheduler after step 2") &
-      train grpo_death recipes/tiny_cpu_grpo.yaml 30 --set rollout.gpu_memory_fraction=auto
+      h200_train grpo_death recipes/tiny_cpu_grpo.yaml 30 --set rollout.gpu_memory_fraction=auto
       tail -5 "$OUT/grpo_death.log" | cut -c1-600 ;;
     grpo_moe)
       python3 -c "
@@ -104,7 +87,7 @@ for name in ('tokenizer.json', 'tokenizer_config.json', 'generation_config.json'
     shutil.copy(Path('recipes/tiny/model') / name, out / name)"
       BIG=(--set model.hf_path=/tmp/moe --set model.dtype=bfloat16 --set rollout.gpu_memory_fraction=0.3
            --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
-      train grpo_moe recipes/tiny_cpu_grpo.yaml 8 --set rollout.verify_every=1 ;;
+      h200_train grpo_moe recipes/tiny_cpu_grpo.yaml 8 --set rollout.verify_every=1 ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

@@ -42,3 +42,23 @@ make_hf_model(Path('/tmp/parity/qwen3'), 'qwen3', dtype=torch.bfloat16)"
   PARITY_DTYPE=bfloat16 timeout 180 torchrun --standalone --nproc-per-node 1 tests/workers/parity.py /tmp/parity/out \
     /tmp/parity/llama /tmp/parity/qwen2 /tmp/parity/qwen3 && cp /tmp/parity/out/rank0.json "$OUT/$name.json" && cat "$OUT/$name.json"
 }
+
+# One megarl/train.py run on $NPROC GPUs with SGLang, named $1, into $OUT (log, metrics, engine logs, host memory
+# every 5 s): h200_train NAME RECIPE STEPS [--set ...]; the model and layout settings come from the array BIG.
+h200_train() {
+  local name=$1 recipe=$2 steps=$3; shift 3
+  local start=$SECONDS
+  # The node's host memory in use, every 5 s: pinned offload buffers live there.
+  (while sleep 5; do free -m | awk -v t=$((SECONDS - start)) 'NR==2 {print t, $3}'; done) > "$OUT/$name.host_mib.txt" &
+  local sampler=$!
+  timeout "${RUN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node "$NPROC" megarl/train.py --config "$recipe" "${BIG[@]}" "${SGLANG_ARGS[@]}" \
+    --set trainer.num_steps="$steps" --set checkpoint.dir=/tmp/$name "$@" > "$OUT/$name.log" 2>&1
+  echo "[h200] $name exit $? in $((SECONDS - start)) s"
+  kill $sampler
+  echo "[h200] $name host memory peak $(sort -k2 -n "$OUT/$name.host_mib.txt" | tail -1 | cut -d' ' -f2) MiB of $(free -m | awk 'NR==2 {print $2}')"
+  cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
+  for f in /tmp/$name/engine_*.log; do [[ -f $f ]] && tail -c 200000 "$f" > "$OUT/$name.$(basename "$f")"; done
+  grep -h "megarl error\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/$name.log" | cut -c1-400
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+}
+

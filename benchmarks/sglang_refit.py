@@ -1,14 +1,17 @@
 """SGLang on one GPU, for real: generation, weight updates through the resharder, sleep/wake, and
 the whole hand-over time against SGLang's stock HF-tensor update.
 
-  python benchmarks/sglang_refit.py --work /tmp/sgl --json OUT.json
+  python benchmarks/sglang_refit.py --work /tmp/sgl --json OUT.json [--model PRESET --num-layers N --skip-tiny]
+
+Keys of the big engine's results start with the preset's short name ("8b" for llama3-8b, else the preset).
 
 1. A tiny Qwen2 engine starts on weights A; its greedy output is compared with transformers' (A),
    and where they differ, the transformers logit margin at the first differing token is recorded.
 2. Megatron-layout shards of weights B -> in-engine hand-over (attach once, apply) -> greedy output
    equals transformers' (B); again after sleep/wake + apply; the direct path (resharder into
    engine-layout tensors + load_format="direct") back to A gives the engine's own output on A.
-3. A Llama-3-8B-shaped engine (load_format="dummy") times whole hand-overs over warm repeats:
+3. An engine of a preset's shape (``--model``, default Llama-3-8B; ``--num-layers`` keeps the first layers;
+   load_format="dummy") times whole hand-overs over warm repeats:
    in-engine (refit + one RPC that replays one kernel in the engine), direct (refit into engine-
    layout tensors + SGLang's direct ingest), stock (full HF tensors, SGLang slices them), and an
    empty update (SGLang's RPC round trip alone).
@@ -63,6 +66,9 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("--model", default="llama3-8b", help="preset of the big engine (configs/models)")
+    p.add_argument("--num-layers", type=int, help="keep only the first layers of the big engine")
+    p.add_argument("--fraction", type=float, default=0.3, help="the big engine's mem_fraction_static")
     args = p.parse_args()
     work = Path(args.work)
 
@@ -154,14 +160,17 @@ def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
     from megarl.reshard.planner import make_plan
     from megarl.rollout.sglang import SGLangEngine
 
-    big = work / "llama3-8b"
+    key = "8b" if args.model == "llama3-8b" else args.model
+    big = work / args.model
     big.mkdir(parents=True, exist_ok=True)
-    (big / "config.json").write_text(json.dumps(PRESETS["llama3-8b"] | {"torch_dtype": "bfloat16",
-                                                                         "max_position_embeddings": 4096}))
+    shape = PRESETS[args.model] | ({"num_hidden_layers": args.num_layers} if args.num_layers else {})
+    (big / "config.json").write_text(json.dumps(shape | {"torch_dtype": "bfloat16", "max_position_embeddings": 4096}))
     spec = load_spec(big)
+    result[f"{key}_num_layers"] = spec.num_layers
     t0 = time.perf_counter()
-    engine = SGLangEngine(str(big), gpu_memory_fraction=0.3, load_format="dummy", dtype="bfloat16", **ENGINE_ARGS)
-    result["8b_start_s"] = time.perf_counter() - t0
+    engine = SGLangEngine(str(big), gpu_memory_fraction=args.fraction, load_format="dummy", dtype="bfloat16",
+                          **ENGINE_ARGS)
+    result[f"{key}_start_s"] = time.perf_counter() - t0
     plan = make_plan(spec, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=2)
     src = {n: torch.randn(s, device="cuda", dtype=torch.bfloat16) for n, s in plan.src_shapes.items()}
     dst = engine_tensor_allocations(plan, 0, torch.bfloat16, torch.device("cuda"))
@@ -169,7 +178,7 @@ def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
     in_engine = Resharder(plan, 0, src, None, in_engine=True)
     t0 = time.perf_counter()
     attach(engine, in_engine)
-    result["8b_attach_ms"] = (time.perf_counter() - t0) * 1e3
+    result[f"{key}_attach_ms"] = (time.perf_counter() - t0) * 1e3
 
     def ours() -> None:
         in_engine.refit()
@@ -207,20 +216,22 @@ def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        result[f"8b_{name}_p50_ms"] = percentile(times, 50)
-        result[f"8b_{name}_ms"] = times
+        result[f"{key}_{name}_p50_ms"] = percentile(times, 50)
+        result[f"{key}_{name}_ms"] = times
+        print(f"{key} {name}: p50 {result[f'{key}_{name}_p50_ms']:.2f} ms", flush=True)
     nbytes = sum(t.nbytes for t in dst.values())
-    result["8b_engine_bytes"] = nbytes
-    result["8b_speedup_vs_stock"] = result["8b_stock_p50_ms"] / result["8b_megarl_p50_ms"]
-    result["8b_speedup_vs_direct"] = result["8b_megarl_direct_p50_ms"] / result["8b_megarl_p50_ms"]
+    result[f"{key}_engine_bytes"] = nbytes
+    result[f"{key}_speedup_vs_stock"] = result[f"{key}_stock_p50_ms"] / result[f"{key}_megarl_p50_ms"]
+    result[f"{key}_speedup_vs_direct"] = result[f"{key}_megarl_direct_p50_ms"] / result[f"{key}_megarl_p50_ms"]
     # After the timed in-engine apply, the engine holds what the resharder computes: spot-check one tensor.
     ours()
     direct.refit()
     checks = {}
-    for name in ("model.norm.weight", f"model.layers.{spec.num_layers - 1}.mlp.down_proj.weight"):
+    last_ffn = "mlp.experts.w2_weight" if spec.is_moe else "mlp.down_proj.weight"
+    for name in ("model.norm.weight", f"model.layers.{spec.num_layers - 1}.{last_ffn}"):
         got = torch.as_tensor(engine.engine.get_weights_by_name(name, truncate_size=4)).float().flatten().cpu()
         checks[name] = bool(torch.equal(got, dst[name][:4].float().flatten()[: got.numel()].cpu()))
-    result["8b_in_engine_spot_check"] = checks
+    result[f"{key}_in_engine_spot_check"] = checks
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

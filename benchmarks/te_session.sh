@@ -8,6 +8,9 @@
 #   throughput: training steps of the Llama-3-8B shape ($TRAIN_LAYERS layers, seq 4096, 8 micro-batches per
 #               optimizer step) with TE, with the local spec on SDPA, and on Megatron's unfused attention
 #   grpo_te:    the RL loop (GRPO, SGLang) on TE layers, every hand-over verified against the actor's weights
+#   flex:       the GPU tests of the local spec's attention: FlexAttention on packed rows against SDPA's dense mask
+#   packing:    the actor's update on an RL-like length mix, packed rows against one padded sequence per row
+#               (benchmarks/packing_throughput.py; Llama-3-8B body of $TRAIN_LAYERS layers, local spec)
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:-install parity throughput grpo_te}
@@ -50,6 +53,13 @@ for part in $PART; do
       echo "[h200] grpo_te exit $? in $((SECONDS - start)) s"
       cp /tmp/grpo_te/metrics.jsonl "$OUT/grpo_te.metrics.jsonl" 2>/dev/null
       grep -h "megarl" "$OUT/grpo_te.log" | cut -c1-300 | tail -20 ;;
+    flex)
+      timeout 300 python3 -m pytest -q -m gpu tests/test_attention.py 2>&1 | tail -3 ;;
+    packing)
+      [[ -f /tmp/llama8b_packing/config.json ]] || python3 benchmarks/make_random_model.py --preset llama3-8b \
+        --tokenizer recipes/tiny/model --out /tmp/llama8b_packing --layers "$TRAIN_LAYERS"
+      timeout 300 torchrun --standalone --nproc-per-node 1 benchmarks/packing_throughput.py --model /tmp/llama8b_packing \
+        --json "$OUT/packing_llama3_8b.json" 2>&1 | grep -v "^\s*$" | tail -4 ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

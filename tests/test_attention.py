@@ -1,5 +1,6 @@
 """The local spec's fused core attention (megarl.models.attention) against attention written out in float64:
-causal rows, packed rows under a block-causal mask, grouped-query heads."""
+causal rows, packed rows (given as a block-causal mask or as segment ids; FlexAttention on a GPU), grouped-query
+heads."""
 
 import pytest
 import torch
@@ -32,19 +33,45 @@ def attention():
     return FusedCoreAttention(config, 1, AttnMaskType.causal, "self")
 
 
-@pytest.mark.parametrize("packed", [False, True])
+# Three rows: one sequence, two packed, three packed then padding (a segment of its own).
+SEGMENTS = [[0] * 12, [0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 2 + [3] * 3]
+
+
+@pytest.mark.parametrize("packed", [None, "mask", "segments"])
 def test_fused_attention_equals_attention_written_out(attention, packed):
     torch.manual_seed(0)
     s, b = 12, 3
     q = torch.randn(s, b, 4, 16)
     k, v = torch.randn(s, b, 2, 16), torch.randn(s, b, 2, 16)
-    # Three rows: one sequence, two packed, three packed then padding (a segment of its own).
-    segments = torch.tensor([[0] * 12, [0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 2 + [3] * 3])
+    segments = torch.tensor(SEGMENTS)
     mask = block_causal_mask(segments) if packed else None
-    got = attention(q, k, v, mask)
+    got = attention(q, k, v, segments if packed == "segments" else mask)
     want = reference(q, k, v, mask, 16 ** -0.5)
     assert got.shape == (s, b, 64)
     assert (got.double() - want).abs().max() < 1e-5
     if packed:  # the packed row's second sequence equals that sequence alone in its own row
         alone = attention(q[5:, 1:2], k[5:, 1:2], v[5:, 1:2], None)
         assert (alone - got[5:, 1:2]).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_run_by_flex_attention_on_a_gpu_equal_the_dense_mask(attention, dtype):
+    """FlexAttention's document-causal block mask against SDPA with the dense mask, values and gradients, at a
+    length with several 128-token blocks per sequence and sequences straddling blocks."""
+    from megarl.models.attention import document_attention
+
+    torch.manual_seed(0)
+    lengths = [[700, 300, 200, 24], [1000, 224]]
+    segments = torch.tensor([sum(([i + 1] * n for i, n in enumerate(row)), []) for row in lengths], device="cuda")
+    b, s = segments.shape
+    q = torch.randn(b, 4, s, 16, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, 16, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    flex = document_attention(q, k, v, segments, 0.25)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~block_causal_mask(segments),
+                                                             scale=0.25, enable_gqa=True)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (flex.float() - dense.float()).abs().max() < tolerance
+    grads = [torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in (flex, dense)]
+    for g_flex, g_dense in zip(*grads, strict=True):
+        assert (g_flex.float() - g_dense.float()).abs().max() < tolerance * max(1.0, g_dense.abs().max().item())

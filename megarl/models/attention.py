@@ -4,8 +4,10 @@ Megatron's local ``DotProductAttention`` materialises every head's [s, s] score 
 softmaxes and multiplies again: memory and time quadratic in the row length, on every GPU without TE. SDPA
 picks a fused kernel (flash, cuDNN or memory-efficient attention on GPUs, a fused CPU kernel elsewhere)
 with the same mathematics: softmax(q k^T * scale + mask) v, grouped-query heads shared without copies.
-Rows of one sequence use the causal flag; rows of packed sequences (megarl.models.forward's block-causal
-mask, True = masked out) pass the mask.
+Rows of one sequence use the causal flag. Rows of packed sequences arrive as their segment ids
+(megarl.models.forward): on GPUs FlexAttention runs them under a document-causal block mask, compiled once
+and built once per micro-batch, which skips the blocks between sequences instead of computing and masking
+them and never holds a dense [s, s] mask; elsewhere (CPU) SDPA takes the dense block-causal mask.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarl.models.forward import block_causal_mask
+
 
 class FusedCoreAttention(MegatronModule):
     """Drop-in for ``DotProductAttention`` (same constructor and forward; no context parallelism, no
-    attention bias, no packed-sequence params: rows are packed through the mask)."""
+    attention bias, no packed-sequence params: rows are packed through their segment ids, passed as the mask)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -43,16 +47,46 @@ class FusedCoreAttention(MegatronModule):
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
         """query [s, b, heads, d], key and value [s, b, kv heads, d] (this TP rank's heads); attention_mask
-        None (causal) or bool [b, 1, s, s], True = masked out. Returns [s, b, heads * d]."""
+        None (causal), int64 [b, s] segment ids of packed rows (a token attends to the earlier tokens of its
+        own segment), or bool [b, 1, s, s], True = masked out. Returns [s, b, heads * d]."""
         assert attention_bias is None and packed_seq_params is None, "not supported without Transformer Engine"
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         dropout = self.dropout if self.training else 0.0
-        forked = dropout and not self.config.sequence_parallel  # as Megatron's: dropout streams per TP rank
-        with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout,
-                is_causal=causal, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        segments = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if segments is not None and q.is_cuda and not dropout:
+            out = document_attention(q, k, v, segments, self.softmax_scale)
+        else:
+            if segments is not None:
+                attention_mask = block_causal_mask(segments)
+            causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            forked = dropout and not self.config.sequence_parallel  # as Megatron's: dropout streams per TP rank
+            with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout,
+                    is_causal=causal, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+
+_compiled_flex: Any = None
+_last_mask: tuple[torch.Tensor, Any] | None = None
+"""The block mask of the segments tensor last seen (every layer of a micro-batch's forward gets the same one);
+holding the tensor keeps its identity from being reused by another micro-batch's."""
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Causal attention within each segment of packed rows, by FlexAttention (CUDA): q [b, heads, s, d], k and v
+    [b, kv heads, s, d], segments [b, s]. Returns [b, heads, s, d]."""
+    global _compiled_flex, _last_mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    if _last_mask is None or _last_mask[0] is not segments:
+        def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
+
+        b, s = segments.shape
+        _last_mask = (segments, create_block_mask(same_document, b, None, s, s, device=segments.device))
+    return _compiled_flex(q, k, v, block_mask=_last_mask[1], scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -28,7 +28,9 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
 
 
 def model_inputs(batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(tokens, position ids, attention mask) of GPTModel.forward for one micro-batch.
+    """(tokens, position ids, attention mask) of GPTModel.forward for one micro-batch. The mask of packed rows
+    is their [b, s] segment ids, which megarl's core attention (megarl.models.attention) reads; None for plain
+    causal rows.
 
     GPTModel's RoPE rotates by row position 0..s-1 whatever the position ids say, so a sequence
     packed at offset o is rotated by o more than alone. Attention scores under RoPE depend only on
@@ -37,8 +39,7 @@ def model_inputs(batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor,
     """
     tokens = batch.tokens.to(device)
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    mask = None if batch.segments is None else block_causal_mask(batch.segments.to(device))
-    return tokens, positions, mask
+    return tokens, positions, None if batch.segments is None else batch.segments.to(device)
 
 
 def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches: list[MicroBatch],

@@ -50,6 +50,12 @@ class MegatronModel:
             raise ValueError(f"MegatronModel: temperature {temperature} must be > 0 (greedy has no logprobs)")
         self.spec, self.groups, self.opts, self.temperature = spec, groups, opts, temperature
         self.hf_dir = hf_dir
+        # Packed rows need megarl's core attention, which reads their segment ids (megarl.models.attention).
+        # Transformer Engine's attention, built with the causal mask type, applies its own causal mask, so
+        # packed rows would attend across sequences; packing there needs THD PackedSeqParams (cu_seqlens).
+        # Until then TE rows (and those of Megatron's unfused attention) hold one sequence each, right-padded.
+        self.pack = opts.fused_attention and not opts.transformer_engine
+        """Several sequences per row under a token budget (False: one each, right-padded)."""
         self.chunks = build_model(spec, groups, opts)
         load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
         assert not routing_replay or spec.is_moe, "routing replay needs an MoE model"
@@ -86,12 +92,8 @@ class MegatronModel:
         multiple = self.groups.dims.tp if self.opts.sequence_parallel else 1
         if max_tokens is None:
             return self._same_count(micro_batches(sequences, micro_batch_size, multiple))
-        # Transformer Engine's attention, built with the causal mask type, applies its own causal mask,
-        # not a dense one, so packed rows would attend across sequences; packing there needs THD
-        # PackedSeqParams (cu_seqlens), which no CPU test can run. Until then TE rows hold one
-        # sequence each, right-padded.
         layout = plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1,
-                                    pack=not self.opts.transformer_engine, width_multiple=multiple)
+                                    pack=self.pack, width_multiple=multiple)
         return self._same_count(build_micro_batches(sequences, layout))
 
     def _same_count(self, batches: list[MicroBatch]) -> list[MicroBatch]:
