@@ -226,10 +226,14 @@ def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
     # After the timed in-engine apply, the engine holds what the resharder computes: spot-check one tensor.
     ours()
     direct.refit()
-    checks = {}
+    checks: dict[str, bool | None] = {}
     last_ffn = "mlp.experts.w2_weight" if spec.is_moe else "mlp.down_proj.weight"
     for name in ("model.norm.weight", f"model.layers.{spec.num_layers - 1}.{last_ffn}"):
-        got = torch.as_tensor(engine.engine.get_weights_by_name(name, truncate_size=4)).float().flatten().cpu()
+        weights = engine.engine.get_weights_by_name(name, truncate_size=4)
+        if weights is None:  # SGLang 0.5.17's Qwen3-MoE model cannot return its weights
+            checks[name] = None
+            continue
+        got = torch.as_tensor(weights).float().flatten().cpu()
         checks[name] = bool(torch.equal(got, dst[name][:4].float().flatten()[: got.numel()].cpu()))
     result[f"{key}_in_engine_spot_check"] = checks
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=2), flush=True)

@@ -88,5 +88,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
             return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
 
         b, s = segments.shape
-        _last_mask = (segments, create_block_mask(same_document, b, None, s, s, device=segments.device))
+        _last_mask = (segments, create_block_mask(same_document, b, None, s, s, device=segments.device,
+                                                  _compile=True))
     return _compiled_flex(q, k, v, block_mask=_last_mask[1], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
