@@ -102,3 +102,24 @@ def test_without_an_engine_loop_the_watch_still_ends_a_call():
             time.sleep(30)
     finally:
         signal.signal(signal.SIGQUIT, previous)
+
+
+def test_sigterm_taken_by_the_engine_loop_goes_back_to_the_trainers_handler(loop):
+    """SGLang's tokenizer manager puts a SIGTERM handler on its loop (drain, then SIGKILL the process tree), over
+    megarl's interrupt handling: the watch gives SIGTERM back, so scancel ends the run as an interrupt."""
+    class Stopped(BaseException):
+        pass
+
+    def trainers(signum, frame):
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, trainers)
+    try:
+        loop.add_signal_handler(signal.SIGTERM, lambda: None)  # what the engine does on its first request
+        ChildWatch(loop, EngineLog(), "an SGLang engine process", sigterm=trainers)
+        assert signal.getsignal(signal.SIGTERM) is trainers
+        with pytest.raises(Stopped):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -90,9 +91,13 @@ class ChildWatch:
     naming the engine log's root cause; between calls it marks the engine failed, and the next call raises
     before it starts."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str,
+                 sigterm: Any = None) -> None:
         """``loop``: the event loop on which the engine registered its own SIGQUIT handler (None: none); install
-        after the engine has (SGLang: after its first request); ``what``: the failing process."""
+        after the engine has (SGLang: after its first request); ``what``: the failing process; ``sigterm``: this
+        process's SIGTERM handler from before the engine started, given back if the engine's loop took SIGTERM
+        (SGLang's drains requests, then SIGKILLs the process tree: a scancel or a Slurm time limit would skip
+        megarl's clean interrupt, or end as an engine failure once the engine's processes die of it too)."""
         self.failed = False
         self._calling = False
         self.log, self.what, self.loop = log, what, loop
@@ -103,6 +108,8 @@ class ChildWatch:
             return
         if loop is not None:
             loop.remove_signal_handler(signal.SIGQUIT)
+            if loop.remove_signal_handler(signal.SIGTERM) and sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
         signal.signal(signal.SIGQUIT, self._signalled)
 
     def _signalled(self, signum: int, frame: object) -> None:

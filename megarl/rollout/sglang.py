@@ -18,7 +18,9 @@ A failed engine process (out of memory at wake, a crashed scheduler) sends SIGQU
 SGLang's own handler answers by SIGKILLing the whole process tree, this process included: the user
 would see only torchrun's ChildFailedError. The engine replaces that handler, at start and once it
 runs, with one that ends the pending engine call, which then raises with the engine's log tail
-(megarl.rollout.failures turns it into a megarl error naming the phase and the memory in use).
+(megarl.rollout.failures turns it into a megarl error naming the phase and the memory in use). SGLang's loop
+also takes SIGTERM (to drain requests, then SIGKILL the process tree); the watch gives it back to megarl's
+clean interrupt.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,7 @@ class SGLangEngine:
         visible ones); ``log_file``: where the engine's processes log (None: the console);
         ``return_routed_experts`` (MoE): every completion carries the experts its tokens were routed to;
         ``engine_args`` go to ``sglang.Engine`` unchanged."""
+        sigterm = signal.getsignal(signal.SIGTERM)  # megarl's interrupt handling, which the engine's loop takes over
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
         check_rollout_tp(spec, tensor_parallel)
         assert not return_routed_experts or spec.is_moe, "routed experts of a dense model"
@@ -101,7 +105,7 @@ class SGLangEngine:
         # (a loop made before it would not be the engine's: its calls would hang): the watch replaces it.
         tokens = self.engine.get_server_info().get("max_total_num_tokens")
         loop = getattr(getattr(self.engine, "tokenizer_manager", None), "event_loop", None)
-        self._watch = ChildWatch(loop, engine_log, "an SGLang engine process")
+        self._watch = ChildWatch(loop, engine_log, "an SGLang engine process", sigterm=sigterm)
         print(f"megarl: SGLang engine on devices {devices}: KV cache of {tokens} tokens "
               f"(mem_fraction_static {gpu_memory_fraction})", flush=True)
         self._versioned_updates = hasattr(self.engine, "begin_weight_update")
