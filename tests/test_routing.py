@@ -43,7 +43,7 @@ def test_replayed_routing_gives_transformers_logprobs_with_the_same_experts_in_e
 def test_routing_is_placed_where_each_sequence_sits_in_packed_rows():
     sequences = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     (batch,) = build_micro_batches(sequences, Layout([[[0, 2], [1]]], [6], [2]))
-    routing = [np.arange(len(s) - 1, dtype=np.int8).reshape(-1, 1, 1) * 10 + i for i, s in enumerate(sequences)]
+    routing = [np.arange(len(s) - 1, dtype=np.uint8).reshape(-1, 1, 1) * 10 + i for i, s in enumerate(sequences)]
     placed = place_routing(batch, routing, num_layers=1, topk=1)[..., 0, 0]
     # Row 0: sequence 0 (4 tokens), then sequence 2 (2 tokens); row 1: sequence 1 and padding. Each sequence's
     # last token and the padding are -1: the router chooses for them itself.
@@ -78,18 +78,18 @@ def test_sglang_routed_experts_decode_and_a_broken_reply_is_refused():
     experts = np.array([[[3, 1], [0, 2]], [[1, 0], [2, 3]], [[0, 3], [1, 2]]], dtype=np.int32)  # [3 tokens, 2, 2]
     encoded = base64.b64encode(experts.tobytes()).decode()
     decoded = decode_routed_experts(encoded, num_tokens=3, num_layers=2, topk=2, num_experts=4)
-    assert decoded.dtype == routing_dtype(4) == np.int8 and (decoded == experts).all()
+    assert decoded.dtype == routing_dtype(4) == np.uint8 and (decoded == experts).all()
     with pytest.raises(RuntimeError, match="12 routed expert ids for 4 tokens"):
         decode_routed_experts(encoded, num_tokens=4, num_layers=2, topk=2, num_experts=4)
     with pytest.raises(RuntimeError, match=r"expert ids in \[0, 3\] for a model of 3 experts"):
         decode_routed_experts(encoded, num_tokens=3, num_layers=2, topk=2, num_experts=3)
     with pytest.raises(RuntimeError, match="no routed experts"):
         decode_routed_experts(None, num_tokens=3, num_layers=2, topk=2, num_experts=4)
-    assert routing_dtype(128) == np.int16
+    assert routing_dtype(256) == np.uint8 and routing_dtype(257) == np.int16
 
 
 def test_batches_keep_each_samples_routing_when_selected_and_concatenated():
-    routing = [np.full((n - 1, 1, 2), i, dtype=np.int8) for i, n in enumerate((4, 3, 5))]
+    routing = [np.full((n - 1, 1, 2), i, dtype=np.uint8) for i, n in enumerate((4, 3, 5))]
     batch = Batch.build([[1], [2], [3]], [[4, 5, 6], [7, 8], [9, 1, 2, 3]], [[0.0] * 3, [0.0] * 2, [0.0] * 4],
                         [1.0, 0.0, 1.0], routing)
     picked = Batch.concat([batch.select([2, 0]), batch.select([1])])
