@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                 with tracker.phase("reshard"):  # new weights into the engine's layout, in place
                     trainer.push_weights()
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
-            tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.offload_metrics()
-                        | trainer.actor.routing_disagreement() | {"kl_coef": trainer.kl.value})
+            tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.step_metrics()
+                        | {"kl_coef": trainer.kl.value})
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)
                 break

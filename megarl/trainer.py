@@ -12,7 +12,8 @@ import dataclasses
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -69,6 +70,7 @@ class RLTrainer:
         self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
         self._weights_leave = cfg.actor.offload_weights  # while the engine generates, it holds the only copy
         self._num_handovers = 0
+        self._handover_s: defaultdict[str, float] = defaultdict(float)
         self.spec = load_spec(cfg.model.hf_path)
         use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                           and transformer_engine_available())
@@ -122,6 +124,7 @@ class RLTrainer:
             print(f"megarl: each hand-over lands what other GPUs send in {self.resharder.num_rounds} rounds, one "
                   f"engine call each (rollout.landing_buffer_mb = {cfg.rollout.landing_buffer_mb})", flush=True)
         self.push_weights()
+        self._handover_s.clear()  # steps report their own hand-overs, not the first one's start-up
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:
         return engine_tensor_allocations(self._plan, self.groups.rank, DTYPES[self.cfg.model.dtype],
@@ -143,10 +146,23 @@ class RLTrainer:
         assert self._engine_state == "asleep", "checkpoints are written and read while the engine sleeps"
         self.residency.hold({"actor": {"weights"}, role: set(PARTS)})
 
-    def offload_metrics(self) -> dict[str, float]:
-        """Seconds spent moving state between device and host since the last call (inside the phases' times)."""
+    def step_metrics(self) -> dict[str, float]:
+        """Since the last call: seconds spent moving state between device and host (inside the phases' times),
+        the hand-over's parts (``handover/*_s``, inside time/reshard) and, with routing replay, the share of
+        expert choices the actor would have made otherwise."""
         seconds, self.residency.seconds = self.residency.seconds, 0.0
-        return {"offload_seconds": seconds}
+        parts, self._handover_s = self._handover_s, defaultdict(float)
+        return ({"offload_seconds": seconds} | {f"handover/{k}_s": v for k, v in parts.items()}
+                | self.actor.routing_disagreement())
+
+    @contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of ``part`` of a hand-over (device work included) to its ``handover/*_s`` metric."""
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._handover_s[part] += time.perf_counter() - start
 
     def _hold(self, phase: str) -> None:
         """Keep on the device only what ``phase`` uses (megarl.offload). Before the phases in which the engine
@@ -167,32 +183,38 @@ class RLTrainer:
         actor's then leave the GPU (the resharder and the engine let go of their addresses), and only then
         does the engine's KV cache wake, in the room they leave."""
         if self._engine_state == "asleep":
-            self._hold("handover")
-            self.engine.wake("weights")
+            with self._timed("wake_weights"):  # the actor's weights back on the device, then the engine's
+                self._hold("handover")
+                self.engine.wake("weights")
             self._engine_state = "weights"
-        if self.engine.copies_in_engine and not self._attached:
-            self.engine.attach(self.resharder.engine_copy())  # the actor's tensors where they are now
-            self._attached = True
-        if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
-            self.engine_tensors.update(self._allocate_engine_tensors())
-        for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
-            self.resharder.refit(round)
-            self.engine.deliver(self.engine_tensors, round)
+        with self._timed("attach"):
+            if self.engine.copies_in_engine and not self._attached:
+                self.engine.attach(self.resharder.engine_copy())  # the actor's tensors where they are now
+                self._attached = True
+            if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
+                self.engine_tensors.update(self._allocate_engine_tensors())
+        with self._timed("copy"):
+            for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
+                self.resharder.refit(round)
+                self.engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
         if every and self._num_handovers % every == 0:
-            self._verify_handover()
+            with self._timed("verify"):
+                self._verify_handover()
         self._num_handovers += 1
-        if self._weights_leave:
-            if self._attached:
-                self.engine.detach()
-                self._attached = False
-            self.resharder.release()
-            if self.engine_tensors is not None:
-                self.engine_tensors.clear()  # the engine has loaded them: no copy of the weights stays
-        if self._weights_leave or self._engine_state == "weights":
-            self._hold("generate")  # also with the actor's weights kept: the update's cached memory must go
+        with self._timed("release"):  # the actor's weights leave (actor.offload_weights), caches go back
+            if self._weights_leave:
+                if self._attached:
+                    self.engine.detach()
+                    self._attached = False
+                self.resharder.release()
+                if self.engine_tensors is not None:
+                    self.engine_tensors.clear()  # the engine has loaded them: no copy of the weights stays
+            if self._weights_leave or self._engine_state == "weights":
+                self._hold("generate")  # also with the actor's weights kept: the update's cached memory must go
         if self._engine_state == "weights":
-            self.engine.wake("cache")
+            with self._timed("wake_cache"):
+                self.engine.wake("cache")
         self._engine_state = "awake"
 
     def _verify_handover(self) -> None:

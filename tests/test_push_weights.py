@@ -2,6 +2,7 @@
 offloading recorded: the engine only ever wakes into memory the trainer has given back to the driver, and the
 actor's weights leave only after the engine let go of them."""
 
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,7 @@ def trainer_at_step(events, weights_leave):
     t.engine, t.resharder = Recorder(events, "engine"), Recorder(events, "resharder")
     t.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
     t.engine_tensors = None
+    t._handover_s = defaultdict(float)
     t.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
     return t
 
@@ -39,9 +41,12 @@ def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     t = trainer_at_step(events, weights_leave)
     t.push_weights()
     assert t._engine_state == "awake"
+    # Its parts are timed for the step's metrics (handover/*_s), verification off.
+    assert set(t._handover_s) == {"wake_weights", "attach", "copy", "release", "wake_cache"}
     wakes = [i for i, e in enumerate(events) if e.startswith("engine.wake")]
     assert [events[i] for i in wakes] == ["engine.wake(weights)", "engine.wake(cache)"]
     for i in wakes:  # the last thing before every wake: the trainer's freed and cached memory went back

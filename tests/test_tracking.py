@@ -21,7 +21,7 @@ GRPO = REPO / "recipes/tiny_cpu_grpo.yaml"
 REQUIRED = ["reward_mean", "reward_std", "kl", "entropy", "actor/clip_fraction", "critic/value_loss",
             "actor/grad_norm", "critic/grad_norm", "actor/lr", "critic/lr", "response_length", "logprob_diff_mean",
             "logprob_diff_max", "time/generate", "time/reshard", "time/reference", "time/critic", "time/update",
-            "tokens_per_s"]
+            "tokens_per_s", "handover/copy_s", "handover/release_s"]
 
 
 def only_run(uri: str):
