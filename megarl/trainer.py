@@ -72,6 +72,10 @@ class RLTrainer:
         self._num_handovers = 0
         self._handover_s: defaultdict[str, float] = defaultdict(float)
         self.spec = load_spec(cfg.model.hf_path)
+        # Each step's samples (tokens, logprobs and, with routing replay, every token's experts: hundreds of MB at
+        # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
+        # on the GPU, next to the engine's KV cache.
+        self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                           and transformer_engine_available())
         opts = BuildOptions(dtype=DTYPES[cfg.model.dtype], vocab_pad_multiple=cfg.model.vocab_pad_multiple,
@@ -284,7 +288,7 @@ class RLTrainer:
         done = self.engine.generate([prompts[i] for i in mine], params)
         local = [(mine[c.prompt_index], c.token_ids, c.logprobs, c.routed_experts) for c in done]
         everything: list[Any] = [None] * g.dims.world_size
-        dist.all_gather_object(everything, local)
+        dist.all_gather_object(everything, local, group=self._host_group)
         rows = sorted((row for part in everything for row in part), key=lambda x: x[0])  # stable per prompt
         texts = [decode(row[1]) for row in rows]
         scores = self.reward_fn(texts, [answers[row[0]] for row in rows])
