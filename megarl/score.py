@@ -1,10 +1,11 @@
 """Per-token log-probabilities of given token sequences under a HF model, in any TP/PP/DP layout.
 
-  torchrun --nproc-per-node W -m megarl.score --hf DIR --tp N --pp M --input IN.jsonl --output OUT.jsonl
+  torchrun --nproc-per-node W -m megarl.score --hf DIR --tp N --pp M [--ep E] --input IN.jsonl --output OUT.jsonl
 
 Each input line is {"tokens": [int, ...]} (at least two tokens); each output line, in the same
 order, is {"logprobs": [...]} with log p(token_t | tokens before t) for t = 1..len-1.
-Sequences are spread over the W / (N * M) data-parallel replicas.
+Sequences are spread over the W / (N * M) data-parallel replicas; an MoE model's experts may be split over
+E of them (expert parallelism, E dividing the replicas and the expert count).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf", required=True, help="HF model directory (config.json, *.safetensors)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="MoE: expert-parallel size (the experts split over this many data-parallel replicas)")
     parser.add_argument("--input", required=True, help='jsonl, one {"tokens": [...]} per line')
     parser.add_argument("--output", required=True, help='jsonl written with one {"logprobs": [...]} per line')
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -72,6 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     if world % (args.tp * args.pp):
         raise UserError(f"--tp {args.tp} x --pp {args.pp} must divide the world size {world} "
                         "(torchrun --nproc-per-node).")
+    dp = world // (args.tp * args.pp)
+    if args.ep < 1 or dp % args.ep or (args.ep > 1 and not spec.is_moe) or (spec.is_moe and spec.num_experts % args.ep):
+        why = (f"be 1 for a dense model ({spec.hf_config.get('architectures')})" if args.ep > 1 and not spec.is_moe
+               else f"divide the {dp} data-parallel replicas (world {world} / (TP x PP)) and the model's "
+                    f"{spec.num_experts} experts")
+        raise UserError(f"--ep {args.ep} must {why}.")
     sequences = read_sequences(args.input, spec.vocab_size)
 
     from megarl.platform import init_platform
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform)
-    groups = init_model_parallel(ParallelDims(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp)))
+    groups = init_model_parallel(ParallelDims(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep))
     model_parallel_seed(0)
     opts = BuildOptions(dtype=DTYPES[args.dtype])
     chunks = build_model(spec, groups, opts)
@@ -92,8 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     for chunk in chunks:
         chunk.eval()
     mine = list(range(groups.dp_rank, len(sequences), groups.dims.dp))
+    # Under expert parallelism a replica without sequences still runs the MoE layers' exchanges.
     result = sequence_logprobs(chunks, spec, groups, [sequences[i] for i in mine],
-                               micro_batch_size=args.micro_batch_size, temperature=args.temperature) if mine else []
+                               micro_batch_size=args.micro_batch_size, temperature=args.temperature) \
+        if mine or args.ep > 1 else []
     payload = list(zip(mine, result, strict=True)) if result is not None and groups.tp_rank == 0 else None
     gathered: list = [None] * world if groups.rank == 0 else []
     dist.gather_object(payload, gathered if groups.rank == 0 else None, dst=0)
@@ -121,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps({"logprobs": rows[i]}) + "\n")
         os.replace(tmp, out)
         print(f"scored {len(sequences)} sequences ({sum(map(len, sequences))} tokens) with TP={args.tp} "
-              f"PP={args.pp} DP={groups.dims.dp} in {time.perf_counter() - start:.1f}s -> {out}", flush=True)
+              f"PP={args.pp} DP={groups.dims.dp} EP={args.ep} in {time.perf_counter() - start:.1f}s -> {out}",
+              flush=True)
     dist.destroy_process_group()
 
 

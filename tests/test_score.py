@@ -96,3 +96,40 @@ def test_score_rejects_temperature_zero(tmp_path):
                            "--output", "o.jsonl", "--temperature", "0"],
                           cwd=REPO, capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 2 and "--temperature 0.0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_score_cli_splits_an_moe_models_experts_over_expert_parallel_replicas(tmp_path):
+    """--ep 2 on 4 ranks (DP 4): experts split over pairs of replicas; with 3 sequences one replica has none and
+    must still run the MoE layers' all-to-all exchanges, or its partner would wait forever."""
+    model = make_hf_model(tmp_path / "moe", "qwen3_moe")
+    sequences = [[1, 5, 7, 9, 100, 149, 3], [2, 8, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"tokens": s}) + "\n" for s in sequences))
+    proc = run_torchrun(["-m", "megarl.score", "--hf", str(model), "--ep", "2", "--micro-batch-size", "1",
+                         "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")], nproc=4,
+                        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "EP=2" in proc.stdout
+    rows = [json.loads(line)["logprobs"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for seq, row in zip(sequences, rows, strict=True):
+        t = torch.tensor([seq])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(t).logits[0, :-1], -1).gather(-1, t[0, 1:, None])[:, 0]
+        assert (torch.tensor(row) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("flags,needle", [(["--ep", "2"], "be 1 for a dense model"),
+                                          (["--ep", "3"], "divide the 1 data-parallel replicas")])
+def test_score_refuses_an_expert_parallel_size_that_cannot_split(tmp_path, flags, needle):
+    model = make_hf_model(tmp_path / "moe", "qwen3_moe") if "replicas" in needle else make_hf_model(
+        tmp_path / "llama", "llama")
+    (tmp_path / "in.jsonl").write_text('{"tokens": [1, 2, 3]}\n')
+    proc = subprocess.run([sys.executable, "-m", "megarl.score", "--hf", str(model), *flags, "--input",
+                           str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "--ep" in last and needle in last, last

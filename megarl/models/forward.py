@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megarl.data.batching import Layout, MicroBatch, build_micro_batches
 from megarl.models.logprobs import vocab_parallel_logprobs
@@ -86,6 +87,27 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     return list(outputs) if groups.is_last_stage else None
 
 
+def even_micro_batches(batches: list[MicroBatch], groups: ParallelGroups, width_multiple: int = 1
+                       ) -> list[MicroBatch]:
+    """``batches`` in a count the schedule can run, made up with empty micro-batches (padding only, no sequence,
+    no loss weight):
+    - with experts split over DP ranks (expert parallelism) every rank must run as many forward passes as the
+      others, a rank with no sequence at all included (each MoE layer exchanges tokens all-to-all): up to the
+      most any DP rank has;
+    - the interleaved (virtual) pipeline schedule runs micro-batches in groups of PP: a multiple of PP."""
+    dims = groups.dims
+    count = len(batches)
+    if dims.ep > 1:
+        most = torch.tensor([count], device=groups.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=groups.dp_group)
+        count = int(most.item())
+    if dims.vpp:
+        count = -(-count // dims.pp) * dims.pp
+    shape = batches[-1].tokens.shape if batches else (1, max(2, width_multiple))
+    empty = MicroBatch(torch.zeros(shape, dtype=torch.long), None, [])
+    return batches + [empty] * (count - len(batches))
+
+
 def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int, width_multiple: int = 1
                   ) -> list[MicroBatch]:
     """Micro-batches of ``micro_batch_size`` rows, one sequence per row in input order, all padded to
@@ -101,12 +123,14 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
                       vocab_pad_multiple: int = 128, temperature: float = 1.0) -> list[list[float]] | None:
     """log p(token_t | tokens_<t) for t >= 1 of every sequence, in input order, under softmax(logits / temperature).
 
-    Every rank of a pipeline must pass the same ``sequences``. Returns one list of
+    Every rank of a pipeline must pass the same ``sequences`` (under expert parallelism possibly none: the rank
+    still runs the MoE layers' exchanges). Returns one list of
     ``len(seq) - 1`` floats per sequence on the last pipeline stage, None elsewhere.
     Causal attention keeps right padding from influencing real tokens; padded positions
     are dropped from the result.
     """
-    assert sequences and all(len(s) >= 2 for s in sequences), "every sequence needs at least two tokens"
+    assert all(len(s) >= 2 for s in sequences), "every sequence needs at least two tokens"
+    assert sequences or groups.dims.ep > 1, "no sequences to score"
     padded_vocab = spec.padded_vocab_size(groups.dims.tp, vocab_pad_multiple)
     vocab_start = groups.tp_rank * padded_vocab // groups.dims.tp
 
@@ -115,7 +139,8 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
                                        vocab_size=spec.vocab_size, group=groups.tp_group,
                                        temperature=temperature).cpu()
 
-    outputs = forward_only(chunks, groups, micro_batches(sequences, micro_batch_size), logprobs)
+    batches = even_micro_batches(micro_batches(sequences, micro_batch_size) if sequences else [], groups)
+    outputs = forward_only(chunks, groups, batches, logprobs)
     if outputs is None:
         return None
     rows = torch.cat(outputs)[: len(sequences)]

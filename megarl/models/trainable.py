@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
 from megarl.errors import check_finite
-from megarl.models.forward import forward_only, micro_batches, model_inputs
+from megarl.models.forward import even_micro_batches, forward_only, micro_batches, model_inputs
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.routing import RoutingReplay, place_routing
@@ -91,27 +91,10 @@ class MegatronModel:
         # Sequence parallelism splits every row over the TP ranks.
         multiple = self.groups.dims.tp if self.opts.sequence_parallel else 1
         if max_tokens is None:
-            return self._same_count(micro_batches(sequences, micro_batch_size, multiple))
+            return even_micro_batches(micro_batches(sequences, micro_batch_size, multiple), self.groups, multiple)
         layout = plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1,
                                     pack=self.pack, width_multiple=multiple)
-        return self._same_count(build_micro_batches(sequences, layout))
-
-    def _same_count(self, batches: list[MicroBatch]) -> list[MicroBatch]:
-        """Micro-batch counts the schedule can run, made up with empty micro-batches (padding only, no
-        sequence, no loss weight):
-        - with experts split over DP ranks (expert parallelism) every rank must run as many forward passes as
-          the others (each MoE layer exchanges tokens all-to-all): up to the most any DP rank has;
-        - the interleaved (virtual) pipeline schedule runs micro-batches in groups of PP: a multiple of PP."""
-        dims = self.groups.dims
-        count = len(batches)
-        if dims.ep > 1:
-            most = torch.tensor([count], device=self.groups.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
-            count = int(most.item())
-        if dims.vpp:
-            count = -(-count // dims.pp) * dims.pp
-        empty = MicroBatch(torch.zeros_like(batches[-1].tokens), None, [])
-        return batches + [empty] * (count - len(batches))
+        return even_micro_batches(build_micro_batches(sequences, layout), self.groups, multiple)
 
     def _vocab_start(self) -> int:
         padded = self.spec.padded_vocab_size(self.groups.dims.tp, self.opts.vocab_pad_multiple)
