@@ -84,12 +84,18 @@ class SGLangEngine:
         args = dict(model_path=hf_dir, tp_size=tensor_parallel, skip_tokenizer_init=True,
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
-                    load_format=load_format, custom_weight_loader=[LOADER],
-                    enable_return_routed_experts=return_routed_experts) | engine_args
+                    load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
         from sglang.srt.server_args import ServerArgs
 
-        if "custom_sigquit_handler" in {f.name for f in dataclasses.fields(ServerArgs)}:
+        server_args = {f.name for f in dataclasses.fields(ServerArgs)}
+        if "custom_sigquit_handler" in server_args:
             args["custom_sigquit_handler"] = _failed_at_start
+        if return_routed_experts:
+            if "enable_return_routed_experts" not in server_args:
+                raise UserError(f"algorithm.routing_replay needs an SGLang that returns routed experts "
+                                f"(enable_return_routed_experts, in 0.5.17); this is {sglang.__version__}. "
+                                "Install the GPU image's SGLang, or set algorithm.routing_replay: false.")
+            args["enable_return_routed_experts"] = True
         try:
             # SGLang's logprobs are those of softmax(logits / T), the distribution it samples from and the one
             # the trainer computes; this variable would switch them to T = 1, so it is pinned off.
