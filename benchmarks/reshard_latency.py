@@ -33,7 +33,7 @@ from megarl.models.mapping import REPLICATED, hf_shapes, param_rules, pipeline_s
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
 from megarl.reshard.engine_layout import engine_tensors  # noqa: E402
-from megarl.reshard.planner import Plan, make_plan, predict_ms  # noqa: E402
+from megarl.reshard.planner import LinkModel, Plan, make_plan, predict_ms  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nvlink-gbps", type=float, default=LinkModel().nvlink_gbps,
+                   help="GB/s each direction inside a node, for the predicted time (parallel.nvlink_gbps)")
+    p.add_argument("--network-gbps", type=float, default=LinkModel().network_gbps,
+                   help="GB/s each direction per GPU across nodes, for the predicted time (parallel.network_gbps)")
     p.add_argument("--rank-order", default="tp-dp-pp", choices=["tp-dp-pp", "tp-pp-dp"],
                    help="trainer mesh axes from fastest- to slowest-varying rank (parallel.rank_order)")
     p.add_argument("--iters", type=int, default=20, help="timed warm refits (at least 10)")
@@ -73,10 +77,10 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def plan_report(plan: Plan) -> dict:
-    """The plan's byte counts, its predicted time and bound (megarl.reshard.planner.predict_ms, at the
-    default link rates) and ``engine_ranks``: the engine TP rank each GPU holds, in GPU order."""
-    return plan.stats() | predict_ms(plan) | {"engine_ranks": plan.engine_ranks}
+def plan_report(plan: Plan, links: LinkModel) -> dict:
+    """The plan's byte counts, its predicted time and bound over ``links`` (megarl.reshard.planner.predict_ms)
+    and ``engine_ranks``: the engine TP rank each GPU holds, in GPU order."""
+    return plan.stats() | predict_ms(plan, links) | {"engine_ranks": plan.engine_ranks}
 
 
 def trainer_shards(spec, plan: Plan, rank: int, dtype: torch.dtype, device: torch.device, hf_dir: str | None):
@@ -189,6 +193,7 @@ def measure_link_bandwidth(device: torch.device, world: int, rank: int, nbytes: 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    links = LinkModel(nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
     spec = preset_or_hf_spec(args.model, args.num_layers)
     hf_dir = args.model if Path(args.model).is_dir() else None
     dtype = DTYPES[args.dtype]
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=args.gpus_per_node, element_size=es,
                          bucket_bytes=args.bucket_mb * 2**20)
-        report = plan_report(plan) | {"plan_ms": (time.perf_counter() - t0) * 1e3, "world": world}
+        report = plan_report(plan, links) | {"plan_ms": (time.perf_counter() - t0) * 1e3, "world": world}
         print(json.dumps(report, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "peak_extra_bytes": peak_extra, "pool_bytes": resharder.pool_bytes,
         "baseline_ms": baseline_times, "baseline_p50_ms": percentile(baseline_times, 50) if baseline_times else None,
         "speedup": percentile(baseline_times, 50) / p50 if baseline_times else None,
-        "baseline_matches": match, "plan": plan_report(plan), "num_buckets": len(plan.buckets),
+        "baseline_matches": match, "plan": plan_report(plan, links), "num_buckets": len(plan.buckets),
     } | verify | in_engine
     if args.dump:
         from safetensors.torch import save_file

@@ -94,12 +94,20 @@ class ParallelConfig:
     """GPUs per node for placing groups; null = LOCAL_WORLD_SIZE from torchrun."""
     timeout_minutes: int = 30
     """Collective timeout, so a hung rank fails the job instead of burning GPU hours."""
+    nvlink_gbps: float = 365.0
+    """GB/s each direction between two GPUs of a node, for the hand-over's predicted time (365: NCCL over an
+    H200's NV18 NVLink, measured)."""
+    network_gbps: float = 50.0
+    """GB/s each direction from one GPU to another node, for the hand-over's predicted time (50: one 400 Gb/s
+    InfiniBand NDR or RoCE NIC per GPU; not measured here)."""
 
     def __post_init__(self) -> None:
         _positive(
             self, "tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel", "gpus_per_node",
             "timeout_minutes"
         )
+        _within(self, "nvlink_gbps", "(0, inf)", "use the link's measured rate, e.g. 365 for H200 NVLink")
+        _within(self, "network_gbps", "(0, inf)", "use the NIC's rate per GPU in GB/s, e.g. 50 for 400 Gb/s")
         check(self.expert_parallel == 1 or self.rank_order == "tp-dp-pp", "expert_parallel", self.expert_parallel,
               f"be 1 with rank_order {self.rank_order} (experts are split over consecutive DP ranks)",
               "set rank_order: tp-dp-pp, or expert_parallel: 1")

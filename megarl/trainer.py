@@ -31,7 +31,7 @@ from megarl.models.trainable import MegatronModel
 from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
-from megarl.reshard.planner import describe_plan, make_plan
+from megarl.reshard.planner import LinkModel, describe_plan, make_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
@@ -109,7 +109,9 @@ class RLTrainer:
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)
         if groups.rank == 0:
-            print(f"megarl: hand-over plan: {describe_plan(plan, predict=torch.cuda.is_available())}", flush=True)
+            links = LinkModel(nvlink_gbps=cfg.parallel.nvlink_gbps, network_gbps=cfg.parallel.network_gbps)
+            print(f"megarl: hand-over plan: {describe_plan(plan, predict=torch.cuda.is_available(), links=links)}",
+                  flush=True)
         group = engine_group(groups.rank, plan.engines())
         kind = engine_class(cfg)
         in_engine = kind.copies_in_engine

@@ -292,6 +292,7 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
             ["`algorithm.kl_target`", "adaptive_kl"],
         ),
         (with_changes(parallel={"timeout_minutes": 0}), ["`parallel.timeout_minutes`", ">= 1"]),
+        (with_changes(parallel={"network_gbps": 0}), ["`parallel.network_gbps`", "> 0"]),
         (with_changes(checkpoint={"keep_last": 0}), ["`checkpoint.keep_last`", ">= 1"]),
         (with_changes(checkpoint={"save_every": 10}), ["`checkpoint.dir`", "save_every is 10"]),
         (with_changes(trainer={"reward": "megarl.rewards.gsm8k"}), ["`trainer.reward`", "module:function"]),

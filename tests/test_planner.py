@@ -13,7 +13,7 @@ from megarl.models.presets import preset_or_hf_spec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, allocate_flat_buckets, engine_tensor_allocations
-from megarl.reshard.planner import LinkModel, engine_groups, make_plan, predict_ms
+from megarl.reshard.planner import LinkModel, describe_plan, engine_groups, make_plan, predict_ms
 from megarl.rollout.group import EngineGroup
 
 TINY = preset_or_hf_spec("tiny")  # 8 heads, 4 kv heads, vocab 1000 (not a multiple of 64 * R)
@@ -130,6 +130,9 @@ def test_predicted_time_counts_each_link_direction_and_the_network():
     alone = make_plan(spec, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=2)
     local = alone.stats()["local_bytes"]
     assert predict_ms(alone, links)["bound_ms"] == pytest.approx(2 * local / 1000e9 * 1e3)
+    # The console line says the rates it assumed, which the config sets (parallel.nvlink_gbps, network_gbps).
+    line = describe_plan(apart, links=links)
+    assert "network at 10 GB/s" in line and f"predicted {predict_ms(apart, links)['predicted_ms']:.1f} ms" in line
 
 
 def test_engines_are_placed_where_their_bytes_already_are():

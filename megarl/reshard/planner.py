@@ -343,9 +343,9 @@ def _bucketize(transfers_by_group: list[list[Transfer]], plan: Plan) -> list[lis
     return [b for b in buckets if b]
 
 
-def describe_plan(plan: Plan, predict: bool = True) -> str:
+def describe_plan(plan: Plan, predict: bool = True, links: LinkModel | None = None) -> str:
     """One line for the console: engines, buckets, the busiest GPU's bytes and (``predict``, for GPUs) the
-    predicted time."""
+    predicted time over ``links`` (None: the measured defaults)."""
     stats = plan.stats()
     gib = 2**30
     engines = plan.engines()
@@ -353,8 +353,11 @@ def describe_plan(plan: Plan, predict: bool = True) -> str:
             f"; {len(plan.buckets)} buckets; the busiest GPU receives {stats['max_recv_bytes_per_gpu'] / gib:.2f} "
             f"GiB from other GPUs of the {stats['engine_bytes_per_gpu'] / gib:.2f} GiB its engine rank holds")
     if predict and plan.dims.world_size > 1:
-        times = predict_ms(plan)
-        text += f"; predicted {times['predicted_ms']:.1f} ms on NVLink (bound {times['bound_ms']:.1f} ms)"
+        links = links or LinkModel()
+        times = predict_ms(plan, links)
+        over = (f"NVLink at {links.nvlink_gbps:g} GB/s" if plan.dims.world_size <= plan.gpus_per_node else
+                f"NVLink at {links.nvlink_gbps:g} GB/s and the network at {links.network_gbps:g} GB/s")
+        text += f"; predicted {times['predicted_ms']:.1f} ms over {over} (bound {times['bound_ms']:.1f} ms)"
     return text
 
 
