@@ -136,7 +136,6 @@ def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus
     import torch
 
     from megarl.memory import check_host_memory, check_memory, plan_memory
-    from megarl.models.gpt import transformer_engine_available
     from megarl.parallel import ParallelDims
 
     if gpu_bytes is None:
@@ -147,9 +146,7 @@ def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus
         return
     p = cfg.parallel
     dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp, ep=p.expert_parallel)
-    flash = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
-                                                      and transformer_engine_available())
-    plan = plan_memory(cfg, spec, dims, gpu_bytes, flash)
+    plan = plan_memory(cfg, spec, dims, gpu_bytes)
     check_memory(plan, cfg, dims.world_size)
     check_host_memory(plan, cfg, gpus_per_node, host_memory_bytes())
     cfg.rollout.gpu_memory_fraction = plan.engine_fraction

@@ -3,13 +3,12 @@ any model is built, so that a config that cannot fit stops with numbers instead 
 
 Trainer tensors come from the model's shape and the layout: bf16/fp16 weights (2 B per parameter), an
 fp32 gradient buffer (4 B), Adam's fp32 master weights and two moments (12 B, 8 B in fp32 training,
-divided over data-parallel ranks with the distributed optimizer); activations of one micro-batch after
-Korthikanti et al. 2022 (34 B per token and hidden unit per layer with sequence parallelism, plus the
-5 * heads * width^2 attention scores per row without Transformer Engine's flash attention, an upper
-bound since the local spec's attention is torch's fused SDPA (megarl.models.attention), not yet measured
-on a GPU; with
-recomputation only each layer's input is kept); logits of one micro-batch with the float32 copies
-that log-probabilities and entropy need. What megarl.offload moves away in a phase is not counted in it.
+divided over data-parallel ranks with the distributed optimizer); activations of one micro-batch: what each
+layer keeps per token for its backward pass, counted tensor by tensor for these models (``layer_activations``:
+gated MLPs keep three times their width, unlike the 4h GeLU MLP of Korthikanti et al. 2022's 34 B per hidden
+unit; attention keeps no score matrix, since TE's and megarl's kernels are fused; with recomputation only each
+layer's input is kept); logits of one micro-batch with the float32 copies that log-probabilities and entropy
+need. What megarl.offload moves away in a phase is not counted in it.
 
 The engine: SGLang fills ``rollout.gpu_memory_fraction`` of the memory free when it starts (weights
 and KV cache; measured on an H200: 0.7 of the free memory plus about 2 GiB); vLLM takes that fraction
@@ -134,19 +133,36 @@ def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distribut
                       optimizer_at_start=sharded(master), step_scratch=sharded(4))
 
 
-def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: ParallelDims, flash: bool,
+def layer_activations(spec: ModelSpec, tp: int, sequence_parallel: bool) -> float:
+    """Elements one token keeps in one layer for the backward pass, on one TP rank: the inputs of both norms and
+    of the QKV and first MLP linears (hidden size each; split over TP only with sequence parallelism), the QKV
+    output, the attention output twice (the fused kernel's, and the output projection's input, a copy), and per
+    MLP unit (TP-split) the gate, its SiLU and the up projection plus the second linear's input. An MoE layer runs
+    that MLP in each of the top-k experts a token goes to, on a dispatched copy of the token."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_kv_heads * d
+    replicated = 4 * h
+    split = 3 * q + 2 * kv
+    if spec.is_moe:
+        k = spec.num_experts_per_tok
+        split += k * (h + 4 * spec.moe_intermediate_size)
+    else:
+        split += 4 * spec.intermediate_size
+    return (replicated + split) / tp if sequence_parallel else replicated + split / tp
+
+
+def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: ParallelDims,
                      entropy: bool, logits: bool = True) -> int:
     """One micro-batch of training (forward and backward) on the busiest GPU."""
     width = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
     tokens = section.max_tokens_per_gpu if section.dynamic_batch else section.micro_batch_size * width
     h, tp = spec.hidden_size, dims.tp
     sp = cfg.parallel.sequence_parallel
-    per_token_layer = 34 * h // tp if sp else (10 + 24 // tp) * h
-    scores = 0 if flash else 5 * spec.num_attention_heads * width * tokens // tp
-    layer = tokens * per_token_layer + scores
+    dtype = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.model.dtype]
+    layer = int(tokens * layer_activations(spec, tp, sp) * dtype)
     layers = -(-spec.num_layers // dims.pp)
     if cfg.model.recompute_activations:
-        kept = layers * tokens * 2 * h // (tp if sp else 1) + layer
+        kept = layers * tokens * dtype * h // (tp if sp else 1) + layer
     else:
         kept = layers * layer
     in_flight = dims.pp  # 1F1B: the first stage holds PP micro-batches' activations
@@ -155,7 +171,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
     return kept * in_flight + logit_bytes
 
 
-def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int, flash: bool) -> MemoryPlan:
+def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int) -> MemoryPlan:
     """Bytes per phase on the busiest GPU, given what megarl.offload moves away (the config's offload_* flags)."""
     dtype = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.model.dtype]
     algo = cfg.algorithm
@@ -219,11 +235,11 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     asleep = {"engines asleep": ENGINE_ASLEEP}  # engines never share a GPU: engine g spans its group's GPUs
     # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
     plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
-        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, flash, entropy),
+        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, entropy),
                                              actor.step_scratch)}) | asleep
     if critic is not None:
         plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
-            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, flash, False,
+            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, False,
                                                                   logits=False), critic.step_scratch)}) | asleep
     # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
     at_start = sum(with_overhead(resident("generate", started=False), "generate").values())

@@ -31,10 +31,10 @@ def llama8b_body(tmp_path: Path, layers: int = 32, vocab: int | None = None):
     return load_spec(tmp_path)
 
 
-def plan_for(recipe: str, spec, dims: ParallelDims, *sets: str, flash: bool = False):
+def plan_for(recipe: str, spec, dims: ParallelDims, *sets: str):
     cfg = load_config(REPO / recipe, ["model.hf_path=/unused", "model.dtype=bfloat16",
                                       f"parallel.tensor_parallel={dims.tp}", *sets])
-    return cfg, plan_memory(cfg, spec, dims, H200, flash)
+    return cfg, plan_memory(cfg, spec, dims, H200)
 
 
 def trainer_tensors(plan, phase: str) -> float:
@@ -90,16 +90,15 @@ def test_plan_refuses_the_config_that_died_at_its_first_wake(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPE_PRESETS))
-@pytest.mark.parametrize("flash", [True, False])
-def test_shipped_8b_recipes_fit_eight_h200s(tmp_path, recipe, flash):
-    """With or without Transformer Engine's flash attention, at the engine fraction the recipe sets."""
+def test_shipped_8b_recipes_fit_eight_h200s(tmp_path, recipe):
+    """At the engine fraction the recipe sets."""
     cfg = load_config(REPO / recipe, ["model.hf_path=/unused"])
     preset = RECIPE_PRESETS[recipe]
     (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
     spec = load_spec(tmp_path)
     p = cfg.parallel
     dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=8 // (p.tensor_parallel * p.pipeline_parallel))
-    plan = plan_memory(cfg, spec, dims, H200, flash)
+    plan = plan_memory(cfg, spec, dims, H200)
     check_memory(plan, cfg, 8)
     assert plan.engine_fraction == cfg.rollout.gpu_memory_fraction
 
@@ -107,7 +106,7 @@ def test_shipped_8b_recipes_fit_eight_h200s(tmp_path, recipe, flash):
 def test_auto_fraction_fills_what_the_trainer_leaves(tmp_path):
     spec = llama8b_body(tmp_path)
     dims = ParallelDims(tp=2, pp=1, dp=4)
-    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, dims, "rollout.gpu_memory_fraction=auto", flash=True)
+    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, dims, "rollout.gpu_memory_fraction=auto")
     check_memory(plan, cfg, 8)
     assert 0.5 < plan.engine_fraction <= 0.9
     assert plan.total("generate") <= H200 and plan.total("generate") > 0.85 * H200  # little left unused
@@ -157,5 +156,20 @@ def test_shipped_8b_recipes_fit_an_h200_node_host(tmp_path, recipe):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS[preset]))
     p = cfg.parallel
     dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=8 // (p.tensor_parallel * p.pipeline_parallel))
-    plan = plan_memory(cfg, load_spec(tmp_path), dims, H200, True)
+    plan = plan_memory(cfg, load_spec(tmp_path), dims, H200)
     check_host_memory(plan, cfg, 8, 1024 * GIB)
+
+
+def test_plan_matches_a_long_sequence_update_measured_on_an_h200(tmp_path):
+    """benchmarks/packing_throughput.py on one H200: Llama-3-8B's body with 8 layers, the actor's update over
+    micro-batches of 16k tokens (sequences up to 3.5k), nothing offloaded. The peak of allocated memory, packed
+    and padded, against the plan's trainer tensors within 10%. Counting attention's score matrix (5 x heads x
+    width^2 per row, as the plan did) would put the plan at 2.3 times the measurement, and the 34 B per hidden
+    unit of a GeLU MLP 15% under it."""
+    measured = json.loads((REPO / "benchmarks/results/h200/te/packing_llama3_8b.json").read_text())
+    spec = llama8b_body(tmp_path, measured["layers"], vocab=18)
+    _, plan = plan_for("recipes/tiny_cpu_grpo.yaml", spec, ParallelDims(tp=1, pp=1, dp=1), "rollout.engine=sglang",
+                       f"actor.max_tokens_per_gpu={measured['max_tokens']}", "rollout.max_prompt_tokens=512",
+                       "rollout.max_new_tokens=3584", "actor.offload_optimizer=false", "actor.offload_weights=false")
+    for mode in ("packed", "padded"):
+        assert trainer_tensors(plan, "actor_update") == pytest.approx(measured[mode]["peak_gib"], rel=0.1), mode
