@@ -62,14 +62,14 @@ def test_a_replay_routes_unreplayed_tokens_itself_and_recompute_takes_routing_in
     with torch.no_grad():
         probs, index = replay.get_replay_topk(scores, 1, None, None, topk)
     assert index.tolist() == [[0], [0]] and probs.tolist() == [[pytest.approx(0.1)], [pytest.approx(0.8)]]
-    assert (replay.num_tokens, replay.num_disagreeing) == (1, 1)  # token 0: the router would pick expert 1
+    assert replay.counts.tolist() == [1, 1]  # token 0 replayed, and the router would pick expert 1 for it
     replay.push(second, counting=False)
     with torch.no_grad():
         assert replay.get_replay_topk(scores, 1, None, None, topk)[1].tolist() == [[2], [1]]
     # The backward pass recomputes micro-batch 1, then 2, with grad enabled: from the queue, not the latest.
     assert replay.get_replay_topk(scores, 1, None, None, topk)[1].tolist() == [[0], [0]]
     assert replay.get_replay_topk(scores, 1, None, None, topk)[1].tolist() == [[2], [1]]
-    assert (replay.num_tokens, replay.num_disagreeing) == (1, 1)
+    assert replay.counts.tolist() == [1, 1]
     replay.clear()
     assert replay.get_replay_topk(scores, 1, None, None, topk)[1].tolist() == [[1], [0]]
 

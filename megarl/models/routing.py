@@ -50,9 +50,9 @@ class LayerReplay:
         """Count disagreements (the scoring pass, where the trainer's weights are the engine's)."""
         self.current: torch.Tensor | None = None
         self.pending: deque[torch.Tensor] = deque()
-        self.num_tokens = 0
-        self.num_disagreeing = 0
-        """Replayed (token, expert choice) pairs whose expert set the router itself would not have chosen."""
+        self.counts: torch.Tensor | None = None
+        """[replayed tokens, those whose expert set the router itself would not have chosen], on the device (read
+        once per step, not once per layer)."""
 
     def push(self, indices: torch.Tensor, counting: bool) -> None:
         self.current, self.counting = indices, counting
@@ -76,8 +76,8 @@ class LayerReplay:
         if self.counting:
             rows = replayed.all(dim=1)
             differ = (indices.sort(dim=1).values != own.sort(dim=1).values).any(dim=1)
-            self.num_tokens += int(rows.sum())
-            self.num_disagreeing += int((differ & rows).sum())
+            counts = torch.stack([rows.sum(), (differ & rows).sum()])
+            self.counts = counts if self.counts is None else self.counts + counts
         return scores.gather(1, indices), indices
 
 
@@ -100,9 +100,11 @@ class RoutingReplay:
     def _replays(self) -> list[LayerReplay]:
         return [replay for layers in self._by_chunk.values() for _, replay in layers]
 
-    def set(self, model: torch.nn.Module, routing: torch.Tensor, counting: bool = False) -> None:
-        """Before ``model`` (a chunk, wrapped or not) runs a micro-batch: [rows, width, num_layers, k] routing;
-        ``counting``: add its tokens to ``disagreement``."""
+    def set(self, model: torch.nn.Module, routing: torch.Tensor, device: torch.device, counting: bool = False
+            ) -> None:
+        """Before ``model`` (a chunk, wrapped or not) runs a micro-batch: [rows, width, num_layers, k] routing,
+        moved to ``device`` once for all its layers; ``counting``: add its tokens to ``disagreement``."""
+        routing = routing.to(device, non_blocking=True)
         for layer, replay in self._by_chunk[id(unwrap(model))]:
             per_token = routing[:, :, layer].transpose(0, 1)  # [s, b, k], the router's token order
             if self.sequence_parallel:
@@ -116,19 +118,20 @@ class RoutingReplay:
     def disagreement(self) -> tuple[int, int]:
         """(replayed token-layer choices, those the trainer's routers would have chosen otherwise) since the
         last call."""
-        replays = self._replays()
-        counts = (sum(r.num_tokens for r in replays), sum(r.num_disagreeing for r in replays))
-        for r in replays:
-            r.num_tokens = r.num_disagreeing = 0
-        return counts
+        total = [0, 0]
+        for replay in self._replays():
+            if replay.counts is not None:
+                total = [t + int(c) for t, c in zip(total, replay.counts.tolist(), strict=True)]
+            replay.counts = None
+        return total[0], total[1]
 
 
 def place_routing(batch: MicroBatch, routing: Sequence[np.ndarray], num_layers: int, topk: int) -> torch.Tensor:
     """Per-sequence [len-1, num_layers, k] routing (``routing[i]`` for sequence i) -> the micro-batch's
-    [rows, width, num_layers, k] int64, -1 where no routing is given."""
+    [rows, width, num_layers, k] int32, -1 where no routing is given."""
     rows, width = batch.tokens.shape
-    out = torch.full((rows, width, num_layers, topk), -1, dtype=torch.long)
+    out = torch.full((rows, width, num_layers, topk), -1, dtype=torch.int32)
     for i, row, start, n in batch.spans:
-        given = torch.from_numpy(np.ascontiguousarray(routing[i][: n - 1])).long()
+        given = torch.from_numpy(np.ascontiguousarray(routing[i][: n - 1]).astype(np.int32))
         out[row, start: start + given.shape[0]] = given
     return out

@@ -127,7 +127,7 @@ class MegatronModel:
         def prepare(model: torch.nn.Module, batch: MicroBatch) -> None:
             if id(batch) not in placed:
                 placed[id(batch)] = place_routing(batch, routing, spec.num_layers, spec.num_experts_per_tok)
-            replay.set(model, placed[id(batch)], counting)
+            replay.set(model, placed[id(batch)], self.groups.device, counting)
 
         return prepare
 
