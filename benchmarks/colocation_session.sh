@@ -15,6 +15,9 @@
 #             hand-over verified (rollout.verify_every=1)
 #   grpo_death: grpo_auto with the engine's scheduler process killed (SIGKILL) after step 2: the run must end
 #             with a megarl error naming the phase and a non-zero exit, not torchrun's SIGKILL report
+#   grpo_sigterm: grpo_auto with torchrun sent SIGTERM after step 2 (scancel, a Slurm time limit): the run must end
+#             as an interrupt (exit 143, "interrupted by SIGTERM"), not as an engine failure; the hand-over's parts
+#             per step are in its metrics (handover/*_s)
 #   grpo_moe: GRPO on a tiny Qwen3-MoE (4 experts, top-2; the tiny recipe's tokenizer) with SGLang, every hand-over
 #             into the engine's fused experts verified (rollout.verify_every=1)
 # PART selects a subset (setup and the runs above; default setup grpo grpo_kept alone ppo) so that calls stay under 10 minutes.
@@ -74,6 +77,11 @@ PY
        pkill -9 -f "sglang::scheduler" && echo "[h200] killed the engine's scheduler after step 2") &
       h200_train grpo_death recipes/tiny_cpu_grpo.yaml 30 --set rollout.gpu_memory_fraction=auto
       tail -5 "$OUT/grpo_death.log" | cut -c1-600 ;;
+    grpo_sigterm)
+      (for _ in $(seq 400); do grep -q "step 2/" "$OUT/grpo_sigterm.log" 2>/dev/null && break; sleep 1; done
+       pkill -TERM -f "bin/torchrun .*grpo_sigterm" && echo "[h200] sent SIGTERM to torchrun after step 2") &
+      h200_train grpo_sigterm recipes/tiny_cpu_grpo.yaml 30 --set rollout.gpu_memory_fraction=auto
+      grep -h "interrupted\|megarl error\|exitcode" "$OUT/grpo_sigterm.log" | cut -c1-300 ;;
     grpo_moe)
       python3 -c "
 import shutil, sys; sys.path.insert(0, 'tests')
