@@ -103,3 +103,77 @@ def test_routing_replay_needs_an_engine_that_returns_its_routing():
     with pytest.raises(FieldError, match="algorithm.routing_replay.*only SGLang"):
         build_config(data, ["algorithm.routing_replay=true", "rollout.engine=vllm"])
     assert build_config(data, ["algorithm.routing_replay=true", "rollout.engine=sglang"]).algorithm.routing_replay
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """An ``sglang`` module that records how the adapter starts and calls its engine: each generated sample gets
+    tokens [5, 6] and routing whose every id is its sample index (SGLang's base64 int32 [tokens-1, layers, k])."""
+    import dataclasses
+    import signal
+    import sys
+    import types
+
+    calls: dict = {}
+
+    class Engine:
+        def __init__(self, **kwargs):
+            calls["start"] = kwargs
+
+        def get_server_info(self):
+            return {"max_total_num_tokens": 1000}
+
+        def generate(self, input_ids, sampling_params, return_logprob, **kwargs):
+            calls["generate"] = kwargs
+            layers, k = calls["shape"]
+            return [{"output_ids": [5, 6], "meta_info": {
+                "output_token_logprobs": [(-0.1, 5, None), (-0.2, 6, None)], "finish_reason": {"type": "length"},
+                "routed_experts": base64.b64encode(np.full((len(p) + 1, layers, k), i, np.int32).tobytes()).decode()}}
+                for i, p in enumerate(input_ids)]
+
+    def install(*fields: str) -> dict:
+        module = types.ModuleType("sglang")
+        module.__version__, module.Engine = "0.0.test", Engine
+        server_args = types.ModuleType("sglang.srt.server_args")
+        server_args.ServerArgs = dataclasses.make_dataclass("ServerArgs", [(f, bool, False) for f in fields])
+        for name, mod in (("sglang", module), ("sglang.srt", types.ModuleType("sglang.srt")),
+                          ("sglang.srt.server_args", server_args)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        return calls
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGQUIT, signal.SIGTERM)}
+    yield install
+    for signum, handler in saved.items():  # the engine watch installs its own
+        signal.signal(signum, handler)
+
+
+def test_the_sglang_adapter_asks_for_routed_experts_and_hands_them_back_per_sample(tmp_path, fake_sglang):
+    from megarl.models.spec import load_spec
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.sglang import SGLangEngine
+
+    model = make_hf_model(tmp_path / "moe", "qwen3_moe")
+    spec = load_spec(model)
+    calls = fake_sglang("custom_sigquit_handler", "enable_return_routed_experts")
+    calls["shape"] = (spec.num_layers, spec.num_experts_per_tok)
+    engine = SGLangEngine(str(model), return_routed_experts=True)
+    assert calls["start"]["enable_return_routed_experts"] is True
+    done = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=2))
+    assert calls["generate"] == {"return_routed_experts": True}
+    assert [c.routed_experts.shape for c in done] == [(4, spec.num_layers, spec.num_experts_per_tok)] * 2
+    assert [int(c.routed_experts.max()) for c in done] == [0, 1]  # each sample its own routing
+
+    plain = SGLangEngine(str(model))  # without replay nothing is asked for, and nothing is returned
+    assert "enable_return_routed_experts" not in calls["start"]
+    assert plain.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].routed_experts is None
+    assert calls["generate"] == {}
+
+
+def test_an_sglang_that_cannot_return_routed_experts_is_refused_for_routing_replay(tmp_path, fake_sglang):
+    from megarl.errors import UserError
+    from megarl.rollout.sglang import SGLangEngine
+
+    model = make_hf_model(tmp_path / "moe", "qwen3_moe")
+    fake_sglang("custom_sigquit_handler")
+    with pytest.raises(UserError, match="routing_replay needs an SGLang that returns routed experts.*0.0.test"):
+        SGLangEngine(str(model), return_routed_experts=True)
