@@ -35,6 +35,8 @@ ENGINE_OVERHEAD = 2 * GIB
 """Beyond the fraction, while awake (activations, sampler buffers)."""
 ENGINE_ASLEEP = 4 * GIB
 """What a sleeping engine keeps on its GPU (CUDA context, buffers the memory saver does not release)."""
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per element of each model.dtype."""
 TRAINER_OVERHEAD = 2 * GIB
 """CUDA context of the trainer process."""
 NCCL_OVERHEAD = 5 * GIB
@@ -158,7 +160,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
     tokens = section.max_tokens_per_gpu if section.dynamic_batch else section.micro_batch_size * width
     h, tp = spec.hidden_size, dims.tp
     sp = cfg.parallel.sequence_parallel
-    dtype = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.model.dtype]
+    dtype = DTYPE_BYTES[cfg.model.dtype]
     layer = int(tokens * layer_activations(spec, tp, sp) * dtype)
     layers = -(-spec.num_layers // dims.pp)
     if cfg.model.recompute_activations:
@@ -173,7 +175,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
 
 def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int) -> MemoryPlan:
     """Bytes per phase on the busiest GPU, given what megarl.offload moves away (the config's offload_* flags)."""
-    dtype = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.model.dtype]
+    dtype = DTYPE_BYTES[cfg.model.dtype]
     algo = cfg.algorithm
 
     def state(critic: bool, trained: bool, section: UpdateConfig | None) -> ModelState:
