@@ -57,7 +57,7 @@ class FusedCoreAttention(MegatronModule):
             out = document_attention(q, k, v, segments, self.softmax_scale)
         else:
             if segments is not None:
-                attention_mask = block_causal_mask(segments)
+                attention_mask = _mask_of(segments, flex=False)
             causal = attention_mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
             forked = dropout and not self.config.sequence_parallel  # as Megatron's: dropout streams per TP rank
             with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
@@ -69,25 +69,38 @@ class FusedCoreAttention(MegatronModule):
 
 
 _compiled_flex: Any = None
-_last_mask: tuple[torch.Tensor, Any] | None = None
-"""The block mask of the segments tensor last seen (every layer of a micro-batch's forward gets the same one);
-holding the tensor keeps its identity from being reused by another micro-batch's."""
+_last_mask: tuple[torch.Tensor, bool, Any] | None = None
+"""The mask of the segments tensor last seen, built once for all the layers of a micro-batch's forward (they get
+the same tensor); holding the tensor keeps its identity from being reused by another micro-batch's."""
+
+
+def _mask_of(segments: torch.Tensor, flex: bool) -> Any:
+    """FlexAttention's document-causal block mask (``flex``) or the dense block-causal one of ``segments``."""
+    global _last_mask
+    if _last_mask is None or _last_mask[0] is not segments or _last_mask[1] != flex:
+        mask: Any
+        if flex:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
+
+            b, s = segments.shape
+            mask = create_block_mask(same_document, b, None, s, s, device=segments.device, _compile=True)
+        else:
+            mask = block_causal_mask(segments)
+        _last_mask = (segments, flex, mask)
+    return _last_mask[2]
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
                        scale: float) -> torch.Tensor:
     """Causal attention within each segment of packed rows, by FlexAttention (CUDA): q [b, heads, s, d], k and v
     [b, kv heads, s, d], segments [b, s]. Returns [b, heads, s, d]."""
-    global _compiled_flex, _last_mask
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    if _last_mask is None or _last_mask[0] is not segments:
-        def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
-
-        b, s = segments.shape
-        _last_mask = (segments, create_block_mask(same_document, b, None, s, s, device=segments.device,
-                                                  _compile=True))
-    return _compiled_flex(q, k, v, block_mask=_last_mask[1], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_flex(q, k, v, block_mask=_mask_of(segments, flex=True), scale=scale,
+                          enable_gqa=q.shape[1] != k.shape[1])
