@@ -309,7 +309,7 @@ class RLTrainer:
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
         rows = model.score([batch.sequences[i] for i in mine], *_batching(section),
-                           routing=_routing(batch, mine) if model.replay is not None else None)
+                           routing=_routing(model, batch, mine))
         return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
 
     def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
@@ -333,8 +333,7 @@ class RLTrainer:
                 rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
                 last = model.train_step(seqs, rows, loss, *_batching(section),
                                         where=f"{where}, epoch {epoch}, samples {start}-{index[-1]}",
-                                        routing=_routing(batch, [index[j] for j in mine])
-                                        if model.replay is not None else None)
+                                        routing=_routing(model, batch, [index[j] for j in mine]))
                 for k, v in last.items():
                     totals[k] += v
                 num_updates += 1
@@ -405,8 +404,10 @@ def offloadable_parts(cfg: Config) -> dict[str, set[Part]]:
             "reference": weights if cfg.reference.offload_weights else set()}
 
 
-def _routing(batch: Batch, index: list[int]) -> list[Any]:
-    """The engine's expert choices for the samples at ``index`` (routing replay)."""
+def _routing(model: MegatronModel, batch: Batch, index: list[int]) -> list[Any] | None:
+    """The engine's expert choices for the samples at ``index`` if ``model`` replays them (routing replay)."""
+    if model.replay is None:
+        return None
     assert batch.routing is not None, "routing replay without the engine's routing"
     return [batch.routing[i] for i in index]
 

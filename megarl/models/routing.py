@@ -69,7 +69,7 @@ class LayerReplay:
         if self.current is None:
             return own_scores, own
         replaying_recompute = self.recompute and torch.is_grad_enabled()
-        target = (self.pending.popleft() if replaying_recompute else self.current).to(scores.device)
+        target = self.pending.popleft() if replaying_recompute else self.current
         assert target.shape == own.shape, f"replayed routing {tuple(target.shape)} for tokens {tuple(own.shape)}"
         replayed = target >= 0
         indices = torch.where(replayed, target.long(), own)
