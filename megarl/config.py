@@ -247,6 +247,14 @@ class RolloutConfig:
     in. A hand-over makes one engine call per this many MB a GPU receives; 0 = no limit: one engine call, with a
     buffer as large as all a GPU receives (7.5 GiB for Llama-3-8B from a TP2 trainer into TP1 engines). At least
     reshard_bucket_mb."""
+    alias_weights: bool | Literal["auto"] = "auto"
+    """SGLang: engine parameters that are byte for byte a tensor of the actor on the same GPU (o_proj, gate_up,
+    down_proj, norms, a vocabulary padded alike) map the actor's memory instead of holding a copy, and a
+    hand-over copies only the rest (QKV and the like). The actor's weights then stay on the GPU through
+    rollout (actor.offload_weights does not apply to them). auto = where that covers at least half of every
+    engine rank's weights (rollout.tensor_parallel equal to parallel.tensor_parallel, pipeline_parallel 1), or
+    any of them with actor.offload_weights: false; true = required (an error where the layouts differ);
+    false = never."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
@@ -273,6 +281,9 @@ class RolloutConfig:
         check(self.landing_buffer_mb == 0 or self.landing_buffer_mb >= self.reshard_bucket_mb, "landing_buffer_mb",
               self.landing_buffer_mb, f"be 0 or at least reshard_bucket_mb ({self.reshard_bucket_mb}): one bucket "
               "lands whole", f"use {2 * self.reshard_bucket_mb} (two buckets) or 0 (no limit)")
+        check(self.alias_weights is not True or self.engine == "sglang", "alias_weights", self.alias_weights,
+              "be auto or false with rollout.engine = vllm (only SGLang's engine maps the trainer's memory)",
+              "use rollout.engine: sglang, or alias_weights: auto")
         check(self.verify_every >= 0, "verify_every", self.verify_every, "be >= 0", "use 0 (off) or N >= 1")
         check(self.verify_every == 0 or self.engine == "sglang", "verify_every", self.verify_every,
               "be 0 with rollout.engine = vllm (its checksums need the in-engine hand-over; vLLM's CPU backend "

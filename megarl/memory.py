@@ -29,6 +29,7 @@ from megarl.config import Config, UpdateConfig
 from megarl.errors import UserError
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
+from megarl.reshard.aliasing import aliases_weights
 
 GIB = 2**30
 ENGINE_OVERHEAD = 2 * GIB
@@ -184,6 +185,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         return model_state(params, dtype, trained, dims.dp, distributed, stage_expert_params(spec, dims), dims.ep)
 
     actor = state(False, True, cfg.actor)
+    aliased = aliases_weights(cfg, spec, dims)  # that share of the engine's weights is the actor's memory
+    weights_leave = cfg.actor.offload_weights and not aliased
     critic = state(True, True, cfg.critic) if algo.name == "ppo" else None
     reference = state(False, False, None) if algo.kl_coef > 0 else None
 
@@ -191,7 +194,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
         optimizer = actor.optimizer if started else actor.optimizer_at_start
         parts = {}
-        if phase != "generate" or not cfg.actor.offload_weights:
+        if phase != "generate" or not weights_leave:
             parts["actor weights"] = actor.weights
         if phase == "actor_update":
             parts["actor grads"] = actor.grads
@@ -211,7 +214,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
 
     # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
     # engine bytes other GPUs hold (one round of them: rollout.landing_buffer_mb); vLLM gets whole engine-layout
-    # tensors. All of them go during generation with the actor's weights (actor.offload_weights).
+    # tensors. All of them go during generation with the actor's weights (actor.offload_weights, unaliased).
     model = spec.num_params() * dtype
     engine_rank = model // cfg.rollout.tensor_parallel
     if cfg.rollout.engine == "sglang":
@@ -222,7 +225,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         landing = engine_rank
     pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing else 0  # staging for bytes that cross GPUs
     def buffers(phase: str) -> dict[str, int]:
-        if phase == "generate" and cfg.actor.offload_weights:
+        if phase == "generate" and weights_leave:
             return {}
         return {"hand-over buffers": landing + pool}
 
@@ -252,7 +255,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         engine = int(plan.engine_fraction * gpu_bytes)
     # The hand-over: the engine's weights awake (its KV cache not yet), next to the actor's.
     plan.phases["handover"] = with_overhead(resident("handover"), "handover") | {
-        "engine weights": engine_rank, "engines asleep": ENGINE_ASLEEP}
+        "engine weights": int(engine_rank * (1 - aliased)), "engines asleep": ENGINE_ASLEEP}
     plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
     # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
     held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "generate")]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -30,13 +32,14 @@ from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
 from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
+from megarl.reshard.aliasing import aliased_views, aliases_weights
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import LinkModel, describe_plan, make_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.base import RolloutEngine, SamplingParams
-from megarl.rollout.group import GroupEngine, engine_group
+from megarl.rollout.group import EngineGroup, GroupEngine, engine_group
 
 
 def engine_class(cfg: Config) -> Any:
@@ -49,8 +52,9 @@ def engine_class(cfg: Config) -> Any:
     return SGLangEngine
 
 
-def make_engine(cfg: Config, index: int, devices: list[int] | None) -> RolloutEngine:
-    """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory."""
+def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:
+    """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory; ``aliases``: the
+    file of its parameters that map the actor's memory (rollout.alias_weights)."""
     r = cfg.rollout
     log_file = run_dir(cfg) / f"engine_{index}.log"
     print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
@@ -59,7 +63,8 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None) -> RolloutEn
         cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
         log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
-                               | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})))
+                               | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
+                               | ({"aliases": aliases} if aliases is not None else {})))
     return engine
 
 
@@ -68,7 +73,6 @@ class RLTrainer:
         self.cfg, self.groups, self.stop_ids = cfg, groups, stop_token_ids
         self._engine_state: Literal["asleep", "weights", "awake"] = "awake"  # engines start awake
         self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
-        self._weights_leave = cfg.actor.offload_weights  # while the engine generates, it holds the only copy
         self._num_handovers = 0
         self._handover_s: defaultdict[str, float] = defaultdict(float)
         self.spec = load_spec(cfg.model.hf_path)
@@ -98,9 +102,6 @@ class RLTrainer:
                   f"({layer_implementation(self.actor.chunks)})", flush=True)
         self.kl = make_kl_controller(algo)
         self.reward_fn = load_reward(cfg.trainer.reward)
-        self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
-                                   offloadable_parts(cfg))
-        self._hold("generate")  # the engine sizes itself next to what the trainer holds while it generates
         # The plan places the engines (which GPUs form each, most bytes already local): made first.
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node
@@ -108,15 +109,26 @@ class RLTrainer:
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)
+        aliased = aliases_weights(cfg, self.spec, groups.dims, plan)
+        self._weights_leave = cfg.actor.offload_weights and not aliased  # the engine then holds the only copy
+        self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
+                                   offloadable_parts(cfg, actor_weights_stay=bool(aliased)))
+        self._hold("generate")  # the engine sizes itself next to what the trainer holds while it generates
         if groups.rank == 0:
             links = LinkModel(nvlink_gbps=cfg.parallel.nvlink_gbps, network_gbps=cfg.parallel.network_gbps)
             print(f"megarl: hand-over plan: {describe_plan(plan, predict=torch.cuda.is_available(), links=links)}",
                   flush=True)
+            if aliased:
+                print(f"megarl: the engine maps {aliased:.0%} of its weights from the actor's memory "
+                      "(rollout.alias_weights): a hand-over copies only the rest, and the actor's weights stay on "
+                      "the GPU during rollout", flush=True)
         group = engine_group(groups.rank, plan.engines())
         kind = engine_class(cfg)
         in_engine = kind.copies_in_engine
+        views = aliased_views(plan, groups.rank, self.actor.named_params()) if aliased else {}
+        alias_file = self._share_aliases(group, kind, views) if aliased else None
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
-            engine = make_engine(cfg, group.index, group.devices()) if group.driver else None
+            engine = make_engine(cfg, group.index, group.devices(), alias_file) if group.driver else None
         self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
         if self._weights_leave:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
@@ -125,12 +137,26 @@ class RLTrainer:
         self._plan = plan
         self.engine_tensors = None if in_engine else self._allocate_engine_tensors()
         self.resharder = Resharder(plan, groups.rank, self.actor.named_params(), self.engine_tensors,
-                                   in_engine=in_engine, landing_bytes=cfg.rollout.landing_buffer_mb * 2**20)
+                                   in_engine=in_engine, landing_bytes=cfg.rollout.landing_buffer_mb * 2**20,
+                                   aliased=set(views))
         if groups.rank == 0 and self.resharder.num_rounds > 1:
             print(f"megarl: each hand-over lands what other GPUs send in {self.resharder.num_rounds} rounds, one "
                   f"engine call each (rollout.landing_buffer_mb = {cfg.rollout.landing_buffer_mb})", flush=True)
         self.push_weights()
         self._handover_s.clear()  # steps report their own hand-overs, not the first one's start-up
+
+    def _share_aliases(self, group: EngineGroup, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
+        """Every engine rank's views of the actor's tensors, packaged (CUDA IPC handles), in one file the engine's
+        loader reads when it builds its model (megarl.rollout.sglang_alias); its path on the driver."""
+        wires = group.gather(kind.package(list(views.items())))
+        if wires is None:
+            return None
+        path = run_dir(self.cfg) / f"engine_{group.index}.aliases"
+        partial = path.with_name(path.name + ".partial")
+        with open(partial, "wb") as f:
+            pickle.dump(wires, f)
+        partial.replace(path)
+        return path
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:
         return engine_tensor_allocations(self._plan, self.groups.rank, DTYPES[self.cfg.model.dtype],
@@ -381,7 +407,7 @@ class RLTrainer:
 
 PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
     "handover": {"actor": {"weights"}},
-    "generate": {},  # the engine alone (the actor's weights too stay unless actor.offload_weights)
+    "generate": {},  # the engine alone (the actor's weights too stay unless actor.offload_weights, or aliased)
     "score": {"actor": {"weights"}},
     "reference": {"actor": {"weights"}, "reference": {"weights"}},
     "values": {"actor": {"weights"}, "critic": {"weights"}},
@@ -391,14 +417,15 @@ PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
 """What each phase of a step uses; the rest may leave the device (``offloadable_parts``)."""
 
 
-def offloadable_parts(cfg: Config) -> dict[str, set[Part]]:
+def offloadable_parts(cfg: Config, actor_weights_stay: bool = False) -> dict[str, set[Part]]:
     """Per model, the parts its config lets leave the device. Gradient buffers always may: they are
-    freed, not copied (every update zeroes them first)."""
+    freed, not copied (every update zeroes them first). ``actor_weights_stay``: the engine maps them
+    (rollout.alias_weights), so they never move."""
     grads: set[Part] = {"grads"}
     optimizer: set[Part] = {"optimizer"}
     weights: set[Part] = {"weights"}
     return {"actor": grads | (optimizer if cfg.actor.offload_optimizer else set())
-            | (weights if cfg.actor.offload_weights else set()),
+            | (weights if cfg.actor.offload_weights and not actor_weights_stay else set()),
             "critic": grads | (optimizer if cfg.critic.offload_optimizer else set())
             | (weights if cfg.critic.offload_weights else set()),
             "reference": weights if cfg.reference.offload_weights else set()}

@@ -37,3 +37,19 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     assert max(r["in_engine_rounds"] for r in rows) > 5
     assert max(r["unbounded_extra_bytes"] for r in rows) > 4 * 48 * 1024 + 256
     assert all(r["unbounded_rounds"] == 1 for r in rows)
+    # rollout.alias_weights: every parameter an engine maps from the trainer's memory reads exactly what a copy
+    # would have written, and after an update of the trainer, the new values, with no copy.
+    for r in rows:
+        assert r["aliased_exact"] and r["aliased_checked"] and r["aliased_follow"], r
+    linear = ("o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+    kv_heads = {"llama": 2, "qwen2": 4, "qwen3": 2}
+    for r in rows:
+        matched = r["tp"] == r["R"] and r["pp"] == 1
+        mapped = [n for n in r["aliased"] if n.endswith(linear)]
+        # With TP = R, those of the layers on this GPU's pipeline stage (4 layers), all of them at PP 1; else none.
+        assert len(mapped) == (3 * 4 // r["pp"] if r["tp"] == r["R"] else 0), r
+        # Megatron groups QKV per KV head: with TP = R the engine's [q; k; v] is the same run only with one KV head
+        # per rank (elsewhere some engine ranks' q, k, v may happen to be one run).
+        qkv = [n for n in r["aliased"] if n.endswith("qkv_proj.weight")]
+        if matched:
+            assert len(qkv) == (4 if kv_heads[r["model"]] == r["tp"] else 0), r

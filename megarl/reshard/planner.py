@@ -23,7 +23,7 @@ from megarl.errors import UserError
 from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mcore_shape, param_rules, pipeline_stage
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
-from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors
+from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors, matrix_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +280,44 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
         transfers_by_group.append(transfers)
     plan.buckets = _bucketize(transfers_by_group, plan)
     return plan
+
+
+def aliases(plan: Plan) -> list[dict[str, tuple[str, int]]]:
+    """Per GPU (global rank): the engine tensors of its engine rank that are, byte for byte, one run of a trainer
+    tensor on that GPU, as engine name -> (trainer name, element offset). The engine can map these instead of
+    holding a copy (rollout.alias_weights). With engine TP equal to trainer TP and one pipeline stage they are
+    o_proj, gate_up, down_proj, the norms and a vocabulary padded alike; QKV (grouped per KV head in Megatron)
+    and fused experts are not."""
+    into: list[dict[str, list[Transfer]]] = [defaultdict(list) for _ in range(plan.dims.world_size)]
+    for bucket in plan.buckets:
+        for t in bucket:
+            into[t.dst_rank][t.dst_name].append(t)
+    return [_aliased(plan, rank, by_name) for rank, by_name in enumerate(into)]
+
+
+def _aliased(plan: Plan, rank: int, into: dict[str, list[Transfer]]) -> dict[str, tuple[str, int]]:
+    dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    out = {}
+    for name, transfers in into.items():
+        src = {t.src_name for t in transfers}
+        if len(src) > 1 or any(not t.local for t in transfers) or len({t.dim for t in transfers}) > 1:
+            continue
+        src_name, dim = src.pop(), transfers[0].dim
+        src_shape, dst_shape = plan.src_shapes[src_name], dst_shapes[name]
+        transfers.sort(key=lambda t: t.dst_offset)
+        ends = [t.dst_offset + t.length for t in transfers]
+        gaps = [t.dst_offset != e for t, e in zip(transfers[1:], ends[:-1], strict=True)]
+        if transfers[0].dst_offset != 0 or any(gaps):
+            continue
+        if dim == 0:
+            shift = {t.src_offset - t.dst_offset for t in transfers}
+            row = row_bytes(src_shape, 0, 1)
+            if len(shift) == 1 and ends[-1] == dst_shape[0] and row == row_bytes(dst_shape, 0, 1):
+                out[name] = (src_name, shift.pop() * row)
+        elif (all(t.src_offset == t.dst_offset for t in transfers) and ends[-1] == src_shape[1]
+              and matrix_shape(dst_shape) == tuple(src_shape)):
+            out[name] = (src_name, 0)  # every column of every row: the whole tensor
+    return out
 
 
 def row_bytes(shape: tuple[int, ...], dim: int, element_size: int) -> int:

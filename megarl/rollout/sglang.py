@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import logging
 import signal
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from megarl.reshard.handover import apply_message, detach_message
 from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch
-from megarl.rollout.sglang_loader import LOADER
+from megarl.rollout.sglang_loader import ALIASES_KEY, LOADER, AliasingLoader
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,12 @@ class SGLangEngine:
     def __init__(self, hf_dir: str, *, tensor_parallel: int = 1, gpu_memory_fraction: float = 0.7,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
-                 return_routed_experts: bool = False, **engine_args: Any) -> None:
+                 return_routed_experts: bool = False, aliases: Path | None = None, **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
         visible ones); ``log_file``: where the engine's processes log (None: the console);
         ``return_routed_experts`` (MoE): every completion carries the experts its tokens were routed to;
+        ``aliases``: the file of the parameters that map the actor's memory, per engine rank (rollout.alias_weights:
+        the model is built by megarl's loader, megarl.rollout.sglang_loader.AliasingLoader);
         ``engine_args`` go to ``sglang.Engine`` unchanged."""
         sigterm = signal.getsignal(signal.SIGTERM)  # megarl's interrupt handling, which the engine's loop takes over
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
@@ -85,6 +88,9 @@ class SGLangEngine:
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
                     load_format=load_format, custom_weight_loader=[LOADER]) | engine_args
+        if aliases is not None:
+            args |= {"load_format": AliasingLoader,
+                     "model_loader_extra_config": json.dumps({ALIASES_KEY: str(aliases)})}
         from sglang.srt.server_args import ServerArgs
 
         server_args = {f.name for f in dataclasses.fields(ServerArgs)}

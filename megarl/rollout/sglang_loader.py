@@ -1,21 +1,103 @@
-"""megarl's weight loader inside SGLang's model workers.
+"""megarl's code inside SGLang's model workers.
 
-``SGLangEngine`` registers ``LOADER`` with SGLang's ``custom_weight_loader`` and names it as the
-``load_format`` of ``update_weights_from_tensor``; SGLang then calls it in every TP worker with the
-model and that worker's named tensors (megarl.reshard.handover's wire format). Importing it must
-stay cheap and free of SGLang: it runs in SGLang's scheduler processes.
+- ``LOADER``: ``SGLangEngine`` registers it with SGLang's ``custom_weight_loader`` and names it as the
+  ``load_format`` of ``update_weights_from_tensor``; SGLang then calls it in every TP worker with the model and
+  that worker's named tensors (megarl.reshard.handover's wire format).
+- ``AliasingLoader`` (rollout.alias_weights): SGLang's model loader, passed as ``load_format``. It builds the
+  model with SGLang's dummy loader in a memory pool of its own, points the parameters that alias the actor's
+  tensors at the trainer's memory (CUDA IPC views, from the file ``SGLangEngine`` names in
+  ``model_loader_extra_config``), moves everything else out of that pool and frees it: the engine never keeps
+  memory for the aliased parameters. It runs before SGLang captures its CUDA graphs, which therefore read the
+  actor's addresses.
+
+Importing this module must stay cheap and free of SGLang: it runs in SGLang's scheduler processes.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
 
 import torch
 
 from megarl.reshard.handover import HandoverState
 
 LOADER = "megarl.rollout.sglang_loader.load"
+ALIASES_KEY = "megarl_aliases"
+"""``model_loader_extra_config`` key of the alias file: per engine rank, (name, packaged tensor) pairs."""
 
 _STATE = HandoverState()
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     _STATE.handle(model, named_tensors)
+
+
+@torch.no_grad()
+def alias_parameters(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> int:
+    """Point the parameters named in ``views`` at those tensors and give every other parameter and buffer its own
+    fresh copy (out of the memory the model was built in, which the caller then frees); returns the bytes now
+    aliased. A view whose name, shape or dtype the model does not have is an error."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(views) - set(params))
+    if unknown:
+        raise ValueError(f"the engine's model has no parameters {unknown[:5]}: the trainer's plan and the engine's "
+                         "model disagree")
+    aliased = 0
+    for name, view in views.items():
+        param = params[name]
+        if view.shape != param.shape or view.dtype != param.dtype:
+            raise ValueError(f"engine parameter `{name}` is {list(param.shape)} {param.dtype}; the actor's "
+                             f"tensor mapped onto it is {list(view.shape)} {view.dtype}")
+        param.data = view  # a tied parameter is one object under both names: aliased under both
+        aliased += view.numel() * view.element_size()
+    mapped = {v.data_ptr() for v in views.values()}
+    moved: dict[int, torch.Tensor] = {}  # tied tensors share one storage: copied once
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in moved:
+            moved[t.data_ptr()] = t.clone()
+        return moved[t.data_ptr()]
+
+    for param in {id(p): p for p in params.values()}.values():  # a tied parameter once
+        if param.data_ptr() not in mapped:
+            param.data = own(param.data)
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = own(buf)
+    return aliased
+
+
+class AliasingLoader:
+    """SGLang model loader (``load_format``) for rollout.alias_weights; SGLang calls ``load_model``."""
+
+    def __init__(self, load_config: Any) -> None:
+        self.load_config = load_config
+
+    def download_model(self, model_config: Any) -> None:
+        pass  # the dummy loader reads no files
+
+    def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+        from sglang.srt.model_loader.loader import DummyModelLoader
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # devices travel as UUIDs
+        with open(self.load_config.model_loader_extra_config[ALIASES_KEY], "rb") as f:
+            wires = pickle.load(f)[get_tensor_model_parallel_rank()]
+        views = {name: MultiprocessingSerializer.deserialize(blob) for name, blob in wires}
+        dummy = DummyModelLoader(dataclasses.replace(self.load_config, load_format="dummy",
+                                                     model_loader_extra_config={}))
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            model = dummy.load_model(model_config=model_config, device_config=device_config)
+        aliased = alias_parameters(model, views)
+        model._megarl_aliases = views  # holds the IPC mappings open
+        del pool
+        torch.cuda.empty_cache()  # the pool's memory, aliased parameters' included, goes back to the driver
+        print(f"megarl: engine rank {get_tensor_model_parallel_rank()} maps {aliased / 2**30:.2f} GiB of the "
+              f"actor's weights ({len(views)} tensors)", flush=True)
+        return model

@@ -33,6 +33,7 @@ from megarl.parallel import (  # noqa: E402
     init_model_parallel,
     model_parallel_seed,
 )
+from megarl.reshard.aliasing import aliased_views  # noqa: E402
 from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
 from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
@@ -143,6 +144,28 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
                 state.handle(model, apply_message("actor", torch.zeros(1), r))
             in_engine &= all(torch.equal(params[n], ref[n]) for n in ref)
             rounds[limit], landing[limit] = engine_side.num_rounds, engine_side.landing_bytes + engine_side.pool_bytes
+        # Aliased hand-over (rollout.alias_weights): the engine's parameters that are one run of a trainer tensor on
+        # this GPU are views of it; the copy writes only the rest, and an update of the trainer is the engine's.
+        views = aliased_views(plan, rank, src)
+        aliased_side = Resharder(plan, rank, src, None, in_engine=True, aliased=set(views))
+        mapped = engine_tensor_allocations(plan, rank, dtype, torch.device("cpu"))
+        for t in mapped.values():
+            t.fill_(float("nan"))
+        mapped |= views
+        engine_state, mapped_model = HandoverState(), EngineModel(mapped)
+        engine_state.handle(mapped_model, aliased_side.engine_copy().to_wire("actor"))
+        for r in range(aliased_side.num_rounds):
+            aliased_side.refit(r)
+            engine_state.handle(mapped_model, apply_message("actor", torch.zeros(1), r))
+        aliased_exact = all(torch.equal(mapped[n], ref[n]) for n in ref)
+        expected = aliased_side.expected_checksums()  # collective: on every rank
+        reported = [tensor_checksum(mapped[n]) for n in aliased_side.dst_names]
+        aliased_checked = torch.equal(torch.stack(reported), expected) if reported else len(expected) == 0
+        for t in src.values():
+            t.mul_(2)
+        aliased_follow = all(torch.equal(mapped[n], ref[n] * 2) for n in views)
+        for t in src.values():
+            t.div_(2)
         # Verified hand-over: the engine's checksums against the trainer's (summed over the world), then one
         # corrupted bit in one tensor of this rank's engine rank.
         names = engine_side.dst_names
@@ -159,7 +182,9 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
                         "pool_bytes": resharder.pool_bytes, "bucket_bytes": plan.bucket_bytes,
                         "in_engine_rounds": rounds[plan.bucket_bytes],
                         "in_engine_extra_bytes": landing[plan.bucket_bytes],
-                        "unbounded_rounds": rounds[0], "unbounded_extra_bytes": landing[0]})
+                        "unbounded_rounds": rounds[0], "unbounded_extra_bytes": landing[0],
+                        "aliased": sorted(views), "aliased_exact": aliased_exact, "aliased_checked": aliased_checked,
+                        "aliased_follow": aliased_follow, "aliased_copies": len(aliased_side.dst_names)})
     destroy_model_parallel()
     return results
 

@@ -1,0 +1,73 @@
+"""rollout.alias_weights: the engine maps the actor's weights instead of holding a copy of them.
+
+An engine parameter that is, byte for byte, one run of a trainer tensor on the same GPU (planner.aliases) can be
+a view of the actor's memory: the engine holds no copy of it and a hand-over copies nothing into it (the
+optimizer's step writes the engine's weights). The engine opens those views when it loads its model, before it
+captures its CUDA graphs, so the graphs read the actor's addresses; the actor's weights then stay on the GPU at
+those addresses for the whole run. That pays where the views cover most of the engine's weights (engine TP equal
+to trainer TP on one pipeline stage: 89-94% for Llama and Qwen) or where the actor's weights stay anyway
+(actor.offload_weights: false). The choice is made once, from the layouts alone, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from megarl.errors import UserError
+from megarl.models.spec import ModelSpec
+from megarl.parallel import ParallelDims
+from megarl.reshard.planner import Plan, aliases, make_plan
+
+if TYPE_CHECKING:
+    from megarl.config import Config
+
+AUTO_SHARE = 0.5
+"""alias_weights: auto aliases when at least this share of every engine rank's bytes is the actor's memory."""
+
+
+def aliased_shares(plan: Plan) -> list[float]:
+    """Per GPU: the share of its engine rank's bytes that are views of the actor's tensors."""
+    out = []
+    for rank, views in enumerate(aliases(plan)):
+        shapes = plan.dst_shapes[plan.engine_rank(rank)]
+        out.append(sum(math.prod(shapes[n]) for n in views) / sum(math.prod(s) for s in shapes.values()))
+    return out
+
+
+def aliases_weights(cfg: Config, spec: ModelSpec, dims: ParallelDims, plan: Plan | None = None) -> float:
+    """The share of each engine rank's weights that alias the actor's (the smallest over ranks), 0.0 where
+    rollout.alias_weights does not apply; rollout.alias_weights: true where too little can alias is an error.
+    ``plan``: the run's hand-over plan (None: one data-parallel replica's, which every replica repeats)."""
+    mode, r = cfg.rollout.alias_weights, cfg.rollout.tensor_parallel
+    if mode is False or cfg.rollout.engine != "sglang":
+        return 0.0
+    if plan is None and (dims.tp * dims.pp) % r == 0:
+        plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=1), r, element_size=1,
+                         vocab_pad_multiple=cfg.model.vocab_pad_multiple)
+    share = min(aliased_shares(plan)) if plan is not None else 0.0
+    if mode is True:
+        if share < AUTO_SHARE:
+            raise UserError(
+                f"rollout.alias_weights = true, but the engine's layout does not match the trainer's: rollout."
+                f"tensor_parallel = {r}, parallel.tensor_parallel = {dims.tp}, parallel.pipeline_parallel = "
+                f"{dims.pp} (the engine's weights could map {share:.0%} of the actor's). Fix: set "
+                "rollout.tensor_parallel equal to parallel.tensor_parallel with pipeline_parallel 1, or "
+                "rollout.alias_weights: auto.")
+        return share
+    if share >= AUTO_SHARE or (share > 0 and not cfg.actor.offload_weights):
+        return share
+    return 0.0
+
+
+def aliased_views(plan: Plan, rank: int, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This GPU's engine parameters that alias the actor's tensors ``src`` (canonical Megatron names), as views of
+    them in the engine's shapes."""
+    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    out = {}
+    for name, (src_name, offset) in aliases(plan)[rank].items():
+        flat = src[src_name].view(-1)
+        out[name] = flat[offset:offset + math.prod(shapes[name])].view(shapes[name])
+    return out

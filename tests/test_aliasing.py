@@ -1,0 +1,114 @@
+"""rollout.alias_weights: which engine parameters map the actor's memory, the engine-side loader that maps them,
+and what the choice does to the memory plan and to what may leave the GPU (one process, CPU)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.errors import UserError
+from megarl.memory import plan_memory
+from megarl.models.presets import PRESETS, preset_or_hf_spec
+from megarl.models.spec import load_spec
+from megarl.parallel import ParallelDims
+from megarl.reshard.aliasing import aliased_shares, aliases_weights
+from megarl.reshard.planner import make_plan
+from megarl.rollout.sglang_loader import alias_parameters
+from megarl.trainer import offloadable_parts
+
+REPO = Path(__file__).resolve().parent.parent
+H200 = 143771 * 2**20
+
+
+def llama8b(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama3-8b"]))
+    return load_spec(tmp_path)
+
+
+def config(*sets: str):
+    return load_config(REPO / "recipes/llama3_8b_ppo.yaml", ["model.hf_path=/unused", *sets])
+
+
+@pytest.mark.parametrize("tp,pp,dp,rollout_tp,share", [
+    (1, 1, 1, 1, 0.900), (2, 1, 2, 2, 0.900), (2, 1, 1, 1, 0.0), (1, 2, 1, 2, 0.0)])
+def test_what_aliases_follows_the_layouts(tp, pp, dp, rollout_tp, share):
+    """Llama-3-8B: with engine TP equal to trainer TP on one stage, everything but QKV (o_proj, gate_up,
+    down_proj, norms, a vocabulary padded alike): 90% of the engine's bytes; otherwise little more than norms."""
+    plan = make_plan(preset_or_hf_spec("llama3-8b"), ParallelDims(tp=tp, pp=pp, dp=dp), rollout_tp)
+    assert min(aliased_shares(plan)) == pytest.approx(share, abs=0.07 if share else 0.08)
+
+
+def test_auto_aliases_where_it_pays_and_true_refuses_where_it_cannot(tmp_path):
+    spec = llama8b(tmp_path)
+    matched = ParallelDims(tp=2, pp=1, dp=4)
+    assert aliases_weights(config("rollout.tensor_parallel=2"), spec, matched) == pytest.approx(0.9, abs=0.01)
+    assert aliases_weights(config(), spec, matched) == 0.0  # the recipe's TP1 engines: nothing but norms
+    # Norms alone pay only where the actor's weights stay anyway.
+    assert aliases_weights(config(), spec, ParallelDims(tp=1, pp=2, dp=4)) == 0.0
+    assert aliases_weights(config("rollout.tensor_parallel=2", "actor.offload_weights=false"), spec,
+                           ParallelDims(tp=1, pp=2, dp=4)) > 0
+    assert aliases_weights(config("rollout.tensor_parallel=2", "rollout.alias_weights=false"), spec, matched) == 0
+    with pytest.raises(UserError) as err:
+        aliases_weights(config("rollout.alias_weights=true"), spec, matched)
+    assert "rollout.alias_weights = true" in str(err.value) and "rollout.tensor_parallel = 1" in str(err.value)
+    with pytest.raises(UserError, match="alias_weights"):
+        config("rollout.alias_weights=true", "rollout.engine=vllm")
+
+
+def test_aliased_weights_stay_on_the_gpu_and_the_engine_holds_only_the_rest(tmp_path):
+    """The plan: the actor's weights are resident while generating, the engine's own weights shrink to the
+    unaliased share, and the actor's weights are never offloadable."""
+    spec = llama8b(tmp_path)
+    dims = ParallelDims(tp=2, pp=1, dp=4)
+    aliased = plan_memory(config("rollout.tensor_parallel=2"), spec, dims, H200)
+    copied = plan_memory(config("rollout.tensor_parallel=2", "rollout.alias_weights=false"), spec, dims, H200)
+    assert "actor weights" in aliased.phases["generate"] and "actor weights" not in copied.phases["generate"]
+    ratio = aliased.phases["handover"]["engine weights"] / copied.phases["handover"]["engine weights"]
+    assert ratio == pytest.approx(0.1, abs=0.01)
+    assert aliased.total("handover") < copied.total("handover")
+    cfg = config()
+    assert "weights" in offloadable_parts(cfg)["actor"] and "weights" not in offloadable_parts(cfg, True)["actor"]
+    assert offloadable_parts(cfg, True)["critic"] == offloadable_parts(cfg)["critic"]
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 12, bias=False)
+        self.o_proj = torch.nn.Linear(4, 4, bias=False)
+        self.register_buffer("cos_sin", torch.arange(8.0))
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.attn = Attention()
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+
+def test_the_engine_loader_maps_aliased_parameters_and_copies_the_rest_out():
+    model = Model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    built_in = {n: p.data_ptr() for n, p in model.named_parameters()} | {"cos_sin": model.attn.cos_sin.data_ptr()}
+    trainer = torch.randn(40)  # one trainer tensor holding both aliased runs
+    views = {"attn.o_proj.weight": trainer[:16].view(4, 4), "embed.weight": trainer[:40].view(10, 4)}
+    assert alias_parameters(model, views) == 56 * 4
+    assert model.attn.o_proj.weight.data_ptr() == trainer.data_ptr()
+    assert model.head.weight is model.embed.weight and model.embed.weight.data_ptr() == trainer.data_ptr()
+    trainer.mul_(2)  # the trainer's update is the engine's
+    assert torch.equal(model.attn.o_proj.weight, trainer[:16].view(4, 4))
+    # Everything else left the memory the model was built in, with its values.
+    assert model.attn.qkv.weight.data_ptr() != built_in["attn.qkv.weight"]
+    assert torch.equal(model.attn.qkv.weight, before["attn.qkv.weight"])
+    assert model.attn.cos_sin.data_ptr() != built_in["cos_sin"] and torch.equal(model.attn.cos_sin, torch.arange(8.0))
+
+
+def test_the_engine_loader_refuses_views_its_model_does_not_have():
+    with pytest.raises(ValueError, match="no parameters"):
+        alias_parameters(Model(), {"attn.k_proj.weight": torch.zeros(4, 4)})
+    with pytest.raises(ValueError, match=r"is \[4, 4\]"):
+        alias_parameters(Model(), {"attn.o_proj.weight": torch.zeros(4, 5)})
