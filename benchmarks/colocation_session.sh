@@ -18,6 +18,10 @@
 #   grpo_sigterm: grpo_auto with torchrun sent SIGTERM after step 2 (scancel, a Slurm time limit): the run must end
 #             as an interrupt (exit 143, "interrupted by SIGTERM"), not as an engine failure; the hand-over's parts
 #             per step are in its metrics (handover/*_s)
+#   grpo_alias: grpo_auto with the engine's weights mapping the actor's (rollout.alias_weights=true: one TP1 engine
+#             per TP1 trainer), every hand-over verified (rollout.verify_every=1); grpo_alias_graphs: the same with
+#             SGLang's CUDA graphs, captured on the actor's memory; grpo_copy and grpo_copy_kept: grpo_auto without
+#             aliasing, the actor's weights offloaded during rollout or kept: the KV cache and hand-over to compare
 #   grpo_moe: GRPO on a tiny Qwen3-MoE (4 experts, top-2; the tiny recipe's tokenizer) with SGLang, every hand-over
 #             into the engine's fused experts verified (rollout.verify_every=1)
 # PART selects a subset (setup and the runs above; default setup grpo grpo_kept alone ppo) so that calls stay under 10 minutes.
@@ -72,6 +76,18 @@ PY
     grpo_auto_kept)
       h200_train grpo_auto_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
         --set actor.offload_weights=false --set rollout.verify_every=1 ;;
+    grpo_alias)
+      h200_train grpo_alias recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
+        --set rollout.alias_weights=true --set rollout.verify_every=1 ;;
+    grpo_alias_graphs)
+      h200_train grpo_alias_graphs recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
+        --set rollout.alias_weights=true --set rollout.engine_args.disable_cuda_graph=false ;;
+    grpo_copy)
+      h200_train grpo_copy recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
+        --set rollout.alias_weights=false ;;
+    grpo_copy_kept)
+      h200_train grpo_copy_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
+        --set rollout.alias_weights=false --set actor.offload_weights=false ;;
     grpo_death)
       (for _ in $(seq 400); do grep -q "step 2/" "$OUT/grpo_death.log" 2>/dev/null && break; sleep 1; done
        pkill -9 -f "sglang::scheduler" && echo "[h200] killed the engine's scheduler after step 2") &

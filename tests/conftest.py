@@ -1,7 +1,15 @@
-"""Shared pytest hooks: tests marked `gpu` are skipped on machines without CUDA."""
+"""Shared pytest hooks and fixtures: tests marked `gpu` are skipped on machines without CUDA; ``fake_sglang``
+stands in for SGLang (which does not run on CPU) to check how megarl starts and calls it."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import signal
+import sys
+import types
+
+import numpy as np
 import pytest
 import torch
 
@@ -13,3 +21,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """An ``sglang`` module that records how the adapter starts and calls its engine: each generated sample gets
+    tokens [5, 6] and routing whose every id is its sample index (SGLang's base64 int32 [tokens-1, layers, k])."""
+    calls: dict = {}
+
+    class Engine:
+        def __init__(self, **kwargs):
+            calls["start"] = kwargs
+
+        def get_server_info(self):
+            return {"max_total_num_tokens": 1000}
+
+        def generate(self, input_ids, sampling_params, return_logprob, **kwargs):
+            calls["generate"] = kwargs
+            layers, k = calls["shape"]
+            return [{"output_ids": [5, 6], "meta_info": {
+                "output_token_logprobs": [(-0.1, 5, None), (-0.2, 6, None)], "finish_reason": {"type": "length"},
+                "routed_experts": base64.b64encode(np.full((len(p) + 1, layers, k), i, np.int32).tobytes()).decode()}}
+                for i, p in enumerate(input_ids)]
+
+    def install(*fields: str) -> dict:
+        module = types.ModuleType("sglang")
+        module.__version__, module.Engine = "0.0.test", Engine
+        server_args = types.ModuleType("sglang.srt.server_args")
+        server_args.ServerArgs = dataclasses.make_dataclass("ServerArgs", [(f, bool, False) for f in fields])
+        for name, mod in (("sglang", module), ("sglang.srt", types.ModuleType("sglang.srt")),
+                          ("sglang.srt.server_args", server_args)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        return calls
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGQUIT, signal.SIGTERM)}
+    yield install
+    for signum, handler in saved.items():  # the engine watch installs its own
+        signal.signal(signum, handler)

@@ -112,3 +112,20 @@ def test_the_engine_loader_refuses_views_its_model_does_not_have():
         alias_parameters(Model(), {"attn.k_proj.weight": torch.zeros(4, 4)})
     with pytest.raises(ValueError, match=r"is \[4, 4\]"):
         alias_parameters(Model(), {"attn.o_proj.weight": torch.zeros(4, 5)})
+
+
+def test_the_sglang_adapter_builds_its_model_with_megarl_loader_when_it_aliases(tmp_path, fake_sglang):
+    import pickle
+
+    from helpers import make_hf_model
+    from megarl.rollout.sglang import SGLangEngine
+    from megarl.rollout.sglang_loader import ALIASES_KEY, AliasingLoader
+
+    model = make_hf_model(tmp_path / "llama", "llama")
+    calls = fake_sglang("custom_sigquit_handler")
+    SGLangEngine(str(model), aliases=tmp_path / "engine_0.aliases")
+    assert calls["start"]["load_format"] is AliasingLoader
+    assert json.loads(calls["start"]["model_loader_extra_config"]) == {ALIASES_KEY: str(tmp_path / "engine_0.aliases")}
+    assert pickle.loads(pickle.dumps(calls["start"]["load_format"])) is AliasingLoader  # spawned workers import it
+    SGLangEngine(str(model))
+    assert calls["start"]["load_format"] == "auto" and "model_loader_extra_config" not in calls["start"]
