@@ -96,8 +96,7 @@ class AliasingLoader:
             model = dummy.load_model(model_config=model_config, device_config=device_config)
         aliased = alias_parameters(model, views)
         model._megarl_aliases = views  # holds the IPC mappings open
-        del pool
-        torch.cuda.empty_cache()  # the pool's memory, aliased parameters' included, goes back to the driver
+        del pool  # SGLang empties the cache once out of its memory-saver region: the pool's memory then goes back
         print(f"megarl: engine rank {get_tensor_model_parallel_rank()} maps {aliased / 2**30:.2f} GiB of the "
               f"actor's weights ({len(views)} tensors)", flush=True)
         return model
