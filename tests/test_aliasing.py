@@ -15,7 +15,7 @@ from megarl.models.spec import load_spec
 from megarl.parallel import ParallelDims
 from megarl.reshard.aliasing import aliased_shares, aliases_weights
 from megarl.reshard.planner import make_plan
-from megarl.rollout.sglang_loader import alias_parameters
+from megarl.rollout.sglang_loader import alias_parameters, check_aliases
 from megarl.trainer import offloadable_parts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,11 +96,15 @@ def test_the_engine_loader_maps_aliased_parameters_and_copies_the_rest_out():
     built_in = {n: p.data_ptr() for n, p in model.named_parameters()} | {"cos_sin": model.attn.cos_sin.data_ptr()}
     trainer = torch.randn(40)  # one trainer tensor holding both aliased runs
     views = {"attn.o_proj.weight": trainer[:16].view(4, 4), "embed.weight": trainer[:40].view(10, 4)}
-    assert alias_parameters(model, views) == 56 * 4
+    assert alias_parameters(model, views, torch.device("cpu")) == 56 * 4
     assert model.attn.o_proj.weight.data_ptr() == trainer.data_ptr()
     assert model.head.weight is model.embed.weight and model.embed.weight.data_ptr() == trainer.data_ptr()
     trainer.mul_(2)  # the trainer's update is the engine's
     assert torch.equal(model.attn.o_proj.weight, trainer[:16].view(4, 4))
+    check_aliases(model, views)
+    model.attn.o_proj.weight.data = model.attn.o_proj.weight.data.clone()  # as an engine's repacking would
+    with pytest.raises(RuntimeError, match="attn.o_proj.weight"):
+        check_aliases(model, views)
     # Everything else left the memory the model was built in, with its values.
     assert model.attn.qkv.weight.data_ptr() != built_in["attn.qkv.weight"]
     assert torch.equal(model.attn.qkv.weight, before["attn.qkv.weight"])
@@ -109,9 +113,9 @@ def test_the_engine_loader_maps_aliased_parameters_and_copies_the_rest_out():
 
 def test_the_engine_loader_refuses_views_its_model_does_not_have():
     with pytest.raises(ValueError, match="no parameters"):
-        alias_parameters(Model(), {"attn.k_proj.weight": torch.zeros(4, 4)})
+        alias_parameters(Model(), {"attn.k_proj.weight": torch.zeros(4, 4)}, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"is \[4, 4\]"):
-        alias_parameters(Model(), {"attn.o_proj.weight": torch.zeros(4, 5)})
+        alias_parameters(Model(), {"attn.o_proj.weight": torch.zeros(4, 5)}, torch.device("cpu"))
 
 
 def test_the_sglang_adapter_builds_its_model_with_megarl_loader_when_it_aliases(tmp_path, fake_sglang):

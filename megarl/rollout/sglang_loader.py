@@ -4,18 +4,16 @@
   ``load_format`` of ``update_weights_from_tensor``; SGLang then calls it in every TP worker with the model and
   that worker's named tensors (megarl.reshard.handover's wire format).
 - ``AliasingLoader`` (rollout.alias_weights): SGLang's model loader, passed as ``load_format``. It builds the
-  model with SGLang's dummy loader in a memory pool of its own, points the parameters that alias the actor's
-  tensors at the trainer's memory (CUDA IPC views, from the file ``SGLangEngine`` names in
-  ``model_loader_extra_config``), moves everything else out of that pool and frees it: the engine never keeps
-  memory for the aliased parameters. It runs before SGLang captures its CUDA graphs, which therefore read the
-  actor's addresses.
+  model in host memory, points the parameters that alias the actor's tensors at the trainer's memory (CUDA IPC
+  views, from the file ``SGLangEngine`` names in ``model_loader_extra_config``) and moves everything else to the
+  GPU: the engine never allocates the aliased parameters. It runs before SGLang captures its CUDA graphs, which
+  therefore read the actor's addresses.
 
 Importing this module must stay cheap and free of SGLang: it runs in SGLang's scheduler processes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 from typing import Any
 
@@ -35,10 +33,10 @@ def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) 
 
 
 @torch.no_grad()
-def alias_parameters(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> int:
-    """Point the parameters named in ``views`` at those tensors and give every other parameter and buffer its own
-    fresh copy (out of the memory the model was built in, which the caller then frees); returns the bytes now
-    aliased. A view whose name, shape or dtype the model does not have is an error."""
+def alias_parameters(model: torch.nn.Module, views: dict[str, torch.Tensor], device: torch.device) -> int:
+    """Point the parameters named in ``views`` at those tensors and move every other parameter and buffer to
+    ``device`` (a copy of its own); returns the bytes now aliased. A view whose name, shape or dtype the model does
+    not have is an error."""
     params = dict(model.named_parameters(remove_duplicate=False))
     unknown = sorted(set(views) - set(params))
     if unknown:
@@ -53,11 +51,11 @@ def alias_parameters(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> 
         param.data = view  # a tied parameter is one object under both names: aliased under both
         aliased += view.numel() * view.element_size()
     mapped = {v.data_ptr() for v in views.values()}
-    moved: dict[int, torch.Tensor] = {}  # tied tensors share one storage: copied once
+    moved: dict[int, torch.Tensor] = {}  # tied tensors share one storage: moved once
 
     def own(t: torch.Tensor) -> torch.Tensor:
         if t.data_ptr() not in moved:
-            moved[t.data_ptr()] = t.clone()
+            moved[t.data_ptr()] = t.to(device, copy=True)
         return moved[t.data_ptr()]
 
     for param in {id(p): p for p in params.values()}.values():  # a tied parameter once
@@ -70,6 +68,15 @@ def alias_parameters(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> 
     return aliased
 
 
+def check_aliases(model: torch.nn.Module, views: dict[str, torch.Tensor]) -> None:
+    """After the engine's own post-processing: every aliased parameter still reads the actor's memory."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    moved = [n for n, v in views.items() if n not in params or params[n].data_ptr() != v.data_ptr()]
+    if moved:
+        raise RuntimeError(f"the engine replaced parameters {moved[:5]} after megarl mapped them onto the actor's "
+                           "memory (its loading post-processing repacked them); set rollout.alias_weights: false")
+
+
 class AliasingLoader:
     """SGLang model loader (``load_format``) for rollout.alias_weights; SGLang calls ``load_model``."""
 
@@ -77,26 +84,36 @@ class AliasingLoader:
         self.load_config = load_config
 
     def download_model(self, model_config: Any) -> None:
-        pass  # the dummy loader reads no files
+        pass  # it reads no files: the hand-over writes every parameter that is not aliased
 
     def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
         from sglang.srt.distributed import get_tensor_model_parallel_rank
-        from sglang.srt.model_loader.loader import DummyModelLoader
+        from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model, _post_load_weights
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # devices travel as UUIDs
+        rank = get_tensor_model_parallel_rank()
         with open(self.load_config.model_loader_extra_config[ALIASES_KEY], "rb") as f:
-            wires = pickle.load(f)[get_tensor_model_parallel_rank()]
+            wires = pickle.load(f)[rank]
         views = {name: MultiprocessingSerializer.deserialize(blob) for name, blob in wires}
-        dummy = DummyModelLoader(dataclasses.replace(self.load_config, load_format="dummy",
-                                                     model_loader_extra_config={}))
-        pool = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(pool):
-            model = dummy.load_model(model_config=model_config, device_config=device_config)
-        aliased = alias_parameters(model, views)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        # Built in host memory (uninitialised, so untouched pages cost nothing): the GPU never holds the aliased
+        # parameters' own storage, and the engine sizes its KV cache on what is really free.
+        with set_default_torch_dtype(model_config.dtype):
+            with torch.device("cpu"):
+                model = _initialize_model(model_config, self.load_config, quant_config)
+            device = torch.device("cuda", torch.cuda.current_device())
+            aliased = alias_parameters(model, views, device)
+            with device:
+                _post_load_weights(model)
+                for module in model.modules():
+                    quant_method = getattr(module, "quant_method", None)
+                    if quant_method is not None:
+                        quant_method.process_weights_after_loading(module)
+        check_aliases(model, views)
         model._megarl_aliases = views  # holds the IPC mappings open
-        del pool  # SGLang empties the cache once out of its memory-saver region: the pool's memory then goes back
-        print(f"megarl: engine rank {get_tensor_model_parallel_rank()} maps {aliased / 2**30:.2f} GiB of the "
-              f"actor's weights ({len(views)} tensors)", flush=True)
-        return model
+        print(f"megarl: engine rank {rank} maps {aliased / 2**30:.2f} GiB of the actor's weights ({len(views)} "
+              "tensors)", flush=True)
+        return model.eval()
