@@ -117,9 +117,43 @@ def test_sigterm_taken_by_the_engine_loop_goes_back_to_the_trainers_handler(loop
     try:
         loop.add_signal_handler(signal.SIGTERM, lambda: None)  # what the engine does on its first request
         ChildWatch(loop, EngineLog(), "an SGLang engine process", sigterm=trainers)
-        assert signal.getsignal(signal.SIGTERM) is trainers
         with pytest.raises(Stopped):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_during_an_engine_call_on_uvloop_ends_the_run_as_an_interrupt():
+    """On the H200: torchrun's SIGTERM reached the trainer inside a wake on SGLang's uvloop (which only logged the
+    interrupt handler's exception) and the engine's scheduler, which died of it and signalled SIGQUIT; the run then
+    ended as an engine failure. The interrupt now ends the call and wins over the failure it caused."""
+    from megarl.interrupt import Interrupted
+
+    uvloop = pytest.importorskip("uvloop")
+    loop = uvloop.new_event_loop()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGQUIT, signal.SIGTERM)}
+
+    def trainers(signum, frame):
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, trainers)
+    try:
+        watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
+        threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+        threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGQUIT)).start()  # the scheduler, dying of it
+        start = time.monotonic()
+        with pytest.raises(Interrupted) as stopped, engine_call("wake", timeout_s=60), watch.alive():
+            loop.run_until_complete(asyncio.sleep(30))
+        assert stopped.value.signum == signal.SIGTERM and time.monotonic() - start < 10
+        time.sleep(1)  # the SIGQUIT has come
+        with pytest.raises(Interrupted), watch.alive():  # and the next call is not an engine failure either
+            pytest.fail("an interrupted run must not call its engine")
+        # Between calls SIGTERM goes to the trainer's handler.
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    finally:
+        loop.close()
+        for s, handler in saved.items():
+            signal.signal(s, handler)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megarl.errors import UserError
+from megarl.interrupt import Interrupted
 from megarl.platform.device import host_memory
 from megarl.rollout.enginelog import EngineLog
 
@@ -89,16 +90,22 @@ class ChildWatch:
     to the dead process, where a handler on the loop would never run; a wait on the loop, where uvloop, which
     SGLang uses, runs the handler inside a loop callback and only logs what it raises), and ``alive`` raises,
     naming the engine log's root cause; between calls it marks the engine failed, and the next call raises
-    before it starts."""
+    before it starts.
+
+    SIGTERM (scancel, a Slurm time limit; torchrun sends it to the whole process group, the engine's processes
+    too) arriving during an engine call ends the call the same way and ``alive`` raises ``Interrupted``: uvloop
+    would swallow the trainer's own handler's exception, and the engine processes' death from the same signal
+    must read as the interrupt, not as an engine failure. Between calls the trainer's handler takes it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str,
                  sigterm: Any = None) -> None:
         """``loop``: the event loop on which the engine registered its own SIGQUIT handler (None: none); install
         after the engine has (SGLang: after its first request); ``what``: the failing process; ``sigterm``: this
-        process's SIGTERM handler from before the engine started, given back if the engine's loop took SIGTERM
-        (SGLang's drains requests, then SIGKILLs the process tree: a scancel or a Slurm time limit would skip
-        megarl's clean interrupt, or end as an engine failure once the engine's processes die of it too)."""
+        process's SIGTERM handler from before the engine started (None: the one in place), which takes SIGTERM
+        between engine calls; the engine loop's own is removed (SGLang's drains requests, then SIGKILLs the
+        process tree: a scancel or a Slurm time limit would skip megarl's clean interrupt)."""
         self.failed = False
+        self.interrupted: int | None = None
         self._calling = False
         self.log, self.what, self.loop = log, what, loop
         if threading.current_thread() is not threading.main_thread():
@@ -108,9 +115,23 @@ class ChildWatch:
             return
         if loop is not None:
             loop.remove_signal_handler(signal.SIGQUIT)
-            if loop.remove_signal_handler(signal.SIGTERM) and sigterm is not None:
-                signal.signal(signal.SIGTERM, sigterm)
+            loop.remove_signal_handler(signal.SIGTERM)
+        self._sigterm = sigterm if sigterm is not None else signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGQUIT, self._signalled)
+        signal.signal(signal.SIGTERM, self._terminated)
+
+    def _terminated(self, signum: int, frame: Any) -> None:
+        if not self._calling:
+            if callable(self._sigterm):
+                self._sigterm(signum, frame)
+            elif self._sigterm != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)  # no handler of its own before the engine: the default
+                os.kill(os.getpid(), signum)
+            return
+        self.interrupted = signum
+        if self.loop is not None and self.loop.is_running():
+            self.loop.stop()
+        raise Interrupted(signum)
 
     def _signalled(self, signum: int, frame: object) -> None:
         self.failed = True
@@ -122,6 +143,8 @@ class ChildWatch:
     @contextmanager
     def alive(self) -> Iterator[None]:
         """Around every call into the engine (an engine that failed between calls fails the next one)."""
+        if self.interrupted is not None:
+            raise Interrupted(self.interrupted)
         if self.failed:
             raise self._death()
         try:
@@ -130,10 +153,14 @@ class ChildWatch:
                 yield
             finally:
                 self._calling = False
-        except Exception as err:  # the handler's exception may also surface from the line above
-            if self.failed:
+        except BaseException as err:  # the handlers' exceptions may also surface from the line above
+            if self.interrupted is not None:
+                raise Interrupted(self.interrupted) from None
+            if self.failed and isinstance(err, Exception):
                 raise self._death() from err
             raise
+        if self.interrupted is not None:
+            raise Interrupted(self.interrupted)
         if self.failed:
             raise self._death()
 
