@@ -147,7 +147,7 @@ class RLTrainer:
 
     def _share_aliases(self, group: EngineGroup, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
         """Every engine rank's views of the actor's tensors, packaged (CUDA IPC handles), in one file the engine's
-        loader reads when it builds its model (megarl.rollout.sglang_alias); its path on the driver."""
+        loader reads when it builds its model (megarl.rollout.sglang_loader.AliasingLoader); its path on the driver."""
         wires = group.gather(kind.package(list(views.items())))
         if wires is None:
             return None

@@ -7,6 +7,8 @@ Two ways to hand weights over, both already in SGLang's per-rank layout:
   CUDA IPC and replays one compiled copy kernel from them into its parameters (megarl.reshard.handover);
 - ``update_weights(named_tensors)``: engine-layout tensors filled by the resharder, delivered by
   ``update_weights_from_tensor(load_format="direct")``, one IPC handle per tensor per update.
+With rollout.alias_weights the engine's model is built by megarl's loader (``sglang_loader.AliasingLoader``, the
+``load_format``): parameters that are runs of the actor's tensors are views of them, and the copy skips them.
 SGLang >= 0.5.22 requires
 ``begin_weight_update`` / ``end_weight_update`` around updates; 0.5.17 lacks them, so both are
 called only when present. Logprobs of sampled tokens are SGLang's default, log softmax(logits / T).
