@@ -38,9 +38,11 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     assert max(r["unbounded_extra_bytes"] for r in rows) > 4 * 48 * 1024 + 256
     assert all(r["unbounded_rounds"] == 1 for r in rows)
     # rollout.alias_weights: every parameter an engine maps from the trainer's memory reads exactly what a copy
-    # would have written, and after an update of the trainer, the new values, with no copy.
+    # would have written, and after an update of the trainer, the new values, with no copy; the engine still
+    # checksums it (a stale mapping would show), and the copy writes none of it.
     for r in rows:
         assert r["aliased_exact"] and r["aliased_checked"] and r["aliased_follow"], r
+        assert r["aliased_verified"] and r["aliased_copied"] == [], r
     linear = ("o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
     kv_heads = {"llama": 2, "qwen2": 4, "qwen3": 2}
     for r in rows:

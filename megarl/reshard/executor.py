@@ -35,7 +35,7 @@ from megarl.kernels import Segment, extension, segment_table
 from megarl.reshard.engine_layout import matrix_shape
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.planner import Plan, Transfer, row_bytes
-from megarl.reshard.verify import engine_names, expected_checksums
+from megarl.reshard.verify import expected_checksums
 
 
 @dataclass
@@ -100,7 +100,8 @@ class Resharder:
                  in_engine: bool = False, landing_bytes: int | None = None, aliased: Collection[str] = ()) -> None:
         """``landing_bytes`` (``in_engine``): the most the landing buffer holds (None: twice the bucket size, the
         receive buffers the other mode has; 0: every remote byte, one round). ``aliased`` (``in_engine``): this
-        rank's engine tensors that are views of its trainer tensors (megarl.reshard.aliasing), never copied."""
+        rank's engine tensors that are views of its trainer tensors (megarl.reshard.aliasing): never copied, but
+        still checksummed by the engine (a stale mapping would show)."""
         assert (dst is None) == in_engine, "pass engine tensors (dst) exactly when the engine does not copy itself"
         assert in_engine or not aliased, "only an engine that copies itself can map the trainer's tensors"
         self.plan, self.rank, self.group, self.in_engine = plan, rank, group, in_engine
@@ -110,7 +111,7 @@ class Resharder:
         self.device = device or next(iter((dst or src).values())).device
         self._check(src, dst)
         self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
-        self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank} - set(aliased))
+        self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank})
         self.aliased = frozenset(aliased)
         src_index = {n: i for i, n in enumerate(self.src_names)}
         dst_index = {n: i for i, n in enumerate(self.dst_names)}
@@ -237,8 +238,7 @@ class Resharder:
         rank's trainer tensors, then the landing buffer) into its parameters, round r after ``refit(r)``."""
         assert self.in_engine
         self.bind()
-        shapes = {n: s for n, s in self.plan.dst_shapes[self.plan.engine_rank(self.rank)].items()
-                  if n not in self.aliased}
+        shapes = self.plan.dst_shapes[self.plan.engine_rank(self.rank)]
         bounds = [0]
         for segments in self._engine_segments:
             bounds.append(bounds[-1] + len(segments))
@@ -260,9 +260,7 @@ class Resharder:
     def expected_checksums(self) -> torch.Tensor:
         """int64 [len(dst_names), 2]: what this GPU's engine rank must report after the refit of the trainer's
         current weights (megarl.reshard.verify; collective over the world)."""
-        every = expected_checksums(self.plan, self.rank, self._src_dict, self.group)
-        written = [i for i, n in enumerate(engine_names(self.plan)[self.rank]) if n not in self.aliased]
-        return every[written]
+        return expected_checksums(self.plan, self.rank, self._src_dict, self.group)
 
     def _p2p(self, bucket: _Bucket) -> list[Any]:
         ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), peer, self.group)

@@ -153,7 +153,9 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
             t.fill_(float("nan"))
         mapped |= views
         engine_state, mapped_model = HandoverState(), EngineModel(mapped)
-        engine_state.handle(mapped_model, aliased_side.engine_copy().to_wire("actor"))
+        aliased_copy = aliased_side.engine_copy()
+        copied = {aliased_copy.dst_names[int(i)] for i in aliased_copy.table[:, 3]}
+        engine_state.handle(mapped_model, aliased_copy.to_wire("actor"))
         for r in range(aliased_side.num_rounds):
             aliased_side.refit(r)
             engine_state.handle(mapped_model, apply_message("actor", torch.zeros(1), r))
@@ -184,7 +186,8 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
                         "in_engine_extra_bytes": landing[plan.bucket_bytes],
                         "unbounded_rounds": rounds[0], "unbounded_extra_bytes": landing[0],
                         "aliased": sorted(views), "aliased_exact": aliased_exact, "aliased_checked": aliased_checked,
-                        "aliased_follow": aliased_follow, "aliased_copies": len(aliased_side.dst_names)})
+                        "aliased_follow": aliased_follow, "aliased_copied": sorted(copied & set(views)),
+                        "aliased_verified": set(views) <= set(aliased_side.dst_names)})
     destroy_model_parallel()
     return results
 
