@@ -129,6 +129,8 @@ class RLTrainer:
         alias_file = self._share_aliases(group, kind, views) if aliased else None
         with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
             engine = make_engine(cfg, group.index, group.devices(), alias_file) if group.driver else None
+        if alias_file is not None:
+            alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
         if self._weights_leave:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
