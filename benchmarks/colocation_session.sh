@@ -20,8 +20,8 @@
 #             per step are in its metrics (handover/*_s)
 #   grpo_alias: grpo_auto with the engine's weights mapping the actor's (rollout.alias_weights=true: one TP1 engine
 #             per TP1 trainer), every hand-over verified (rollout.verify_every=1); grpo_alias_graphs: the same with
-#             SGLang's CUDA graphs, captured on the actor's memory; grpo_copy and grpo_copy_kept: grpo_auto without
-#             aliasing, the actor's weights offloaded during rollout or kept: the KV cache and hand-over to compare
+#             SGLang's CUDA graphs, captured on the actor's memory; grpo_copy (grpo_auto under this session's name) and
+#             grpo_copy_kept (grpo_auto_kept unverified): the copying runs to compare KV cache and hand-over with
 #   grpo_moe: GRPO on a tiny Qwen3-MoE (4 experts, top-2; the tiny recipe's tokenizer) with SGLang, every hand-over
 #             into the engine's fused experts verified (rollout.verify_every=1)
 # PART selects a subset (setup and the runs above; default setup grpo grpo_kept alone ppo) so that calls stay under 10 minutes.
@@ -38,6 +38,8 @@ source benchmarks/h200_common.sh
 h200_session
 BIG=(--set model.hf_path=$MODEL --set model.dtype=bfloat16 --set parallel.tensor_parallel=$NPROC
      --set rollout.gpu_memory_fraction=$FRACTION --set rollout.logprob_diff_max=2.0 --set tracking.backend=none)
+# The runs from before rollout.alias_weights (its auto aliases a TP1 trainer into TP1 engines) copy, as they did.
+COPY=(--set rollout.alias_weights=false)
 
 for part in $PART; do
   case $part in
@@ -46,9 +48,9 @@ for part in $PART; do
       python3 -c "import sglang; print('[h200] sglang', sglang.__version__)"
       python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer recipes/tiny/model --out $MODEL --layers "$LAYERS" ;;
     grpo)
-      h200_train grpo recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" ;;
+      h200_train grpo recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" "${COPY[@]}" ;;
     grpo_kept)
-      h200_train grpo_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set actor.offload_optimizer=false ;;
+      h200_train grpo_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set actor.offload_optimizer=false "${COPY[@]}" ;;
     alone)
       # SGLang spawns its scheduler, which re-imports the main module: it must be a file.
       cat > /tmp/alone.py <<'PY'
@@ -65,29 +67,26 @@ PY
       timeout 300 python3 /tmp/alone.py "$MODEL" "$FRACTION" > "$OUT/alone.log" 2>&1
       echo "[h200] alone exit $?"; grep -h "ALONE\|KV Cache is allocated\|max_total_num_tokens=" "$OUT/alone.log" | cut -c1-400 ;;
     ppo)
-      h200_train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" ;;
+      h200_train ppo recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" "${COPY[@]}" ;;
     ppo_auto)
-      h200_train ppo_auto recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto ;;
+      h200_train ppo_auto recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto "${COPY[@]}" ;;
     ppo_auto_kept)
       h200_train ppo_auto_kept recipes/tiny_cpu_ppo.yaml "$STEPS_PPO" --set rollout.gpu_memory_fraction=auto \
-        --set actor.offload_weights=false ;;
-    grpo_auto)
-      h200_train grpo_auto recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto ;;
+        --set actor.offload_weights=false "${COPY[@]}" ;;
+    grpo_auto|grpo_copy)
+      h200_train "$part" recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto "${COPY[@]}" ;;
     grpo_auto_kept)
       h200_train grpo_auto_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
-        --set actor.offload_weights=false --set rollout.verify_every=1 ;;
+        --set actor.offload_weights=false --set rollout.verify_every=1 "${COPY[@]}" ;;
     grpo_alias)
       h200_train grpo_alias recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
         --set rollout.alias_weights=true --set rollout.verify_every=1 ;;
     grpo_alias_graphs)
       h200_train grpo_alias_graphs recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
         --set rollout.alias_weights=true --set rollout.engine_args.disable_cuda_graph=false ;;
-    grpo_copy)
-      h200_train grpo_copy recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
-        --set rollout.alias_weights=false ;;
     grpo_copy_kept)
       h200_train grpo_copy_kept recipes/tiny_cpu_grpo.yaml "$STEPS_GRPO" --set rollout.gpu_memory_fraction=auto \
-        --set rollout.alias_weights=false --set actor.offload_weights=false ;;
+        --set actor.offload_weights=false "${COPY[@]}" ;;
     grpo_death)
       (for _ in $(seq 400); do grep -q "step 2/" "$OUT/grpo_death.log" 2>/dev/null && break; sleep 1; done
        pkill -9 -f "sglang::scheduler" && echo "[h200] killed the engine's scheduler after step 2") &
