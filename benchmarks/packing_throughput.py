@@ -1,13 +1,14 @@
 """Actor update throughput on an RL-like mix of sequence lengths: packed rows against one padded sequence per row.
 
   torchrun --nproc-per-node W benchmarks/packing_throughput.py --model HF_DIR [--num-sequences 64]
-      [--max-tokens 16384] [--steps 4] [--json OUT]
+      [--max-tokens 16384] [--steps 4] [--te] [--json OUT]
 
 The actor's real update (MegatronModel.train_step: token-budget micro-batches, distributed Adam, bf16 on GPU)
 over one batch of sequences whose lengths look like a reasoning RL step: prompts of 64-512 tokens and
 responses drawn log-uniformly from 32 to 3,584 tokens (a few long ones, many short). Both modes see the same
 sequences and token budget; "padded" gives each sequence a row of its own, "packed" puts several in a row
-(megarl's default; FlexAttention on GPUs keeps them apart). Reports real (non-padding) tokens/s, the padding
+(megarl's default: on the local spec FlexAttention keeps them apart, with ``--te`` Transformer Engine's attention
+over the rows laid end to end in THD format). Reports real (non-padding) tokens/s, the padding
 share and the peak memory of each, and the packed/padded speed ratio measured in the same run.
 """
 
@@ -43,6 +44,7 @@ def main() -> None:
     p.add_argument("--num-sequences", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16384, help="token slots per micro-batch (max_tokens_per_gpu)")
     p.add_argument("--steps", type=int, default=4, help="timed updates per mode, after one warm-up")
+    p.add_argument("--te", action="store_true", help="Transformer Engine's layer spec (packed rows in THD format)")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -50,7 +52,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from megarl.config import OptimizerConfig
-    from megarl.models.gpt import BuildOptions
+    from megarl.models.gpt import BuildOptions, layer_implementation
     from megarl.models.spec import load_spec
     from megarl.models.trainable import MegatronModel
     from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
@@ -61,8 +63,10 @@ def main() -> None:
     groups = init_model_parallel(ParallelDims(tp=args.tp, pp=1, dp=world // args.tp))
     model_parallel_seed(0)
     dtype = torch.bfloat16 if platform.is_cuda else torch.float32
-    actor = MegatronModel(spec, args.model, groups, BuildOptions(dtype=dtype, sequence_parallel=args.tp > 1),
+    actor = MegatronModel(spec, args.model, groups, BuildOptions(dtype=dtype, sequence_parallel=args.tp > 1,
+                                                                 transformer_engine=args.te),
                           OptimizerConfig(lr=1e-6))
+    packed_format = actor.packing
     lengths = rl_lengths(args.num_sequences, seed=groups.dp_rank)
     gen = torch.Generator().manual_seed(1 + groups.dp_rank)
     sequences = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in lengths]
@@ -74,10 +78,13 @@ def main() -> None:
 
     result = {"model": args.model, "layers": spec.num_layers, "world": world, "tp": args.tp,
               "num_sequences": args.num_sequences, "tokens_per_rank": sum(lengths), "longest": max(lengths),
-              "max_tokens": args.max_tokens,
+              "max_tokens": args.max_tokens, "layer_classes": layer_implementation(actor.chunks),
+              "packed_format": packed_format,
               "device": torch.cuda.get_device_name() if platform.is_cuda else "cpu"}
+    if dist.get_rank() == 0:
+        print(f"layers: {result['layer_classes']}; packed rows as {packed_format}", flush=True)
     for mode in ("padded", "packed"):
-        actor.pack = mode == "packed"
+        actor.packing = packed_format if mode == "packed" else "off"
         if platform.is_cuda:
             torch.cuda.reset_peak_memory_stats()
         times, metrics = [], {}

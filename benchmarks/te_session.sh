@@ -9,8 +9,11 @@
 #               optimizer step) with TE, with the local spec on SDPA, and on Megatron's unfused attention
 #   grpo_te:    the RL loop (GRPO, SGLang) on TE layers, every hand-over verified against the actor's weights
 #   flex:       the GPU tests of the local spec's attention: FlexAttention on packed rows against SDPA's dense mask
+#   gpu_tests:  flex's tests, and packed rows trained as padded ones on TE (THD format) and on the local spec
+#   throughput_te: throughput's TE run alone
 #   packing:    the actor's update on an RL-like length mix, packed rows against one padded sequence per row
 #               (benchmarks/packing_throughput.py; Llama-3-8B body of $TRAIN_LAYERS layers, local spec)
+#   packing_te: the same on TE's layers, packed rows in THD format
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:-install parity throughput grpo_te}
@@ -55,11 +58,17 @@ for part in $PART; do
       grep -h "megarl" "$OUT/grpo_te.log" | cut -c1-300 | tail -20 ;;
     flex)
       timeout 300 python3 -m pytest -q -m gpu tests/test_attention.py 2>&1 | tail -3 ;;
-    packing)
+    gpu_tests)
+      timeout 300 python3 -m pytest -q -s -m gpu tests/test_attention.py tests/test_packing_gpu.py 2>&1 \
+        | grep -v "^\s*$" | grep -v -i "warn" | tail -12 ;;
+    throughput_te)
+      throughput te --te ;;
+    packing | packing_te)
       [[ -f /tmp/llama8b_packing/config.json ]] || python3 benchmarks/make_random_model.py --preset llama3-8b \
         --tokenizer recipes/tiny/model --out /tmp/llama8b_packing --layers "$TRAIN_LAYERS"
+      flags=(); [[ $part == packing_te ]] && flags=(--te)
       timeout 300 torchrun --standalone --nproc-per-node 1 benchmarks/packing_throughput.py --model /tmp/llama8b_packing \
-        --json "$OUT/packing_llama3_8b.json" 2>&1 | grep -v "^\s*$" | tail -4 ;;
+        "${flags[@]}" --json "$OUT/${part/packing/packing_llama3_8b}.json" 2>&1 | grep -v "^\s*$" | tail -5 ;;
   esac
 done
 echo "[h200] done in $SECONDS s"

@@ -59,13 +59,14 @@ def run_torchrun(target: list[str], nproc: int, timeout: float = 600, env: dict[
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_worker(worker: str, tmp_path: Path, *args: object, nproc: int = 4) -> list[dict]:
+def run_worker(worker: str, tmp_path: Path, *args: object, nproc: int = 4, env: dict[str, str] | None = None
+               ) -> list[dict]:
     """torchrun ``tests/workers/<worker>`` with an output folder; the rows its ranks wrote to rank*.json."""
     import json
 
     out = tmp_path / "out"
     out.mkdir()
-    proc = run_torchrun([f"tests/workers/{worker}", str(out), *map(str, args)], nproc=nproc)
+    proc = run_torchrun([f"tests/workers/{worker}", str(out), *map(str, args)], nproc=nproc, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows: list[dict] = []
     for f in sorted(out.glob("rank*.json")):

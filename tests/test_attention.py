@@ -54,6 +54,25 @@ def test_fused_attention_equals_attention_written_out(attention, packed):
         assert (alone - got[5:, 1:2]).abs().max() < 1e-5
 
 
+def test_rows_laid_end_to_end_in_thd_format_attend_within_their_segments(attention):
+    """Megatron's THD format (every row end to end, cu_seqlens at each segment) gives each row's result."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    torch.manual_seed(0)
+    s, b = 12, 3
+    q = torch.randn(s, b, 4, 16)
+    k, v = torch.randn(s, b, 2, 16), torch.randn(s, b, 2, 16)
+    flat = torch.tensor(SEGMENTS).flatten()
+    bounds = [0] + [i for i in range(1, len(flat)) if flat[i] != flat[i - 1] or i % s == 0] + [len(flat)]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+    ends = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]  # [b * s, heads, d], row by row
+    got = attention(*ends, None, packed_seq_params=params)
+    want = reference(q, k, v, block_causal_mask(torch.tensor(SEGMENTS)), 16 ** -0.5)
+    assert got.shape == (b * s, 1, 64)
+    assert (got[:, 0].double() - want.transpose(0, 1).reshape(b * s, 64)).abs().max() < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_rows_run_by_flex_attention_on_a_gpu_equal_the_dense_mask(attention, dtype):

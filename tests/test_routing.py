@@ -22,8 +22,10 @@ def test_replayed_routing_gives_transformers_logprobs_with_the_same_experts_in_e
     model = make_hf_model(tmp_path / "moe", "qwen3_moe")
     results = run_worker("routing.py", tmp_path, model)
     scored = [r for r in results if r["kind"] == "score"]
-    assert {(r["tp"], r["pp"], r["vpp"], r["ep"]) for r in scored} == {
-        (1, 1, None, 1), (2, 1, None, 1), (1, 2, None, 1), (1, 2, 2, 1), (1, 1, None, 2), (2, 1, None, 2)}
+    # "thd": the rows end to end in Megatron's packed format (Transformer Engine's), the router's tokens in that order.
+    assert {(r["tp"], r["pp"], r["vpp"], r["ep"], r["packing"]) for r in scored} == {
+        *((*layout, "auto") for layout in ((1, 1, None, 1), (2, 1, None, 1), (1, 2, None, 1), (1, 2, 2, 1),
+                                           (1, 1, None, 2), (2, 1, None, 2))), (2, 1, None, 2, "thd")}
     for row in scored:
         # Random experts change the result far beyond float noise, so matching them is not luck.
         assert row["forced_vs_own"] > 0.1, row
@@ -31,8 +33,9 @@ def test_replayed_routing_gives_transformers_logprobs_with_the_same_experts_in_e
         # Random choices of 2 of 8 experts are rarely the router's own; replaying its own never disagrees.
         assert row["forced_disagreement"] > 0.8 and row["own_disagreement"] == 0.0, row
     trained = [r for r in results if r["kind"] == "train"]
-    assert {(r["tp"], r["pp"], r["ep"], r["recompute"]) for r in trained} == {
-        (1, 1, 1, False), (1, 2, 1, True), (2, 1, 1, True), (1, 1, 2, False)}
+    assert {(r["tp"], r["pp"], r["ep"], r["recompute"], r["packing"]) for r in trained} == {
+        (1, 1, 1, False, "auto"), (1, 2, 1, True, "auto"), (2, 1, 1, True, "auto"), (1, 1, 2, False, "auto"),
+        (1, 2, 1, True, "thd")}
     base = next(r for r in trained if (r["tp"], r["pp"], r["ep"]) == (1, 1, 1))
     for row in trained:
         assert abs(row["loss"] - base["loss"]) < 1e-5, row

@@ -1,7 +1,7 @@
 """A GRPO actor update (with an entropy bonus, at a sampling temperature) gives the same loss, entropy,
 grad norm and new weights in every TP/PP/DP layout,
 with sequences packed into shared rows, each padded in a row of its own, or in fixed micro-batches,
-and with sequence parallelism."""
+and with sequence parallelism; packed rows also in Megatron's THD format."""
 
 
 import pytest
@@ -24,8 +24,9 @@ def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     rows = {(r["tp"], r["pp"], r["mode"]): r for r in everything if r["mode"] != "nan"}
     layouts = {(1, 1), (2, 1), (1, 2), (2, 2)}
     assert set(rows) == ({(*layout, mode) for layout in layouts for mode in ("packed", "unpacked", "fixed")}
-                         | {(2, 1, "sp"), (2, 2, "sp"), (2, 1, "bfloat16"), (2, 1, "float16"), (2, 1, "twice"),
-                            (2, 1, "offload"), (1, 2, "vpp")})
+                         | {(*layout, "thd") for layout in layouts}
+                         | {(2, 1, "sp"), (2, 2, "sp"), (2, 2, "thd_sp"), (2, 1, "bfloat16"), (2, 1, "float16"),
+                            (2, 1, "twice"), (2, 1, "offload"), (1, 2, "vpp")})
     # Weights, gradient buffers and optimizer state (Adam moments, master weights) offloaded to host
     # memory between two steps and brought back: the second step is bit for bit the one without.
     offloaded, kept = rows.pop((2, 1, "offload")), rows.pop((2, 1, "twice"))
@@ -53,6 +54,13 @@ def test_actor_update_is_layout_and_packing_invariant(tmp_path):
         assert abs(packed["grad_norm"] - unpacked["grad_norm"]) < 1e-5 * unpacked["grad_norm"], (tp, pp)
         assert max_diff(packed["logprobs_after"], unpacked["logprobs_after"]) < 5e-5, (tp, pp)
         assert packed["padding_fraction"] <= unpacked["padding_fraction"], (tp, pp)
+        # The same rows end to end (THD): RoPE restarts at each sequence instead of rotating by its offset.
+        thd = rows[tp, pp, "thd"]
+        assert max_diff(thd["logprobs_before"], unpacked["logprobs_before"]) < 1e-5, (tp, pp)
+        assert abs(thd["loss"] - unpacked["loss"]) < 1e-6, (tp, pp)
+        assert abs(thd["grad_norm"] - unpacked["grad_norm"]) < 1e-5 * unpacked["grad_norm"], (tp, pp)
+        assert max_diff(thd["logprobs_after"], unpacked["logprobs_after"]) < 5e-5, (tp, pp)
+        assert thd["padding_fraction"] == packed["padding_fraction"], (tp, pp)
     # Every rank has all 8 sequences at DP 1: packing fills the rows that padding wasted.
     assert rows[2, 2, "packed"]["padding_fraction"] < rows[2, 2, "unpacked"]["padding_fraction"] - 0.2
     # Fixed micro-batches (dynamic_batch: false) pad every sequence to the longest, as PP needs anyway.

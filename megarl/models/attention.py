@@ -4,10 +4,11 @@ Megatron's local ``DotProductAttention`` materialises every head's [s, s] score 
 softmaxes and multiplies again: memory and time quadratic in the row length, on every GPU without TE. SDPA
 picks a fused kernel (flash, cuDNN or memory-efficient attention on GPUs, a fused CPU kernel elsewhere)
 with the same mathematics: softmax(q k^T * scale + mask) v, grouped-query heads shared without copies.
-Rows of one sequence use the causal flag. Rows of packed sequences arrive as their segment ids
-(megarl.models.forward): on GPUs FlexAttention runs them under a document-causal block mask, compiled once
-and built once per micro-batch, which skips the blocks between sequences instead of computing and masking
-them and never holds a dense [s, s] mask; elsewhere (CPU) SDPA takes the dense block-causal mask.
+Rows of one sequence use the causal flag. Rows of packed sequences arrive as their segment ids, or laid end
+to end in Megatron's THD format, whose cu_seqlens become segment ids (megarl.models.forward): on GPUs
+FlexAttention runs them under a document-causal block mask, compiled once and built once per micro-batch,
+which skips the blocks between sequences instead of computing and masking them and never holds a dense
+[s, s] mask; elsewhere (CPU) SDPA takes the dense block-causal mask.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from megarl.models.forward import block_causal_mask
 
 
 class FusedCoreAttention(MegatronModule):
-    """Drop-in for ``DotProductAttention`` (same constructor and forward; no context parallelism, no
-    attention bias, no packed-sequence params: rows are packed through their segment ids, passed as the mask)."""
+    """Drop-in for ``DotProductAttention`` (same constructor and forward; no context parallelism, no attention bias).
+    Packed rows come as their segment ids, passed as the mask, or in Megatron's THD format (``packed_seq_params``)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -48,8 +49,13 @@ class FusedCoreAttention(MegatronModule):
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
         """query [s, b, heads, d], key and value [s, b, kv heads, d] (this TP rank's heads); attention_mask
         None (causal), int64 [b, s] segment ids of packed rows (a token attends to the earlier tokens of its
-        own segment), or bool [b, 1, s, s], True = masked out. Returns [s, b, heads * d]."""
-        assert attention_bias is None and packed_seq_params is None, "not supported without Transformer Engine"
+        own segment), or bool [b, 1, s, s], True = masked out. Returns [s, b, heads * d]. In THD format
+        (``packed_seq_params``) query, key and value are [t, heads, d], one row of segments from cu_seqlens."""
+        assert attention_bias is None, "attention bias needs Transformer Engine"
+        if packed_seq_params is not None:
+            assert packed_seq_params.qkv_format == "thd" and attention_mask is None, packed_seq_params
+            attention_mask = thd_segments(packed_seq_params.cu_seqlens_q, query.shape[0])
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
         segments = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
@@ -66,6 +72,21 @@ class FusedCoreAttention(MegatronModule):
                     is_causal=causal, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+_last_thd: tuple[torch.Tensor, torch.Tensor] | None = None
+"""(cu_seqlens, segment ids) last converted: every layer of a micro-batch gets the same cu_seqlens tensor, and one
+segments tensor for all of them lets ``_mask_of`` build the mask once."""
+
+
+def thd_segments(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[1, t] segment ids of a THD row: segment k spans tokens cu_seqlens[k] to cu_seqlens[k + 1]."""
+    global _last_thd
+    if _last_thd is None or _last_thd[0] is not cu_seqlens:
+        starts = torch.zeros(num_tokens, dtype=torch.long, device=cu_seqlens.device)
+        starts[cu_seqlens[1:-1].long()] = 1
+        _last_thd = (cu_seqlens, starts.cumsum(0).unsqueeze(0))
+    return _last_thd[1]
 
 
 _compiled_flex: Any = None

@@ -28,25 +28,65 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     return ~(same & causal).unsqueeze(1)
 
 
-def model_inputs(batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(tokens, position ids, attention mask) of GPTModel.forward for one micro-batch. The mask of packed rows
-    is their [b, s] segment ids, which megarl's core attention (megarl.models.attention) reads; None for plain
-    causal rows.
+def model_inputs(batch: MicroBatch, device: torch.device, thd: bool = False
+                 ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """(tokens [r, s], GPTModel.forward's inputs) for one micro-batch.
 
-    GPTModel's RoPE rotates by row position 0..s-1 whatever the position ids say, so a sequence
-    packed at offset o is rotated by o more than alone. Attention scores under RoPE depend only on
-    the distance between two tokens, and the mask keeps attention within a sequence, so scores,
-    and everything after them, equal the unpacked ones up to float rounding.
+    Without ``thd`` the rows go in as they are; the mask of packed rows is their [b, s] segment ids, which megarl's
+    core attention (megarl.models.attention) reads, None for plain causal rows. GPTModel's RoPE then rotates by
+    row position 0..s-1 whatever the position ids say, so a sequence packed at offset o is rotated by o more than
+    alone. Attention scores under RoPE depend only on the distance between two tokens, and the mask keeps
+    attention within a sequence, so scores, and everything after them, equal the unpacked ones up to float
+    rounding.
+
+    With ``thd`` (Megatron's packed format, Transformer Engine's attention) the rows go in end to end as one
+    [1, r * s] row with ``thd_params``: every sequence, and every row's padding, is a segment of its own, which
+    attention keeps apart and RoPE rotates from position 0. Every micro-batch goes in this way, packed or not, so
+    pipeline stages exchange one shape. The model's output comes back as [1, r * s, ...]: ``output_rows`` gives
+    it the micro-batch's [r, s, ...] shape.
     """
     tokens = batch.tokens.to(device)
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    return tokens, positions, None if batch.segments is None else batch.segments.to(device)
+    if thd:
+        return tokens, {"input_ids": tokens.reshape(1, -1), "position_ids": positions.reshape(1, -1),
+                        "attention_mask": None, "packed_seq_params": thd_params(batch, device)}
+    mask = None if batch.segments is None else batch.segments.to(device)
+    return tokens, {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
+
+
+def thd_params(batch: MicroBatch, device: torch.device) -> Any:
+    """PackedSeqParams of the micro-batch's rows laid end to end: a segment boundary where each row, each sequence
+    and each row's padding begins."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    rows, width = batch.tokens.shape
+    starts = {r * width for r in range(rows)}
+    for _, row, start, n in batch.spans:
+        starts |= {row * width + start, row * width + start + n}
+    bounds = sorted(b for b in starts if b < rows * width) + [rows * width]
+    longest = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def output_rows(output: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The last stage's [b, s', ...] output ([1, r * s, ...] in THD format) as [r, s, ...], like ``tokens``."""
+    return output.reshape(*tokens.shape, *output.shape[2:])
+
+
+def schedule_shape(batches: list[MicroBatch], thd: bool) -> tuple[int, int]:
+    """(seq_length, micro_batch_size) of Megatron's pipeline schedule: the activations stages exchange."""
+    rows, width = max(b.tokens.shape[0] for b in batches), max(b.tokens.shape[1] for b in batches)
+    return (rows * width, 1) if thd else (width, rows)
 
 
 def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches: list[MicroBatch],
                  collect: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 prepare: Callable[[torch.nn.Module, MicroBatch], None] | None = None) -> list[torch.Tensor] | None:
-    """Run micro-batches of [B, S] token rows through the pipeline without grad.
+                 prepare: Callable[[torch.nn.Module, MicroBatch], None] | None = None, thd: bool = False
+                 ) -> list[torch.Tensor] | None:
+    """Run micro-batches of [B, S] token rows through the pipeline without grad (``thd``: in Megatron's packed
+    format, ``model_inputs``).
 
     ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, or
     [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
@@ -56,21 +96,20 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     # Pipeline stages need one shape for all micro-batches; without pipelining shapes may vary.
-    micro_batch_size = max(b.tokens.shape[0] for b in batches)
-    length = max(b.tokens.shape[1] for b in batches)
+    length, micro_batch_size = schedule_shape(batches, thd)
     device = groups.device
 
     def forward_step(data: Iterator[MicroBatch], model: torch.nn.Module) -> Any:
         batch = next(data)
         if prepare is not None:
             prepare(model, batch)
-        tokens, positions, mask = model_inputs(batch, device)
+        tokens, inputs = model_inputs(batch, device, thd)
 
         def keep(output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
             assert non_loss_data
-            return collect(tokens, output)
+            return collect(tokens, output_rows(output, tokens))
 
-        return model(tokens, positions, mask), keep
+        return model(**inputs), keep
 
     multi = len(chunks) > 1
     with torch.no_grad():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,19 @@ class BuildOptions:
     fused_attention: bool = True
     """Local spec: torch's fused SDPA as core attention; False keeps Megatron's unfused DotProductAttention
     (the baseline benchmarks/train_throughput.py compares against)."""
+    packing: Literal["auto", "thd", "segments", "off"] = "auto"
+    """How several sequences share a row (megarl.models.forward): "thd", Megatron's packed format (the rows laid
+    end to end with PackedSeqParams' cu_seqlens; Transformer Engine's attention and megarl's take it); "segments",
+    the rows' segment ids as the attention mask (megarl's attention only); "off", one sequence per row. auto: thd
+    with TE, segments with megarl's attention, off with Megatron's unfused attention."""
+
+    def packed_format(self) -> str:
+        """``packing`` with auto resolved: "thd", "segments" or "off"."""
+        if self.packing != "auto":
+            assert self.packing == "off" or self.transformer_engine or self.fused_attention, self
+            assert self.packing != "segments" or not self.transformer_engine, "TE's attention takes no segment ids"
+            return self.packing
+        return "thd" if self.transformer_engine else "segments" if self.fused_attention else "off"
 
 
 def transformer_engine_available() -> bool:
@@ -86,7 +99,8 @@ def transformer_config(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptio
         bias_dropout_fusion=on_gpu and opts.transformer_engine,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        # TE's fused RoPE, which also takes packed (THD) rows without the per-sequence loop of Megatron's.
+        apply_rope_fusion=on_gpu and opts.transformer_engine,
         # Batched p2p with interleaved PP over gloo gives silently wrong grads (notes/megatron_cpu.md).
         batch_p2p_comm=on_gpu,
         recompute_granularity="full" if opts.recompute_activations else None,

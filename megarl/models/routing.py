@@ -11,7 +11,7 @@ through the router as usual.
 Layouts: a sequence's routing is [len-1, num_layers, k] (the engine never runs the last sampled token);
 a micro-batch's is [rows, width, num_layers, k] with -1 where the trainer routes by itself (padding, a
 sequence's last token). Megatron's router sees the tokens of a micro-batch as [s, b] flattened sequence-major
-and, under sequence parallelism, only this TP rank's slice of s.
+(in THD format its rows end to end) and, under sequence parallelism, only this TP rank's slice of s.
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ class RoutingReplay:
     """The replays of every MoE router of a model's chunks, by global layer index."""
 
     def __init__(self, chunks: list[torch.nn.Module], layer_offsets: list[int], *, recompute: bool,
-                 sequence_parallel: bool, tp_rank: int, tp: int) -> None:
-        self.sequence_parallel, self.tp_rank, self.tp = sequence_parallel, tp_rank, tp
+                 sequence_parallel: bool, tp_rank: int, tp: int, thd: bool = False) -> None:
+        """``thd``: micro-batches run in Megatron's packed format, their rows end to end (megarl.models.forward)."""
+        self.sequence_parallel, self.tp_rank, self.tp, self.thd = sequence_parallel, tp_rank, tp, thd
         self._by_chunk: dict[int, list[tuple[int, LayerReplay]]] = {}
         for chunk, offset in zip(chunks, layer_offsets, strict=True):
             layers: list[tuple[int, LayerReplay]] = []
@@ -106,7 +107,9 @@ class RoutingReplay:
         moved to ``device`` once for all its layers; ``counting``: add its tokens to ``disagreement``."""
         routing = routing.to(device, non_blocking=True)
         for layer, replay in self._by_chunk[id(unwrap(model))]:
-            per_token = routing[:, :, layer].transpose(0, 1)  # [s, b, k], the router's token order
+            per_token = routing[:, :, layer]
+            per_token = (per_token.reshape(-1, 1, per_token.shape[-1]) if self.thd  # [r * s, 1, k]
+                         else per_token.transpose(0, 1))  # [s, b, k], the router's token order
             if self.sequence_parallel:
                 per_token = per_token.chunk(self.tp, dim=0)[self.tp_rank]
             replay.push(per_token.reshape(-1, per_token.shape[-1]), counting)

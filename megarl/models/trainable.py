@@ -1,7 +1,7 @@
 """A Megatron model in an RL role: the actor and critic train, the reference only scores.
 
 Sequences are grouped into token-budget micro-batches (``plan_micro_batches``), several short ones
-packed into each row with a block-diagonal causal mask; per-token tensors are aligned with the
+packed into each row, each attending only to itself (megarl.models.forward); per-token tensors are aligned with the
 *predicted* tokens (positions 1..L-1).
 """
 
@@ -17,7 +17,14 @@ import torch.distributed as dist
 from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
 from megarl.errors import check_finite
-from megarl.models.forward import even_micro_batches, forward_only, micro_batches, model_inputs
+from megarl.models.forward import (
+    even_micro_batches,
+    forward_only,
+    micro_batches,
+    model_inputs,
+    output_rows,
+    schedule_shape,
+)
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.routing import RoutingReplay, place_routing
@@ -50,19 +57,16 @@ class MegatronModel:
             raise ValueError(f"MegatronModel: temperature {temperature} must be > 0 (greedy has no logprobs)")
         self.spec, self.groups, self.opts, self.temperature = spec, groups, opts, temperature
         self.hf_dir = hf_dir
-        # Packed rows need megarl's core attention, which reads their segment ids (megarl.models.attention).
-        # Transformer Engine's attention, built with the causal mask type, applies its own causal mask, so
-        # packed rows would attend across sequences; packing there needs THD PackedSeqParams (cu_seqlens).
-        # Until then TE rows (and those of Megatron's unfused attention) hold one sequence each, right-padded.
-        self.pack = opts.fused_attention and not opts.transformer_engine
-        """Several sequences per row under a token budget (False: one each, right-padded)."""
+        self.packing = opts.packed_format()
+        """How sequences share rows under a token budget (BuildOptions.packing): "thd", "segments" or "off" (one
+        each, right-padded)."""
         self.chunks = build_model(spec, groups, opts)
         load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
         assert not routing_replay or spec.is_moe, "routing replay needs an MoE model"
         self.replay = RoutingReplay(
             self.chunks, [chunk_layer_offset(spec, groups, vp) for vp in range(len(self.chunks))],
             recompute=opts.recompute_activations, sequence_parallel=opts.sequence_parallel,
-            tp_rank=groups.tp_rank, tp=groups.dims.tp) if routing_replay else None
+            tp_rank=groups.tp_rank, tp=groups.dims.tp, thd=self.packing == "thd") if routing_replay else None
         self.optimizer: Any = None
         self.models: list[torch.nn.Module] = list(self.chunks)
         if optim is None:
@@ -93,7 +97,7 @@ class MegatronModel:
         if max_tokens is None:
             return even_micro_batches(micro_batches(sequences, micro_batch_size, multiple), self.groups, multiple)
         layout = plan_micro_batches([len(s) for s in sequences], max_tokens, uniform=self.groups.dims.pp > 1,
-                                    pack=self.pack, width_multiple=multiple)
+                                    pack=self.packing != "off", width_multiple=multiple)
         return even_micro_batches(build_micro_batches(sequences, layout), self.groups, multiple)
 
     def _vocab_start(self) -> int:
@@ -156,7 +160,7 @@ class MegatronModel:
                 return output[:, :-1, 0].float().cpu()
             return self.token_logprobs(output, tokens).cpu()
 
-        outputs = forward_only(self.chunks, self.groups, batches, keep, prepare)
+        outputs = forward_only(self.chunks, self.groups, batches, keep, prepare, thd=self.packing == "thd")
         if self.replay is not None:
             self.replay.clear()
         if outputs is None:
@@ -186,6 +190,7 @@ class MegatronModel:
         # Padding and the position where one packed sequence "predicts" the next get 0 extras: weight 0.
         extra_batches = [{name: b.place(rows) for name, rows in extras.items()} for b in batches]
         device = self.groups.device
+        thd = self.packing == "thd"
         num_mb = len(batches)
         dp = self.groups.dims.dp
 
@@ -196,12 +201,12 @@ class MegatronModel:
             batch, part = next(it)
             if prepare is not None:
                 prepare(model, batch)
-            tokens, positions, mask = model_inputs(batch, device)
+            tokens, inputs = model_inputs(batch, device, thd)
             part = {k: v.to(device) for k, v in part.items()}
-            output = model(tokens, positions, mask)
+            output = model(**inputs)
 
             def loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-                value, metrics = loss_fn(out, tokens, part)
+                value, metrics = loss_fn(output_rows(out, tokens), tokens, part)
                 # Megatron divides by the micro-batch count and DDP averages over DP; undo both so
                 # that the weighted sums add up to the global-batch loss.
                 return value * num_mb * dp, {"loss": value.detach().clone(), **metrics}
@@ -212,10 +217,10 @@ class MegatronModel:
             m.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
         multi = len(self.models) > 1
-        rows, width = max(b.tokens.shape[0] for b in batches), max(b.tokens.shape[1] for b in batches)
+        length, rows = schedule_shape(batches, thd)
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
-            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=width,
+            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=length,
             micro_batch_size=rows, forward_only=False)
         if self.replay is not None:
             self.replay.clear()

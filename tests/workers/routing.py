@@ -37,12 +37,14 @@ from megarl.parallel import (  # noqa: E402
 )
 from megarl.rl_step import Batch, actor_loss  # noqa: E402
 
-# (tp, pp, vpp, ep, sequence_parallel)
-SCORE_LAYOUTS = [(1, 1, None, 1, False), (2, 1, None, 1, True), (1, 2, None, 1, False), (1, 2, 2, 1, False),
-                 (1, 1, None, 2, False), (2, 1, None, 2, True)]
-# (tp, pp, vpp, ep, sequence_parallel, recompute)
-TRAIN_LAYOUTS = [(1, 1, None, 1, False, False), (1, 2, None, 1, False, True), (2, 1, None, 1, True, True),
-                 (1, 1, None, 2, False, False)]
+# (tp, pp, vpp, ep, sequence_parallel, packing): "thd" runs the rows end to end in Megatron's packed format
+SCORE_LAYOUTS = [(1, 1, None, 1, False, "auto"), (2, 1, None, 1, True, "auto"), (1, 2, None, 1, False, "auto"),
+                 (1, 2, 2, 1, False, "auto"), (1, 1, None, 2, False, "auto"), (2, 1, None, 2, True, "auto"),
+                 (2, 1, None, 2, True, "thd")]
+# (tp, pp, vpp, ep, sequence_parallel, recompute, packing)
+TRAIN_LAYOUTS = [(1, 1, None, 1, False, False, "auto"), (1, 2, None, 1, False, True, "auto"),
+                 (2, 1, None, 1, True, True, "auto"), (1, 1, None, 2, False, False, "auto"),
+                 (1, 2, None, 1, False, True, "thd")]
 
 
 def hf_logprobs(hf, sequences, forced):
@@ -95,12 +97,12 @@ def main() -> None:
     ref_own, own = hf_logprobs(hf, sequences, None)
     as_engine = [[f.numpy().astype(routing_dtype(num_experts)) for f in choices] for choices in (forced, own)]
     results = []
-    for tp, pp, vpp, ep, sp in SCORE_LAYOUTS:
+    for tp, pp, vpp, ep, sp, packing in SCORE_LAYOUTS:
         groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp, ep=ep))
         model_parallel_seed(0)
-        actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=sp),
+        actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=sp, packing=packing),
                               OptimizerConfig(lr=1e-2), routing_replay=True)
-        row = {"kind": "score", "tp": tp, "pp": pp, "vpp": vpp, "ep": ep}
+        row = {"kind": "score", "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "packing": packing}
         for name, routing, ref in (("forced", as_engine[0], ref_forced), ("own", as_engine[1], ref_own)):
             # Each DP rank scores every sequence (so every rank compares); rows packed up to 24 token slots.
             got = actor.score(sequences, 24, routing=routing)
@@ -118,12 +120,12 @@ def main() -> None:
     algo = AlgorithmConfig(name="grpo")
     advantages = torch.randn(batch.mask.shape, generator=gen) * batch.mask
     weights = token_weights(batch.mask, algo.loss_aggregation)
-    for tp, pp, vpp, ep, sp, recompute in TRAIN_LAYOUTS:
+    for tp, pp, vpp, ep, sp, recompute, packing in TRAIN_LAYOUTS:
         dims = ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp), vpp=vpp, ep=ep)
         groups = init_model_parallel(dims)
         model_parallel_seed(0)
         actor = MegatronModel(spec, model_dir, groups,
-                              BuildOptions(sequence_parallel=sp, recompute_activations=recompute),
+                              BuildOptions(sequence_parallel=sp, recompute_activations=recompute, packing=packing),
                               OptimizerConfig(lr=1e-2, clip_grad=0.0), routing_replay=True)
         old = torch.stack([torch.nn.functional.pad(r, (0, batch.mask.shape[1] - r.shape[0])) for r in ref_forced])
         extras = {"old_logprobs": old - 0.5 * advantages, "advantages": advantages, "weights": weights}
@@ -138,7 +140,7 @@ def main() -> None:
                                    routing=[as_engine[0][i] for i in mine])
         after = actor.score(sequences, 24, routing=as_engine[0])
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
-            results.append({"kind": "train", "tp": tp, "pp": pp, "ep": ep, "recompute": recompute,
+            results.append({"kind": "train", "tp": tp, "pp": pp, "ep": ep, "recompute": recompute, "packing": packing,
                             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                             "logprobs_after": torch.cat(after).tolist()})
         destroy_model_parallel()

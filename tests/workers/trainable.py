@@ -67,6 +67,8 @@ def main() -> None:
     runs = [(layout, mode) for layout in LAYOUTS for mode in MODES]
     # Sequence parallelism (packed rows, odd lengths): rows must be padded to a multiple of TP.
     runs += [((2, 1), "sp"), ((2, 2), "sp")]
+    # Megatron's packed format (Transformer Engine's): every micro-batch's rows end to end, RoPE from 0 per sequence.
+    runs += [(layout, "thd") for layout in LAYOUTS] + [((2, 2), "thd_sp")]
     # 16-bit training: float16 must scale the loss (Megatron's grad scaler unscales the gradients), or its
     # update comes out ~2^-32 of bfloat16's.
     runs += [((2, 1), "bfloat16"), ((2, 1), "float16"), ((1, 2), "nan"), ((2, 1), "twice"), ((2, 1), "offload")]
@@ -82,7 +84,9 @@ def main() -> None:
         with contextlib.nullcontext() if mode != "unpacked" else mock.patch.object(trainable, "plan_micro_batches",
                                                                                    unpacked):
             dtype = getattr(torch, mode) if mode in ("bfloat16", "float16") else torch.float32
-            actor = MegatronModel(spec, model_dir, groups, BuildOptions(sequence_parallel=mode == "sp", dtype=dtype),
+            opts = BuildOptions(sequence_parallel=mode in ("sp", "thd_sp"), dtype=dtype,
+                                packing="thd" if mode.startswith("thd") else "auto")
+            actor = MegatronModel(spec, model_dir, groups, opts,
                                   OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
                                   temperature=0.8)
             before = actor.score(batch.sequences, score_budget, 2)
