@@ -55,7 +55,8 @@ def run_torchrun(target: list[str], nproc: int, timeout: float = 600, env: dict[
     """torchrun ``target`` (a script path or ["-m", module] plus args) on ``nproc`` CPU ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--standalone", *target]
-    full_env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"} | (env or {})
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"} | (env or {})
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
