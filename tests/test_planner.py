@@ -1,4 +1,4 @@
-"""The refit plan: every engine byte exactly once, nearest replica first, balanced, bucket-bounded."""
+"""The refit plan: every engine byte exactly once, nearest replica first, into a node once, balanced, bucket-bounded."""
 
 import itertools
 import math
