@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                             order=args.rank_order)
         t0 = time.perf_counter()
         plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=args.gpus_per_node, element_size=es,
-                         bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay)
+                         bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links)
         report = plan_report(plan, links) | {"plan_ms": (time.perf_counter() - t0) * 1e3, "world": world}
         print(json.dumps(report, indent=2))
         if args.json:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=min(args.gpus_per_node, world), element_size=es,
-                     bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay)
+                     bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links)
     plan_ms = (time.perf_counter() - t0) * 1e3
     from megarl.reshard.executor import Resharder, engine_tensor_allocations
 

@@ -235,7 +235,21 @@ def test_relays_cut_the_predicted_time_across_nodes():
     check_bucket_bounds(plan)
     got, before = predict_ms(plan), predict_ms(direct)
     assert got["bound_ms"] < 0.3 * before["bound_ms"]
-    assert got["predicted_ms"] < 0.65 * before["predicted_ms"]
+    assert got["predicted_ms"] < 0.4 * before["predicted_ms"]
+    # A bucket moves across nodes, per GPU and direction, what the network carries while NVLink moves a bucket
+    # (50 of 365 GB/s): so network time is spread over every bucket instead of holding up a few.
+    links = LinkModel()
+    share = plan.bucket_bytes * links.network_gbps / links.nvlink_gbps
+    busiest = []
+    for bucket in plan.buckets:
+        network: dict[tuple[int, str], int] = defaultdict(int)
+        for t in bucket:
+            if t.sender // 8 != t.dst_rank // 8:
+                network[t.sender, "out"] += t.nbytes
+                network[t.dst_rank, "in"] += t.nbytes
+        busiest.append(max(network.values(), default=0))
+    assert max(busiest) <= share and sum(b > 0.5 * share for b in busiest) > 0.5 * len(busiest)
+    assert got["predicted_ms"] < 2.2 * got["bound_ms"]
 
 
 @pytest.mark.parametrize("tp,pp,dp,r", LAYOUTS)

@@ -13,7 +13,8 @@ every refit. Guarantees:
   of the same engine rank (``Transfer.via``);
 - transfers are grouped into buckets, layer by layer, so that no GPU sends or receives more than
   ``bucket_bytes`` per bucket, forwarded bytes included: that bounds the executor's extra memory whatever
-  the model size.
+  the model size; of them, no more across nodes than the network moves while NVLink moves a bucket, so
+  that the network is busy in every bucket rather than holding up a few.
 """
 
 from __future__ import annotations
@@ -286,8 +287,8 @@ class _Senders:
     """Chooses who sends each run: the destination itself where it holds it, else the replica with the fewest bytes
     sent so far, on the destination's node where one is; a run no GPU of the node holds crosses into it once."""
 
-    def __init__(self, gpus_per_node: int, bucket_bytes: int, relay: bool) -> None:
-        self.node, self.bucket_bytes, self.relay = gpus_per_node, bucket_bytes, relay
+    def __init__(self, gpus_per_node: int, bucket_bytes: int, network_bytes: int, relay: bool) -> None:
+        self.node, self.bucket_bytes, self.network_bytes, self.relay = gpus_per_node, bucket_bytes, network_bytes, relay
         self.sent: dict[int, int] = defaultdict(int)
         self.landed: dict[int, int] = defaultdict(int)
 
@@ -322,7 +323,7 @@ class _Senders:
         """The run crosses into the node of ``dsts`` once, piece by piece (as ``_bucketize`` cuts them), each to the
         GPU of ``dsts`` that has landed the fewest bytes, which forwards it to the others."""
         units = []
-        for piece in run.split(self.bucket_bytes // max(1, len(dsts) - 1)):
+        for piece in run.split(min(self.network_bytes, self.bucket_bytes // max(1, len(dsts) - 1))):
             landing = _least(dsts, self.landed, piece.nbytes)
             feeder = _transfer(piece, name, landing, _least(sorted(piece.sources), self.sent, piece.nbytes))
             units.append((feeder, [replace(feeder, dst_rank=g, via=landing) for g in dsts if g != landing]))
@@ -343,13 +344,14 @@ def _transfer(run: _Run, name: str, dst: int, src: int) -> Transfer:
 
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
               element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128,
-              relay: bool = True) -> Plan:
+              relay: bool = True, links: LinkModel | None = None) -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
 
     Which GPUs form each engine, and which engine rank each holds, is ``place_engines``' choice: the
     most bytes already local. Every GPU runs a trainer rank and one engine rank (colocation). ``relay``:
     bytes that no GPU of a node holds cross into it once and are forwarded inside it (False: every GPU
-    that needs them gets them from another node, for comparison).
+    that needs them gets them from another node, for comparison). ``links`` (None: the measured defaults) sets
+    how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time.
     """
     world = dims.world_size
     if rollout_tp < 1 or world % rollout_tp:
@@ -371,12 +373,14 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
                 engine_ranks=place_engines(held, rollout_tp, gpus_per_node))
     index = _rules_by_hf(spec, dims.tp, padded_vocab)
     shapes = hf_shapes(spec)
-    senders = _Senders(gpus_per_node, bucket_bytes, relay)
+    links = links or LinkModel()
+    network_bytes = max(1, int(bucket_bytes * links.network_gbps / links.nvlink_gbps))
+    senders = _Senders(gpus_per_node, bucket_bytes, network_bytes, relay)
     # Engine tensors in forward order; every engine rank's tensor of one name forms one group.
     units_by_group = [senders.group(plan.engine_ranks, [(layout[i].name, _runs(layout[i], index, shapes, spec, dims,
                                                                                element_size)) for layout in layouts])
                       for i in range(len(layouts[0]))]
-    plan.buckets = _bucketize(units_by_group, plan)
+    plan.buckets = _bucketize(units_by_group, plan, network_bytes)
     return plan
 
 
@@ -431,8 +435,9 @@ def _split(t: Transfer, max_bytes: int) -> list[Transfer]:
             for i in range(0, t.length, step)]
 
 
-def _bucketize(units_by_group: list[list[Unit]], plan: Plan) -> list[list[Transfer]]:
-    """Buckets in which no GPU sends or receives more than ``bucket_bytes``, filled first-fit.
+def _bucketize(units_by_group: list[list[Unit]], plan: Plan, network_bytes: int) -> list[list[Transfer]]:
+    """Buckets in which no GPU sends or receives more than ``bucket_bytes``, of them at most ``network_bytes``
+    across nodes (what the network moves while NVLink moves a bucket), filled first-fit.
 
     Each cross-GPU piece goes into the first bucket with room at both of its ends, so that pieces
     moving in opposite directions (a pipeline stage's layers to the other stage's GPUs, and back)
@@ -444,7 +449,7 @@ def _bucketize(units_by_group: list[list[Unit]], plan: Plan) -> list[list[Transf
     transfers.
     """
     limit = plan.bucket_bytes
-    filling = _Filling(limit)
+    filling = _Filling(limit, network_bytes, plan.gpus_per_node)
     local: list[Transfer] = []
     for units in units_by_group:
         for whole, relays in units:
@@ -453,6 +458,8 @@ def _bucketize(units_by_group: list[list[Unit]], plan: Plan) -> list[list[Transf
                 continue
             # The forwarding GPU sends a piece to every relayed GPU in one bucket.
             step = limit // max(1, len(relays))
+            if whole.sender // plan.gpus_per_node != whole.dst_rank // plan.gpus_per_node:
+                step = min(step, network_bytes)
             legs = [_split(t, step) for t in relays]
             for i, piece in enumerate(_split(whole, step)):
                 filling.place(piece, [leg[i] for leg in legs])
@@ -466,13 +473,15 @@ def _bucketize(units_by_group: list[list[Unit]], plan: Plan) -> list[list[Transf
 
 
 class _Filling:
-    """Buckets being filled, with the bytes each GPU sends and receives in each."""
+    """Buckets being filled, with the bytes each GPU sends and receives in each, in all and across nodes."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int, network_limit: int, gpus_per_node: int) -> None:
+        self.limit, self.network_limit, self.node = limit, network_limit, gpus_per_node
         self.buckets: list[list[Transfer]] = []
         self.send: list[dict[int, int]] = []
         self.recv: list[dict[int, int]] = []
+        self.network: list[dict[tuple[int, str], int]] = []
+        """(GPU, "out" or "in") -> bytes across nodes."""
         # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow).
         self.first_send: dict[int, int] = defaultdict(int)
         self.first_recv: dict[int, int] = defaultdict(int)
@@ -491,20 +500,32 @@ class _Filling:
             return True  # a new bucket takes any piece: pieces are split to fit one
         send: dict[int, int] = defaultdict(int)
         recv: dict[int, int] = defaultdict(int)
+        network: dict[tuple[int, str], int] = defaultdict(int)
         for t in transfers:
             send[t.sender] += t.nbytes
             recv[t.dst_rank] += t.nbytes
+            if self._crosses(t):
+                network[t.sender, "out"] += t.nbytes
+                network[t.dst_rank, "in"] += t.nbytes
         return (all(self.send[k].get(g, 0) + n <= self.limit for g, n in send.items())
-                and all(self.recv[k].get(g, 0) + n <= self.limit for g, n in recv.items()))
+                and all(self.recv[k].get(g, 0) + n <= self.limit for g, n in recv.items())
+                and all(self.network[k].get(end, 0) + n <= self.network_limit for end, n in network.items()))
+
+    def _crosses(self, t: Transfer) -> bool:
+        return t.sender // self.node != t.dst_rank // self.node
 
     def _add(self, k: int, t: Transfer) -> None:
         while len(self.buckets) <= k:
             self.buckets.append([])
             self.send.append(defaultdict(int))
             self.recv.append(defaultdict(int))
+            self.network.append(defaultdict(int))
         self.buckets[k].append(t)
         self.send[k][t.sender] += t.nbytes
         self.recv[k][t.dst_rank] += t.nbytes
+        if self._crosses(t):
+            self.network[k][t.sender, "out"] += t.nbytes
+            self.network[k][t.dst_rank, "in"] += t.nbytes
         g, h = t.sender, t.dst_rank
         while self.first_send[g] < len(self.buckets) and self.send[self.first_send[g]][g] >= self.limit:
             self.first_send[g] += 1
