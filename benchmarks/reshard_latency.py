@@ -2,7 +2,7 @@
 
   torchrun --nproc-per-node W benchmarks/reshard_latency.py --model PRESET_OR_HF_DIR \
       --train-tp N --train-pp M --rollout-tp R [--in-engine [--landing-mb MB]] [--dump DIR] [--json OUT]
-      [--plot OUT.png]
+      [--plot OUT.png] [--no-relay]
 
 Trainer shards hold the model in Megatron's layout (from the HF weights when --model is a
 directory, random otherwise); engine tensors are the engines' per-rank layout. Both sides share
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GB/s each direction per GPU across nodes, for the predicted time (parallel.network_gbps)")
     p.add_argument("--rank-order", default="tp-dp-pp", choices=["tp-dp-pp", "tp-pp-dp"],
                    help="trainer mesh axes from fastest- to slowest-varying rank (parallel.rank_order)")
+    p.add_argument("--no-relay", action="store_true",
+                   help="every GPU gets the bytes its node lacks from another node (the plan before relays)")
     p.add_argument("--iters", type=int, default=20, help="timed warm refits (at least 10)")
     p.add_argument("--baseline-iters", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                             order=args.rank_order)
         t0 = time.perf_counter()
         plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=args.gpus_per_node, element_size=es,
-                         bucket_bytes=args.bucket_mb * 2**20)
+                         bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links)
         report = plan_report(plan, links) | {"plan_ms": (time.perf_counter() - t0) * 1e3, "world": world}
         print(json.dumps(report, indent=2))
         if args.json:
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=min(args.gpus_per_node, world), element_size=es,
-                     bucket_bytes=args.bucket_mb * 2**20)
+                     bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links)
     plan_ms = (time.perf_counter() - t0) * 1e3
     from megarl.reshard.executor import Resharder, engine_tensor_allocations
 

@@ -103,19 +103,19 @@ class RLTrainer:
         self.kl = make_kl_controller(algo)
         self.reward_fn = load_reward(cfg.trainer.reward)
         # The plan places the engines (which GPUs form each, most bytes already local): made first.
+        links = LinkModel(nvlink_gbps=cfg.parallel.nvlink_gbps, network_gbps=cfg.parallel.network_gbps)
         plan = make_plan(self.spec, groups.dims, cfg.rollout.tensor_parallel,
                          gpus_per_node=cfg.parallel.gpus_per_node
                          or int(os.environ.get("LOCAL_WORLD_SIZE", groups.dims.world_size)),
                          element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                          bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
-                         vocab_pad_multiple=cfg.model.vocab_pad_multiple)
+                         vocab_pad_multiple=cfg.model.vocab_pad_multiple, links=links)
         aliased = aliases_weights(cfg, self.spec, groups.dims, plan)
         self._weights_leave = cfg.actor.offload_weights and not aliased  # the engine then holds the only copy
         self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
                                    offloadable_parts(cfg, actor_weights_stay=bool(aliased)))
         self._hold("generate")  # the engine sizes itself next to what the trainer holds while it generates
         if groups.rank == 0:
-            links = LinkModel(nvlink_gbps=cfg.parallel.nvlink_gbps, network_gbps=cfg.parallel.network_gbps)
             print(f"megarl: hand-over plan: {describe_plan(plan, predict=torch.cuda.is_available(), links=links)}",
                   flush=True)
             if aliased:

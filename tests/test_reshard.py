@@ -27,6 +27,14 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     for r in rows:
         assert r["exact"] and r["second_refit"] and r["pool_reused"] and r["in_engine"], r
         assert r["verified"] and r["corruption_caught"], r
+    # Two GPUs per node: with R=1 both GPUs of a node need the bytes its shards lack (the tp-dp-pp order puts each
+    # pipeline stage on its own nodes), which cross into the node once and are forwarded; with R=2 a node holds one
+    # GPU of each engine rank, and R=4 spans nodes. In-engine, rounds begin with buckets forwarding what the round
+    # before landed.
+    for r in rows:
+        assert r["relayed"] == 0 or r["R"] == 1, r
+        assert r["relayed"] > 0 or (r["tp"], r["pp"], r["R"]) != (1, 2, 1), r
+    assert max(r["relayed_at_round_start"] for r in rows) > 0
     # Small buckets force many of them (split tensors, several per layer) in the multi-GPU layouts.
     assert max(r["buckets"] for r in rows) > 10
     assert all(r["pool_bytes"] <= 4 * 48 * 1024 + 256 for r in rows)

@@ -11,6 +11,11 @@ On GPU, three streams overlap the pipeline: pack(k+1) on the pack stream, transf
 communication stream, unpack(k-1) on the unpack stream, ordered by events; buffer k % 2 is
 reused only after bucket k-2 finished with it. On CPU (gloo) the same schedule runs in order.
 
+Relayed transfers (``planner.Transfer.via``): a GPU that received bytes in bucket k which other GPUs of its
+node need forwards them in bucket k+1, copying them from where they landed (receive buffer k % 2, or the
+landing buffer) into its send buffer after the pack of k+1, once transfer(k) is done; both stay intact until
+bucket k+2 (the next round) receives, which waits for that pack.
+
 ``in_engine=True`` splits the work with an engine process (megarl.reshard.handover): this side only
 packs and sends, and receives into a landing buffer; ``engine_copy()`` describes the rest (local copies
 from the trainer tensors, unpacking from the landing buffer) as segment tables, which the engine rank
@@ -49,6 +54,7 @@ class _BucketSpec:
     recvs: list[tuple[int, int, int]]
     buffer: int
     landing: int | None = None
+    forward: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,6 +68,9 @@ class _Bucket:
     buffer: int
     landing: int | None = None
     """Offset of this bucket's receive regions in the landing buffer (``in_engine`` mode)."""
+    forward: Any | None = None
+    """Copies of bytes the bucket before received (from the other receive buffer, or the landing buffer) into
+    this bucket's send buffer, for relayed transfers."""
 
 
 def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], element_size: int,
@@ -117,16 +126,19 @@ class Resharder:
         dst_index = {n: i for i, n in enumerate(self.dst_names)}
         es = plan.element_size
         dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
-        self._needs_pool = any(not t.local and rank in (t.src_rank, t.dst_rank) for b in plan.buckets for t in b)
+        self._needs_pool = any(not t.local and rank in (t.sender, t.dst_rank) for b in plan.buckets for t in b)
         self._src_dict, self._dst_dict = src, dst
         self._specs: list[_BucketSpec] = []
         engine_segments: list[list[Segment]] = [[] for _ in self.rounds]
         round_of = [r for r, (start, end) in enumerate(self.rounds) for _ in range(start, end)]
         landed = landing_size = 0
+        # The last bucket's received transfers -> their offset in its receive buffer (in the landing buffer), which
+        # the bucket after forwards from.
+        received: dict[Transfer, int] = {}
         for k, transfers in enumerate(plan.buckets):
             if k == self.rounds[round_of[k]][0]:
                 landed = 0  # a round lands at the buffer's start: the engine copied the last one out
-            local, packs, unpacks = [], [], []
+            local, packs, unpacks, forwards = [], [], [], []
             sends: dict[int, list[Transfer]] = {}
             recvs: dict[int, list[Transfer]] = {}
             for t in transfers:
@@ -135,24 +147,30 @@ class Resharder:
                 elif t.local and t.src_rank == rank:
                     local.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es,
                                           src_index[t.src_name], dst_index[t.dst_name]))
-                elif t.src_rank == rank:
+                elif t.sender == rank:
                     sends.setdefault(t.dst_rank, []).append(t)
                 elif t.dst_rank == rank:
-                    recvs.setdefault(t.src_rank, []).append(t)
+                    recvs.setdefault(t.sender, []).append(t)
             send_regions, offset = [], 0
             for peer in sorted(sends):
                 start = offset
                 for t in sends[peer]:
-                    packs.append(_segment(t, plan.src_shapes[t.src_name], plan.dst_shapes[plan.engine_rank(peer)]
-                                          [t.dst_name], es, src_index[t.src_name], 0, dst_packed=offset))
+                    if t.via == rank:  # packed as it arrived: one run
+                        forwards.append(Segment(0, received[t.feeder()], t.nbytes, 0, offset, t.nbytes, 1, t.nbytes))
+                    else:
+                        packs.append(_segment(t, plan.src_shapes[t.src_name], plan.dst_shapes[plan.engine_rank(peer)]
+                                              [t.dst_name], es, src_index[t.src_name], 0, dst_packed=offset))
                     offset += t.nbytes
                 send_regions.append((peer, start, offset - start))
             recv_regions, offset = [], 0
+            base = landed if in_engine else 0
+            received = {}
             for peer in sorted(recvs):
                 start = offset
                 for t in recvs[peer]:
                     unpacks.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es, 0,
                                             dst_index[t.dst_name], src_packed=offset))
+                    received[t] = base + offset
                     offset += t.nbytes
                 recv_regions.append((peer, start, offset - start))
             assert max(sum(r[2] for r in send_regions), sum(r[2] for r in recv_regions)) <= plan.bucket_bytes
@@ -161,15 +179,13 @@ class Resharder:
                 engine_segments[round_of[k]] += local
                 engine_segments[round_of[k]] += [
                     s._replace(src_index=len(self.src_names), src_offset=s.src_offset + landed) for s in unpacks]
-                self._specs.append(_BucketSpec(None, segment_table(packs) if packs else None, None, send_regions,
-                                               recv_regions, k % 2, landed))
+                self._specs.append(_BucketSpec(None, _table(packs), None, send_regions, recv_regions, k % 2, landed,
+                                               _table(forwards)))
                 landed += offset
                 landing_size = max(landing_size, landed)
                 continue
-            self._specs.append(_BucketSpec(segment_table(local) if local else None,
-                                           segment_table(packs) if packs else None,
-                                           segment_table(unpacks) if unpacks else None,
-                                           send_regions, recv_regions, k % 2))
+            self._specs.append(_BucketSpec(_table(local), _table(packs), _table(unpacks), send_regions, recv_regions,
+                                           k % 2, forward=_table(forwards)))
         self._landing_bytes = landing_size
         self._engine_segments = engine_segments
         self.pool: Any = None
@@ -203,8 +219,21 @@ class Resharder:
             local=compiled(b.local, self._src, self._dst),
             pack=compiled(b.pack, self._src, [self._send(b.buffer)] if b.pack is not None else []),
             unpack=compiled(b.unpack, [self._recv_buffer(b.buffer)] if b.unpack is not None else [], self._dst),
-            sends=b.sends, recvs=b.recvs, buffer=b.buffer, landing=b.landing) for b in self._specs]
+            sends=b.sends, recvs=b.recvs, buffer=b.buffer, landing=b.landing, forward=self._forward(b))
+            for b in self._specs]
         self.bound = True
+
+    def _forward(self, spec: _BucketSpec) -> Any | None:
+        """The copy of a bucket's relayed bytes from where they arrived in the bucket before (the landing buffer,
+        at the offsets in the table, or the other receive buffer) into its send buffer."""
+        if spec.forward is None:
+            return None
+        if self.in_engine:
+            assert self.landing is not None
+            arrived = self.landing
+        else:
+            arrived = self._recv_buffer(1 - spec.buffer)
+        return extension().SegmentCopy([arrived], [self._send(spec.buffer)], spec.forward)
 
     def release(self) -> None:
         """Free the staging and landing buffers and forget every address, so that the trainer's tensors may
@@ -285,6 +314,8 @@ class Resharder:
                     bucket.local.run()
                 if bucket.pack is not None:
                     bucket.pack.run()
+                if bucket.forward is not None:
+                    bucket.forward.run()
                 for work in self._p2p(bucket):
                     work.wait()
                 if bucket.unpack is not None:
@@ -308,6 +339,12 @@ class Resharder:
                     bucket.local.run()
                 if bucket.pack is not None:
                     bucket.pack.run()
+                if bucket.forward is not None:
+                    # The bytes to forward arrived in the bucket before. At a round's first bucket they arrived in
+                    # the last round, which the caller's stream (waited for above) has seen through.
+                    for work in sent[k - 1] if k else []:
+                        work.wait()
+                    bucket.forward.run()
                 packed = torch.cuda.Event()
                 packed.record(pack_s)
             with torch.cuda.stream(comm_s):
@@ -329,12 +366,13 @@ class Resharder:
 
     @torch.no_grad()
     def refit_phases(self) -> dict[str, float]:
-        """One refit with the phases serialized and timed (ms on this rank): local, pack, transfer, unpack.
+        """One refit with the phases serialized and timed (ms on this rank): local, pack, forward (relayed
+        bytes), transfer, unpack.
 
         For the benchmark's breakdown only: serializing removes the overlap that ``refit`` has.
         """
         cuda = self.device.type == "cuda"
-        totals = dict.fromkeys(("local", "pack", "transfer", "unpack"), 0.0)
+        totals = dict.fromkeys(("local", "pack", "forward", "transfer", "unpack"), 0.0)
 
         def timed(phase: str, fn: Any) -> None:
             if cuda:
@@ -350,6 +388,8 @@ class Resharder:
                 timed("local", bucket.local.run)
             if bucket.pack is not None:
                 timed("pack", bucket.pack.run)
+            if bucket.forward is not None:
+                timed("forward", bucket.forward.run)
             timed("transfer", lambda b=bucket: [w.wait() for w in self._p2p(b)])
             if bucket.unpack is not None:
                 timed("unpack", bucket.unpack.run)
@@ -390,6 +430,10 @@ def padding_rows(plan: Plan, rank: int) -> dict[str, int]:
     shapes = plan.dst_shapes[plan.engine_rank(rank)]
     return {name: covered.get(name, 0) for name in ("model.embed_tokens.weight", "lm_head.weight")
             if name in shapes and covered.get(name, 0) < shapes[name][0]}
+
+
+def _table(segments: list[Segment]) -> torch.Tensor | None:
+    return segment_table(segments) if segments else None
 
 
 @torch.no_grad()

@@ -7,8 +7,14 @@ every refit. Guarantees:
 - a slice the destination GPU already holds (colocated trainer rank) is copied locally;
 - otherwise the nearest replica sends it: same node before other nodes, bytes balanced over the
   DP replicas (and over TP ranks for replicated tensors);
+- a byte crosses into a node at most once (``relay``): where no GPU of the destination's node holds a
+  slice, a replica on another node sends it to one GPU of that node that needs it (the landing GPU, bytes
+  landed balanced over them), which forwards it over NVLink, in the next bucket, to the node's other GPUs
+  of the same engine rank (``Transfer.via``);
 - transfers are grouped into buckets, layer by layer, so that no GPU sends or receives more than
-  ``bucket_bytes`` per bucket: that bounds the executor's extra memory whatever the model size.
+  ``bucket_bytes`` per bucket, forwarded bytes included: that bounds the executor's extra memory whatever
+  the model size; of them, no more across nodes than the network moves while NVLink moves a bucket, so
+  that the network is busy in every bucket rather than holding up a few.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from megarl.errors import UserError
 from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mcore_shape, param_rules, pipeline_stage
@@ -29,7 +36,11 @@ from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """Copy ``length`` rows (along ``dim``) of trainer tensor ``src_name`` on ``src_rank``, starting at
-    ``src_offset``, into engine tensor ``dst_name`` on ``dst_rank`` at ``dst_offset``."""
+    ``src_offset``, into engine tensor ``dst_name`` on ``dst_rank`` at ``dst_offset``.
+
+    ``src_rank`` is always the trainer rank whose tensor holds the bytes (the origin). A relayed transfer
+    (``via`` >= 0) is sent by GPU ``via`` instead, on ``dst_rank``'s node and of its engine rank, which
+    received the same bytes at the same place of its own engine tensor (``feeder()``) in the bucket before."""
 
     src_rank: int
     src_name: str
@@ -40,10 +51,21 @@ class Transfer:
     dst_offset: int
     length: int
     nbytes: int
+    via: int = -1
+
+    @property
+    def sender(self) -> int:
+        """The GPU whose bytes go out: the forwarding GPU of a relayed transfer, else the origin."""
+        return self.src_rank if self.via < 0 else self.via
 
     @property
     def local(self) -> bool:
-        return self.src_rank == self.dst_rank
+        return self.via < 0 and self.src_rank == self.dst_rank
+
+    def feeder(self) -> Transfer:
+        """The transfer into ``via`` whose bytes a relayed transfer forwards."""
+        assert self.via >= 0, self
+        return replace(self, dst_rank=self.via, via=-1)
 
 
 @dataclass
@@ -72,11 +94,11 @@ class Plan:
         return engine_groups(self.engine_ranks, self.rollout_tp)
 
     def link_bytes(self) -> dict[tuple[int, int], int]:
-        """Bytes each (src, dst) GPU pair carries per refit; (g, g) is the local copy on GPU g."""
+        """Bytes each (sender, dst) GPU pair carries per refit; (g, g) is the local copy on GPU g."""
         out: dict[tuple[int, int], int] = defaultdict(int)
         for bucket in self.buckets:
             for t in bucket:
-                out[t.src_rank, t.dst_rank] += t.nbytes
+                out[t.sender, t.dst_rank] += t.nbytes
         return dict(out)
 
     def stats(self) -> dict[str, float]:
@@ -215,12 +237,121 @@ def _arrangements(left: list[int]) -> Iterator[tuple[int, ...]]:
             left[r] += 1
 
 
+class _Run(NamedTuple):
+    """A run of an engine tensor that one trainer TP piece covers, and the trainer ranks holding it."""
+
+    sources: dict[int, tuple[str, int]]
+    """Holding rank -> (trainer tensor, offset of the run in it)."""
+    dim: int
+    dst_offset: int
+    length: int
+    nbytes: int
+
+    def split(self, max_bytes: int) -> list[_Run]:
+        """Pieces of at most ``max_bytes`` (a unit at least), cut as ``_split`` cuts a transfer."""
+        per_unit = self.nbytes // self.length
+        step = max(1, max_bytes // per_unit)
+        out = []
+        for i in range(0, self.length, step):
+            length = min(step, self.length - i)
+            sources = {g: (name, offset + i) for g, (name, offset) in self.sources.items()}
+            out.append(_Run(sources, self.dim, self.dst_offset + i, length, length * per_unit))
+        return out
+
+
+Unit = tuple[Transfer, list[Transfer]]
+"""A transfer and the relayed transfers that forward its bytes (none for most)."""
+
+
+def _runs(tensor: EngineTensor, index: dict[str, list[tuple[int, ParamRule, Piece]]],
+          shapes: dict[str, tuple[int, ...]], spec: ModelSpec, dims: ParallelDims, element_size: int) -> list[_Run]:
+    """The runs of one engine rank's ``tensor``, in piece order: the same for every GPU of that engine rank."""
+    out = []
+    for dpiece in tensor.pieces:
+        unit = unit_bytes(shapes, dpiece, element_size)
+        # Trainer pieces of the same HF tensor, grouped by the range they cover.
+        by_range: dict[tuple[int, int], list[tuple[int, ParamRule, int]]] = defaultdict(list)
+        for t, rule, spiece in index[dpiece.hf]:
+            lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
+            if lo < hi:
+                by_range[lo, hi].append((t, rule, spiece.offset + lo - spiece.start))
+        covered = sum(hi - lo for lo, hi in by_range)
+        assert covered == dpiece.length, (tensor.name, dpiece, covered)
+        for (lo, hi), options in sorted(by_range.items()):
+            sources = {g: (rule.mcore, off) for t, rule, off in options for g in holders(rule, t, spec, dims)}
+            out.append(_Run(sources, dpiece.dim, dpiece.offset + lo - dpiece.start, hi - lo, (hi - lo) * unit))
+    return out
+
+
+class _Senders:
+    """Chooses who sends each run: the destination itself where it holds it, else the replica with the fewest bytes
+    sent so far, on the destination's node where one is; a run no GPU of the node holds crosses into it once."""
+
+    def __init__(self, gpus_per_node: int, bucket_bytes: int, network_bytes: int, relay: bool) -> None:
+        self.node, self.bucket_bytes, self.network_bytes, self.relay = gpus_per_node, bucket_bytes, network_bytes, relay
+        self.sent: dict[int, int] = defaultdict(int)
+        self.landed: dict[int, int] = defaultdict(int)
+
+    def group(self, engine_ranks: list[int], tensors: list[tuple[str, list[_Run]]]) -> list[Unit]:
+        """The transfers into every GPU (of engine rank ``engine_ranks[g]``) of one engine tensor, whose name and
+        runs on engine rank r are ``tensors[r]``."""
+        units: list[Unit] = []
+        into_node: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        for dst, r in enumerate(engine_ranks):
+            name, runs = tensors[r]
+            for j, run in enumerate(runs):
+                src = self._direct(run, dst)
+                if src is None:  # the same bytes for every GPU of this engine rank on the node: sent in once, below
+                    into_node[dst // self.node, r, j].append(dst)
+                else:
+                    units.append((_transfer(run, name, dst, src), []))
+        for (_, r, j), dsts in into_node.items():
+            units += self._relayed(tensors[r][1][j], tensors[r][0], dsts)
+        return units
+
+    def _direct(self, run: _Run, dst: int) -> int | None:
+        """The GPU that sends ``run`` to ``dst``; None where it is relayed into ``dst``'s node."""
+        if dst in run.sources:
+            return dst
+        have = sorted(run.sources)
+        near = [h for h in have if h // self.node == dst // self.node]
+        if not near and self.relay:
+            return None
+        return _least(near or have, self.sent, run.nbytes)
+
+    def _relayed(self, run: _Run, name: str, dsts: list[int]) -> list[Unit]:
+        """The run crosses into the node of ``dsts`` once, piece by piece (as ``_bucketize`` cuts them), each to the
+        GPU of ``dsts`` that has landed the fewest bytes, which forwards it to the others."""
+        units = []
+        for piece in run.split(min(self.network_bytes, self.bucket_bytes // max(1, len(dsts) - 1))):
+            landing = _least(dsts, self.landed, piece.nbytes)
+            feeder = _transfer(piece, name, landing, _least(sorted(piece.sources), self.sent, piece.nbytes))
+            units.append((feeder, [replace(feeder, dst_rank=g, via=landing) for g in dsts if g != landing]))
+        return units
+
+
+def _least(gpus: list[int], load: dict[int, int], nbytes: int) -> int:
+    """The GPU of ``gpus`` with the least ``load`` (the first on ties), charged ``nbytes``."""
+    g = min(gpus, key=lambda h: (load[h], h))
+    load[g] += nbytes
+    return g
+
+
+def _transfer(run: _Run, name: str, dst: int, src: int) -> Transfer:
+    src_name, src_offset = run.sources[src]
+    return Transfer(src, src_name, dst, name, run.dim, src_offset, run.dst_offset, run.length, run.nbytes)
+
+
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
-              element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128) -> Plan:
+              element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128,
+              relay: bool = True, links: LinkModel | None = None) -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
 
     Which GPUs form each engine, and which engine rank each holds, is ``place_engines``' choice: the
-    most bytes already local. Every GPU runs a trainer rank and one engine rank (colocation).
+    most bytes already local. Every GPU runs a trainer rank and one engine rank (colocation). ``relay``:
+    bytes that no GPU of a node holds cross into it once and are forwarded inside it (False: every GPU
+    that needs them gets them from another node, for comparison). ``links`` (None: the measured defaults) sets
+    how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time.
     """
     world = dims.world_size
     if rollout_tp < 1 or world % rollout_tp:
@@ -241,44 +372,15 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
                 src_shapes=src_shapes, dst_shapes=[{t.name: t.shape for t in layout} for layout in layouts],
                 engine_ranks=place_engines(held, rollout_tp, gpus_per_node))
     index = _rules_by_hf(spec, dims.tp, padded_vocab)
-    sent: dict[int, int] = defaultdict(int)
-
-    def pick(holders: list[int], dst: int, nbytes: int) -> int:
-        if dst in holders:
-            return dst
-        node = dst // gpus_per_node
-        near = [h for h in holders if h // gpus_per_node == node] or holders
-        src = min(near, key=lambda h: (sent[h], h))
-        sent[src] += nbytes
-        return src
-
-    # Engine tensors in forward order; every engine rank's tensor of one name forms one group.
-    groups: list[list[tuple[int, EngineTensor]]] = [
-        [(g, layouts[plan.engine_rank(g)][i]) for g in range(world)] for i in range(len(layouts[0]))]
-    transfers_by_group = []
     shapes = hf_shapes(spec)
-    for group in groups:
-        transfers = []
-        for dst, tensor in group:
-            for dpiece in tensor.pieces:
-                unit = unit_bytes(shapes, dpiece, element_size)
-                # Trainer pieces of the same HF tensor, grouped by the range they cover.
-                by_range: dict[tuple[int, int], list[tuple[int, ParamRule, int]]] = defaultdict(list)
-                for t, rule, spiece in index[dpiece.hf]:
-                    lo, hi = max(spiece.start, dpiece.start), min(spiece.stop, dpiece.stop)
-                    if lo < hi:
-                        by_range[lo, hi].append((t, rule, spiece.offset + lo - spiece.start))
-                covered = sum(hi - lo for lo, hi in by_range)
-                assert covered == dpiece.length, (tensor.name, dpiece, covered)
-                for (lo, hi), options in sorted(by_range.items()):
-                    sources = {g: (rule.mcore, off) for t, rule, off in options for g in holders(rule, t, spec, dims)}
-                    nbytes = (hi - lo) * unit
-                    src = pick(sorted(sources), dst, nbytes)
-                    name, off = sources[src]
-                    transfers.append(Transfer(src, name, dst, tensor.name, dpiece.dim, off,
-                                              dpiece.offset + lo - dpiece.start, hi - lo, nbytes))
-        transfers_by_group.append(transfers)
-    plan.buckets = _bucketize(transfers_by_group, plan)
+    links = links or LinkModel()
+    network_bytes = max(1, int(bucket_bytes * links.network_gbps / links.nvlink_gbps))
+    senders = _Senders(gpus_per_node, bucket_bytes, network_bytes, relay)
+    # Engine tensors in forward order; every engine rank's tensor of one name forms one group.
+    units_by_group = [senders.group(plan.engine_ranks, [(layout[i].name, _runs(layout[i], index, shapes, spec, dims,
+                                                                               element_size)) for layout in layouts])
+                      for i in range(len(layouts[0]))]
+    plan.buckets = _bucketize(units_by_group, plan, network_bytes)
     return plan
 
 
@@ -328,57 +430,107 @@ def row_bytes(shape: tuple[int, ...], dim: int, element_size: int) -> int:
 def _split(t: Transfer, max_bytes: int) -> list[Transfer]:
     per_unit = t.nbytes // t.length
     step = max(1, max_bytes // per_unit)
-    return [Transfer(t.src_rank, t.src_name, t.dst_rank, t.dst_name, t.dim, t.src_offset + i, t.dst_offset + i,
-                     min(step, t.length - i), min(step, t.length - i) * per_unit)
+    return [replace(t, src_offset=t.src_offset + i, dst_offset=t.dst_offset + i, length=min(step, t.length - i),
+                    nbytes=min(step, t.length - i) * per_unit)
             for i in range(0, t.length, step)]
 
 
-def _bucketize(transfers_by_group: list[list[Transfer]], plan: Plan) -> list[list[Transfer]]:
-    """Buckets in which no GPU sends or receives more than ``bucket_bytes``, filled first-fit.
+def _bucketize(units_by_group: list[list[Unit]], plan: Plan, network_bytes: int) -> list[list[Transfer]]:
+    """Buckets in which no GPU sends or receives more than ``bucket_bytes``, of them at most ``network_bytes``
+    across nodes (what the network moves while NVLink moves a bucket), filled first-fit.
 
     Each cross-GPU piece goes into the first bucket with room at both of its ends, so that pieces
     moving in opposite directions (a pipeline stage's layers to the other stage's GPUs, and back)
     share buckets and both directions of every link stay busy. Layer order only decides who comes
-    first. Local copies need no buffer: each joins the bucket where its GPU has copied the fewest
-    bytes so far, to run beside the transfers.
+    first. A piece that is relayed goes into the first bucket k with room for it whose next bucket
+    has room for its relays: the forwarding GPU reads the bytes from where bucket k received them,
+    which stays intact until bucket k + 2 (or the next landing round) receives. Local copies need no
+    buffer: each joins the bucket where its GPU has copied the fewest bytes so far, to run beside the
+    transfers.
     """
     limit = plan.bucket_bytes
-    buckets: list[list[Transfer]] = []
-    send: list[dict[int, int]] = []
-    recv: list[dict[int, int]] = []
-    # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow).
-    first_send: dict[int, int] = defaultdict(int)
-    first_recv: dict[int, int] = defaultdict(int)
+    filling = _Filling(limit, network_bytes, plan.gpus_per_node)
     local: list[Transfer] = []
-    for transfers in transfers_by_group:
-        for whole in transfers:
+    for units in units_by_group:
+        for whole, relays in units:
             if whole.local:
                 local.append(whole)
                 continue
-            for t in _split(whole, limit):
-                k = max(first_send[t.src_rank], first_recv[t.dst_rank])
-                while k < len(buckets) and (send[k].get(t.src_rank, 0) + t.nbytes > limit
-                                            or recv[k].get(t.dst_rank, 0) + t.nbytes > limit):
-                    k += 1
-                if k == len(buckets):
-                    buckets.append([])
-                    send.append(defaultdict(int))
-                    recv.append(defaultdict(int))
-                buckets[k].append(t)
-                send[k][t.src_rank] += t.nbytes
-                recv[k][t.dst_rank] += t.nbytes
-                while first_send[t.src_rank] < len(buckets) and send[first_send[t.src_rank]][t.src_rank] >= limit:
-                    first_send[t.src_rank] += 1
-                while first_recv[t.dst_rank] < len(buckets) and recv[first_recv[t.dst_rank]][t.dst_rank] >= limit:
-                    first_recv[t.dst_rank] += 1
-    if not buckets:
-        buckets.append([])
+            # The forwarding GPU sends a piece to every relayed GPU in one bucket.
+            step = limit // max(1, len(relays))
+            if whole.sender // plan.gpus_per_node != whole.dst_rank // plan.gpus_per_node:
+                step = min(step, network_bytes)
+            legs = [_split(t, step) for t in relays]
+            for i, piece in enumerate(_split(whole, step)):
+                filling.place(piece, [leg[i] for leg in legs])
+    buckets = filling.buckets or [[]]
     copied: dict[int, list[int]] = defaultdict(lambda: [0] * len(buckets))
     for t in local:
         k = min(range(len(buckets)), key=copied[t.dst_rank].__getitem__)
         buckets[k].append(t)
         copied[t.dst_rank][k] += t.nbytes
     return [b for b in buckets if b]
+
+
+class _Filling:
+    """Buckets being filled, with the bytes each GPU sends and receives in each, in all and across nodes."""
+
+    def __init__(self, limit: int, network_limit: int, gpus_per_node: int) -> None:
+        self.limit, self.network_limit, self.node = limit, network_limit, gpus_per_node
+        self.buckets: list[list[Transfer]] = []
+        self.send: list[dict[int, int]] = []
+        self.recv: list[dict[int, int]] = []
+        self.network: list[dict[tuple[int, str], int]] = []
+        """(GPU, "out" or "in") -> bytes across nodes."""
+        # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow).
+        self.first_send: dict[int, int] = defaultdict(int)
+        self.first_recv: dict[int, int] = defaultdict(int)
+
+    def place(self, piece: Transfer, relays: list[Transfer]) -> None:
+        """``piece`` into the first bucket with room for it, its ``relays`` (if any) into the bucket after."""
+        k = max(self.first_send[piece.sender], self.first_recv[piece.dst_rank])
+        while not (self._fits(k, [piece]) and (not relays or self._fits(k + 1, relays))):
+            k += 1
+        self._add(k, piece)
+        for t in relays:
+            self._add(k + 1, t)
+
+    def _fits(self, k: int, transfers: list[Transfer]) -> bool:
+        if k >= len(self.buckets):
+            return True  # a new bucket takes any piece: pieces are split to fit one
+        send: dict[int, int] = defaultdict(int)
+        recv: dict[int, int] = defaultdict(int)
+        network: dict[tuple[int, str], int] = defaultdict(int)
+        for t in transfers:
+            send[t.sender] += t.nbytes
+            recv[t.dst_rank] += t.nbytes
+            if self._crosses(t):
+                network[t.sender, "out"] += t.nbytes
+                network[t.dst_rank, "in"] += t.nbytes
+        return (all(self.send[k].get(g, 0) + n <= self.limit for g, n in send.items())
+                and all(self.recv[k].get(g, 0) + n <= self.limit for g, n in recv.items())
+                and all(self.network[k].get(end, 0) + n <= self.network_limit for end, n in network.items()))
+
+    def _crosses(self, t: Transfer) -> bool:
+        return t.sender // self.node != t.dst_rank // self.node
+
+    def _add(self, k: int, t: Transfer) -> None:
+        while len(self.buckets) <= k:
+            self.buckets.append([])
+            self.send.append(defaultdict(int))
+            self.recv.append(defaultdict(int))
+            self.network.append(defaultdict(int))
+        self.buckets[k].append(t)
+        self.send[k][t.sender] += t.nbytes
+        self.recv[k][t.dst_rank] += t.nbytes
+        if self._crosses(t):
+            self.network[k][t.sender, "out"] += t.nbytes
+            self.network[k][t.dst_rank, "in"] += t.nbytes
+        g, h = t.sender, t.dst_rank
+        while self.first_send[g] < len(self.buckets) and self.send[self.first_send[g]][g] >= self.limit:
+            self.first_send[g] += 1
+        while self.first_recv[h] < len(self.buckets) and self.recv[self.first_recv[h]][h] >= self.limit:
+            self.first_recv[h] += 1
 
 
 def describe_plan(plan: Plan, predict: bool = True, links: LinkModel | None = None) -> str:
@@ -429,9 +581,9 @@ def predict_ms(plan: Plan, links: LinkModel = LinkModel()) -> dict[str, float]:
             if t.local:
                 per_gpu[t.dst_rank, "copy"] += 2 * t.nbytes / (links.hbm_copy_gbps * 1e9)  # read + write
                 continue
-            rate = links.nvlink_gbps if node(t.src_rank) == node(t.dst_rank) else links.network_gbps
+            rate = links.nvlink_gbps if node(t.sender) == node(t.dst_rank) else links.network_gbps
             kind = "nvlink" if rate == links.nvlink_gbps else "network"
-            per_gpu[t.src_rank, f"{kind} out"] += t.nbytes / (rate * 1e9)
+            per_gpu[t.sender, f"{kind} out"] += t.nbytes / (rate * 1e9)
             per_gpu[t.dst_rank, f"{kind} in"] += t.nbytes / (rate * 1e9)
         return max(per_gpu.values(), default=0.0)
 

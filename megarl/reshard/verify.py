@@ -4,8 +4,9 @@ inside the engine, and the trainer compares them with checksums it computes from
 The checksum of a tensor: each element's bit pattern as an integer, weighted by a function of the element's
 flat position, summed modulo the prime 2^31 - 1, under two weightings (62 bits). The position weights catch
 rows, heads or columns in the wrong place, not only wrong values. Integer sums modulo a prime are exact and
-independent of order, so every trainer rank adds up the slices it sends (``planner.Transfer``) and one
-all-reduce totals them: no engine tensor is ever assembled on the trainer's side. This module also runs inside
+independent of order, so every trainer rank adds up the slices its tensors are the origin of
+(``planner.Transfer.src_rank``, those another GPU forwards included) and one all-reduce totals them: no
+engine tensor is ever assembled on the trainer's side. This module also runs inside
 the engine process (megarl.reshard.handover): it imports torch and megarl.errors only (the planner's types
 for annotations).
 """
@@ -90,7 +91,7 @@ def engine_names(plan: Plan) -> list[list[str]]:
 def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """int64 [num names, 2]: the checksums this rank's engine rank must report, in ``engine_names(plan)[rank]``
-    order. Collective over the world (``group``): every rank adds the slices it sends."""
+    order. Collective over the world (``group``): every rank adds the slices it is the origin of."""
     per_gpu = engine_names(plan)
     row: dict[tuple[int, str], int] = {}
     for g, names in enumerate(per_gpu):

@@ -7,7 +7,9 @@ shows), compares every engine tensor with an independent reference computed from
 tensors, doubles the trainer weights, refits again and checks the pool was reused; then the
 same in in-engine mode (this side sends and lands remote bytes, the engine's HandoverState copies the rest,
 round by round when the landing buffer holds one bucket, at once when it holds all), whose result the
-hand-over checksums (megarl.reshard.verify) must confirm, and whose corruption they must name.
+hand-over checksums (megarl.reshard.verify) must confirm, and whose corruption they must name. Plans put
+2 GPUs on a node, so that with PP2 in the tp-dp-pp order each stage has its nodes: bytes of the other stage
+cross into a node once and are relayed inside it.
 """
 
 import json
@@ -131,9 +133,10 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
             t.div_(2)
         # In-engine mode: this side sends and lands remote bytes, the "engine" copies the rest, through the wire
         # format and messages an engine gets. A landing buffer of one bucket makes the most rounds; 0 holds all.
-        in_engine, rounds, landing = True, {}, {}
+        in_engine, rounds, landing, starts = True, {}, {}, {}
         for limit in (plan.bucket_bytes, 0):
             engine_side = Resharder(plan, rank, src, None, in_engine=True, landing_bytes=limit)
+            starts[limit] = {start for start, _ in engine_side.rounds}
             params = engine_tensor_allocations(plan, rank, dtype, torch.device("cpu"))
             for t in params.values():
                 t.fill_(float("nan"))
@@ -176,6 +179,9 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
         victim = params[names[rank % len(names)]]
         victim.view(-1).view({2: torch.int16, 4: torch.int32}[victim.element_size()])[-1] ^= 1
         caught = mismatched(names, expected, torch.stack([tensor_checksum(params[n]) for n in names]))
+        # Relays (pipeline stages on different nodes of 2 GPUs): how many, and how many forward at a round's start
+        # what the round before landed.
+        relayed = [k for k, bucket in enumerate(plan.buckets) for t in bucket if t.via >= 0]
         results.append({"model": Path(model_dir).name, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "ep": dims.ep,
                         "R": R,
                         "dtype": str(dtype), "in_engine": in_engine, "rank": rank, "exact": exact,
@@ -184,7 +190,8 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
                         "pool_bytes": resharder.pool_bytes, "bucket_bytes": plan.bucket_bytes,
                         "in_engine_rounds": rounds[plan.bucket_bytes],
                         "in_engine_extra_bytes": landing[plan.bucket_bytes],
-                        "unbounded_rounds": rounds[0], "unbounded_extra_bytes": landing[0],
+                        "unbounded_rounds": rounds[0], "unbounded_extra_bytes": landing[0], "relayed": len(relayed),
+                        "relayed_at_round_start": sum(k in starts[plan.bucket_bytes] for k in relayed),
                         "aliased": sorted(views), "aliased_exact": aliased_exact, "aliased_checked": aliased_checked,
                         "aliased_follow": aliased_follow, "aliased_copied": sorted(copied & set(views)),
                         "aliased_verified": set(views) <= set(aliased_side.dst_names)})
