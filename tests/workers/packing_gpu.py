@@ -24,13 +24,7 @@ from megarl.config import OptimizerConfig  # noqa: E402
 from megarl.models.gpt import BuildOptions, layer_implementation  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import (  # noqa: E402
-    ParallelDims,
-    destroy_model_parallel,
-    init_distributed,
-    init_model_parallel,
-    model_parallel_seed,
-)
+from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
 
 TE = os.environ.get("PACKING_TE") == "1"
 
@@ -44,8 +38,8 @@ def main() -> None:
     sequences = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     weights = [torch.full((n - 1,), 1.0 / sum(lengths)) for n in lengths]
     results = {}
+    groups = init_model_parallel(ParallelDims(tp=1, pp=1, dp=1))
     for mode in ("off", "auto"):
-        groups = init_model_parallel(ParallelDims(tp=1, pp=1, dp=1))
         model_parallel_seed(0)
         opts = BuildOptions(dtype=torch.bfloat16, transformer_engine=TE, packing=mode)
         actor = MegatronModel(spec, model_dir, groups, opts, OptimizerConfig(lr=1e-3, clip_grad=0.0))
@@ -61,7 +55,7 @@ def main() -> None:
                          "padding_fraction": metrics["padding_fraction"], "loss": metrics["loss"],
                          "grad_norm": metrics["grad_norm"], "logprobs_before": torch.cat(before).tolist(),
                          "logprobs_after": torch.cat(after).tolist()}
-        destroy_model_parallel()
+        del actor
     (out_dir / "rank0.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
