@@ -218,8 +218,9 @@ class RLTrainer:
         actor's then leave the GPU (the resharder and the engine let go of their addresses), and only then
         does the engine's KV cache wake, in the room they leave."""
         if self._engine_state == "asleep":
-            with self._timed("wake_weights"):  # the actor's weights back on the device, then the engine's
+            with self._timed("hold"):  # the update's state (optimizer, grads) leaves, the actor's weights come back
                 self._hold("handover")
+            with self._timed("wake_weights"):
                 self.engine.wake("weights")
             self._engine_state = "weights"
         with self._timed("attach"):

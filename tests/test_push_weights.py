@@ -46,7 +46,7 @@ def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch,
     t.push_weights()
     assert t._engine_state == "awake"
     # Its parts are timed for the step's metrics (handover/*_s), verification off.
-    assert set(t._handover_s) == {"wake_weights", "attach", "copy", "release", "wake_cache"}
+    assert set(t._handover_s) == {"hold", "wake_weights", "attach", "copy", "release", "wake_cache"}
     wakes = [i for i, e in enumerate(events) if e.startswith("engine.wake")]
     assert [events[i] for i in wakes] == ["engine.wake(weights)", "engine.wake(cache)"]
     for i in wakes:  # the last thing before every wake: the trainer's freed and cached memory went back
