@@ -5,6 +5,7 @@
 namespace megarl {
 void register_copy(pybind11::module& m);
 void register_reshard(pybind11::module& m);
+void register_verify(pybind11::module& m);
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -23,4 +24,5 @@ PYBIND11_MODULE(_C, m) {
       "Whether this build contains the CUDA kernels.");
   megarl::register_copy(m);
   megarl::register_reshard(m);
+  megarl::register_verify(m);
 }

@@ -7,8 +7,8 @@ rows, heads or columns in the wrong place, not only wrong values. Integer sums m
 independent of order, so every trainer rank adds up the slices its tensors are the origin of
 (``planner.Transfer.src_rank``, those another GPU forwards included) and one all-reduce totals them: no
 engine tensor is ever assembled on the trainer's side. This module also runs inside
-the engine process (megarl.reshard.handover): it imports torch and megarl.errors only (the planner's types
-for annotations).
+the engine process (megarl.reshard.handover): it imports torch, megarl.errors and megarl.kernels only (the
+planner's types for annotations). The sums run in megarl._C (csrc/verify), one pass over each block of elements.
 """
 
 from __future__ import annotations
@@ -19,43 +19,27 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import HandoverMismatch
+from megarl.kernels import extension
 
 if TYPE_CHECKING:
     from megarl.reshard.planner import Plan, Transfer
 
 PRIME = 2**31 - 1
 MULTIPLIERS = (16807, 48271)
-"""Two position weightings, w(i) = (i * a mod PRIME) + 1."""
-CHUNK = 1 << 22
-"""Elements per step: bounds the temporaries (a few int64 tensors of this length)."""
-_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Two position weightings, w(i) = (i * a mod PRIME) + 1 (csrc/verify/checksum_math.h computes them)."""
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The elements' bit patterns as integers of the same size, flat."""
-    return t.detach().contiguous().view(-1).view(_INTEGER[t.element_size()])
-
-
-def _partial(bits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """int64 [2]: sum over elements of (bits mod PRIME) * w(index), not yet reduced. Every product is below
-    2^62 and a sum of CHUNK of them, each reduced below 2^31, below 2^53: nothing overflows."""
-    values = torch.remainder(bits.to(torch.int64), PRIME)
-    return torch.stack([torch.remainder(values * (index % PRIME * a % PRIME + 1), PRIME).sum() for a in MULTIPLIERS])
-
-
-def _run(bits: torch.Tensor, first: int) -> torch.Tensor:
-    """Checksum part of a contiguous run of elements whose flat positions start at ``first``."""
-    total = torch.zeros(2, dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), CHUNK):
-        end = min(bits.numel(), start + CHUNK)
-        index = torch.arange(first + start, first + end, dtype=torch.int64, device=bits.device)
-        total = (total + _partial(bits[start:end], index)) % PRIME
-    return total
+def _block(t: torch.Tensor, offset: int, row_stride: int, num_rows: int, run: int, first: int,
+           position_stride: int) -> torch.Tensor:
+    """The checksum part of ``num_rows`` rows of ``run`` elements of ``t`` (contiguous), row r from element
+    offset + r * row_stride, its element c at position first + r * position_stride + c (megarl._C.checksum)."""
+    return extension().checksum(t.detach(), offset, row_stride, num_rows, run, first, position_stride)
 
 
 def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     """int64 [2], each in [0, PRIME): the checksum of a whole tensor."""
-    return _run(_bits(t), 0)
+    t = t.contiguous()
+    return _block(t, 0, t.numel(), 1, t.numel(), 0, t.numel())
 
 
 def slice_checksum(src: torch.Tensor, t: Transfer, dst_shape: tuple[int, ...]) -> torch.Tensor:
@@ -63,19 +47,11 @@ def slice_checksum(src: torch.Tensor, t: Transfer, dst_shape: tuple[int, ...]) -
     computed from the trainer tensor ``src`` it reads."""
     columns = dst_shape[-1] if len(dst_shape) > 1 else 1  # as a matrix (megarl.reshard.engine_layout.matrix_shape)
     if t.dim == 0:
-        return _run(_bits(src.narrow(0, t.src_offset, t.length)), t.dst_offset * columns)
+        row = src[0].numel() if src.dim() > 1 else 1
+        run = t.length * row
+        return _block(src, t.src_offset * row, run, 1, run, t.dst_offset * columns, run)
     # A column slice of a block of rows: positions r * columns + dst_offset + c.
-    rows = src.shape[0]
-    per = max(1, CHUNK // t.length)
-    total = torch.zeros(2, dtype=torch.int64, device=src.device)
-    offsets = torch.arange(t.length, dtype=torch.int64, device=src.device) + t.dst_offset
-    for start in range(0, rows, per):
-        end = min(rows, start + per)
-        block = src[start:end, t.src_offset:t.src_offset + t.length]
-        index = (torch.arange(start, end, dtype=torch.int64, device=src.device)[:, None] * columns
-                 + offsets[None, :]).reshape(-1)
-        total = (total + _partial(_bits(block), index)) % PRIME
-    return total
+    return _block(src, t.src_offset, src.shape[1], src.shape[0], t.length, t.dst_offset, columns)
 
 
 def engine_names(plan: Plan) -> list[list[str]]:
