@@ -33,8 +33,8 @@ from megarl.models.mapping import REPLICATED, hf_shapes, param_rules, pipeline_s
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
 from megarl.parallel import ParallelDims  # noqa: E402
 from megarl.reshard.engine_layout import engine_tensors  # noqa: E402
-from megarl.reshard.links import LinkModel, predict_ms  # noqa: E402
-from megarl.reshard.planner import Plan, make_plan  # noqa: E402
+from megarl.reshard.planner import LinkModel, Plan, make_plan  # noqa: E402
+from megarl.reshard.predict import predict_ms  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -81,7 +81,7 @@ def gib(nbytes: float) -> str:
 
 
 def plan_report(plan: Plan, links: LinkModel) -> dict:
-    """The plan's byte counts, its predicted time and bound over ``links`` (megarl.reshard.links.predict_ms)
+    """The plan's byte counts, its predicted time and bound over ``links`` (megarl.reshard.predict.predict_ms)
     and ``engine_ranks``: the engine TP rank each GPU holds, in GPU order."""
     return plan.stats() | predict_ms(plan, links) | {"engine_ranks": plan.engine_ranks}
 

@@ -34,8 +34,8 @@ from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
 from megarl.reshard.aliasing import aliased_views, aliases_weights
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
-from megarl.reshard.links import LinkModel, describe_plan
-from megarl.reshard.planner import make_plan
+from megarl.reshard.planner import LinkModel, make_plan
+from megarl.reshard.predict import describe_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores

@@ -13,8 +13,8 @@ from megarl.models.presets import preset_or_hf_spec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, allocate_flat_buckets, engine_tensor_allocations
-from megarl.reshard.links import LinkModel, describe_plan, predict_ms
-from megarl.reshard.planner import engine_groups, make_plan
+from megarl.reshard.planner import LinkModel, engine_groups, make_plan
+from megarl.reshard.predict import describe_plan, predict_ms
 from megarl.rollout.group import EngineGroup
 
 TINY = preset_or_hf_spec("tiny")  # 8 heads, 4 kv heads, vocab 1000 (not a multiple of 64 * R)

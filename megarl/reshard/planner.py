@@ -31,7 +31,6 @@ from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mco
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors, matrix_shape
-from megarl.reshard.links import LinkModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,3 +531,17 @@ class _Filling:
             self.first_send[g] += 1
         while self.first_recv[h] < len(self.buckets) and self.recv[self.first_recv[h]][h] >= self.limit:
             self.first_recv[h] += 1
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Bandwidths (GB/s, each direction) that turn a plan's bytes into time. Defaults measured on H200s:
+    NCCL over NV18 NVLink (365 GB/s per direction in an exchange of 4 GiB messages), the segment copy
+    kernel's HBM rate (3.7 TB/s read + write, benchmarks/results/h200/kernel_bandwidth.json); the network
+    is one 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE), not measured here."""
+
+    nvlink_gbps: float = 365.0
+    network_gbps: float = 50.0
+    hbm_copy_gbps: float = 3700.0
+    bucket_overhead_ms: float = 0.25
+    """Fixed cost per bucket (syncs, NCCL launch): 0.22-0.29 ms measured on two H200s."""

@@ -1,14 +1,11 @@
-"""Time, not bytes: the link model (NVLink inside a node, the network across nodes, HBM for local copies) and the
-predicted refit time of a plan over it, with its bound."""
+"""Time, not bytes: a plan's predicted refit time over the link model (``planner.LinkModel``: NVLink inside a
+node, the network across nodes, HBM for local copies), with its bound, and the console's line about it."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megarl.reshard.planner import Plan, Transfer
+from megarl.reshard.planner import LinkModel, Plan, Transfer
 
 
 def describe_plan(plan: Plan, predict: bool = True, links: LinkModel | None = None) -> str:
@@ -29,21 +26,7 @@ def describe_plan(plan: Plan, predict: bool = True, links: LinkModel | None = No
     return text
 
 
-@dataclass(frozen=True, slots=True)
-class LinkModel:
-    """Bandwidths (GB/s, each direction) that turn a plan's bytes into time. Defaults measured on H200s:
-    NCCL over NV18 NVLink (365 GB/s per direction in an exchange of 4 GiB messages), the segment copy
-    kernel's HBM rate (3.7 TB/s read + write, benchmarks/results/h200/kernel_bandwidth.json); the network
-    is one 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE), not measured here."""
-
-    nvlink_gbps: float = 365.0
-    network_gbps: float = 50.0
-    hbm_copy_gbps: float = 3700.0
-    bucket_overhead_ms: float = 0.25
-    """Fixed cost per bucket (syncs, NCCL launch): 0.22-0.29 ms measured on two H200s."""
-
-
-def predict_ms(plan: Plan, links: LinkModel = LinkModel()) -> dict[str, float]:
+def predict_ms(plan: Plan, links: LinkModel | None = None) -> dict[str, float]:
     """Predicted refit time and its bound, in ms.
 
     A bucket takes its slowest GPU's time: the larger of what it sends and what it receives over NVLink
@@ -51,6 +34,7 @@ def predict_ms(plan: Plan, links: LinkModel = LinkModel()) -> dict[str, float]:
     copies, whichever is longer (they overlap), plus the fixed cost per bucket. The bound is the same
     for the whole refit as one bucket: bytes over the busiest link direction of any GPU.
     """
+    links = links or LinkModel()
     node = lambda g: g // plan.gpus_per_node  # noqa: E731
 
     def seconds(transfers: list[Transfer]) -> float:
