@@ -43,12 +43,13 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
-    from transformers import AutoTokenizer
-
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts
+    from megarl.data.tokenizer import check_hf_config, load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    tokenizer = load_tokenizer(cfg.model.hf_path)
+    if cfg.critic.hf_path:
+        check_hf_config(cfg.critic.hf_path, "critic.hf_path")
     records = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key)
     prompts, dropped = tokenize_prompts(records, tokenizer, cfg.data.apply_chat_template,
                                         cfg.rollout.max_prompt_tokens, cfg.data.drop_long_prompts,

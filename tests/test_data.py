@@ -58,6 +58,8 @@ def test_parquet(tmp_path: Path) -> None:
         ("answer.jsonl", '{"question": "a", "solution": "1"}\n', "no key 'answer' (data.answer_key)"),
         ("type.jsonl", '{"question": ["a"], "answer": "1"}\n', "is a list, not a string"),
         ("empty.jsonl", "\n", "holds no records"),
+        ("blank.jsonl", '{"question": "a", "answer": "1"}\n{"question": "  ", "answer": "2"}\n',
+         "line 2: 'question' (data.prompt_key) is empty"),
         ("data.csv", "question,answer\n", "suffix '.csv'"),
     ],
 )
@@ -66,6 +68,13 @@ def test_bad_files(tmp_path: Path, name: str, text: str, expected: str) -> None:
     with pytest.raises(UserError, match="data.train_path") as err:
         load_prompts(path)
     assert expected in str(err.value)
+
+
+def test_a_byte_that_is_not_utf8_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "a", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(UserError, match=r"line 2 is not UTF-8 text \(byte 0xe9 at column 18\)"):
+        load_prompts(str(path))
 
 
 def test_missing_keys_are_listed(tmp_path: Path) -> None:
@@ -77,6 +86,21 @@ def test_missing_keys_are_listed(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no such file"):
         load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def test_a_prompt_that_encodes_to_no_tokens_names_its_line(tmp_path: Path) -> None:
+    """Text of only characters the tokenizer drops reaches the engine as an empty prompt: refused at start-up,
+    naming the file line, not at the step that samples it."""
+    path = write(tmp_path / "p.jsonl", '{"question": "one two", "answer": "1"}\n{"question": "!?", "answer": "2"}\n')
+
+    class DropsPunctuation:
+        chat_template = None
+
+        def __call__(self, prompts: list[str]) -> dict[str, list[list[int]]]:
+            return {"input_ids": [[1] * len(p.replace("!", " ").replace("?", " ").split()) for p in prompts]}
+
+    with pytest.raises(UserError, match=rf"{path} line 2: the prompt '!\?' encodes to no tokens \(1 of 2"):
+        tokenize_prompts(load_prompts(path), DropsPunctuation(), apply_chat_template=False, max_prompt_tokens=8)
 
 
 def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:

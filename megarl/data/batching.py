@@ -47,6 +47,13 @@ def tokenize_prompts(
     else:
         encoded = tokenizer(prompts)
     lengths = [len(tokens) for tokens in encoded["input_ids"]]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        where = records[empty[0]].source or f"{source} record {empty[0] + 1}"
+        raise UserError(f"data.train_path {where}: the prompt {records[empty[0]].prompt!r} encodes to no tokens "
+                        f"({len(empty)} of {len(records)} prompts do), and the engine cannot generate from an empty "
+                        "prompt. Fix: remove those records, or set data.apply_chat_template: true with a tokenizer "
+                        "that has a chat template.")
     long = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
     if long and not drop_long:
         worst = max(long, key=lambda i: lengths[i])

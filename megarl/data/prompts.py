@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,8 @@ class PromptRecord:
     prompt: str
     answer: str
     """Reference answer, passed to the reward function as is."""
+    source: str = field(default="", compare=False)
+    """Where the record came from ("FILE line N" or "FILE row N"), for errors found after reading."""
 
 
 def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: str = "answer") -> list[PromptRecord]:
@@ -62,8 +64,15 @@ def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: st
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(
+                    f"data.train_path {path} line {number} is not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1}). Fix: re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -111,9 +120,14 @@ def _record(row: Any, where: str, prompt_key: str, answer_key: str) -> PromptRec
             f"data.train_path {where}: {prompt_key!r} (data.prompt_key) is a {type(prompt).__name__}, not a string. "
             "Fix: store the prompt text under that key."
         )
+    if not prompt.strip():
+        raise UserError(
+            f"data.train_path {where}: {prompt_key!r} (data.prompt_key) is empty; the engine cannot generate from "
+            "an empty prompt. Fix: remove the record or give it a prompt."
+        )
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise UserError(
             f"data.train_path {where}: {answer_key!r} (data.answer_key) is a {type(answer).__name__}, not a string "
             "or number. Fix: store the reference answer as text."
         )
-    return PromptRecord(prompt=prompt, answer=str(answer))
+    return PromptRecord(prompt=prompt, answer=str(answer), source=where)
