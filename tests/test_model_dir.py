@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
 
+from helpers import REPO
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import UserError
 

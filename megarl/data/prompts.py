@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ class PromptRecord:
     prompt: str
     answer: str
     """Reference answer, passed to the reward function as is."""
-    source: str = field(default="", compare=False)
+    source: str = dataclasses.field(default="", compare=False)
     """Where the record came from ("FILE line N" or "FILE row N"), for errors found after reading."""
 
 
