@@ -12,7 +12,7 @@ PART=${PART:-setup truncated exit}
 STEPS=${STEPS:-3}
 source benchmarks/h200_common.sh
 h200_session
-TINY=(--set rollout.gpu_memory_fraction=0.3 --set tracking.backend=none "${SGLANG_ARGS[@]}")
+TINY=(--set model.dtype=bfloat16 --set rollout.logprob_diff_max=2.0 --set rollout.gpu_memory_fraction=0.3 --set tracking.backend=none "${SGLANG_ARGS[@]}")
 
 for part in $PART; do
   case $part in

@@ -224,11 +224,14 @@ class RolloutConfig:
     """Completions per prompt (the group size for GRPO, which needs at least 2)."""
     temperature: float = 1.0
     """Sampling temperature T > 0; the trainer's log-probabilities and entropy are those of softmax(logits / T),
-    the distribution the engine samples from (top_p/top_k truncation is not modelled: see rollout_correction)."""
+    the distribution the engine samples from."""
     top_p: float = 1.0
-    """Nucleus-sampling mass, in (0, 1]; 1 = off."""
+    """Nucleus-sampling mass, in (0, 1]; 1 = off. The trainer scores the full softmax(logits / T), so below 1 the
+    samples come from another policy: refused with SGLang, whose logprobs are of the full distribution (the
+    truncation is invisible), and with vLLM, whose logprobs are of the truncated one, allowed only with
+    algorithm.rollout_correction (benchmarks/truncated_logprobs.py measures the gap)."""
     top_k: int = -1
-    """Top-k sampling; -1 = off."""
+    """Top-k sampling; -1 = off. Refused or allowed as top_p is."""
     max_new_tokens: int = 1024
     """Generation length limit per completion."""
     max_prompt_tokens: int = 1024
@@ -519,6 +522,7 @@ class Config:
         check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
               algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
+        self._check_truncation()
         batch = self.data.num_prompts_per_step * n
         longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
         for name, section in self.trained_sections():
@@ -538,6 +542,24 @@ class Config:
                 f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
                 f"raise it to at least {longest} or shorten the rollout limits",
             )
+
+    def _check_truncation(self) -> None:
+        """top_p / top_k: the engine samples from the truncated distribution, the trainer scores the full one."""
+        r = self.rollout
+        for name, off in (("top_p", 1.0), ("top_k", -1)):
+            value = getattr(r, name)
+            check(value == off or r.engine == "vllm", f"rollout.{name}", value, f"be {off} with SGLang: it samples "
+                  "from the truncated distribution but returns log-probabilities of the full one (measured with "
+                  "SGLang 0.5.17 on an H200: they match the full softmax(logits / T) to 0.013 nats, while the policy "
+                  "it samples from differs by 0.10 nats per token at top_p 0.9 and 0.45 at top_k 20, "
+                  "benchmarks/results/h200/reliability), so neither the trainer, the logprob drift check nor a "
+                  "rollout correction would see the policy the samples came from",
+                  f"set rollout.{name}: {off}, and lower rollout.temperature for less varied samples")
+            check(value == off or self.algorithm.rollout_correction != "none", f"rollout.{name}", value,
+                  f"be {off} without algorithm.rollout_correction: vLLM samples from the truncated distribution and "
+                  "returns its log-probabilities, which differ from the trainer's full softmax(logits / T) by the "
+                  "log of the mass kept (0.10 nats per token at top_p 0.9), so the update would be off-policy "
+                  "uncorrected", f"set algorithm.rollout_correction: token_tis, or rollout.{name}: {off}")
 
     def trained_sections(self) -> list[tuple[str, UpdateConfig]]:
         """The (name, section) of each model trained by the algorithm: actor, plus critic for ppo."""
