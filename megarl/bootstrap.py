@@ -50,10 +50,10 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     tokenizer = load_tokenizer(cfg.model.hf_path)
     if cfg.critic.hf_path:
         check_hf_config(cfg.critic.hf_path, "critic.hf_path")
-    records = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key)
-    prompts, dropped = tokenize_prompts(records, tokenizer, cfg.data.apply_chat_template,
-                                        cfg.rollout.max_prompt_tokens, cfg.data.drop_long_prompts,
-                                        repr(cfg.data.train_path))
+    d = cfg.data
+    records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
+    prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,
+                                        d.drop_long_prompts, repr(d.train_path), d.system_prompt)
     return cfg, spec, dp, prompts, dropped, tokenizer
 
 

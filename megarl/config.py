@@ -390,6 +390,13 @@ class DataConfig:
     """Record field holding the prompt."""
     answer_key: str = "answer"
     """Record field holding the reference answer passed to the reward function."""
+    prompt_template: str | None = None
+    """Format string over each record's fields that makes its prompt, e.g. "{question} Let's think step by step
+    and output the final answer after \"####\"." (the GSM8K instruction verl's recipes use); null = the
+    prompt_key field as it is."""
+    system_prompt: str | None = None
+    """A system turn before every prompt (with apply_chat_template; without it, text before the prompt and a
+    blank line); null = none."""
     apply_chat_template: bool = True
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     shuffle: bool = True
@@ -404,6 +411,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         _nonempty(self, "train_path", "prompt_key", "answer_key")
         _positive(self, "num_prompts_per_step")
+        if self.prompt_template is not None:
+            from megarl.data.prompts import template_fields
+
+            template_fields(self.prompt_template, "data.prompt_template")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -176,3 +176,36 @@ def test_loader_errors() -> None:
     state = PromptLoader(list(range(10)), batch_size=2).state_dict()
     with pytest.raises(UserError, match="over 10 prompts"):
         PromptLoader(list(range(9)), batch_size=2).load_state_dict(state)
+
+
+def test_prompt_template_formats_record_fields(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.jsonl", '{"question": "1 + 1?", "unit": "apples", "answer": 2}\n')
+    template = 'Q: {question} ({unit}) Output the answer after "####".'
+    assert load_prompts(path, template=template) == [PromptRecord('Q: 1 + 1? (apples) Output the answer after "####".',
+                                                                  "2")]
+    with pytest.raises(UserError, match=r"line 1 has no key 'topic', which data.prompt_template names; its keys are "
+                                        r"\['answer', 'question', 'unit'\]"):
+        load_prompts(path, template="{topic}: {question}")
+
+
+@pytest.mark.parametrize(("template", "expected"), [("{question", "is not a format string"),
+                                                     ("{} and {0}", "has the field {}, which is not a record key")])
+def test_a_bad_prompt_template_is_refused_when_the_config_loads(template: str, expected: str) -> None:
+    from megarl.config import DataConfig
+
+    with pytest.raises(UserError, match="data.prompt_template") as err:
+        DataConfig(train_path="gsm8k", prompt_template=template)
+    assert expected in str(err.value)
+
+
+def test_system_prompt_is_a_system_turn_or_leading_text() -> None:
+    template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = word_tokenizer(chat_template=template)
+    records = [PromptRecord("one two", "2")]
+    chat, _ = tokenize_prompts(records, tok, apply_chat_template=True, max_prompt_tokens=16, system_prompt="six")
+    assert tok.decode(chat[0].tokens) == tok.decode(tok("<system> six <user> one two <assistant>")["input_ids"])
+    plain, _ = tokenize_prompts(records, tok, apply_chat_template=False, max_prompt_tokens=16, system_prompt="six")
+    assert plain[0].tokens == tok("six\n\none two")["input_ids"]
+    bare, _ = tokenize_prompts(records, tok, apply_chat_template=False, max_prompt_tokens=16)
+    assert bare[0].tokens == tok("one two")["input_ids"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,28 @@ class PromptRecord:
     """Where the record came from ("FILE line N" or "FILE row N"), for errors found after reading."""
 
 
-def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: str = "answer") -> list[PromptRecord]:
+def template_fields(template: str, field: str) -> list[str]:
+    """The record fields a prompt template names; a template Python cannot format, or with positional fields,
+    is a UserError naming ``field``."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise UserError(f"{field} = {template!r} is not a format string ({err}). Fix: name record fields in "
+                        "braces, e.g. \"{question}\", and write literal braces as {{ and }}.") from None
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise UserError(f"{field} = {template!r} has the field {{{bad[0]}}}, which is not a record key. Fix: name "
+                        "record fields in braces, e.g. \"{question}\", and write literal braces as {{ and }}.")
+    return names
+
+
+def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: str = "answer",
+                 template: str | None = None) -> list[PromptRecord]:
     """Read `data.train_path`: "gsm8k" (= "gsm8k:train") or "gsm8k:test", or a .jsonl / .parquet file.
 
-    Each record must hold a string prompt under `prompt_key` and an answer (string or number) under
-    `answer_key`. Bad input raises UserError naming the file, the line or row, and the fix.
+    Each record must hold a string prompt under `prompt_key` (or, with ``template``, the fields the template
+    names, data.prompt_template) and an answer (string or number) under `answer_key`. Bad input raises
+    UserError naming the file, the line or row, and the fix.
     """
     if path_or_name in _VENDORED:
         path = _GSM8K_DIR / f"{_VENDORED[path_or_name]}.jsonl"
@@ -57,7 +75,7 @@ def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: st
             f"data.train_path = {path_or_name!r} has suffix {path.suffix!r}. Fix: convert it to .jsonl "
             "(one JSON object per line) or .parquet."
         )
-    records = [_record(row, where, prompt_key, answer_key) for where, row in rows]
+    records = [_record(row, where, prompt_key, answer_key, template) for where, row in rows]
     if not records:
         raise UserError(f"data.train_path = {path_or_name!r} holds no records. Fix: point it at a non-empty file.")
     return records
@@ -103,12 +121,18 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
     return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist(), start=1)]
 
 
-def _record(row: Any, where: str, prompt_key: str, answer_key: str) -> PromptRecord:
+def _record(row: Any, where: str, prompt_key: str, answer_key: str, template: str | None = None) -> PromptRecord:
     if not isinstance(row, dict):
         raise UserError(
             f"data.train_path {where} is a JSON {type(row).__name__}, not an object. "
             f'Fix: write records like {{"{prompt_key}": "...", "{answer_key}": "..."}}.'
         )
+    if template is not None:
+        missing = [name for name in template_fields(template, "data.prompt_template") if name not in row]
+        if missing:
+            raise UserError(f"data.train_path {where} has no key {missing[0]!r}, which data.prompt_template names; "
+                            f"its keys are {sorted(row)}. Fix: name those keys in the template.")
+        row = row | {prompt_key: template.format_map(row)}
     for field, key in (("data.prompt_key", prompt_key), ("data.answer_key", answer_key)):
         if key not in row:
             raise UserError(
