@@ -29,10 +29,11 @@ LOG_RATIOS = [[math.log(1.5), math.log(0.8)], [math.log(3.0), math.log(0.6)]]
 class RecordingTrainer:
     """What train.py calls on RLTrainer; the batch's engine logprobs are ``rollout``, the actor's ``old``."""
 
-    def __init__(self, batch: Batch, old: torch.Tensor) -> None:
+    def __init__(self, batch: Batch, old: torch.Tensor, kl_coef: float) -> None:
         self.batch, self.old = batch, old
-        self.actor, self.reference, self.critic = object(), None, None
-        self.kl = FixedKLController(0.0)
+        self.ref = (old - 0.25) * batch.mask
+        self.actor, self.reference, self.critic = object(), object() if kl_coef else None, None
+        self.kl = FixedKLController(kl_coef)
         self.groups = SimpleNamespace(rank=0, device=torch.device("cpu"))
         self.updates: list[dict[str, torch.Tensor]] = []
 
@@ -40,7 +41,9 @@ class RecordingTrainer:
         return self.batch, {}
 
     def score(self, batch, model):
-        return self.old.clone() if model is self.actor else None
+        if model is None:
+            return None
+        return self.old.clone() if model is self.actor else self.ref.clone()
 
     def update_actor(self, batch, extras, step):
         self.updates.append(extras)
@@ -85,7 +88,7 @@ def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: lis
     batch = Batch.build([[1, 2], [1, 2]], [[3, 4], [5, 6]], rollout, [1.0, 0.0])
     old = batch.rollout_logprobs.clone()
     old[:, 1:3] += torch.tensor(log_ratios)
-    trainer, tracker = RecordingTrainer(batch, old), Tracker(tmp_path)
+    trainer, tracker = RecordingTrainer(batch, old, algo.kl_coef), Tracker(tmp_path)
     cfg = SimpleNamespace(algorithm=algo, trainer=SimpleNamespace(num_steps=steps),
                           rollout=SimpleNamespace(logprob_diff_max=bound, num_samples_per_prompt=2, max_new_tokens=2),
                           checkpoint=SimpleNamespace(save_every=0, keep_last=1))
@@ -114,6 +117,16 @@ def test_without_a_correction_no_importance_weights_reach_the_loss(monkeypatch, 
     trainer, _, _ = run_train_loop(monkeypatch, tmp_path, AlgorithmConfig(name="grpo"), LOG_RATIOS)
     [extras] = trainer.updates
     assert "is_weights" not in extras and set(extras) == {"old_logprobs", "advantages"}
+
+
+def test_the_reference_reaches_the_loss_when_the_kl_is_not_in_the_reward(monkeypatch, tmp_path):
+    """kl_in_reward: false (the 8B recipes' default): the KL term is the loss's, so its logprobs must get there."""
+    algo = AlgorithmConfig(name="grpo", kl_coef=0.1, kl_estimator="k1")
+    trainer, tracker, batch = run_train_loop(monkeypatch, tmp_path, algo, LOG_RATIOS)
+    [extras] = trainer.updates
+    torch.testing.assert_close(extras["ref_logprobs"], trainer.ref)
+    assert tracker.rows[0]["kl"] == pytest.approx(0.25, rel=1e-6)  # k1 of old - ref on every response token
+    assert tracker.rows[0]["kl_coef"] == 0.1
 
 
 def test_step_zero_stops_an_engine_that_does_not_run_the_trainers_weights(monkeypatch, tmp_path):
