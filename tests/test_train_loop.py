@@ -16,7 +16,7 @@ import torch
 
 from megarl import train
 from megarl.algos.kl import FixedKLController
-from megarl.config import AlgorithmConfig
+from megarl.config import ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from megarl.errors import UserError
 from megarl.rl_step import Batch
 from megarl.trainer import RLTrainer
@@ -82,6 +82,11 @@ class Tracker:
         pass
 
 
+def config(algo: AlgorithmConfig, num_prompts: int = 2, **sections: object) -> Config:
+    data = DataConfig(train_path="unused.jsonl", num_prompts_per_step=num_prompts)
+    return Config(model=ModelConfig(hf_path="unused"), data=data, algorithm=algo, **sections)  # type: ignore[arg-type]
+
+
 def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: list[list[float]], steps: int = 1,
                    bound: float = 2.0) -> tuple[RecordingTrainer, Tracker, Batch]:
     rollout = [[-1.0, -2.0], [-0.5, -1.5]]
@@ -89,9 +94,8 @@ def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: lis
     old = batch.rollout_logprobs.clone()
     old[:, 1:3] += torch.tensor(log_ratios)
     trainer, tracker = RecordingTrainer(batch, old, algo.kl_coef), Tracker(tmp_path)
-    cfg = SimpleNamespace(algorithm=algo, trainer=SimpleNamespace(num_steps=steps),
-                          rollout=SimpleNamespace(logprob_diff_max=bound, num_samples_per_prompt=2, max_new_tokens=2),
-                          checkpoint=SimpleNamespace(save_every=0, keep_last=1))
+    cfg = config(algo, trainer=TrainerConfig(num_steps=steps),
+                 rollout=RolloutConfig(logprob_diff_max=bound, num_samples_per_prompt=2, max_new_tokens=2))
     monkeypatch.setattr("megarl.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker))
     monkeypatch.setattr("megarl.checkpoint.stop_requested", lambda cfg, device: False)
     train.main(["--config", "unused.yaml"])
@@ -153,13 +157,14 @@ class RecordingModel:
 def dp_steps(batch: Batch, mode: str, dp: int, mini_batch_size: int, epochs: int
              ) -> list[list[tuple[list[list[int]], list[torch.Tensor]]]]:
     """Per DP rank, the (sequences, weights) of each optimizer step RLTrainer._optimize takes."""
-    section = SimpleNamespace(mini_batch_size=mini_batch_size, num_ppo_epochs=epochs, dynamic_batch=True,
-                              max_tokens_per_gpu=64, micro_batch_size=1)
+    section = ActorConfig(mini_batch_size=mini_batch_size, num_ppo_epochs=epochs, max_tokens_per_gpu=64)
+    rollout = RolloutConfig(num_samples_per_prompt=2, max_prompt_tokens=8, max_new_tokens=8)
     extras = {"advantages": torch.zeros_like(batch.mask)}
     out = []
     for rank in range(dp):
         t = object.__new__(RLTrainer)
-        t.cfg = SimpleNamespace(algorithm=AlgorithmConfig(name="grpo", loss_aggregation=mode))  # type: ignore[arg-type]
+        t.cfg = config(AlgorithmConfig(name="grpo", loss_aggregation=mode),  # type: ignore[arg-type]
+                       num_prompts=len(batch.sequences) // 2, rollout=rollout, actor=section)
         t.groups = SimpleNamespace(dp_rank=rank, dims=SimpleNamespace(dp=dp))
         model = RecordingModel()
         t._optimize(model, section, batch, extras, None, "test")  # type: ignore[arg-type]

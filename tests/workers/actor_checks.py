@@ -17,7 +17,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -28,7 +27,15 @@ platform = init_platform()
 import torch.distributed as dist  # noqa: E402
 
 from megarl import checkpoint  # noqa: E402
-from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
+from megarl.config import (  # noqa: E402
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+)
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.models.trainable import MegatronModel  # noqa: E402
@@ -72,11 +79,15 @@ def score_all(model: MegatronModel, batch: Batch) -> torch.Tensor:
 def optimize(model: MegatronModel, batch: Batch, extras: dict[str, torch.Tensor], algo: AlgorithmConfig
              ) -> dict[str, float]:
     """One optimizer step on the whole batch (one mini-batch, one epoch) as RLTrainer runs it."""
+    n = len(batch.sequences)
+    # A budget of 24 token slots: several micro-batches per rank.
+    section = ActorConfig(mini_batch_size=n, num_ppo_epochs=1, max_tokens_per_gpu=24)
     trainer = object.__new__(RLTrainer)
-    trainer.cfg = SimpleNamespace(algorithm=algo)  # type: ignore[assignment]
+    trainer.cfg = Config(model=ModelConfig(hf_path=model.hf_dir), data=DataConfig(train_path="unused.jsonl",
+                                                                                  num_prompts_per_step=n // 2),
+                         rollout=RolloutConfig(num_samples_per_prompt=2, max_prompt_tokens=8, max_new_tokens=16),
+                         actor=section, algorithm=algo)
     trainer.groups = model.groups
-    section = SimpleNamespace(mini_batch_size=len(batch.sequences), num_ppo_epochs=1, dynamic_batch=True,
-                              max_tokens_per_gpu=24, micro_batch_size=1)  # several micro-batches per rank
 
     def loss(logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]):
         return actor_loss(model.token_logprobs(logits, tokens), ex, algo, 0.1, model.token_entropy(logits))
