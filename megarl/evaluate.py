@@ -97,11 +97,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.prompt_template is not None:
         template_fields(args.prompt_template, "--prompt-template")
-    reward_fn = load_reward(args.reward)
+    reward_fn = load_reward(args.reward, "--reward")
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as scratch:
         model = str(hf_model(Path(args.model), Path(scratch)))
         tokenizer = load_tokenizer(model, "--model")
-        records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template)
+        records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template, "--data")
         records = records[:args.max_prompts]
         prompts, _ = tokenize_prompts(records, tokenizer, not args.no_chat_template, args.max_prompt_tokens,
                                       source=repr(args.data), system_prompt=args.system_prompt)
