@@ -352,8 +352,9 @@ class AlgorithmConfig:
     outside [1/cap, cap] rejected (out of the loss and its denominators); seq_geomean_tis / seq_geomean_mis =
     the same with the geometric mean of the token ratios and rollout_correction_cap; none = off."""
     rollout_correction_cap: float = 2.0
-    """Truncation (tis) or rejection (mis) bound C > 1 of the token and geometric-mean ratios. A geometric mean
-    over hundreds of tokens stays within a few per cent of 1: bound it tightly (1.01 to 1.1)."""
+    """Truncation (tis) or rejection (mis, outside [1/C, C]) bound C > 1 of the token and geometric-mean ratios.
+    For the seq_geomean modes keep it tight (1.01 to 1.1): a geometric mean over hundreds of tokens stays
+    within a few per cent of 1."""
     rollout_correction_product_cap: float = 2.0
     """Truncation (seq_product_tis) or rejection (seq_product_mis, outside [1/C, C]) bound C > 1 of the
     sequence's importance ratio, which spreads with response length (verl's default, 2; raise it for long

@@ -7,6 +7,7 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from helpers import make_hf_model, run_torchrun, run_worker
 
@@ -56,6 +57,13 @@ def test_tiny_grpo_lr_follows_the_cosine_over_the_whole_run_and_resumes_with_it(
     resumed.mkdir()
     shutil.copytree(full / "step_000002", resumed / "step_000002")
     (resumed / "latest").write_text("step_000002")
+    # As a checkpoint written while the schedule was sized in RL steps holds it: the resumed run takes the
+    # config's shape and the checkpoint's progress (12 optimizer steps).
+    common = resumed / "step_000002" / "actor" / "optimizer" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    assert state["scheduler"]["num_steps"] == 12 and state["scheduler"]["lr_decay_steps"] == 24
+    state["scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 6}
+    torch.save(state, common)
     b = train(resumed)
     assert sorted(b) == [3, 4, 5]
     for step in (3, 4, 5):  # the schedule, Adam's state and the data continue as in the uninterrupted run

@@ -285,7 +285,8 @@ def lr_scheduler(optimizer: Any, optim: OptimizerConfig, num_steps: int, updates
     """Megatron's scheduler for ``optimizer``, stepped once per optimizer step: warm-up over
     ``optim.num_warmup_steps`` RL steps, decay to ``optim.min_lr`` over all ``num_steps`` RL steps, each
     ``updates_per_step`` optimizer steps long (sized in RL steps, the decay would end a factor
-    ``updates_per_step`` early)."""
+    ``updates_per_step`` early). A checkpoint restores how far the schedule has come, never its shape: the
+    config's holds, also for checkpoints written while it was sized in RL steps."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup, total = optim.num_warmup_steps * updates_per_step, num_steps * updates_per_step
@@ -293,4 +294,4 @@ def lr_scheduler(optimizer: Any, optim: OptimizerConfig, num_steps: int, updates
         optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=max(total, warmup + 1), lr_decay_style=optim.lr_schedule,
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total, 1),
-        wd_incr_style="constant")
+        wd_incr_style="constant", override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
