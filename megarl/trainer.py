@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
-from megarl.algos.minibatches import mini_batches
+from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
@@ -352,12 +352,9 @@ class RLTrainer:
         """``num_ppo_epochs`` passes over the batch in shuffled mini-batches of ``mini_batch_size`` samples
         (megarl.algos.minibatches), one optimizer step each. Token weights are normalised per mini-batch over all
         DP ranks, over the tokens of ``mask`` [N, T] (response tokens that count in the loss), so each step
-        optimises the configured aggregation of its mini-batch; each DP rank trains on its share.
-        Returns the mean of each metric over all optimizer steps (lr: the last one's)."""
+        optimises the configured aggregation of its mini-batch; each DP rank trains on its share."""
         g, n, aggregation = self.groups, len(batch.sequences), self.cfg.algorithm.loss_aggregation
-        totals: dict[str, float] = defaultdict(float)
-        num_updates = 0
-        last: dict[str, float] = {}
+        steps: list[dict[str, float]] = []
         for epoch in range(section.num_ppo_epochs):
             parts = mini_batches(n, section.mini_batch_size or n, self.cfg.trainer.seed, step, epoch)
             for part, index in enumerate(parts):
@@ -366,17 +363,10 @@ class RLTrainer:
                 seqs = [batch.sequences[index[j]] for j in mine]
                 rows = {k: [v[index[j], : len(seqs[m]) - 1] for m, j in enumerate(mine)] for k, v in extras.items()}
                 rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
-                last = model.train_step(seqs, rows, loss, *_batching(section),
-                                        where=f"{where}, epoch {epoch}, mini-batch {part + 1} of {len(parts)}",
-                                        routing=_routing(model, batch, [index[j] for j in mine]))
-                for k, v in last.items():
-                    totals[k] += v
-                num_updates += 1
-        metrics = {k: v / num_updates for k, v in totals.items()} | {"lr": last["lr"]}
-        if "num_tokens" in metrics:  # token counts summed over every step: the share of tokens clipped
-            metrics["clip_fraction"] = totals.pop("clipped_tokens") / max(totals.pop("num_tokens"), 1.0)
-            del metrics["clipped_tokens"], metrics["num_tokens"]
-        return metrics
+                steps.append(model.train_step(seqs, rows, loss, *_batching(section),
+                                              where=f"{where}, epoch {epoch}, mini-batch {part + 1} of {len(parts)}",
+                                              routing=_routing(model, batch, [index[j] for j in mine])))
+        return mean_metrics(steps)
 
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
                      ) -> dict[str, float]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
-from megarl.algos.minibatches import mini_batches
+from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.config import build_config
 from megarl.rl_step import Batch, actor_loss_mask, advantages_and_returns
 from megarl.trainer import RLTrainer
@@ -106,3 +107,10 @@ def test_dr_grpo_weights_divide_by_max_new_tokens() -> None:
 def test_one_mini_batch_keeps_the_batch_order() -> None:
     assert mini_batches(6, 6, seed=1, step=2, epoch=0) == [list(range(6))]
     assert mini_batches(6, 3, seed=1, step=2, epoch=0) != mini_batches(6, 3, seed=2, step=2, epoch=0)
+
+
+def test_an_update_reports_its_steps_means_and_the_share_of_all_tokens_clipped() -> None:
+    steps = [{"lr": 2.0, "loss": 1.0, "clipped_tokens": 1.0, "num_tokens": 10.0},
+             {"lr": 1.0, "loss": 3.0, "clipped_tokens": 3.0, "num_tokens": 30.0},
+             {"lr": 0.5, "loss": 2.0, "clipped_tokens": 0.0, "num_tokens": 0.0}]
+    assert mean_metrics(steps) == pytest.approx({"lr": 0.5, "loss": 2.0, "clip_fraction": 4 / 40})
