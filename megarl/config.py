@@ -135,9 +135,11 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Learning rate at the end of a cosine/linear decay."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """Decay after warm-up, over trainer.num_steps optimizer steps."""
+    """Decay after warm-up to min_lr at the end of the run (trainer.num_steps RL steps). The schedule advances
+    once per optimizer step (num_ppo_epochs x rollout batch / mini_batch_size of them per RL step), and not
+    for a float16 step the loss scaler skipped."""
     num_warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
+    """RL steps of linear warm-up from 0 to lr (that many times the optimizer steps of an RL step)."""
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay."""
     adam_beta1: float = 0.9
@@ -182,6 +184,10 @@ class UpdateConfig:
     """Move the optimizer state (fp32 master weights, Adam moments) to pinned host memory while this model is
     not updating (rollout, scoring, the other model's update), for the engine's KV cache. The gradient buffer
     is freed then either way: every update zeroes it first, so nothing is copied."""
+
+    def optimizer_steps(self, rollout_batch: int) -> int:
+        """Optimizer steps per RL step: num_ppo_epochs passes over ``rollout_batch`` samples, one per mini-batch."""
+        return self.num_ppo_epochs * (rollout_batch // (self.mini_batch_size or rollout_batch))
 
     def __post_init__(self) -> None:
         _positive(self, "num_ppo_epochs", "max_tokens_per_gpu", "micro_batch_size")
@@ -324,17 +330,38 @@ class AlgorithmConfig:
     """Target of the measured KL for adaptive_kl: the per-token mean of the KL estimate over response tokens."""
     kl_horizon: int = 10000
     """Horizon, in samples, of the adaptive KL controller."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses are reduced to one number."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                              "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to one number, over each mini-batch's tokens that count (not those of
+    filler groups or rejected sequences): token-mean = sum / number of tokens (DAPO); seq-mean-token-mean = mean
+    per sequence, then over sequences (the original GRPO); seq-mean-token-sum = sum per sequence, then mean over
+    sequences (grows with response length); seq-mean-token-sum-norm = sum per sequence divided by the constant
+    rollout.max_new_tokens, then mean over sequences (Dr. GRPO, Liu et al. 2025: no length-dependent
+    normaliser)."""
     grpo_std_normalize: bool = True
     """Divide group-centred rewards by the group std (false = Dr. GRPO)."""
-    rollout_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "none"
+    rollout_correction: Literal["none", "token_tis", "seq_product_tis", "seq_product_mis", "seq_geomean_tis",
+                                "seq_geomean_mis"] = field(default="none", metadata={"retired": {
+        "seq_tis": "use `seq_geomean_tis` for the same weights (the geometric mean of the token ratios, which stays "
+                   "near 1 on long responses, so a cap of 2 hardly ever acts), or `seq_product_tis` for the "
+                   "sequence's importance ratio, bounded by rollout_correction_product_cap",
+        "seq_mis": "use `seq_geomean_mis` for the same rejections (by the geometric mean of the token ratios, "
+                   "which stays near 1 on long responses), or `seq_product_mis` for rejection by the sequence's "
+                   "importance ratio, bounded by rollout_correction_product_cap"}})
     """Correct for the engine's sampling distribution differing from the trainer's (kernels, bf16, FP8) by
     weighting each token's loss with the ratio pi_trainer / pi_rollout: token_tis = per-token ratio truncated
-    at rollout_correction_cap; seq_tis = the sequence's geometric-mean ratio, truncated; seq_mis = that
-    ratio, with sequences outside [1/cap, cap] dropped; none = off."""
+    at rollout_correction_cap; seq_product_tis = the sequence's ratio (the product of its token ratios, verl's
+    sequence level), truncated at rollout_correction_product_cap; seq_product_mis = that ratio, with sequences
+    outside [1/cap, cap] rejected (out of the loss and its denominators); seq_geomean_tis / seq_geomean_mis =
+    the same with the geometric mean of the token ratios and rollout_correction_cap; none = off."""
     rollout_correction_cap: float = 2.0
-    """Truncation (tis) or rejection (mis) bound C > 1 of rollout_correction's importance ratios."""
+    """Truncation (tis) or rejection (mis, outside [1/C, C]) bound C > 1 of the token and geometric-mean ratios.
+    For the seq_geomean modes keep it tight (1.01 to 1.1): a geometric mean over hundreds of tokens stays
+    within a few per cent of 1."""
+    rollout_correction_product_cap: float = 2.0
+    """Truncation (seq_product_tis) or rejection (seq_product_mis, outside [1/C, C]) bound C > 1 of the
+    sequence's importance ratio, which spreads with response length (verl's default, 2; raise it for long
+    responses)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling (grpo): drop prompts whose samples all got the same reward (no signal) and
     generate more until data.num_prompts_per_step prompts with signal are found."""
@@ -363,6 +390,7 @@ class AlgorithmConfig:
         _within(self, "kl_coef", "[0, inf)", "use 0 to disable the KL penalty")
         _positive(self, "kl_horizon", "dynamic_sampling_max_rounds")
         _within(self, "rollout_correction_cap", "(1, inf)", "use 2.0")
+        _within(self, "rollout_correction_product_cap", "(1, inf)", "use 2.0")
         _within(self, "overlong_buffer_tokens", "[0, inf)", "use 0 to disable the overlong penalty")
         _within(self, "overlong_penalty", "[0, inf)", "use 1.0")
         if self.adaptive_kl:

@@ -217,6 +217,10 @@ def build(cls: type[T], data: object, path: str = "") -> T:
     kwargs: dict[str, object] = {}
     for name, f in fields.items():
         if name in data:
+            retired = f.metadata.get("retired", {})  # a choice that was renamed: {old value: what to use now}
+            if isinstance(data[name], str) and data[name] in retired:
+                raise FieldError(prefix + name, f"= {show(data[name])} is no longer a choice. Fix: "
+                                 f"{retired[data[name]]}.")
             kwargs[name] = _convert(data[name], hints[name], prefix + name)
         elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
             # A required section that is absent: building it from {} names its first missing field.

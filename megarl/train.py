@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
     from megarl import checkpoint
-    from megarl.algos.correction import rollout_correction_weights
+    from megarl.algos.correction import rollout_correction
     from megarl.profiling import check_profile_step, profiled, trace_path
-    from megarl.rl_step import advantages_and_returns, check_drift, logprob_drift
+    from megarl.rl_step import actor_loss_mask, advantages_and_returns, check_drift, logprob_drift
 
     algo = cfg.algorithm
     check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> None:
             extras = {"old_logprobs": old, "advantages": advantages}
             if ref is not None:
                 extras["ref_logprobs"] = ref
-            # Truncated importance weights pi_old / pi_rollout: the engine's sampler is not the trainer's.
-            is_weights, correction = rollout_correction_weights(
-                old, batch.rollout_logprobs, batch.mask, algo.rollout_correction, algo.rollout_correction_cap)
+            # Importance weights pi_old / pi_rollout (truncated, or rejecting sequences): the engine's sampler is
+            # not the trainer's.
+            is_weights, kept, correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
             if algo.rollout_correction != "none":
                 extras["is_weights"] = is_weights
-            with tracker.phase("update"):  # clipped policy updates, epochs x mini-batches
-                metrics = trainer.update_actor(batch, extras, step)
+            with tracker.phase("update"):  # clipped policy updates, epochs x shuffled mini-batches
+                metrics = trainer.update_actor(batch, extras, step, actor_loss_mask(batch, kept))
             with tracker.phase("critic"):
                 if values is not None and returns is not None:
                     metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
