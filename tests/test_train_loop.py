@@ -45,7 +45,7 @@ class RecordingTrainer:
             return None
         return self.old.clone() if model is self.actor else self.ref.clone()
 
-    def update_actor(self, batch, extras, step):
+    def update_actor(self, batch, extras, step, mask):
         self.updates.append(extras)
         return {"actor/loss": 0.0}
 
@@ -167,7 +167,7 @@ def dp_steps(batch: Batch, mode: str, dp: int, mini_batch_size: int, epochs: int
                        num_prompts=len(batch.sequences) // 2, rollout=rollout, actor=section)
         t.groups = SimpleNamespace(dp_rank=rank, dims=SimpleNamespace(dp=dp))
         model = RecordingModel()
-        t._optimize(model, section, batch, extras, None, "test")  # type: ignore[arg-type]
+        t._optimize(model, section, batch, extras, None, "test", 0, batch.mask)  # type: ignore[arg-type]
         out.append(model.steps)
     return out
 

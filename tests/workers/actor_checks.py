@@ -92,7 +92,7 @@ def optimize(model: MegatronModel, batch: Batch, extras: dict[str, torch.Tensor]
     def loss(logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]):
         return actor_loss(model.token_logprobs(logits, tokens), ex, algo, 0.1, model.token_entropy(logits))
 
-    return trainer._optimize(model, section, batch, extras, loss, "dp case")  # type: ignore[arg-type]
+    return trainer._optimize(model, section, batch, extras, loss, "dp case", 0, batch.mask)  # type: ignore[arg-type]
 
 
 def hf_logits(model_dir: str | Path, batch: Batch) -> list[torch.Tensor]:
