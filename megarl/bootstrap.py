@@ -15,10 +15,10 @@ from megarl.tracking import Tracker, open_store
 
 
 def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
-              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any]:
+              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any, list[Any]]:
     """Everything that can be checked in one process before any worker starts: the config, the run
     directory, the layout against the model's shape, the memory plan and the prompts. Returns (config,
-    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer). ``gpu_bytes``: one
+    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer, eval sets). ``gpu_bytes``: one
     GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context)."""
     cfg = load_config(config_path, overrides)
     out_dir = run_dir(cfg)
@@ -54,7 +54,15 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
     prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,
                                         d.drop_long_prompts, repr(d.train_path), d.system_prompt)
-    return cfg, spec, dp, prompts, dropped, tokenizer
+    from megarl.eval_loop import load_eval_sets
+
+    eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))
+    return cfg, spec, dp, prompts, dropped, tokenizer, eval_sets
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Generation stops at the tokenizer's EOS (the engines also stop at generation_config.json's)."""
+    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
 
 
 EXPECTED_WARNINGS = (
@@ -75,12 +83,13 @@ def quiet_expected_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
+def setup(config_path: str, overrides: Sequence[str]
+          ) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any, Any]:
     quiet_expected_warnings()
     standalone_env()
     interrupt.install()
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    cfg, spec, dp, prompts, dropped, tokenizer = check_run(
+    cfg, spec, dp, prompts, dropped, tokenizer, eval_sets = check_run(
         config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
     out_dir = run_dir(cfg)
     from megarl.data.loader import PromptLoader
@@ -106,8 +115,7 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
               flush=True)
     from megarl.trainer import RLTrainer
 
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    trainer = RLTrainer(cfg, groups, stop_token_ids=stop)
+    trainer = RLTrainer(cfg, groups, stop_token_ids=stop_ids(tokenizer))
     start_step, run_id = 0, None
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if resume_from is not None:
@@ -127,7 +135,9 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
-    return cfg, trainer, loader, decode, tracker
+    from megarl.eval_loop import InTrainingEval
+
+    return cfg, trainer, loader, decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
 
 
 def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus_per_node: int = 1) -> None:

@@ -40,22 +40,24 @@ def metrics(rewards: Sequence[Sequence[float]], lengths: Sequence[int], truncate
     return out
 
 
-def evaluate(engine: RolloutEngine, prompts: Sequence[TokenizedPrompt], reward_fn: RewardFn,
-             params: SamplingParams, decode: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
-    """Generate ``params.n`` samples per prompt and score them: (metrics, samples in prompt order)."""
-    start = time.perf_counter()
-    completions: list[Completion] = engine.generate([p.tokens for p in prompts], params)
+def score(prompts: Sequence[TokenizedPrompt], completions: Sequence[Completion], reward_fn: RewardFn, k: int,
+          decode: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
+    """``k`` completions per prompt, grouped in prompt order, scored: (metrics, samples in that order)."""
     texts = [decode(c.token_ids) for c in completions]
-    answers = [prompts[c.prompt_index].record.answer for c in completions]
-    rewards = [float(r) for r in reward_fn(texts, answers)]
+    rewards = [float(r) for r in reward_fn(texts, [prompts[c.prompt_index].record.answer for c in completions])]
     samples = [Sample(prompt=prompts[c.prompt_index].record.prompt, completion=text, reward=reward,
                       tokens=len(c.token_ids), truncated=c.finish_reason == "length")
                for c, text, reward in zip(completions, texts, rewards, strict=True)]
-    k = params.n
     grouped = [rewards[i * k:(i + 1) * k] for i in range(len(prompts))]
-    out = metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples])
-    out["seconds"] = time.perf_counter() - start
-    return out, samples
+    return metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples]), samples
+
+
+def evaluate(engine: RolloutEngine, prompts: Sequence[TokenizedPrompt], reward_fn: RewardFn,
+             params: SamplingParams, decode: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
+    """Generate ``params.n`` samples per prompt and score them: (metrics with seconds, samples in prompt order)."""
+    start = time.perf_counter()
+    out, samples = score(prompts, engine.generate([p.tokens for p in prompts], params), reward_fn, params.n, decode)
+    return out | {"seconds": time.perf_counter() - start}, samples
 
 
 def write_samples(path: Path, samples: Sequence[Sample]) -> None:

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megarl.bootstrap import setup
 
-    cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
+    cfg, trainer, loader, decode, tracker, evals = setup(args.config, args.set)
     from megarl import checkpoint
     from megarl.algos.correction import rollout_correction
     from megarl.profiling import check_profile_step, profiled, trace_path
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
 
     algo = cfg.algorithm
     check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
+    with tracker.phase("eval"):  # held-out accuracy of the starting weights, which the engines hold now
+        held_out = evals.run(trainer, decode, "initial") if evals.before_train and tracker.start_step == 0 else {}
     for step in range(tracker.start_step, cfg.trainer.num_steps):
         with profiled(step == args.profile, trace_path(tracker.out_dir, step, trainer.groups.rank)):
             with tracker.phase("generate"):  # sample responses with the current policy and score them
@@ -73,12 +75,16 @@ def main(argv: list[str] | None = None) -> None:
                 state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
                                 prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
-            if not (stop or last):
+            evaluate = evals.due(step) and not stop
+            if not (stop or last) or evaluate:
                 with tracker.phase("reshard"):  # new weights into the engine's layout, in place
                     trainer.push_weights()
+            with tracker.phase("eval"):  # the weights the engines just received, on the held-out sets
+                held_out |= evals.run(trainer, decode, f"step_{step}") if evaluate else {}
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
             tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.step_metrics()
-                        | {"kl_coef": trainer.kl.value})
+                        | {"kl_coef": trainer.kl.value} | held_out)
+            held_out = {}
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)
                 break

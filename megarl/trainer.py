@@ -40,7 +40,7 @@ from megarl.reshard.predict import describe_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
-from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.group import EngineGroup, GroupEngine, engine_group
 
 
@@ -314,25 +314,30 @@ class RLTrainer:
 
     def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
                  ) -> Batch:
-        """Generate this engine's share of the prompts (on its driver) and score the responses; every rank
-        returns the whole batch (samples of one prompt contiguous)."""
-        r, g, eg = self.cfg.rollout, self.groups, self.engine.group
+        """The prompts' samples, scored; every rank returns the whole batch (samples of one prompt contiguous)."""
+        r = self.cfg.rollout
+        params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003,
+                                stop_token_ids=self.stop_ids)
+        rows = self.generate_all(prompts, params)
+        scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
+        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
+        routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
+        return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
+                           [c.logprobs for c in rows], scores, routing)
+
+    def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
+        prompts i, i + number of engines, ... at seed params.seed + i."""
+        eg = self.engine.group
         assert self._engine_state == "awake", "push_weights() wakes the engine before every rollout"
         mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
-        params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003 + eg.index,
-                                stop_token_ids=self.stop_ids)
-        done = self.engine.generate([prompts[i] for i in mine], params)
-        local = [(mine[c.prompt_index], c.token_ids, c.logprobs, c.routed_experts) for c in done]
-        everything: list[Any] = [None] * g.dims.world_size
-        dist.all_gather_object(everything, local, group=self._host_group)
-        rows = sorted((row for part in everything for row in part), key=lambda x: x[0])  # stable per prompt
-        texts = [decode(row[1]) for row in rows]
-        scores = self.reward_fn(texts, [answers[row[0]] for row in rows])
-        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
-        routing = [row[3] for row in rows] if self.cfg.algorithm.routing_replay else None
-        return Batch.build([prompts[row[0]] for row in rows], [row[1] for row in rows], [row[2] for row in rows],
-                           scores, routing)
+        seeded = dataclasses.replace(params, seed=None if params.seed is None else params.seed + eg.index)
+        done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
+                for c in self.engine.generate([prompts[i] for i in mine], seeded)]
+        everything: list[Any] = [None] * self.groups.dims.world_size
+        dist.all_gather_object(everything, done, group=self._host_group)
+        return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
 
     def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
