@@ -74,3 +74,26 @@ def test_bad_input_is_named_before_any_engine_starts(args: list[str], expected: 
     with pytest.raises(UserError) as err:
         main(["--model", str(REPO / "recipes" / "tiny" / "model"), *args])
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(("dataset", "expected"), [
+    ({"path": "gsm8k:dev"}, "eval.datasets[0].path = 'gsm8k:dev' is not a vendored dataset"),
+    ({"path": "missing.jsonl"}, "eval.datasets[0].path = 'missing.jsonl': no such file"),
+    ({"path": "recipes/tiny/echo.jsonl", "reward": "megarl.rewards.nope:reward"},
+     "eval.datasets[0].reward = 'megarl.rewards.nope:reward': no module named"),
+    ({"path": "EMPTY"}, "holds no records"),
+])
+def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected: str) -> None:
+    from megarl.config import build_config
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.eval_loop import load_eval_sets
+
+    if dataset["path"] == "EMPTY":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        dataset = {"path": str(tmp_path / "empty.jsonl")}
+    cfg = build_config({"model": {"hf_path": "recipes/tiny/model"},
+                        "data": {"train_path": "recipes/tiny/echo.jsonl", "apply_chat_template": False},
+                        "eval": {"datasets": [{"name": "held_out", **dataset}]}})
+    with pytest.raises(UserError) as err:
+        load_eval_sets(cfg, load_tokenizer(str(REPO / "recipes" / "tiny" / "model")), ())
+    assert expected in str(err.value)
