@@ -410,8 +410,8 @@ def _candidates(root: Path) -> list[Path]:
         return [found[s] for s in sorted(found, reverse=True)]
     named = root / (root / LATEST).read_text().strip()
     match = STEP_DIR.fullmatch(named.name)
-    below = int(match.group(1)) if match else 0
-    return [named] + [found[s] for s in sorted(found, reverse=True) if s < below]
+    below = int(match.group(1)) if match else math.inf  # a damaged pointer: every checkpoint is a candidate
+    return [named] + [found[s] for s in sorted(found, reverse=True) if s < below and found[s] != named]
 
 
 def _quarantine(path: Path) -> str:

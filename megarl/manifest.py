@@ -40,10 +40,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def crc32(path: Path) -> str:
-    value = 0
+    value, buffer = 0, bytearray(CHUNK)
+    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK):
-            value = zlib.crc32(chunk, value)
+        while n := f.readinto(buffer):
+            value = zlib.crc32(view[:n], value)
     return f"{value:08x}"
 
 
@@ -61,7 +62,8 @@ def describe(root: Path, paths: Iterable[Path], sync: bool = True) -> dict[str, 
 def write(root: Path, files: dict[str, dict[str, Any]]) -> None:
     """Write ``root``/manifest.json (inside a checkpoint's temporary directory: its rename publishes it)."""
     path = root / MANIFEST
-    path.write_text(json.dumps({"format": "megarl-manifest", "version": 1, "files": files}, indent=1) + "\n")
+    path.write_text(json.dumps({"format": "megarl-manifest", "version": 1, "files": dict(sorted(files.items()))},
+                                 indent=1) + "\n")
     fsync_file(path)
 
 

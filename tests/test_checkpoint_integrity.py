@@ -2,11 +2,12 @@
 ``auto`` passes over damaged checkpoints, the rotation keeps what it must, a full disk is one paragraph.
 
 Fast: checkpoint.save and checkpoint.find run in this process (a gloo world of one) on stand-in models whose
-shards are small files; tests/test_train_recipe.py damages a real checkpoint end to end."""
+shards are small files; tests/test_checkpoint.py damages a real checkpoint end to end."""
 
 from __future__ import annotations
 
 import errno
+import os
 import types
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import run_worker, zero_data
 from megarl import checkpoint, manifest
 from megarl.errors import UserError
 from megarl.parallel import ParallelDims
@@ -46,14 +48,6 @@ def world(tmp_path, monkeypatch):
 def save(root: Path, step: int, keep_last: int = 5) -> Path:
     model = types.SimpleNamespace(step=step, groups=types.SimpleNamespace(dims=ParallelDims(tp=1, pp=1, dp=1)))
     return checkpoint.save(str(root), step, {"actor": model}, {"loader": {}}, keep_last)
-
-
-def zero_data(path: Path) -> None:
-    """Zero a safetensors file's tensor bytes and leave its header as it was (the issue's damage)."""
-    raw = bytearray(path.read_bytes())
-    start = 8 + int.from_bytes(raw[:8], "little")
-    raw[start:] = bytes(len(raw) - start)
-    path.write_bytes(bytes(raw))
 
 
 def test_the_manifest_lists_every_file_with_its_size_and_checksum(world):
@@ -152,3 +146,32 @@ def test_a_full_disk_during_a_save_is_one_paragraph_and_leaves_the_last_checkpoi
     assert not (world / ".step_000002.tmp").exists() and not (world / "step_000002").exists()
     assert (world / "latest").read_text() == good.name and checkpoint.verify(good) is None
 
+
+
+def test_every_rank_reports_the_damage_one_rank_found(world, tmp_path):
+    """Two ranks share the checking; the damaged file is in rank 1's share only. Both must stop alike (one
+    paragraph, reported by rank 0) and fall back alike; neither may wait for the other."""
+    good, bad = save(world, 2), save(world, 5)
+    files = manifest.read(bad)
+    target = manifest.share(files, 1, 2)[0]
+    assert target not in manifest.share(files, 0, 2)
+    (bad / target).write_bytes(b"\0" * (bad / target).stat().st_size)
+    rows = run_worker("checkpoint_verify.py", tmp_path, world, bad, nproc=2)
+    assert len(rows) == 2 and rows[0] == rows[1], rows
+    assert rows[0]["explicit"].startswith("UserError: ") and str(bad / target) in rows[0]["explicit"]
+    assert rows[0]["auto"] == str(good)
+
+
+def test_every_file_and_directory_is_fsynced_before_the_rename_publishes_the_checkpoint(world, monkeypatch):
+    events: list[tuple[str, Path]] = []
+    fsync, replace = manifest.fsync_file, os.replace
+    monkeypatch.setattr(manifest, "fsync_file", lambda path: (events.append(("fsync", Path(path))), fsync(path)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", Path(b))), replace(a, b)))
+    saved = save(world, 1)
+    tmp = world / ".step_000001.tmp"
+    published = events.index(("rename", saved))
+    synced = {path for kind, path in events[:published] if kind == "fsync"}
+    expected = {tmp / p.relative_to(saved) for p in saved.rglob("*")} | {tmp}
+    assert expected <= synced, sorted(expected - synced)
+    assert ("fsync", world) in events[published:]  # the rename itself, and then `latest`'s
+    assert events.index(("rename", world / "latest")) > published
