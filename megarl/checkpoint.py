@@ -14,10 +14,14 @@ Layout of ``checkpoint.dir``:
   step_000012/actor/optimizer/common.pt   Adam step count, LR scheduler, loss scaler
   step_000012/critic/         same for the critic (PPO)
   step_000012/rank{r}.pt      this rank's RNG states
-  step_000012/trainer.json    step, data position, KL controller, layout
+  step_000012/trainer.json    step, data position, KL controller, layout, the run's flattened config
+  step_000012/manifest.json   size and CRC-32 of every other file (megarl.manifest)
   latest                      name of the newest complete checkpoint (replaced atomically)
+  step_000005.damaged/        a checkpoint that failed verification, set aside by ``resume: auto``
 A crash while saving leaves only a ``.step_*.tmp`` directory, which is never read; the previous
-checkpoint and ``latest`` stay as they were. Resuming restores weights, optimizer state, LR
+checkpoint and ``latest`` stay as they were. Every file is fsynced, then checksummed, and the directories
+are fsynced before the rename. A resume first verifies the checkpoint (``verify``: each rank checks its
+share of the bytes) and compares the experiment (megarl.resume_check). Resuming restores weights, optimizer state, LR
 schedule and data position in any TP/PP/DP layout (and with or without the distributed optimizer):
 each saved parameter is merged into its HF form and split again for the new layout (see
 mcore_ckpt.reshard), so the run continues as an uninterrupted run in the new layout would, up to
