@@ -63,6 +63,8 @@ OPTIMIZER = "optimizer"
 COMMON = "common.pt"
 TRAINER = "trainer.json"
 STEP_DIR = re.compile(r"step_(\d{6,})")
+FULL_BELOW = 64 * 2**20
+"""A save that fails with less free space than this in checkpoint.dir failed for the lack of it."""
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -251,7 +253,7 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (_describe_error(error), files))
+    dist.all_gather_object(reports, (_describe_error(error, root), files))
     failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
     published: list[Any] = [None]  # rank 0's failure to publish, if any
     if rank == 0:
@@ -259,14 +261,14 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
             try:
                 _publish(root, tmp, name, {k: v for _, f in reports for k, v in f.items()}, keep_last)
             except Exception as err:  # noqa: BLE001
-                error, published[0] = err, _describe_error(err)
+                error, published[0] = err, _describe_error(err, root)
         if failed or published[0] is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast_object_list(published, src=0)
     if published[0] is not None:
         failed.append((0, published[0]))
     if failed:
-        full = [(r, detail) for r, (code, detail) in failed if code in (errno.ENOSPC, errno.EDQUOT)]
+        full = [(r, detail) for r, (disk_full, detail) in failed if disk_full]
         if full:
             raise UserError(_disk_full(root, name, *full[0])) from None
         if error is not None:
@@ -280,12 +282,21 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
     return root / name
 
 
-def _describe_error(err: BaseException | None) -> tuple[int | None, str] | None:
-    """What every rank needs to know of another's failure (exceptions do not travel between processes)."""
+def _describe_error(err: BaseException | None, where: Path) -> tuple[bool, str] | None:
+    """What every rank needs to know of another's failure (exceptions do not travel between processes): whether
+    the file system of ``where`` is full, and what failed. safetensors and torch.save do not raise OSError: the
+    first names the OS error in its message, the second only an "unexpected pos", hence the look at the space."""
     if err is None:
         return None
-    where = f" ({err.filename})" if isinstance(err, OSError) and err.filename else ""
-    return (err.errno if isinstance(err, OSError) else None), f"{type(err).__name__}: {err}{where}"
+    text = " ".join(str(err).split())
+    full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        marker in text for marker in ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122"))
+    if not full:
+        try:
+            full = shutil.disk_usage(where).free < FULL_BELOW
+        except OSError:
+            pass
+    return full, f"{type(err).__name__}: {text[:300]}"
 
 
 def _disk_full(root: Path, name: str, rank: int, detail: str) -> str:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from helpers import run_worker, zero_data
 from megarl import checkpoint, manifest
@@ -131,18 +133,34 @@ def test_saving_a_step_again_replaces_its_checkpoint(world):
     assert checkpoint.verify(again) is None and not list(world.glob(".*"))
 
 
-def test_a_full_disk_during_a_save_is_one_paragraph_and_leaves_the_last_checkpoint(world, monkeypatch):
+FULL = {  # how each writer reports a full disk (measured on a 1 MiB tmpfs)
+    "open()": lambda path: OSError(errno.ENOSPC, "No space left on device", str(path)),
+    "safetensors": lambda path: SafetensorError("Error while serializing: I/O error: No space left on device "
+                                                "(os error 28)"),
+    "torch.save": lambda path: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+}
+
+
+@pytest.mark.parametrize("writer", FULL)
+@pytest.mark.parametrize("where", ["a rank's shard", "rank 0's manifest"])
+def test_a_full_disk_during_a_save_is_one_paragraph_and_leaves_the_last_checkpoint(world, monkeypatch, where,
+                                                                                    writer):
     good = save(world, 1)
+    free = shutil.disk_usage(world)
 
-    def full(model, out):
-        raise OSError(errno.ENOSPC, "No space left on device", str(out / "tp00_pp00_dp00.safetensors"))
+    def full(out: Path, *args):
+        # torch.save's message says nothing of the disk: the space left does (this one has 1 MiB).
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: free._replace(free=2**20))
+        raise FULL[writer](out)
 
-    monkeypatch.setattr(checkpoint, "_save_optimizer", full)
+    if where == "a rank's shard":
+        monkeypatch.setattr(checkpoint, "_save_optimizer", lambda model, out: full(out / "tp00_pp00_dp00.safetensors"))
+    else:
+        monkeypatch.setattr(manifest, "write", lambda root, files: full(root / manifest.MANIFEST))
     with pytest.raises(UserError) as err:
         save(world, 2)
     message = str(err.value)
-    assert f"checkpoint.dir = {str(world)!r} is full" in message and "GiB are free there" in message
-    assert "No space left on device" in message and "tp00_pp00_dp00.safetensors" in message
+    assert f"checkpoint.dir = {str(world)!r} is full" in message and "0.00 GiB of" in message
     assert not (world / ".step_000002.tmp").exists() and not (world / "step_000002").exists()
     assert (world / "latest").read_text() == good.name and checkpoint.verify(good) is None
 
@@ -175,3 +193,15 @@ def test_every_file_and_directory_is_fsynced_before_the_rename_publishes_the_che
     assert expected <= synced, sorted(expected - synced)
     assert ("fsync", world) in events[published:]  # the rename itself, and then `latest`'s
     assert events.index(("rename", world / "latest")) > published
+
+
+def test_any_other_failure_during_a_save_is_raised_as_it_is_and_leaves_nothing_half_written(world, monkeypatch):
+    good = save(world, 1)
+
+    def broken(model, out):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(checkpoint, "_save_optimizer", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        save(world, 2)
+    assert not (world / ".step_000002.tmp").exists() and (world / "latest").read_text() == good.name
