@@ -301,11 +301,19 @@ def _describe_error(err: BaseException | None, where: Path) -> tuple[bool, str] 
 
 def _disk_full(root: Path, name: str, rank: int, detail: str) -> str:
     usage = shutil.disk_usage(root)
-    return (f"checkpoint.dir = {str(root)!r} is full: saving {name} failed on rank {rank} ({detail}); "
-            f"{usage.free / 2**30:.2f} GiB of {usage.total / 2**30:.1f} GiB are free there. The partial "
-            f".{name}.tmp was removed; the earlier checkpoints and `latest` are as they were. Fix: free space in "
+    found = checkpoints(root)
+    last = found[max(found)] if found else None
+    need = (f"; the last checkpoint, {last.name}, took {_size(sum(f.stat().st_size for f in last.rglob('*')))}"
+            if last is not None else "")
+    return (f"checkpoint.dir = {str(root)!r} is full: saving {name} failed on rank {rank} ({detail}). "
+            f"{_size(usage.free)} of {_size(usage.total)} are free there now{need}. The partial .{name}.tmp was "
+            "removed; the earlier checkpoints and `latest` are as they were. Fix: free space in "
             f"{root} (or point checkpoint.dir at a larger file system, or lower checkpoint.keep_last) and "
             "resume with checkpoint.resume: auto.")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _publish(root: Path, tmp: Path, name: str, files: dict[str, dict[str, Any]], keep_last: int) -> None:

@@ -160,7 +160,8 @@ def test_a_full_disk_during_a_save_is_one_paragraph_and_leaves_the_last_checkpoi
     with pytest.raises(UserError) as err:
         save(world, 2)
     message = str(err.value)
-    assert f"checkpoint.dir = {str(world)!r} is full" in message and "0.00 GiB of" in message
+    assert f"checkpoint.dir = {str(world)!r} is full" in message and "1.0 MiB of" in message
+    assert f"the last checkpoint, {good.name}, took" in message
     assert not (world / ".step_000002.tmp").exists() and not (world / "step_000002").exists()
     assert (world / "latest").read_text() == good.name and checkpoint.verify(good) is None
 
