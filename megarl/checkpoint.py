@@ -262,6 +262,9 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
                 _publish(root, tmp, name, {k: v for _, f in reports for k, v in f.items()}, keep_last)
             except Exception as err:  # noqa: BLE001
                 error, published[0] = err, _describe_error(err, root)
+            except BaseException:  # interrupted before the rename: nothing half-written stays
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         if failed or published[0] is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast_object_list(published, src=0)
