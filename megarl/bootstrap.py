@@ -16,10 +16,10 @@ from megarl.tracking import Tracker, open_store
 
 
 def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
-              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any]:
+              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any, list[Any]]:
     """Everything that can be checked in one process before any worker starts: the config, the run
     directory, the layout against the model's shape, the memory plan and the prompts. Returns (config,
-    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer). ``gpu_bytes``: one
+    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer, eval sets). ``gpu_bytes``: one
     GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context)."""
     cfg = load_config(config_path, overrides)
     out_dir = run_dir(cfg)
@@ -44,17 +44,26 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
-    from transformers import AutoTokenizer
-
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts
+    from megarl.data.tokenizer import check_hf_config, load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-    records = load_prompts(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key)
-    prompts, dropped = tokenize_prompts(records, tokenizer, cfg.data.apply_chat_template,
-                                        cfg.rollout.max_prompt_tokens, cfg.data.drop_long_prompts,
-                                        repr(cfg.data.train_path))
-    return cfg, spec, dp, prompts, dropped, tokenizer
+    tokenizer = load_tokenizer(cfg.model.hf_path)
+    if cfg.critic.hf_path:
+        check_hf_config(cfg.critic.hf_path, "critic.hf_path")
+    d = cfg.data
+    records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
+    prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,
+                                        d.drop_long_prompts, repr(d.train_path), d.system_prompt)
+    from megarl.eval_loop import load_eval_sets
+
+    eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))
+    return cfg, spec, dp, prompts, dropped, tokenizer, eval_sets
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Generation stops at the tokenizer's EOS (the engines also stop at generation_config.json's)."""
+    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
 
 
 EXPECTED_WARNINGS = (
@@ -75,12 +84,13 @@ def quiet_expected_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any]:
+def setup(config_path: str, overrides: Sequence[str]
+          ) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any, Any]:
     quiet_expected_warnings()
     standalone_env()
     interrupt.install()
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    cfg, spec, dp, prompts, dropped, tokenizer = check_run(
+    cfg, spec, dp, prompts, dropped, tokenizer, eval_sets = check_run(
         config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
     out_dir = run_dir(cfg)
     from megarl.data.loader import PromptLoader
@@ -106,11 +116,10 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
               flush=True)
     from megarl.trainer import RLTrainer
 
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
     if resume_from is not None:
         check_unchanged(cfg, resume_from, groups.rank)
-    trainer = RLTrainer(cfg, groups, stop_token_ids=stop)
+    trainer = RLTrainer(cfg, groups, stop_token_ids=stop_ids(tokenizer))
     start_step, run_id = 0, None
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
@@ -129,7 +138,9 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
-    return cfg, trainer, loader, decode, tracker
+    from megarl.eval_loop import InTrainingEval
+
+    return cfg, trainer, loader, decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
 
 
 def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus_per_node: int = 1) -> None:

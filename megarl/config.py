@@ -135,9 +135,11 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Learning rate at the end of a cosine/linear decay."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """Decay after warm-up, over trainer.num_steps optimizer steps."""
+    """Decay after warm-up to min_lr at the end of the run (trainer.num_steps RL steps). The schedule advances
+    once per optimizer step (num_ppo_epochs x rollout batch / mini_batch_size of them per RL step), and not
+    for a float16 step the loss scaler skipped."""
     num_warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
+    """RL steps of linear warm-up from 0 to lr (that many times the optimizer steps of an RL step)."""
     weight_decay: float = 0.0
     """Decoupled (AdamW) weight decay."""
     adam_beta1: float = 0.9
@@ -183,6 +185,10 @@ class UpdateConfig:
     not updating (rollout, scoring, the other model's update), for the engine's KV cache. The gradient buffer
     is freed then either way: every update zeroes it first, so nothing is copied."""
 
+    def optimizer_steps(self, rollout_batch: int) -> int:
+        """Optimizer steps per RL step: num_ppo_epochs passes over ``rollout_batch`` samples, one per mini-batch."""
+        return self.num_ppo_epochs * (rollout_batch // (self.mini_batch_size or rollout_batch))
+
     def __post_init__(self) -> None:
         _positive(self, "num_ppo_epochs", "max_tokens_per_gpu", "micro_batch_size")
         _within(self, "mini_batch_size", "[1, inf)", "set a sample count, or null for one step per epoch")
@@ -224,11 +230,14 @@ class RolloutConfig:
     """Completions per prompt (the group size for GRPO, which needs at least 2)."""
     temperature: float = 1.0
     """Sampling temperature T > 0; the trainer's log-probabilities and entropy are those of softmax(logits / T),
-    the distribution the engine samples from (top_p/top_k truncation is not modelled: see rollout_correction)."""
+    the distribution the engine samples from."""
     top_p: float = 1.0
-    """Nucleus-sampling mass, in (0, 1]; 1 = off."""
+    """Nucleus-sampling mass, in (0, 1]; 1 = off. The trainer scores the full softmax(logits / T), so below 1 the
+    samples come from another policy: refused with SGLang, whose logprobs are of the full distribution (the
+    truncation is invisible), and with vLLM, whose logprobs are of the truncated one, allowed only with
+    algorithm.rollout_correction (benchmarks/truncated_logprobs.py measures the gap)."""
     top_k: int = -1
-    """Top-k sampling; -1 = off."""
+    """Top-k sampling; -1 = off. Refused or allowed as top_p is."""
     max_new_tokens: int = 1024
     """Generation length limit per completion."""
     max_prompt_tokens: int = 1024
@@ -321,17 +330,38 @@ class AlgorithmConfig:
     """Target of the measured KL for adaptive_kl: the per-token mean of the KL estimate over response tokens."""
     kl_horizon: int = 10000
     """Horizon, in samples, of the adaptive KL controller."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses are reduced to one number."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                              "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses are reduced to one number, over each mini-batch's tokens that count (not those of
+    filler groups or rejected sequences): token-mean = sum / number of tokens (DAPO); seq-mean-token-mean = mean
+    per sequence, then over sequences (the original GRPO); seq-mean-token-sum = sum per sequence, then mean over
+    sequences (grows with response length); seq-mean-token-sum-norm = sum per sequence divided by the constant
+    rollout.max_new_tokens, then mean over sequences (Dr. GRPO, Liu et al. 2025: no length-dependent
+    normaliser)."""
     grpo_std_normalize: bool = True
     """Divide group-centred rewards by the group std (false = Dr. GRPO)."""
-    rollout_correction: Literal["none", "token_tis", "seq_tis", "seq_mis"] = "none"
+    rollout_correction: Literal["none", "token_tis", "seq_product_tis", "seq_product_mis", "seq_geomean_tis",
+                                "seq_geomean_mis"] = field(default="none", metadata={"retired": {
+        "seq_tis": "use `seq_geomean_tis` for the same weights (the geometric mean of the token ratios, which stays "
+                   "near 1 on long responses, so a cap of 2 hardly ever acts), or `seq_product_tis` for the "
+                   "sequence's importance ratio, bounded by rollout_correction_product_cap",
+        "seq_mis": "use `seq_geomean_mis` for the same rejections (by the geometric mean of the token ratios, "
+                   "which stays near 1 on long responses), or `seq_product_mis` for rejection by the sequence's "
+                   "importance ratio, bounded by rollout_correction_product_cap"}})
     """Correct for the engine's sampling distribution differing from the trainer's (kernels, bf16, FP8) by
     weighting each token's loss with the ratio pi_trainer / pi_rollout: token_tis = per-token ratio truncated
-    at rollout_correction_cap; seq_tis = the sequence's geometric-mean ratio, truncated; seq_mis = that
-    ratio, with sequences outside [1/cap, cap] dropped; none = off."""
+    at rollout_correction_cap; seq_product_tis = the sequence's ratio (the product of its token ratios, verl's
+    sequence level), truncated at rollout_correction_product_cap; seq_product_mis = that ratio, with sequences
+    outside [1/cap, cap] rejected (out of the loss and its denominators); seq_geomean_tis / seq_geomean_mis =
+    the same with the geometric mean of the token ratios and rollout_correction_cap; none = off."""
     rollout_correction_cap: float = 2.0
-    """Truncation (tis) or rejection (mis) bound C > 1 of rollout_correction's importance ratios."""
+    """Truncation (tis) or rejection (mis, outside [1/C, C]) bound C > 1 of the token and geometric-mean ratios.
+    For the seq_geomean modes keep it tight (1.01 to 1.1): a geometric mean over hundreds of tokens stays
+    within a few per cent of 1."""
+    rollout_correction_product_cap: float = 2.0
+    """Truncation (seq_product_tis) or rejection (seq_product_mis, outside [1/C, C]) bound C > 1 of the
+    sequence's importance ratio, which spreads with response length (verl's default, 2; raise it for long
+    responses)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling (grpo): drop prompts whose samples all got the same reward (no signal) and
     generate more until data.num_prompts_per_step prompts with signal are found."""
@@ -360,6 +390,7 @@ class AlgorithmConfig:
         _within(self, "kl_coef", "[0, inf)", "use 0 to disable the KL penalty")
         _positive(self, "kl_horizon", "dynamic_sampling_max_rounds")
         _within(self, "rollout_correction_cap", "(1, inf)", "use 2.0")
+        _within(self, "rollout_correction_product_cap", "(1, inf)", "use 2.0")
         _within(self, "overlong_buffer_tokens", "[0, inf)", "use 0 to disable the overlong penalty")
         _within(self, "overlong_penalty", "[0, inf)", "use 1.0")
         if self.adaptive_kl:
@@ -387,6 +418,13 @@ class DataConfig:
     """Record field holding the prompt."""
     answer_key: str = "answer"
     """Record field holding the reference answer passed to the reward function."""
+    prompt_template: str | None = None
+    """Format string over each record's fields that makes its prompt, e.g. "{question} Let's think step by step
+    and output the final answer after \"####\"." (the GSM8K instruction verl's recipes use); null = the
+    prompt_key field as it is."""
+    system_prompt: str | None = None
+    """A system turn before every prompt (with apply_chat_template; without it, text before the prompt and a
+    blank line); null = none."""
     apply_chat_template: bool = True
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     shuffle: bool = True
@@ -401,6 +439,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         _nonempty(self, "train_path", "prompt_key", "answer_key")
         _positive(self, "num_prompts_per_step")
+        if self.prompt_template is not None:
+            from megarl.data.prompts import template_fields
+
+            template_fields(self.prompt_template, "data.prompt_template")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -488,6 +530,70 @@ class TrackingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalDatasetConfig:
+    name: str
+    """Its metrics' prefix: eval/<name>/accuracy, and its samples' folder eval/<name>/ in the run directory."""
+    path: str
+    """"gsm8k:test" (vendored) or a .jsonl / .parquet file, read like data.train_path."""
+    prompt_key: str | None = None
+    """Record field holding the prompt; null = data.prompt_key."""
+    answer_key: str | None = None
+    """Record field holding the reference answer; null = data.answer_key."""
+    prompt_template: str | None = None
+    """Format string over the record's fields; null = data.prompt_template."""
+    system_prompt: str | None = None
+    """System turn before every prompt; null = data.system_prompt."""
+    reward: str | None = None
+    """Reward function "module:function" scoring the samples; null = trainer.reward."""
+    max_prompts: int | None = None
+    """Evaluate the first N prompts only; null = all."""
+    num_samples: int | None = None
+    """Samples per prompt (k of pass@k); null = eval.num_samples."""
+    temperature: float | None = None
+    """Sampling temperature, 0 = greedy; null = eval.temperature."""
+    max_new_tokens: int | None = None
+    """Generation length limit; null = eval.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "name", self.name,
+              "be letters, digits, '_', '.' or '-' (it names metrics and a folder)", "use a name such as gsm8k")
+        _nonempty(self, "path")
+        for name in ("max_prompts", "num_samples", "max_new_tokens"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, name, value, "be null or >= 1", "use null for the default")
+        check(self.temperature is None or self.temperature >= 0, "temperature", self.temperature,
+              "be null or >= 0 (0 = greedy)", "use 0 for greedy decoding")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate the weights after every N-th step (0 = only before_train and the final weights); the run always
+    ends with an evaluation of its final weights when datasets are given."""
+    before_train: bool = False
+    """Evaluate the starting weights before the first step."""
+    num_samples: int = 1
+    """Samples per prompt (k of pass@k and mean@k)."""
+    temperature: float = 0.0
+    """Sampling temperature, 0 = greedy."""
+    max_new_tokens: int | None = None
+    """Generation length limit; null = rollout.max_new_tokens (the engine's context allows no more)."""
+    datasets: list[EvalDatasetConfig] = field(default_factory=list)
+    """Held-out sets, each evaluated on the rollout engines with the weights already handed over; a sample is
+    correct when its reward is positive."""
+
+    def __post_init__(self) -> None:
+        check(self.every >= 0, "every", self.every, "be >= 0", "use 0 to evaluate only at the ends of the run")
+        _positive(self, "num_samples")
+        check(self.temperature >= 0, "temperature", self.temperature, "be >= 0 (0 = greedy)", "use 0 for greedy")
+        check(self.max_new_tokens is None or self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
+              "be null or >= 1", "use null for rollout.max_new_tokens")
+        names = [d.name for d in self.datasets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        check(not dupes, "datasets", dupes, "name every dataset once", "give each dataset its own name")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     model: ModelConfig
     """Model to train."""
@@ -511,6 +617,8 @@ class Config:
     """Saving and resuming."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """Experiment tracking."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training (megarl.eval_loop)."""
 
     def __post_init__(self) -> None:
         n = self.rollout.num_samples_per_prompt
@@ -533,6 +641,8 @@ class Config:
         check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
               algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
+        self._check_truncation()
+        self._check_eval()
         batch = self.data.num_prompts_per_step * n
         longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
         for name, section in self.trained_sections():
@@ -552,6 +662,37 @@ class Config:
                 f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
                 f"raise it to at least {longest} or shorten the rollout limits",
             )
+
+    def _check_eval(self) -> None:
+        """Evaluation runs on the rollout engines, whose context is max_prompt_tokens + max_new_tokens."""
+        limit = self.rollout.max_new_tokens
+        for where, value in [("eval.max_new_tokens", self.eval.max_new_tokens)] + [
+                (f"eval.datasets[{i}].max_new_tokens", d.max_new_tokens) for i, d in enumerate(self.eval.datasets)]:
+            check(value is None or value <= limit, where, value, f"be <= rollout.max_new_tokens = {limit}: the "
+                  "engines' context holds no more", f"raise rollout.max_new_tokens, or lower {where}")
+        for i, d in enumerate(self.eval.datasets):
+            k = d.num_samples or self.eval.num_samples
+            t = self.eval.temperature if d.temperature is None else d.temperature
+            check(k == 1 or t > 0, f"eval.datasets[{i}].num_samples", k, f"be 1 at temperature {t}: greedy samples "
+                  "are all the same", "set a temperature > 0 for pass@k, or num_samples: 1")
+
+    def _check_truncation(self) -> None:
+        """top_p / top_k: the engine samples from the truncated distribution, the trainer scores the full one."""
+        r = self.rollout
+        for name, off in (("top_p", 1.0), ("top_k", -1)):
+            value = getattr(r, name)
+            check(value == off or r.engine == "vllm", f"rollout.{name}", value, f"be {off} with SGLang: it samples "
+                  "from the truncated distribution but returns log-probabilities of the full one (measured with "
+                  "SGLang 0.5.17 on an H200: they match the full softmax(logits / T) to 0.013 nats, while the policy "
+                  "it samples from differs by 0.10 nats per token at top_p 0.9 and 0.45 at top_k 20, "
+                  "benchmarks/results/h200/reliability), so neither the trainer, the logprob drift check nor a "
+                  "rollout correction would see the policy the samples came from",
+                  f"set rollout.{name}: {off}, and lower rollout.temperature for less varied samples")
+            check(value == off or self.algorithm.rollout_correction != "none", f"rollout.{name}", value,
+                  f"be {off} without algorithm.rollout_correction: vLLM samples from the truncated distribution and "
+                  "returns its log-probabilities, which differ from the trainer's full softmax(logits / T) by the "
+                  "log of the mass kept (0.10 nats per token at top_p 0.9), so the update would be off-policy "
+                  "uncorrected", f"set algorithm.rollout_correction: token_tis, or rollout.{name}: {off}")
 
     def trained_sections(self) -> list[tuple[str, UpdateConfig]]:
         """The (name, section) of each model trained by the algorithm: actor, plus critic for ppo."""

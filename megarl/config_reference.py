@@ -35,7 +35,7 @@ def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         return f"`{field.default!r}`" if field.default is not None else "`null`"
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return "`{}`" if field.default_factory is dict else "(section)"
+        return {dict: "`{}`", list: "`[]`"}.get(field.default_factory, "(section)")  # type: ignore[call-overload]
     return "**required**"
 
 
@@ -46,6 +46,11 @@ def _rows(cls: type, prefix: str, hints: dict[str, object]) -> list[str]:
         tp = hints[field.name]
         if dataclasses.is_dataclass(tp):
             rows += _rows(tp, f"{prefix}{field.name}.", typing.get_type_hints(tp))  # type: ignore[arg-type]
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(item):
+            rows.append(f"| `{prefix}{field.name}` | list | {_default(field)} | {docs.get(field.name, '')} |")
+            rows += _rows(item, f"{prefix}{field.name}[].", typing.get_type_hints(item))  # type: ignore[arg-type]
             continue
         rows.append(f"| `{prefix}{field.name}` | {_type_name(tp)} | {_default(field)} | {docs.get(field.name, '')} |")
     return rows

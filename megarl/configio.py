@@ -128,6 +128,11 @@ def _convert(value: object, tp: Any, path: str, nullable: bool = False) -> objec
         expected = " or ".join(f"`{get_args(a)[0]}`" if get_origin(a) is Literal else _TYPE_NAMES.get(a, str(a))
                                for a in inner)
         raise FieldError(path, f"= {show(value)} has the wrong type: it must be {expected}. Fix: set {expected}.")
+    if origin is list:
+        if isinstance(value, list):
+            return [_convert(item, get_args(tp)[0], f"{path}[{i}]") for i, item in enumerate(value)]
+        raise FieldError(path, f"= {show(value)} must be a list. Fix: write `{path.rsplit('.', 1)[-1]}:` followed by "
+                               "indented `- ` items.")
     if origin is dict:
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
             return dict(value)
@@ -217,6 +222,10 @@ def build(cls: type[T], data: object, path: str = "") -> T:
     kwargs: dict[str, object] = {}
     for name, f in fields.items():
         if name in data:
+            retired = f.metadata.get("retired", {})  # a choice that was renamed: {old value: what to use now}
+            if isinstance(data[name], str) and data[name] in retired:
+                raise FieldError(prefix + name, f"= {show(data[name])} is no longer a choice. Fix: "
+                                 f"{retired[data[name]]}.")
             kwargs[name] = _convert(data[name], hints[name], prefix + name)
         elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
             # A required section that is absent: building it from {} names its first missing field.

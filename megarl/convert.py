@@ -2,8 +2,10 @@
 
   python -m megarl.convert hf-to-mcore --hf DIR --out DIR --tp N --pp M
   python -m megarl.convert mcore-to-hf --ckpt DIR --out DIR
+  python -m megarl.convert gguf-to-hf --gguf FILE --out DIR [--dtype bfloat16|float32]
 
-The round trip is bit-exact: dtypes are kept and vocab padding is dropped on export.
+The round trip is bit-exact: dtypes are kept and vocab padding is dropped on export. gguf-to-hf dequantises
+a GGUF file (e.g. SmolLM2-135M-Instruct, scripts/get_smollm2.sh) into an ordinary HF directory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron TP/PP shards -> HF safetensors + config.json")
     to_hf.add_argument("--ckpt", required=True, help="megarl Megatron checkpoint directory")
     to_hf.add_argument("--out", required=True, help="new HF model directory")
+    from_gguf = sub.add_parser("gguf-to-hf", help="GGUF file -> HF safetensors, config.json, tokenizer")
+    from_gguf.add_argument("--gguf", required=True, help="a .gguf file (any quantisation transformers reads)")
+    from_gguf.add_argument("--out", required=True, help="new HF model directory")
+    from_gguf.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                           help="dtype of the written weights")
     # argparse's own errors already exit with code 2 and a one-line message.
     return parser.parse_args(argv)
 
@@ -39,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if args.command == "hf-to-mcore":
         hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple, log=True)
+    elif args.command == "gguf-to-hf":
+        from megarl.models.gguf_import import gguf_to_hf
+
+        gguf_to_hf(args.gguf, args.out, args.dtype)
     else:
         spec, tensors = open_mcore(args.ckpt)
         write_hf(args.out, tensors, spec, source_dir=args.ckpt)

@@ -42,6 +42,7 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     lines = [f"megarl: {len(rows)} steps (steps {rows[0]['step']}-{rows[-1]['step']}) in {run_dir}",
              f"  reward {mean(first, 'reward_mean'):.3f} (first {len(first)} steps) -> "
              f"{mean(last, 'reward_mean'):.3f} (last {len(last)})",
+             *eval_lines(rows),
              f"  median phase times per step: {times}",
              f"  metrics: {run_dir / 'metrics.jsonl'}, plot: {plot_note or run_dir / 'metrics.png'}"]
     store = run_dir / "mlflow.db"
@@ -57,24 +58,53 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     return "\n".join(lines)
 
 
+def eval_curve(rows: list[dict[str, float]], name: str) -> list[tuple[int, float]]:
+    """(updates applied, accuracy) of eval set ``name``: its initial evaluation at 0, step N's at N + 1."""
+    points = [(0, r[f"eval/{name}/initial/accuracy"]) for r in rows if f"eval/{name}/initial/accuracy" in r]
+    return points + [(int(r["step"]) + 1, r[f"eval/{name}/accuracy"]) for r in rows if f"eval/{name}/accuracy" in r]
+
+
+def eval_names(rows: list[dict[str, float]]) -> list[str]:
+    return sorted({k.split("/")[1] for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")})
+
+
+def eval_lines(rows: list[dict[str, float]]) -> list[str]:
+    """Per eval set: first, best and last held-out accuracy, with the number of updates behind each."""
+    lines = []
+    for name in eval_names(rows):
+        curve = eval_curve(rows, name)
+        best = max(curve, key=lambda p: p[1])
+        lines.append(f"  eval {name}: accuracy {curve[0][1]:.3f} (after {curve[0][0]} updates) -> best "
+                     f"{best[1]:.3f} (after {best[0]}) -> last {curve[-1][1]:.3f} (after {curve[-1][0]})")
+    return lines
+
+
 def plot(run_dir: Path, rows: list[dict[str, float]]) -> Path:
-    """metrics.png: reward, logprob gap and phase times against the step; written atomically."""
+    """metrics.png: reward, held-out accuracy (with eval sets), logprob gap and phase times against the step;
+    written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    names = eval_names(rows)
+    fig, axes = plt.subplots(3 + bool(names), 1, figsize=(8, 9 + 3 * bool(names)), sharex=True)
     axes[0].plot(steps, [r["reward_mean"] for r in rows])
     axes[0].set_ylabel("mean reward")
-    axes[1].semilogy(steps, [max(r.get("logprob_diff_max", 0.0), 1e-12) for r in rows])
-    axes[1].set_ylabel("max |rollout - trainer|\nlogprob")
+    if names:  # accuracy after N + 1 updates sits at step N, the initial one at step -1
+        for name in names:
+            curve = eval_curve(rows, name)
+            axes[1].plot([u - 1 for u, _ in curve], [a for _, a in curve], marker="o", label=name)
+        axes[1].set_ylabel("held-out accuracy")
+        axes[1].legend(fontsize="small")
+    axes[-2].semilogy(steps, [max(r.get("logprob_diff_max", 0.0), 1e-12) for r in rows])
+    axes[-2].set_ylabel("max |rollout - trainer|\nlogprob")
     for key in sorted({k for r in rows for k in r if k.startswith("time/")}):
-        axes[2].plot(steps, [r.get(key, float("nan")) for r in rows], label=key[5:])
-    axes[2].set_ylabel("seconds")
-    axes[2].set_xlabel("step")
-    axes[2].legend(fontsize="small", ncol=3)
+        axes[-1].plot(steps, [r.get(key, float("nan")) for r in rows], label=key[5:])
+    axes[-1].set_ylabel("seconds")
+    axes[-1].set_xlabel("step")
+    axes[-1].legend(fontsize="small", ncol=3)
     fig.tight_layout()
     out = run_dir / "metrics.png"
     tmp = run_dir / ".metrics.png.tmp"

@@ -7,6 +7,7 @@ token j of sequence i sits at column prompt_len_i - 1 + j.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +34,15 @@ class Batch:
     rollout_logprobs: torch.Tensor
     scores: torch.Tensor
     """[N] outcome rewards."""
+    informative: torch.Tensor
+    """[N] 1.0, or 0.0 for DAPO's filler groups (dynamic sampling found too few prompts with signal), which only
+    keep the batch at its configured size: the actor's loss leaves them out (actor_loss_mask)."""
     routing: list[np.ndarray] | None = None
     """MoE with routing replay: each sequence's [len-1, num_layers, k] experts, as the engine routed them."""
+
+    def as_filler(self) -> Batch:
+        """These samples as filler: in the batch, out of the actor's loss."""
+        return dataclasses.replace(self, informative=torch.zeros(len(self.sequences)))
 
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -50,7 +58,7 @@ class Batch:
         if routing is not None:
             assert all(r.shape[0] == len(s) - 1 for r, s in zip(routing, sequences, strict=True))
         return Batch(sequences, [len(p) for p in prompts], mask, lp, torch.tensor(scores, dtype=torch.float32),
-                     None if routing is None else list(routing))
+                     torch.ones(len(sequences)), None if routing is None else list(routing))
 
     def stack(self, rows: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """Per-sequence [len-1] tensors by batch index -> [N, T], zero where no row is given."""
@@ -69,7 +77,7 @@ class Batch:
         width = max(len(s) for s in sequences) - 1
         rows = torch.tensor(list(index), dtype=torch.long)
         return Batch(sequences, [self.prompt_lens[i] for i in index], self.mask[rows, :width],
-                     self.rollout_logprobs[rows, :width], self.scores[rows],
+                     self.rollout_logprobs[rows, :width], self.scores[rows], self.informative[rows],
                      None if self.routing is None else [self.routing[i] for i in index])
 
     @staticmethod
@@ -85,7 +93,15 @@ class Batch:
         assert len({r is None for r in routed}) == 1, "routing on some parts only"
         return Batch([s for p in parts for s in p.sequences], [n for p in parts for n in p.prompt_lens],
                      cat("mask"), cat("rollout_logprobs"), torch.cat([p.scores for p in parts]),
+                     torch.cat([p.informative for p in parts]),
                      None if any(r is None for r in routed) else [x for r in routed if r is not None for x in r])
+
+
+def actor_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
+    """[N, T]: the response tokens the actor's loss counts, in its terms and in its denominators: those ``kept``
+    by the rollout correction (algos.correction: not rejected), and not those of filler groups (no signal, so
+    they would only dilute the informative samples' policy gradient)."""
+    return kept * batch.informative[:, None]
 
 
 def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, float]:

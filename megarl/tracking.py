@@ -103,6 +103,8 @@ class Tracker:
             f"clip {row.get('actor/clip_fraction', 0.0):.3f} gnorm {row.get('actor/grad_norm', 0.0):.3f} "
             f"lp-diff {row['logprob_diff_max']:.2e} | " + " ".join(
                 f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | {row['tokens_per_s']:.0f} tok/s"
+            + "".join(f" | eval {k.split('/')[1]} {v:.3f}" for k, v in row.items()
+                      if k.startswith("eval/") and k.endswith("/accuracy") and "/initial/" not in k)
             + f" | ETA {self._eta(step)}")
 
     def _eta(self, step: int) -> str:

@@ -29,14 +29,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from megarl.bootstrap import setup
 
-    cfg, trainer, loader, decode, tracker = setup(args.config, args.set)
+    cfg, trainer, loader, decode, tracker, evals = setup(args.config, args.set)
     from megarl import checkpoint
-    from megarl.algos.correction import rollout_correction_weights
+    from megarl.algos.correction import rollout_correction
     from megarl.profiling import check_profile_step, profiled, trace_path
-    from megarl.rl_step import advantages_and_returns, check_drift, logprob_drift
+    from megarl.rl_step import actor_loss_mask, advantages_and_returns, check_drift, logprob_drift
 
     algo = cfg.algorithm
     check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
+    with tracker.phase("eval"):  # held-out accuracy of the starting weights, which the engines hold now
+        held_out = evals.run(trainer, decode, "initial") if evals.before_train and tracker.start_step == 0 else {}
     for step in range(tracker.start_step, cfg.trainer.num_steps):
         with profiled(step == args.profile, trace_path(tracker.out_dir, step, trainer.groups.rank)):
             with tracker.phase("generate"):  # sample responses with the current policy and score them
@@ -55,13 +57,13 @@ def main(argv: list[str] | None = None) -> None:
             extras = {"old_logprobs": old, "advantages": advantages}
             if ref is not None:
                 extras["ref_logprobs"] = ref
-            # Truncated importance weights pi_old / pi_rollout: the engine's sampler is not the trainer's.
-            is_weights, correction = rollout_correction_weights(
-                old, batch.rollout_logprobs, batch.mask, algo.rollout_correction, algo.rollout_correction_cap)
+            # Importance weights pi_old / pi_rollout (truncated, or rejecting sequences): the engine's sampler is
+            # not the trainer's.
+            is_weights, kept, correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
             if algo.rollout_correction != "none":
                 extras["is_weights"] = is_weights
-            with tracker.phase("update"):  # clipped policy updates, epochs x mini-batches
-                metrics = trainer.update_actor(batch, extras, step)
+            with tracker.phase("update"):  # clipped policy updates, epochs x shuffled mini-batches
+                metrics = trainer.update_actor(batch, extras, step, actor_loss_mask(batch, kept))
             with tracker.phase("critic"):
                 if values is not None and returns is not None:
                     metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
@@ -74,12 +76,16 @@ def main(argv: list[str] | None = None) -> None:
                          "config": cfg.to_flat_dict()}  # a resume compares the experiment with it
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
                                 prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
-            if not (stop or last):
+            evaluate = evals.due(step) and not stop
+            if not (stop or last) or evaluate:
                 with tracker.phase("reshard"):  # new weights into the engine's layout, in place
                     trainer.push_weights()
+            with tracker.phase("eval"):  # the weights the engines just received, on the held-out sets
+                held_out |= evals.run(trainer, decode, f"step_{step}") if evaluate else {}
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
             tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.step_metrics()
-                        | {"kl_coef": trainer.kl.value})
+                        | {"kl_coef": trainer.kl.value} | held_out)
+            held_out = {}
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)
                 break

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
+from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
@@ -39,7 +40,7 @@ from megarl.reshard.predict import describe_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
-from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.group import EngineGroup, GroupEngine, engine_group
 
 
@@ -88,16 +89,19 @@ class RLTrainer:
                             recompute_activations=cfg.model.recompute_activations,
                             moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff)
         algo, steps = cfg.algorithm, cfg.trainer.num_steps
+        rollout_batch = cfg.data.num_prompts_per_step * cfg.rollout.num_samples_per_prompt
         temperature = cfg.rollout.temperature  # log-probabilities of the distribution the engine samples from
         self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps,
-                                   temperature=temperature, routing_replay=algo.routing_replay)
+                                   temperature=temperature, routing_replay=algo.routing_replay,
+                                   updates_per_step=cfg.actor.optimizer_steps(rollout_batch))
         self.reference = (MegatronModel(self.spec, cfg.model.hf_path, groups, opts, temperature=temperature)
                           if algo.kl_coef > 0 else None)
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)
             self.critic = MegatronModel(self.spec, cfg.critic.hf_path or cfg.model.hf_path, groups, critic_opts,
-                                        cfg.critic.optimizer, steps)
+                                        cfg.critic.optimizer, steps,
+                                        updates_per_step=cfg.critic.optimizer_steps(rollout_batch))
         if groups.rank == 0:
             print(f"megarl: {'Transformer Engine' if use_te else 'local'} layers "
                   f"({layer_implementation(self.actor.chunks)})", flush=True)
@@ -273,7 +277,8 @@ class RLTrainer:
 
         With algorithm.dynamic_sampling, prompts whose samples all score the same (no GRPO signal) are
         dropped and further rounds of prompts generated, up to dynamic_sampling_max_rounds; a batch still
-        short of informative prompts is filled up with dropped ones. Every rank returns the same batch.
+        short of informative prompts is filled up with dropped ones, which the actor's loss leaves out
+        (Batch.informative). Every rank returns the same batch.
         """
         algo, r = self.cfg.algorithm, self.cfg.rollout
         n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
@@ -304,30 +309,35 @@ class RLTrainer:
                        "sampling/dropped_prompts": float(num_dropped)}
             if num_kept < wanted:  # keep the configured batch size (mini-batches divide it): fill with no-signal groups
                 filler = Batch.concat(dropped)
-                kept.append(filler.select(range((wanted - num_kept) * n)))
+                kept.append(filler.select(range((wanted - num_kept) * n)).as_filler())
         return Batch.concat(kept), metrics
 
     def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
                  ) -> Batch:
-        """Generate this engine's share of the prompts (on its driver) and score the responses; every rank
-        returns the whole batch (samples of one prompt contiguous)."""
-        r, g, eg = self.cfg.rollout, self.groups, self.engine.group
+        """The prompts' samples, scored; every rank returns the whole batch (samples of one prompt contiguous)."""
+        r = self.cfg.rollout
+        params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003,
+                                stop_token_ids=self.stop_ids)
+        rows = self.generate_all(prompts, params)
+        scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
+        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
+        routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
+        return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
+                           [c.logprobs for c in rows], scores, routing)
+
+    def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
+        prompts i, i + number of engines, ... at seed params.seed + i."""
+        eg = self.engine.group
         assert self._engine_state == "awake", "push_weights() wakes the engine before every rollout"
         mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
-        params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003 + eg.index,
-                                stop_token_ids=self.stop_ids)
-        done = self.engine.generate([prompts[i] for i in mine], params)
-        local = [(mine[c.prompt_index], c.token_ids, c.logprobs, c.routed_experts) for c in done]
-        everything: list[Any] = [None] * g.dims.world_size
-        dist.all_gather_object(everything, local, group=self._host_group)
-        rows = sorted((row for part in everything for row in part), key=lambda x: x[0])  # stable per prompt
-        texts = [decode(row[1]) for row in rows]
-        scores = self.reward_fn(texts, [answers[row[0]] for row in rows])
-        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
-        routing = [row[3] for row in rows] if self.cfg.algorithm.routing_replay else None
-        return Batch.build([prompts[row[0]] for row in rows], [row[1] for row in rows], [row[2] for row in rows],
-                           scores, routing)
+        seeded = dataclasses.replace(params, seed=None if params.seed is None else params.seed + eg.index)
+        done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
+                for c in self.engine.generate([prompts[i] for i in mine], seeded)]
+        everything: list[Any] = [None] * self.groups.dims.world_size
+        dist.all_gather_object(everything, done, group=self._host_group)
+        return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
 
     def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
@@ -343,38 +353,30 @@ class RLTrainer:
         return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
 
     def _optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
-                  loss: Any, where: str) -> dict[str, float]:
-        """``num_ppo_epochs`` passes over the batch in mini-batches of ``mini_batch_size`` samples, one
-        optimizer step each. Token weights are normalised per mini-batch over all DP ranks, so each step
-        optimises the configured aggregation of its mini-batch; each DP rank trains on its share.
-        Returns the mean of each metric over all optimizer steps (lr: the last one's)."""
-        g, n = self.groups, len(batch.sequences)
-        size = section.mini_batch_size or n
-        totals: dict[str, float] = defaultdict(float)
-        num_updates = 0
-        last: dict[str, float] = {}
+                  loss: Any, where: str, step: int, mask: torch.Tensor) -> dict[str, float]:
+        """``num_ppo_epochs`` passes over the batch in shuffled mini-batches of ``mini_batch_size`` samples
+        (megarl.algos.minibatches), one optimizer step each. Token weights are normalised per mini-batch over all
+        DP ranks, over the tokens of ``mask`` [N, T] (response tokens that count in the loss), so each step
+        optimises the configured aggregation of its mini-batch; each DP rank trains on its share."""
+        g, n, aggregation = self.groups, len(batch.sequences), self.cfg.algorithm.loss_aggregation
+        steps: list[dict[str, float]] = []
         for epoch in range(section.num_ppo_epochs):
-            for start in range(0, n, size):
-                index = list(range(start, min(start + size, n)))
-                weights = token_weights(batch.mask[index], self.cfg.algorithm.loss_aggregation)
+            parts = mini_batches(n, section.mini_batch_size or n, self.cfg.trainer.seed, step, epoch)
+            for part, index in enumerate(parts):
+                weights = token_weights(mask[index], aggregation, self.cfg.rollout.max_new_tokens)
                 mine = list(range(g.dp_rank, len(index), g.dims.dp))
                 seqs = [batch.sequences[index[j]] for j in mine]
                 rows = {k: [v[index[j], : len(seqs[m]) - 1] for m, j in enumerate(mine)] for k, v in extras.items()}
                 rows["weights"] = [weights[j, : len(seqs[m]) - 1] for m, j in enumerate(mine)]
-                last = model.train_step(seqs, rows, loss, *_batching(section),
-                                        where=f"{where}, epoch {epoch}, samples {start}-{index[-1]}",
-                                        routing=_routing(model, batch, [index[j] for j in mine]))
-                for k, v in last.items():
-                    totals[k] += v
-                num_updates += 1
-        metrics = {k: v / num_updates for k, v in totals.items()} | {"lr": last["lr"]}
-        if "num_tokens" in metrics:  # token counts summed over every step: the share of tokens clipped
-            metrics["clip_fraction"] = totals.pop("clipped_tokens") / max(totals.pop("num_tokens"), 1.0)
-            del metrics["clipped_tokens"], metrics["num_tokens"]
-        return metrics
+                steps.append(model.train_step(seqs, rows, loss, *_batching(section),
+                                              where=f"{where}, epoch {epoch}, mini-batch {part + 1} of {len(parts)}",
+                                              routing=_routing(model, batch, [index[j] for j in mine])))
+        return mean_metrics(steps)
 
-    def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs][, is_weights] as [N, T]."""
+    def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
+                     ) -> dict[str, float]:
+        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs][, is_weights] as [N, T];
+        ``mask`` [N, T]: the response tokens the loss counts (rl_step.actor_loss_mask)."""
         algo, actor = self.cfg.algorithm, self.actor
         entropy_on = algo.entropy_coef > 0
 
@@ -383,7 +385,7 @@ class RLTrainer:
             return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None)
 
         self._hold("actor_update")
-        metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss, f"step {step}, actor")
+        metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss, f"step {step}, actor", step, mask)
         return {f"actor/{k}": v for k, v in metrics.items()}
 
     def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor], step: int) -> dict[str, float]:
@@ -394,7 +396,7 @@ class RLTrainer:
         self._hold("critic_update")
         metrics = self._optimize(self.critic, self.cfg.critic, batch, extras,
                                  lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo),
-                                 f"step {step}, critic")
+                                 f"step {step}, critic", step, batch.mask)
         return {f"critic/{k}": v for k, v in metrics.items()}
 
     def _share_rows(self, rows: dict[int, torch.Tensor] | None, batch: Batch) -> torch.Tensor:

@@ -143,12 +143,28 @@ def test_aggregation_modes_with_uneven_masks() -> None:
     close(aggregate(loss, mask, "token-mean"), (1 + 2 + 3 + 5) / 4)  # 2.75
     close(aggregate(loss, mask, "seq-mean-token-sum"), (6 + 5) / 2)  # sums 6 and 5; empty row left out
     close(aggregate(loss, mask, "seq-mean-token-mean"), (2 + 5) / 2)  # means 2 and 5
+    # Dr. GRPO: the sums over a constant (max_new_tokens 10), whatever the lengths: (6 / 10 + 5 / 10) / 2.
+    close(aggregate(loss, mask, "seq-mean-token-sum-norm", max_tokens=10), (0.6 + 0.5) / 2)
+    with pytest.raises(ValueError, match="rollout.max_new_tokens"):
+        aggregate(loss, mask, "seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_dr_grpo_normaliser_does_not_depend_on_response_lengths() -> None:
+    """Each token of every sequence weighs 1 / (sequences x max_new_tokens): a sequence's weight per token does not
+    shrink as it grows (as with seq-mean-token-mean) and does not change with the others' lengths (token-mean)."""
+    from megarl.algos.losses import token_weights
+
+    short, long = t([1, 0, 0, 0], [1, 1, 0, 0]), t([1, 1, 1, 1], [1, 1, 0, 0])
+    for mask in (short, long):
+        close(token_weights(mask, "seq-mean-token-sum-norm", max_tokens=8), mask / (2 * 8))
+    assert token_weights(short, "token-mean")[1, 0] != token_weights(long, "token-mean")[1, 0]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
 def test_aggregation_of_empty_mask_is_zero_with_a_gradient(mode: str) -> None:
     loss = t([1.0, 2.0]).requires_grad_()
-    out = aggregate(loss, torch.zeros_like(loss), mode)  # type: ignore[arg-type]
+    out = aggregate(loss, torch.zeros_like(loss), mode, max_tokens=4)  # type: ignore[arg-type]
     out.backward()
     assert out.item() == 0 and loss.grad is not None and loss.grad.abs().sum() == 0
 
@@ -238,11 +254,11 @@ def test_token_weights_reproduce_every_aggregation_across_micro_batches():
     loss = torch.randn(6, 7, generator=gen)
     mask = (torch.rand(6, 7, generator=gen) > 0.3).float()
     mask[2] = 0  # an empty sequence
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        w = token_weights(mask, mode)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        w = token_weights(mask, mode, max_tokens=16)
         # Split into micro-batches: the weighted parts add up to the global aggregate.
         parts = sum(aggregate(loss[i:i + 2], w[i:i + 2], "weighted") for i in range(0, 6, 2))
-        assert torch.allclose(parts, aggregate(loss, mask, mode)), mode
+        assert torch.allclose(parts, aggregate(loss, mask, mode, max_tokens=16)), mode
 
 
 def test_rollout_correction_weights_by_hand() -> None:
@@ -252,25 +268,65 @@ def test_rollout_correction_weights_by_hand() -> None:
     old = t([math.log(3), math.log(0.5), 0.0], [math.log(4), 0.0, 0.0])
     rollout = torch.zeros(2, 3, dtype=torch.float64)
     mask = t([1, 1, 1], [1, 0, 0])
-    w, m = rollout_correction_weights(old, rollout, mask, "token_tis", cap=2.0)
+    w, kept, m = rollout_correction_weights(old, rollout, mask, "token_tis", cap=2.0)
     close(w, [[2.0, 0.5, 1.0], [2.0, 0, 0]])  # 3 and 4 truncated at 2
+    close(kept, mask)
     assert m["truncated_fraction"] == 0.5 and m["weight_max"] == 2.0 and m["weight_min"] == 0.5
     close(m["token_ratio_max"], 4.0)
     close(m["weight_mean"], (2 + 0.5 + 1 + 2) / 4)
     # Geometric means: (3 * 0.5 * 1)^(1/3) = 1.1447142, and 4 for sequence 1.
     g = 1.5 ** (1 / 3)
-    w, m = rollout_correction_weights(old, rollout, mask, "seq_tis", cap=2.0)
+    w, kept, m = rollout_correction_weights(old, rollout, mask, "seq_geomean_tis", cap=2.0)
     close(w, [[g, g, g], [2.0, 0, 0]])
-    assert m["truncated_fraction"] == 0.25
-    # Masked IS drops sequence 1 (4 > cap) and keeps sequence 0 at its ratio.
-    w, m = rollout_correction_weights(old, rollout, mask, "seq_mis", cap=2.0)
-    close(w, [[g, g, g], [0, 0, 0]])
-    # ... and also a sequence below 1 / cap.
-    w, _ = rollout_correction_weights(-old, rollout, mask, "seq_mis", cap=2.0)
-    close(w, [[1 / g, 1 / g, 1 / g], [0, 0, 0]])
-    w, m = rollout_correction_weights(old, rollout, mask, "none", cap=2.0)
+    close(kept, mask)
+    assert m["truncated_fraction"] == 0.25 and m["rejected_fraction"] == 0
+    # The sequence's importance ratio, the product of its token ratios: 3 * 0.5 * 1 = 1.5, and 4.
+    w, kept, m = rollout_correction_weights(old, rollout, mask, "seq_product_tis", cap=1.25)
+    close(w, [[1.25, 1.25, 1.25], [1.25, 0, 0]])
+    w, kept, m = rollout_correction_weights(old, rollout, mask, "seq_product_tis", cap=2.0)
+    close(w, [[1.5, 1.5, 1.5], [2.0, 0, 0]])
+    # Masked IS rejects sequence 1 (4 > cap) and keeps sequence 0 at its ratio; sequence 1 leaves the loss.
+    for mode, ratio in (("seq_geomean_mis", g), ("seq_product_mis", 1.5)):
+        w, kept, m = rollout_correction_weights(old, rollout, mask, mode, cap=2.0)  # type: ignore[arg-type]
+        close(w, [[ratio] * 3, [0, 0, 0]])
+        close(kept, [[1, 1, 1], [0, 0, 0]])
+        assert m["rejected_fraction"] == 0.25, mode
+        # ... and also a sequence below 1 / cap.
+        w, kept, _ = rollout_correction_weights(-old, rollout, mask, mode, cap=2.0)  # type: ignore[arg-type]
+        close(w, [[1 / ratio] * 3, [0, 0, 0]])
+        close(kept, [[1, 1, 1], [0, 0, 0]])
+    w, kept, m = rollout_correction_weights(old, rollout, mask, "none", cap=2.0)
     close(w, mask)
     assert m["truncated_fraction"] == 0 and m["token_ratio_max"] == pytest.approx(4.0)
+
+
+def test_sequence_product_ratio_acts_where_the_geometric_mean_does_not() -> None:
+    """500 tokens whose log-ratios have noise 0.05 (the issue's case): the geometric mean stays within 1 +- 2%, so
+    a cap of 2 never acts; the product, the sequence's actual importance ratio, spreads over e^+-1 and its cap
+    truncates or rejects."""
+    from megarl.algos.correction import rollout_correction_weights
+
+    gen = torch.Generator().manual_seed(0)
+    old = 0.05 * torch.randn(64, 500, generator=gen, dtype=torch.float64)
+    rollout, mask = torch.zeros_like(old), torch.ones_like(old)
+    geo, _, m = rollout_correction_weights(old, rollout, mask, "seq_geomean_tis", cap=2.0)
+    assert 0.98 < m["weight_min"] and m["weight_max"] < 1.02 and m["truncated_fraction"] == 0
+    product, _, m = rollout_correction_weights(old, rollout, mask, "seq_product_tis", cap=2.0)
+    close(product[:, 0], old.sum(dim=1).exp().clamp(max=2.0))
+    assert m["weight_min"] < 0.5 and 0 < m["truncated_fraction"] < 0.5
+    _, kept, m = rollout_correction_weights(old, rollout, mask, "seq_product_mis", cap=2.0)
+    assert 0.2 < m["rejected_fraction"] < 0.8 and kept.sum() == (1 - m["rejected_fraction"]) * mask.sum()
+
+
+def test_retired_correction_names_say_what_replaced_them() -> None:
+    from megarl.config import build_config
+    from megarl.errors import UserError
+
+    for retired, now in (("seq_tis", "seq_geomean_tis"), ("seq_mis", "seq_geomean_mis")):
+        with pytest.raises(UserError, match=rf"`algorithm.rollout_correction` \(--set .*\) = \"{retired}\" is no "
+                                            rf"longer a choice. Fix: use `{now}` for the same .*`seq_product_"):
+            build_config({"model": {"hf_path": "m"}, "data": {"train_path": "d"}}, [
+                f"algorithm.rollout_correction={retired}"])
 
 
 def test_policy_loss_is_weighted_per_token() -> None:

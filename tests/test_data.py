@@ -58,6 +58,8 @@ def test_parquet(tmp_path: Path) -> None:
         ("answer.jsonl", '{"question": "a", "solution": "1"}\n', "no key 'answer' (data.answer_key)"),
         ("type.jsonl", '{"question": ["a"], "answer": "1"}\n', "is a list, not a string"),
         ("empty.jsonl", "\n", "holds no records"),
+        ("blank.jsonl", '{"question": "a", "answer": "1"}\n{"question": "  ", "answer": "2"}\n',
+         "line 2: 'question' (data.prompt_key) is empty"),
         ("data.csv", "question,answer\n", "suffix '.csv'"),
     ],
 )
@@ -66,6 +68,13 @@ def test_bad_files(tmp_path: Path, name: str, text: str, expected: str) -> None:
     with pytest.raises(UserError, match="data.train_path") as err:
         load_prompts(path)
     assert expected in str(err.value)
+
+
+def test_a_byte_that_is_not_utf8_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "a", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(UserError, match=r"line 2 is not UTF-8 text \(byte 0xe9 at column 18\)"):
+        load_prompts(str(path))
 
 
 def test_missing_keys_are_listed(tmp_path: Path) -> None:
@@ -77,6 +86,21 @@ def test_missing_keys_are_listed(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no such file"):
         load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def test_a_prompt_that_encodes_to_no_tokens_names_its_line(tmp_path: Path) -> None:
+    """Text of only characters the tokenizer drops reaches the engine as an empty prompt: refused at start-up,
+    naming the file line, not at the step that samples it."""
+    path = write(tmp_path / "p.jsonl", '{"question": "one two", "answer": "1"}\n{"question": "!?", "answer": "2"}\n')
+
+    class DropsPunctuation:
+        chat_template = None
+
+        def __call__(self, prompts: list[str]) -> dict[str, list[list[int]]]:
+            return {"input_ids": [[1] * len(p.replace("!", " ").replace("?", " ").split()) for p in prompts]}
+
+    with pytest.raises(UserError, match=rf"{path} line 2: the prompt '!\?' encodes to no tokens \(1 of 2"):
+        tokenize_prompts(load_prompts(path), DropsPunctuation(), apply_chat_template=False, max_prompt_tokens=8)
 
 
 def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
@@ -152,3 +176,36 @@ def test_loader_errors() -> None:
     state = PromptLoader(list(range(10)), batch_size=2).state_dict()
     with pytest.raises(UserError, match="over 10 prompts"):
         PromptLoader(list(range(9)), batch_size=2).load_state_dict(state)
+
+
+def test_prompt_template_formats_record_fields(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.jsonl", '{"question": "1 + 1?", "unit": "apples", "answer": 2}\n')
+    template = 'Q: {question} ({unit}) Output the answer after "####".'
+    assert load_prompts(path, template=template) == [PromptRecord('Q: 1 + 1? (apples) Output the answer after "####".',
+                                                                  "2")]
+    with pytest.raises(UserError, match=r"line 1 has no key 'topic', which data.prompt_template names; its keys are "
+                                        r"\['answer', 'question', 'unit'\]"):
+        load_prompts(path, template="{topic}: {question}")
+
+
+@pytest.mark.parametrize(("template", "expected"), [("{question", "is not a format string"),
+                                                     ("{} and {0}", "has the field {}, which is not a record key")])
+def test_a_bad_prompt_template_is_refused_when_the_config_loads(template: str, expected: str) -> None:
+    from megarl.config import DataConfig
+
+    with pytest.raises(UserError, match="data.prompt_template") as err:
+        DataConfig(train_path="gsm8k", prompt_template=template)
+    assert expected in str(err.value)
+
+
+def test_system_prompt_is_a_system_turn_or_leading_text() -> None:
+    template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = word_tokenizer(chat_template=template)
+    records = [PromptRecord("one two", "2")]
+    chat, _ = tokenize_prompts(records, tok, apply_chat_template=True, max_prompt_tokens=16, system_prompt="six")
+    assert tok.decode(chat[0].tokens) == tok.decode(tok("<system> six <user> one two <assistant>")["input_ids"])
+    plain, _ = tokenize_prompts(records, tok, apply_chat_template=False, max_prompt_tokens=16, system_prompt="six")
+    assert plain[0].tokens == tok("six\n\none two")["input_ids"]
+    bare, _ = tokenize_prompts(records, tok, apply_chat_template=False, max_prompt_tokens=16)
+    assert bare[0].tokens == tok("one two")["input_ids"]

@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+from megarl.algos.correction import rollout_correction
+from megarl.algos.losses import token_weights
 from megarl.config import AlgorithmConfig
 from megarl.errors import TrainingDiverged
-from megarl.rl_step import Batch, actor_loss, advantages_and_returns, check_drift, logprob_drift
+from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, check_drift, logprob_drift
 
 
 def batch_of(scores: list[float], response_lens: list[int]) -> Batch:
@@ -85,3 +87,34 @@ def test_batch_select_and_concat() -> None:
     short = both.select([0, 1])
     assert short.mask.shape == (2, 4)
     torch.testing.assert_close(short.rollout_logprobs, a.rollout_logprobs)
+
+
+def policy_gradient(batch: Batch, old: torch.Tensor, advantages: torch.Tensor, algo: AlgorithmConfig
+                    ) -> torch.Tensor:
+    """d actor loss / d logprobs [N, T] at logprobs = old, the step's mask and weights as train.py makes them."""
+    is_weights, kept, _ = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
+    weights = token_weights(actor_loss_mask(batch, kept), algo.loss_aggregation, max_tokens=8)
+    logprobs = old.clone().requires_grad_()
+    extras = {"old_logprobs": old, "advantages": advantages, "weights": weights, "is_weights": is_weights}
+    loss, _ = actor_loss(logprobs, extras, algo, 0.0)
+    loss.backward()
+    assert logprobs.grad is not None
+    return logprobs.grad
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("correction", ["seq_product_mis", "seq_geomean_mis"])
+def test_rejected_sequences_leave_the_loss_and_its_denominators(mode: str, correction: str) -> None:
+    """A sequence masked IS rejects changes nothing for the others: their gradient is the one of the batch without
+    it (it is not counted as weight-0 tokens, which would shrink the gradient by the rejection rate)."""
+    batch = batch_of([1.0, 0.0, 0.5], [2, 3, 1])
+    advantages = torch.tensor([1.0, -1.0, 0.5])[:, None] * batch.mask
+    old = batch.rollout_logprobs + 2.0 * batch.mask * torch.tensor([0.0, 1.0, 0.0])[:, None]  # sequence 1 far off
+    algo = AlgorithmConfig(name="grpo", rollout_correction=correction, loss_aggregation=mode)  # type: ignore[arg-type]
+    grad = policy_gradient(batch, old, advantages, algo)
+    assert grad[1].abs().sum() == 0
+    alone = batch.select([0, 2])
+    width = alone.mask.shape[1]
+    expected = policy_gradient(alone, old[[0, 2], :width], advantages[[0, 2], :width], algo)
+    torch.testing.assert_close(grad[[0, 2], :width], expected)
+    assert expected.abs().sum() > 0

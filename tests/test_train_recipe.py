@@ -24,11 +24,18 @@ at seeds S = 0, 1, 2 (`python megarl/train.py --config RECIPE --set trainer.num_
 --set rollout.seed=S --set data.seed=S`)."""
 
 
+EVAL = ("eval.every=40", "eval.before_train=true", "checkpoint.save_every=60",
+        "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 64, "
+        'reward: "megarl.rewards.echo:reward"}]')
+"""Held-out evaluation during the learning run: greedy, on the first 64 echo prompts, every 40 steps."""
+
+
 @pytest.mark.slow
 def test_tiny_grpo_recipe_reward_rises(tmp_path):
     steps = 120
-    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS)
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS, *EVAL)
     assert [r["step"] for r in rows] == list(range(steps))
+    check_eval_rows(rows, tmp_path, evaluated=[39, 79, 119])
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     # Measured (mean reward of steps 0-9 -> 110-119; chance is 1 in 18) with seeds 0, 1, 2: 0.020 -> 0.400,
@@ -37,6 +44,30 @@ def test_tiny_grpo_recipe_reward_rises(tmp_path):
     assert last > first + 0.2, (first, last)
     # The engine runs the trainer's weights: its sampled-token logprobs match the trainer's.
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
+
+
+def check_eval_rows(rows: list[dict], run: Path, evaluated: list[int]) -> None:
+    """Eval metrics sit in the rows of the steps whose weights were evaluated (the initial ones in step 0's), the
+    samples beside them; the final weights' accuracy equals the standalone evaluator's on the exported checkpoint."""
+    assert [r["step"] for r in rows if "eval/echo/accuracy" in r] == evaluated
+    assert [r["step"] for r in rows if "eval/echo/initial/accuracy" in r] == [0]
+    assert sorted(p.name for p in (run / "eval" / "echo").iterdir()) == sorted(
+        ["initial.jsonl"] + [f"step_{s}.jsonl" for s in evaluated])
+    final_file = run / "eval" / "echo" / f"step_{evaluated[-1]}.jsonl"
+    final = [json.loads(line) for line in final_file.read_text().splitlines()]
+    assert len(final) == 64 and rows[-1]["eval/echo/accuracy"] == sum(s["reward"] for s in final) / 64
+    assert rows[-1]["eval/echo/accuracy"] > rows[0]["eval/echo/initial/accuracy"]  # the policy learnt the task
+    samples = run / "standalone.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", str(run), "--data",
+                           "recipes/tiny/echo.jsonl", "--max-prompts", "64", "--reward", "megarl.rewards.echo:reward",
+                           "--no-chat-template", "--max-new-tokens", "2", "--max-prompt-tokens", "16", "--engine",
+                           "vllm", "--gpu-memory-fraction", "0.1", "--output", str(samples)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"] == rows[-1]["eval/echo/accuracy"]
+    standalone = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [s["completion"] for s in standalone] == [s["completion"] for s in final]
 
 
 @pytest.mark.slow

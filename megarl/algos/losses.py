@@ -10,18 +10,23 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "weighted"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean", "weighted"]
 
 # Log-ratios are clamped (as verl does) so exp() cannot overflow on a token whose probability moved
 # wildly; such a token, e^20 or e^-20 away from its old probability, then gets no gradient.
 _MAX_LOG_RATIO = 20.0
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: Aggregation, max_tokens: int | None = None
+              ) -> torch.Tensor:
     """Reduce per-token losses [B, T] over the tokens where mask [B, T] is 1 to a scalar.
 
     token-mean: sum / number of tokens, so every token weighs the same (long answers weigh more).
-    seq-mean-token-sum: sum per sequence, then mean over sequences (Dr. GRPO's unbiased form).
+    seq-mean-token-sum: sum per sequence, then mean over sequences: no normaliser per sequence, so the
+    loss grows with the response length.
+    seq-mean-token-sum-norm: sum per sequence divided by the constant ``max_tokens`` (rollout.max_new_tokens),
+    then mean over sequences: Dr. GRPO's form (Liu et al. 2025), whose normaliser depends on no response's
+    length; seq-mean-token-sum scaled by 1 / max_tokens.
     seq-mean-token-mean: mean per sequence, then mean over sequences (the original GRPO).
     Sequences with an empty mask are left out of the mean over sequences; with no tokens at all the
     result is 0 (still attached to the graph).
@@ -37,23 +42,33 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> 
     per_seq = masked.sum(dim=1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / tokens.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / _constant_normaliser(max_tokens)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"aggregate: unknown mode {mode!r}")
     nonempty = (tokens > 0).to(per_seq.dtype)
     return (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1)
 
 
-def token_weights(mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
-    """Per-token weights [B, T] of the whole batch with sum(loss * w) == aggregate(loss, mask, mode)."""
+def token_weights(mask: torch.Tensor, mode: Aggregation, max_tokens: int | None = None) -> torch.Tensor:
+    """Per-token weights [B, T] of the whole batch with sum(loss * w) == aggregate(loss, mask, mode, max_tokens)."""
     if mode == "token-mean":
         return mask / mask.sum().clamp(min=1)
     tokens = mask.sum(dim=1, keepdim=True)
     nonempty = (tokens > 0).sum().clamp(min=1)
     if mode == "seq-mean-token-sum":
         return mask / nonempty
+    if mode == "seq-mean-token-sum-norm":
+        return mask / nonempty / _constant_normaliser(max_tokens)
     if mode == "seq-mean-token-mean":
         return mask / tokens.clamp(min=1) / nonempty
     raise ValueError(f"token_weights: unknown mode {mode!r}")
+
+
+def _constant_normaliser(max_tokens: int | None) -> int:
+    if max_tokens is None or max_tokens < 1:
+        raise ValueError(f"seq-mean-token-sum-norm needs max_tokens >= 1 (rollout.max_new_tokens), got {max_tokens}")
+    return max_tokens
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -27,26 +27,37 @@ def tokenize_prompts(
     max_prompt_tokens: int,
     drop_long: bool = False,
     source: str = "the prompt file",
+    system_prompt: str | None = None,
 ) -> tuple[list[TokenizedPrompt], int]:
     """Tokenize prompts; returns (kept, number dropped). A prompt longer than max_prompt_tokens is an error
     naming ``source``, the count and the longest, unless ``drop_long`` (data.drop_long_prompts) drops it.
 
     With apply_chat_template and a tokenizer that has a chat template, each prompt becomes one user
     turn followed by the assistant header; otherwise it is encoded as plain text (with the tokenizer's
-    BOS, if any). Kept prompts stay in input order, each with its record so answers stay aligned.
+    BOS, if any). ``system_prompt`` (data.system_prompt) is a system turn before each user turn, or without
+    the chat template text before the prompt and a blank line. Kept prompts stay in input order, each with its
+    record so answers stay aligned.
     """
     if not records:
         return [], 0
     prompts = [record.prompt for record in records]
     if apply_chat_template and tokenizer.chat_template is not None:
-        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        conversations = [[*system, {"role": "user", "content": prompt}] for prompt in prompts]
         encoded = cast(
             BatchEncoding,
             tokenizer.apply_chat_template(conversations, tokenize=True, add_generation_prompt=True, return_dict=True),
         )
     else:
-        encoded = tokenizer(prompts)
+        encoded = tokenizer([prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}" for prompt in prompts])
     lengths = [len(tokens) for tokens in encoded["input_ids"]]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        where = records[empty[0]].source or f"{source} record {empty[0] + 1}"
+        raise UserError(f"data.train_path {where}: the prompt {records[empty[0]].prompt!r} encodes to no tokens "
+                        f"({len(empty)} of {len(records)} prompts do), and the engine cannot generate from an empty "
+                        "prompt. Fix: remove those records, or set data.apply_chat_template: true with a tokenizer "
+                        "that has a chat template.")
     long = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
     if long and not drop_long:
         worst = max(long, key=lambda i: lengths[i])

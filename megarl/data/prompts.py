@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,101 +21,139 @@ class PromptRecord:
     prompt: str
     answer: str
     """Reference answer, passed to the reward function as is."""
+    source: str = dataclasses.field(default="", compare=False)
+    """Where the record came from ("FILE line N" or "FILE row N"), for errors found after reading."""
 
 
-def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: str = "answer") -> list[PromptRecord]:
+def template_fields(template: str, field: str) -> list[str]:
+    """The record fields a prompt template names; a template Python cannot format, or with positional fields,
+    is a UserError naming ``field``."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise UserError(f"{field} = {template!r} is not a format string ({err}). Fix: name record fields in "
+                        "braces, e.g. \"{question}\", and write literal braces as {{ and }}.") from None
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise UserError(f"{field} = {template!r} has the field {{{bad[0]}}}, which is not a record key. Fix: name "
+                        "record fields in braces, e.g. \"{question}\", and write literal braces as {{ and }}.")
+    return names
+
+
+def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: str = "answer",
+                 template: str | None = None, field: str = "data.train_path") -> list[PromptRecord]:
     """Read `data.train_path`: "gsm8k" (= "gsm8k:train") or "gsm8k:test", or a .jsonl / .parquet file.
 
-    Each record must hold a string prompt under `prompt_key` and an answer (string or number) under
-    `answer_key`. Bad input raises UserError naming the file, the line or row, and the fix.
+    Each record must hold a string prompt under `prompt_key` (or, with ``template``, the fields the template
+    names, data.prompt_template) and an answer (string or number) under `answer_key`. Bad input raises
+    UserError naming ``field``, the file, the line or row, and the fix.
     """
     if path_or_name in _VENDORED:
         path = _GSM8K_DIR / f"{_VENDORED[path_or_name]}.jsonl"
         if not path.is_file():
             raise UserError(
-                f"data.train_path = {path_or_name!r}, but {path} is missing: this megarl was installed without "
+                f"{field} = {path_or_name!r}, but {path} is missing: this megarl was installed without "
                 "its package data. Fix: reinstall megarl from a full source checkout."
             )
     elif path_or_name.startswith("gsm8k:"):
         raise UserError(
-            f"data.train_path = {path_or_name!r} is not a vendored dataset. Fix: use one of {sorted(_VENDORED)}."
+            f"{field} = {path_or_name!r} is not a vendored dataset. Fix: use one of {sorted(_VENDORED)}."
         )
     else:
         path = Path(path_or_name)
     if not path.is_file():
         raise UserError(
-            f"data.train_path = {path_or_name!r}: no such file. Fix: give an existing .jsonl or .parquet file, "
+            f"{field} = {path_or_name!r}: no such file. Fix: give an existing .jsonl or .parquet file, "
             f"or one of {sorted(_VENDORED)}."
         )
     if path.suffix == ".jsonl":
-        rows = _read_jsonl(path)
+        rows = _read_jsonl(path, field)
     elif path.suffix == ".parquet":
-        rows = _read_parquet(path)
+        rows = _read_parquet(path, field)
     else:
         raise UserError(
-            f"data.train_path = {path_or_name!r} has suffix {path.suffix!r}. Fix: convert it to .jsonl "
+            f"{field} = {path_or_name!r} has suffix {path.suffix!r}. Fix: convert it to .jsonl "
             "(one JSON object per line) or .parquet."
         )
-    records = [_record(row, where, prompt_key, answer_key) for where, row in rows]
+    records = [_record(row, where, prompt_key, answer_key, template, field) for where, row in rows]
     if not records:
-        raise UserError(f"data.train_path = {path_or_name!r} holds no records. Fix: point it at a non-empty file.")
+        raise UserError(f"{field} = {path_or_name!r} holds no records. Fix: point it at a non-empty file.")
     return records
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
+def _read_jsonl(path: Path, field: str) -> list[tuple[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(
+                    f"{field} {path} line {number} is not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1}). Fix: re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+                ) from None
             if not line.strip():
                 continue
             try:
                 rows.append((f"{path} line {number}", json.loads(line)))
             except json.JSONDecodeError as err:
                 raise UserError(
-                    f"data.train_path {path} line {number} is not valid JSON ({err.msg} at column {err.colno}). "
+                    f"{field} {path} line {number} is not valid JSON ({err.msg} at column {err.colno}). "
                     "Fix: write one JSON object per line."
                 ) from None
     return rows
 
 
-def _read_parquet(path: Path) -> list[tuple[str, Any]]:
+def _read_parquet(path: Path, field: str) -> list[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(
-            f"data.train_path {path} is parquet, which needs pyarrow. "
+            f"{field} {path} is parquet, which needs pyarrow. "
             "Fix: pip install pyarrow, or convert it to .jsonl."
         ) from None
     try:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several unrelated types for a damaged file
         raise UserError(
-            f"data.train_path {path} is not a readable parquet file ({err}). Fix: rewrite the file."
+            f"{field} {path} is not a readable parquet file ({err}). Fix: rewrite the file."
         ) from None
     return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist(), start=1)]
 
 
-def _record(row: Any, where: str, prompt_key: str, answer_key: str) -> PromptRecord:
+def _record(row: Any, where: str, prompt_key: str, answer_key: str, template: str | None = None,
+            field: str = "data.train_path") -> PromptRecord:
     if not isinstance(row, dict):
         raise UserError(
-            f"data.train_path {where} is a JSON {type(row).__name__}, not an object. "
+            f"{field} {where} is a JSON {type(row).__name__}, not an object. "
             f'Fix: write records like {{"{prompt_key}": "...", "{answer_key}": "..."}}.'
         )
-    for field, key in (("data.prompt_key", prompt_key), ("data.answer_key", answer_key)):
+    if template is not None:
+        missing = [name for name in template_fields(template, "data.prompt_template") if name not in row]
+        if missing:
+            raise UserError(f"{field} {where} has no key {missing[0]!r}, which data.prompt_template names; "
+                            f"its keys are {sorted(row)}. Fix: name those keys in the template.")
+        row = row | {prompt_key: template.format_map(row)}
+    for key_field, key in (("data.prompt_key", prompt_key), ("data.answer_key", answer_key)):
         if key not in row:
             raise UserError(
-                f"data.train_path {where} has no key {key!r} ({field}); its keys are {sorted(row)}. "
-                f"Fix: set {field} to the key that holds it."
+                f"{field} {where} has no key {key!r} ({key_field}); its keys are {sorted(row)}. "
+                f"Fix: set {key_field} to the key that holds it."
             )
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str):
         raise UserError(
-            f"data.train_path {where}: {prompt_key!r} (data.prompt_key) is a {type(prompt).__name__}, not a string. "
+            f"{field} {where}: {prompt_key!r} (data.prompt_key) is a {type(prompt).__name__}, not a string. "
             "Fix: store the prompt text under that key."
+        )
+    if not prompt.strip():
+        raise UserError(
+            f"{field} {where}: {prompt_key!r} (data.prompt_key) is empty; the engine cannot generate from "
+            "an empty prompt. Fix: remove the record or give it a prompt."
         )
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise UserError(
-            f"data.train_path {where}: {answer_key!r} (data.answer_key) is a {type(answer).__name__}, not a string "
+            f"{field} {where}: {answer_key!r} (data.answer_key) is a {type(answer).__name__}, not a string "
             "or number. Fix: store the reference answer as text."
         )
-    return PromptRecord(prompt=prompt, answer=str(answer))
+    return PromptRecord(prompt=prompt, answer=str(answer), source=where)

@@ -38,6 +38,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[t
 class MegatronModel:
     """Actor, reference or critic: Megatron chunks, and for trainable roles DDP plus optimizer.
 
+    The learning-rate schedule runs in optimizer steps: ``num_steps`` RL steps of ``updates_per_step``
+    optimizer steps each (UpdateConfig.optimizer_steps), with ``optim.num_warmup_steps`` RL steps of warm-up.
     ``temperature`` is the sampling temperature T of the rollout: log-probabilities and entropies are
     those of softmax(logits / T), the distribution the engine sampled from. With ``routing_replay`` (MoE)
     ``score`` and ``train_step`` take each sequence's expert choices and the routers replay them
@@ -46,7 +48,7 @@ class MegatronModel:
 
     def __init__(self, spec: ModelSpec, hf_dir: str, groups: ParallelGroups, opts: BuildOptions,
                  optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0,
-                 routing_replay: bool = False) -> None:
+                 routing_replay: bool = False, updates_per_step: int = 1) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -79,7 +81,8 @@ class MegatronModel:
         self.models = [DistributedDataParallel(c.config, ddp, module=c) for c in self.chunks]
         config: Any = self.chunks[0].config
         config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer, self.scheduler = _optimizer(self.models, optim, opts.dtype, num_steps)
+        self.optimizer = _optimizer(self.models, optim, opts.dtype)
+        self.scheduler = lr_scheduler(self.optimizer, optim, num_steps, updates_per_step)
         # float16 trains with a dynamic loss scale: the optimizer unscales the gradients, so the
         # schedule must scale the loss up first (as Megatron's own training loop sets it).
         config.grad_scale_func = self.optimizer.scale_loss
@@ -227,13 +230,15 @@ class MegatronModel:
         metrics = _sum_metrics(outputs, self.groups)
         check_finite(where, metrics, "The loss is not finite: its inputs (log-probabilities, advantages, values) "
                      "or the model's outputs overflowed.")
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains at
         ok, grad_norm, _ = self.optimizer.step()
         # float16's loss scaler skips a step with inf/NaN gradients itself (ok False, no norm): that is routine.
         check_finite(where, {"grad_norm": float(grad_norm) if ok and grad_norm is not None else 0.0},
                      "The gradients are not finite although the loss is: lower the learning rate or use "
                      "bfloat16, and check the model's weights.")
-        self.scheduler.step(increment=1)
-        metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": self.optimizer.param_groups[0]["lr"],
+        if ok:  # a step the loss scaler skipped did not happen: the schedule waits for it (as Megatron's loop does)
+            self.scheduler.step(increment=1)
+        metrics |= {"grad_norm": float(grad_norm or 0.0), "lr": lr,
                     "update_skipped": float(not ok), "padding_fraction": _padding_fraction(batches, self.groups)}
         return metrics
 
@@ -261,11 +266,9 @@ def _sum_metrics(outputs: list[dict[str, torch.Tensor]], groups: ParallelGroups)
     return dict(zip(keys, values.tolist(), strict=True))
 
 
-def _optimizer(models: list[torch.nn.Module], optim: OptimizerConfig, dtype: torch.dtype,
-               num_steps: int) -> tuple[Any, Any]:
+def _optimizer(models: list[torch.nn.Module], optim: OptimizerConfig, dtype: torch.dtype) -> Any:
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = MegatronOptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
@@ -275,11 +278,20 @@ def _optimizer(models: list[torch.nn.Module], optim: OptimizerConfig, dtype: tor
         # float16's dynamic loss scale starts at 2^16 (torch's GradScaler default), not Megatron's 2^32,
         # which overflows and skips the first dozens of steps while it backs off: most of a short RL run.
         initial_loss_scale=2.0**16)
-    optimizer = get_megatron_optimizer(config, models)
-    style = {"constant": "constant", "cosine": "cosine", "linear": "linear"}[optim.lr_schedule]
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if optim.num_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-        lr_warmup_steps=optim.num_warmup_steps, lr_decay_steps=max(num_steps, optim.num_warmup_steps + 1),
-        lr_decay_style=style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-        wd_incr_steps=max(num_steps, 1), wd_incr_style="constant")
-    return optimizer, scheduler
+    return get_megatron_optimizer(config, models)
+
+
+def lr_scheduler(optimizer: Any, optim: OptimizerConfig, num_steps: int, updates_per_step: int) -> Any:
+    """Megatron's scheduler for ``optimizer``, stepped once per optimizer step: warm-up over
+    ``optim.num_warmup_steps`` RL steps, decay to ``optim.min_lr`` over all ``num_steps`` RL steps, each
+    ``updates_per_step`` optimizer steps long (sized in RL steps, the decay would end a factor
+    ``updates_per_step`` early). A checkpoint restores how far the schedule has come, never its shape: the
+    config's holds, also for checkpoints written while it was sized in RL steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup, total = optim.num_warmup_steps * updates_per_step, num_steps * updates_per_step
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(total, warmup + 1), lr_decay_style=optim.lr_schedule,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total, 1),
+        wd_incr_style="constant", override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)

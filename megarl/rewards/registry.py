@@ -11,9 +11,9 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 """fn(completions, answers) -> one score per completion."""
 
 
-def load_reward(spec: str) -> RewardFn:
-    """Import `module:function` and return the function; a UserError naming `trainer.reward` otherwise."""
-    where = f"trainer.reward = {spec!r}"
+def load_reward(spec: str, field: str = "trainer.reward") -> RewardFn:
+    """Import `module:function` and return the function; a UserError naming ``field`` otherwise."""
+    where = f"{field} = {spec!r}"
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UserError(f'{where} is not an import path. Fix: write it as "package.module:function".')

@@ -1,0 +1,125 @@
+"""Held-out accuracy of a model: `python -m megarl.evaluate --model DIR --data NAME_OR_PATH [options]`.
+
+DIR is a HF model directory, or a megarl training checkpoint (a run's checkpoint.dir, one of its step_N
+directories, or its actor directory), whose actor is exported to HF first. Prompts are built as training
+builds them (the same templates, system prompt and chat template); generation runs on vLLM (CPU or GPU) or
+SGLang (GPU). The last line of stdout is one JSON object: accuracy, num_prompts, mean_length,
+truncated_fraction, seconds, and pass@k / mean@k with --num-samples K > 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from megarl.errors import run_main
+from megarl.rollout.base import RolloutEngine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megarl.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF model directory or megarl checkpoint")
+    parser.add_argument("--data", required=True, help='"gsm8k:test" (vendored) or a .jsonl / .parquet file')
+    parser.add_argument("--reward", default="megarl.rewards.gsm8k:reward", help='"module:function"')
+    parser.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples per prompt (pass@K)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-prompts", type=int, help="the first N prompts only")
+    parser.add_argument("--prompt-key", default="question")
+    parser.add_argument("--answer-key", default="answer")
+    parser.add_argument("--prompt-template", help="format string over the record's fields (data.prompt_template)")
+    parser.add_argument("--system-prompt", help="a system turn before every prompt (data.system_prompt)")
+    parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
+    parser.add_argument("--engine", choices=["vllm", "sglang"], help="default: sglang on a GPU, else vllm")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, help="write every sample (prompt, completion, reward) here")
+    args = parser.parse_args(argv)
+    for name in ("num_samples", "max_new_tokens", "max_prompt_tokens", "max_prompts"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.temperature == 0 and args.num_samples > 1:
+        parser.error(f"--num-samples {args.num_samples} with --temperature 0 gives {args.num_samples} identical "
+                     "greedy samples; pass a temperature > 0 for pass@k")
+    return args
+
+
+def hf_model(path: Path, scratch: Path) -> Path:
+    """``path`` itself when it is a HF directory; else the actor of the megarl checkpoint it names, exported."""
+    from megarl.models.hf_io import write_hf
+    from megarl.models.mcore_ckpt import META, open_mcore
+
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if (path / "actor" / META).is_file():
+        path = path / "actor"
+    if not (path / META).is_file():
+        return path
+    out = scratch / "hf"
+    spec, tensors = open_mcore(path)
+    write_hf(out, tensors, spec, source_dir=path)
+    print(f"megarl: exported the actor of {path} for evaluation", file=sys.stderr, flush=True)
+    return out
+
+
+def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngine:
+    from megarl.models.spec import load_spec
+
+    max_len = min(args.max_prompt_tokens + args.max_new_tokens, load_spec(model).max_position_embeddings)
+    if kind == "vllm":
+        from megarl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed)
+    from megarl.rollout.sglang import SGLangEngine
+
+    return SGLangEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
+                        seed=args.seed, enable_sleep=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from megarl.data.batching import tokenize_prompts
+    from megarl.data.prompts import load_prompts, template_fields
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.evaluation import evaluate, write_samples
+    from megarl.rewards.registry import load_reward
+    from megarl.rollout.base import SamplingParams
+
+    if args.prompt_template is not None:
+        template_fields(args.prompt_template, "--prompt-template")
+    reward_fn = load_reward(args.reward, "--reward")
+    with tempfile.TemporaryDirectory(prefix="megarl-eval-") as scratch:
+        model = str(hf_model(Path(args.model), Path(scratch)))
+        tokenizer = load_tokenizer(model, "--model")
+        records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template, "--data")
+        records = records[:args.max_prompts]
+        prompts, _ = tokenize_prompts(records, tokenizer, not args.no_chat_template, args.max_prompt_tokens,
+                                      source=repr(args.data), system_prompt=args.system_prompt)
+        kind = args.engine or ("sglang" if torch.cuda.is_available() else "vllm")
+        engine = make_engine(kind, model, args)
+        stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        params = SamplingParams(n=args.num_samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                stop_token_ids=stop, seed=args.seed)
+        try:
+            result, samples = evaluate(engine, prompts, reward_fn, params,
+                                       lambda t: str(tokenizer.decode(t, skip_special_tokens=True)))
+        finally:
+            engine.shutdown()
+    if args.output is not None:
+        write_samples(args.output, samples)
+    print(json.dumps({"model": args.model, "data": args.data, "engine": kind, "num_samples": args.num_samples}
+                     | result), flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,99 @@
+"""Held-out evaluation: metrics against hand-computed values, the evaluator against an independent transformers
+greedy decode scored by the same reward, and bad input named before any engine starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO
+from megarl.errors import UserError
+from megarl.evaluation import metrics
+
+
+def test_pass_at_k_and_mean_at_k_by_hand() -> None:
+    rewards = [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    out = metrics(rewards, lengths=[3] * 11 + [5], truncated=[False] * 9 + [True] * 3)
+    assert out["pass@3"] == 3 / 4  # prompts 0, 2 and 3 have a correct sample
+    assert out["mean@3"] == out["accuracy"] == 4 / 12
+    assert out["mean_length"] == (3 * 11 + 5) / 12 and out["truncated_fraction"] == 3 / 12
+    assert out["num_prompts"] == 4
+    assert "pass@1" not in metrics([[1.0], [0.0]], [1, 1], [False, False])
+
+
+def test_greedy_evaluation_equals_a_transformers_decode_scored_by_the_same_reward(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.rewards.echo import reward
+
+    model_dir = REPO / "recipes" / "tiny" / "model"
+    samples = tmp_path / "samples.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", str(model_dir), "--data",
+                           "recipes/tiny/echo.jsonl", "--reward", "megarl.rewards.echo:reward", "--no-chat-template",
+                           "--max-new-tokens", "3", "--max-prompt-tokens", "16", "--max-prompts", "24",
+                           "--engine", "vllm", "--gpu-memory-fraction", "0.1", "--output", str(samples)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert result["num_prompts"] == 24 == len(rows)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    records = [json.loads(line) for line in (REPO / "recipes/tiny/echo.jsonl").read_text().splitlines()[:24]]
+    texts = []
+    for record in records:
+        ids = tokenizer(record["question"], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert [r["completion"] for r in rows] == texts
+    scores = reward(texts, [str(r["answer"]) for r in records])
+    assert [r["reward"] for r in rows] == scores
+    assert result["accuracy"] == pytest.approx(sum(scores) / len(scores))
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--data", "gsm8k:dev"], "--data = 'gsm8k:dev' is not a vendored dataset"),
+    (["--data", "missing.jsonl"], "--data = 'missing.jsonl': no such file"),
+    (["--data", "gsm8k:test", "--reward", "megarl.rewards.nope:reward"],
+     "--reward = 'megarl.rewards.nope:reward': no module named 'megarl.rewards.nope'"),
+    (["--data", "gsm8k:test", "--prompt-template", "{question"], "--prompt-template = '{question' is not a format"),
+])
+def test_bad_input_is_named_before_any_engine_starts(args: list[str], expected: str) -> None:
+    from megarl.evaluate import main
+
+    with pytest.raises(UserError) as err:
+        main(["--model", str(REPO / "recipes" / "tiny" / "model"), *args])
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(("dataset", "expected"), [
+    ({"path": "gsm8k:dev"}, "eval.datasets[0].path = 'gsm8k:dev' is not a vendored dataset"),
+    ({"path": "missing.jsonl"}, "eval.datasets[0].path = 'missing.jsonl': no such file"),
+    ({"path": "recipes/tiny/echo.jsonl", "reward": "megarl.rewards.nope:reward"},
+     "eval.datasets[0].reward = 'megarl.rewards.nope:reward': no module named"),
+    ({"path": "EMPTY"}, "holds no records"),
+])
+def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected: str) -> None:
+    from megarl.config import build_config
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.eval_loop import load_eval_sets
+
+    if dataset["path"] == "EMPTY":
+        (tmp_path / "empty.jsonl").write_text("\n")
+        dataset = {"path": str(tmp_path / "empty.jsonl")}
+    cfg = build_config({"model": {"hf_path": "recipes/tiny/model"},
+                        "data": {"train_path": "recipes/tiny/echo.jsonl", "apply_chat_template": False},
+                        "eval": {"datasets": [{"name": "held_out", **dataset}]}})
+    with pytest.raises(UserError) as err:
+        load_eval_sets(cfg, load_tokenizer(str(REPO / "recipes" / "tiny" / "model")), ())
+    assert expected in str(err.value)
