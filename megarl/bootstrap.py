@@ -11,6 +11,7 @@ from megarl import checkpoint, interrupt
 from megarl.config import load_config, run_dir, validate_layout
 from megarl.configio import check
 from megarl.errors import UserError
+from megarl.resume_check import check_unchanged
 from megarl.tracking import Tracker, open_store
 
 
@@ -115,9 +116,11 @@ def setup(config_path: str, overrides: Sequence[str]
               flush=True)
     from megarl.trainer import RLTrainer
 
+    resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
+    if resume_from is not None:
+        check_unchanged(cfg, resume_from, groups.rank)
     trainer = RLTrainer(cfg, groups, stop_token_ids=stop_ids(tokenizer))
     start_step, run_id = 0, None
-    resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)

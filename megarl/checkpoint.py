@@ -14,10 +14,14 @@ Layout of ``checkpoint.dir``:
   step_000012/actor/optimizer/common.pt   Adam step count, LR scheduler, loss scaler
   step_000012/critic/         same for the critic (PPO)
   step_000012/rank{r}.pt      this rank's RNG states
-  step_000012/trainer.json    step, data position, KL controller, layout
+  step_000012/trainer.json    step, data position, KL controller, layout, the run's flattened config
+  step_000012/manifest.json   size and CRC-32 of every other file (megarl.manifest)
   latest                      name of the newest complete checkpoint (replaced atomically)
+  step_000005.damaged/        a checkpoint that failed verification, set aside by ``resume: auto``
 A crash while saving leaves only a ``.step_*.tmp`` directory, which is never read; the previous
-checkpoint and ``latest`` stay as they were. Resuming restores weights, optimizer state, LR
+checkpoint and ``latest`` stay as they were. Every file is fsynced, then checksummed, and the directories
+are fsynced before the rename. A resume first verifies the checkpoint (``verify``: each rank checks its
+share of the bytes) and compares the experiment (megarl.resume_check). Resuming restores weights, optimizer state, LR
 schedule and data position in any TP/PP/DP layout (and with or without the distributed optimizer):
 each saved parameter is merged into its HF form and split again for the new layout (see
 mcore_ckpt.reshard), so the run continues as an uninterrupted run in the new layout would, up to
@@ -28,9 +32,11 @@ their fresh seeding (the RL loop draws its randomness from per-step seeds).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections import defaultdict
@@ -43,6 +49,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megarl import manifest
 from megarl.config import CheckpointConfig
 from megarl.errors import UserError
 from megarl.models.hf_io import apply_umask, copy_model_files
@@ -54,6 +61,10 @@ LATEST = "latest"
 STOP = "STOP"
 OPTIMIZER = "optimizer"
 COMMON = "common.pt"
+TRAINER = "trainer.json"
+STEP_DIR = re.compile(r"step_(\d{6,})")
+FULL_BELOW = 64 * 2**20
+"""A save that fails with less free space than this in checkpoint.dir failed for the lack of it."""
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -88,15 +99,17 @@ def _saving(model: MegatronModel, whole: bool) -> dict[str, torch.Tensor] | None
     return None
 
 
-def _save_model(model: MegatronModel, out: Path) -> None:
+def _save_model(model: MegatronModel, out: Path) -> list[Path]:
     """The canonical shard of this (TP, PP) position, written by its first DP replica (other expert-parallel
-    ranks' experts: by theirs, in files of their own)."""
+    ranks' experts: by theirs, in files of their own); the shard file written (rank 0's other files: unnamed)."""
     g = model.groups
     params = _saving(model, whole=False)
+    written = []
     if params is not None:
         tensors = {n: t.detach().cpu().contiguous() for n, t in params.items()}
         ep_rank = g.dp_rank  # 0, or the expert-parallel rank of an experts-only writer
-        save_file(tensors, str(out / shard_file(g.tp_rank, g.pp_rank, ep_rank)), metadata={"format": FORMAT})
+        written.append(out / shard_file(g.tp_rank, g.pp_rank, ep_rank))
+        save_file(tensors, str(written[-1]), metadata={"format": FORMAT})
     if g.rank == 0:
         padded = model.spec.padded_vocab_size(g.dims.tp, model.opts.vocab_pad_multiple)
         (out / META).write_text(json.dumps({"format": FORMAT, "version": VERSION, "tp": g.dims.tp, "pp": g.dims.pp,
@@ -105,6 +118,7 @@ def _save_model(model: MegatronModel, out: Path) -> None:
                                             "padded_vocab_size": padded, "critic": model.opts.critic}))
         copy_model_files(Path(model.hf_dir), out)  # the tokenizer and generation config: exports load as they are
         (out / "config.json").write_text(json.dumps(model.spec.hf_config, indent=2) + "\n")
+    return written
 
 
 def _optimizers(model: MegatronModel) -> list[Any]:
@@ -180,9 +194,10 @@ def _grad_scaler(model: MegatronModel) -> Any:
     return getattr(_optimizers(model)[0], "grad_scaler", None)
 
 
-def _save_optimizer(model: MegatronModel, out: Path) -> None:
+def _save_optimizer(model: MegatronModel, out: Path) -> list[Path]:
     g = model.groups
     params = _saving(model, whole=_distributed(model))
+    written = []
     if params is not None:
         tensors, offsets = {}, {}
         for name, (start, live) in _slots(model).items():
@@ -191,18 +206,22 @@ def _save_optimizer(model: MegatronModel, out: Path) -> None:
             for key in STATE_KEYS:
                 tensors[f"{name}/{key}"] = live[key].detach().reshape(-1).cpu().contiguous()
             offsets[name] = [start, *params[name].shape]
-        save_file(tensors, str(out / f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}_dp{g.dp_rank:02d}.safetensors"),
+        written.append(out / f"tp{g.tp_rank:02d}_pp{g.pp_rank:02d}_dp{g.dp_rank:02d}.safetensors")
+        save_file(tensors, str(written[-1]),
                   metadata={"format": FORMAT, "tp_rank": str(g.tp_rank), "offsets": json.dumps(offsets)})
     if g.rank == 0:
         scaler = _grad_scaler(model)
         torch.save({"step": _adam_step(model), "scheduler": model.scheduler.state_dict(),
                     "grad_scaler": None if scaler is None else scaler.state_dict()}, out / COMMON)
+    return written
 
 
 def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_state: dict[str, Any],
          keep_last: int, prepare: Callable[[str], None] | None = None) -> Path:
     """Save after ``step`` (collective: every rank calls it). ``prepare(role)`` runs before each model is
-    read: it brings the model's offloaded state back to the device (megarl.offload)."""
+    read: it brings the model's offloaded state back to the device (megarl.offload). Every rank fsyncs and
+    checksums the files it wrote; rank 0 writes the manifest, fsyncs the directories, renames the checkpoint
+    into place, points ``latest`` at it and rotates."""
     started = time.perf_counter()
     root = Path(directory)
     name = f"step_{step:06d}"
@@ -213,36 +232,138 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
         for role in models:
             (tmp / role / OPTIMIZER).mkdir(parents=True)
     dist.barrier()
+    error: BaseException | None = None
+    files: dict[str, dict[str, Any]] = {}
     try:
+        written = [tmp / f"rank{rank}.pt"]
         for role, model in models.items():
             if prepare is not None:
                 prepare(role)
-            _save_model(model, tmp / role)
-            _save_optimizer(model, tmp / role / OPTIMIZER)
-        torch.save({"rng": _rng_state()}, tmp / f"rank{rank}.pt")
+            written += _save_model(model, tmp / role)
+            written += _save_optimizer(model, tmp / role / OPTIMIZER)
+        torch.save({"rng": _rng_state()}, written[0])
         if rank == 0:
             layout = dataclasses.asdict(next(iter(models.values())).groups.dims)
-            (tmp / "trainer.json").write_text(json.dumps(trainer_state | {"step": step, "layout": layout}))
-        dist.barrier()
-    except BaseException:  # an interrupt or a crash abandons the checkpoint: nothing half-written stays
+            (tmp / TRAINER).write_text(json.dumps(trainer_state | {"step": step, "layout": layout}))
+        files = manifest.describe(tmp, [p for p in written if p.exists()])
+    except Exception as err:  # noqa: BLE001 (every rank learns of it below, so that none waits for the others)
+        error = err
+    except BaseException:  # an interrupt abandons the checkpoint: nothing half-written stays
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (_describe_error(error, root), files))
+    failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
+    published: list[Any] = [None]  # rank 0's failure to publish, if any
+    if rank == 0:
+        if not failed:
+            try:
+                _publish(root, tmp, name, {k: v for _, f in reports for k, v in f.items()}, keep_last)
+            except Exception as err:  # noqa: BLE001
+                error, published[0] = err, _describe_error(err, root)
+            except BaseException:  # interrupted before the rename: nothing half-written stays
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        if failed or published[0] is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.broadcast_object_list(published, src=0)
+    if published[0] is not None:
+        failed.append((0, published[0]))
+    if failed:
+        full = [(r, detail) for r, (disk_full, detail) in failed if disk_full]
+        if full:
+            raise UserError(_disk_full(root, name, *full[0])) from None
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank {failed[0][0]} failed while saving checkpoint {name} ({failed[0][1][1]}); the "
+                           f"partial {tmp} was removed")
     if rank == 0:
         final = root / name
-        shutil.rmtree(final, ignore_errors=True)
-        apply_umask(tmp)
-        os.replace(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, root / LATEST)
-        done = sorted(p for p in root.glob("step_*") if p.is_dir())
-        for old in done[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         print(f"megarl: saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - started:.1f} s)", flush=True)
-    dist.barrier()
     return root / name
+
+
+def _describe_error(err: BaseException | None, where: Path) -> tuple[bool, str] | None:
+    """What every rank needs to know of another's failure (exceptions do not travel between processes): whether
+    the file system of ``where`` is full, and what failed. safetensors and torch.save do not raise OSError: the
+    first names the OS error in its message, the second only an "unexpected pos", hence the look at the space."""
+    if err is None:
+        return None
+    text = " ".join(str(err).split())
+    full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        marker in text for marker in ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122"))
+    if not full:
+        try:
+            full = shutil.disk_usage(where).free < FULL_BELOW
+        except OSError:
+            pass
+    return full, f"{type(err).__name__}: {text[:300]}"
+
+
+def _disk_full(root: Path, name: str, rank: int, detail: str) -> str:
+    usage = shutil.disk_usage(root)
+    found = checkpoints(root)
+    last = found[max(found)] if found else None
+    need = (f"; the last checkpoint, {last.name}, took {_size(sum(f.stat().st_size for f in last.rglob('*')))}"
+            if last is not None else "")
+    return (f"checkpoint.dir = {str(root)!r} is full: saving {name} failed on rank {rank} ({detail}). "
+            f"{_size(usage.free)} of {_size(usage.total)} are free there now{need}. The partial .{name}.tmp was "
+            "removed; the earlier checkpoints and `latest` are as they were. Fix: free space in "
+            f"{root} (or point checkpoint.dir at a larger file system, or lower checkpoint.keep_last) and "
+            "resume with checkpoint.resume: auto.")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _publish(root: Path, tmp: Path, name: str, files: dict[str, dict[str, Any]], keep_last: int) -> None:
+    """Rank 0, once every rank's files are durable: the files it wrote unnamed (the model's HF files), the
+    manifest, the directories' entries, the rename, ``latest``, then the rotation."""
+    listed = {p for p in tmp.rglob("*") if p.is_file()}
+    files |= manifest.describe(tmp, [p for p in listed if p.relative_to(tmp).as_posix() not in files])
+    manifest.write(tmp, files)
+    apply_umask(tmp)
+    for folder in sorted({p.parent for p in listed} | {tmp}, key=lambda p: -len(p.parts)):
+        manifest.fsync_dir(folder)
+    final = root / name
+    if final.exists():  # the same step saved again (a resumed run): the old one goes only once the new one is in
+        old = root / f".{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    manifest.fsync_dir(root)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name)
+    manifest.fsync_file(pointer)
+    os.replace(pointer, root / LATEST)
+    manifest.fsync_dir(root)
+    rotate(root, keep_last, final)
+
+
+def checkpoints(root: Path) -> dict[int, Path]:
+    """The complete checkpoints in ``root`` by step (never a .tmp or .damaged one)."""
+    found = {}
+    for path in root.glob("step_*"):
+        match = STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            found[int(match.group(1))] = path
+    return found
+
+
+def rotate(root: Path, keep_last: int, saved: Path) -> None:
+    """Keep ``saved`` (just written and checksummed from the disk: the newest verified checkpoint) and the
+    ``keep_last - 1`` newest before it; delete older ones. Checkpoints of later steps (left by a run resumed
+    from an earlier one) are not this run's to delete."""
+    step = int(saved.name.removeprefix("step_"))
+    older = sorted((s for s in checkpoints(root) if s < step), reverse=True)
+    for s in older[keep_last - 1:]:
+        shutil.rmtree(root / f"step_{s:06d}", ignore_errors=True)
 
 
 def stop_file(cfg: CheckpointConfig) -> Path | None:
@@ -270,29 +391,122 @@ def acknowledge_stop(cfg: CheckpointConfig, step: int) -> None:
 
 
 def find(resume: str, directory: str | None) -> Path | None:
-    """The checkpoint to resume from: ``auto`` = the newest complete one in ``directory`` (or none)."""
+    """The checkpoint to resume from, verified (collective: see ``verify``). ``auto``: the newest in
+    ``directory`` that verifies; damaged ones are passed over with one line and renamed *.damaged, so that
+    neither a later resume nor the rotation counts them. A named checkpoint that does not verify is an error."""
     if resume == "none":
         return None
     if resume != "auto":
         path = Path(resume)
-        if not (path / "trainer.json").is_file():
-            raise UserError(f"checkpoint.resume = {resume!r} is not a complete megarl checkpoint (no trainer.json). "
+        if not (path / TRAINER).is_file():
+            raise UserError(f"checkpoint.resume = {resume!r} is not a complete megarl checkpoint (no {TRAINER}). "
                             "Pass a step_* directory, `auto` or `none`.")
+        problem = verify(path)
+        if problem is not None:
+            raise UserError(f"checkpoint.resume = {resume!r} is damaged: {problem}. Nothing was loaded from it. "
+                            "Fix: name an earlier step_* directory, or set checkpoint.resume: auto (the newest "
+                            "checkpoint in checkpoint.dir that verifies), or none to start fresh.")
         return path
-    if directory is None or not (Path(directory) / LATEST).is_file():
+    if directory is None:
         return None
-    path = Path(directory) / (Path(directory) / LATEST).read_text().strip()
-    if not (path / "trainer.json").is_file():
-        raise UserError(f"{Path(directory) / LATEST} names {path.name}, which is incomplete or missing. Set "
-                        "checkpoint.resume to an existing step_* directory or `none`.")
-    return path
+    root = Path(directory)
+    damaged: list[tuple[Path, str]] = []
+    for path in _candidates(root):
+        problem = verify(path) if (path / TRAINER).is_file() else f"{path} is missing or incomplete (no {TRAINER})"
+        if problem is None:
+            if damaged and dist.get_rank() == 0:
+                kept = ", ".join(f"{p.name} ({why}; kept as {_quarantine(p)})" for p, why in damaged)
+                print(f"megarl: resuming from {path.name}, the newest checkpoint in {root} that verifies, instead "
+                      f"of the damaged {kept}", flush=True)
+            return path
+        damaged.append((path, problem))
+    if damaged:
+        raise UserError(f"checkpoint.resume = 'auto' found no checkpoint in {root} that verifies: "
+                        + "; ".join(f"{p.name}: {why}" for p, why in damaged)
+                        + ". Nothing was loaded, deleted or renamed. Fix: restore a good copy of one of them, or set "
+                        "checkpoint.resume: none (or another checkpoint.dir) to start fresh.")
+    return None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Where ``auto`` looks, in order: the checkpoint ``latest`` names, then the earlier ones, newest first.
+    Later ones than ``latest`` belong to a run that was resumed from an earlier checkpoint: not this one's."""
+    found = checkpoints(root)
+    if not (root / LATEST).is_file():
+        return [found[s] for s in sorted(found, reverse=True)]
+    named = root / (root / LATEST).read_text().strip()
+    match = STEP_DIR.fullmatch(named.name)
+    below = int(match.group(1)) if match else math.inf  # a damaged pointer: every checkpoint is a candidate
+    return [named] + [found[s] for s in sorted(found, reverse=True) if s < below and found[s] != named]
+
+
+def _quarantine(path: Path) -> str:
+    if not path.exists():
+        return "nothing: it is missing"
+    target = path.with_name(path.name + ".damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged{n}")
+    os.replace(path, target)
+    return target.name
+
+
+def verify(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path``, or None: every file against the manifest's size and checksum
+    (each rank checks its share of the bytes, so the time is the slowest rank's share), and the small files
+    every rank reads (trainer.json, common.pt, its rank*.pt) load. Collective: every rank returns the same.
+    A checkpoint of a megarl before manifests is accepted with a line saying that it is not verified."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
+    found: list[str] = []
+    try:
+        files = manifest.read(path)
+    except manifest.ManifestError as err:
+        files, found = {}, [str(err)]
+    if files is None:
+        if rank == 0:
+            print(f"megarl: {path} has no {manifest.MANIFEST} (saved by a megarl before checksums): its files are "
+                  "not verified", flush=True)
+    else:
+        found += manifest.problems(path, files, manifest.share(files, rank, world))
+    if not found:
+        found += _unloadable(path, rank)
+    everything: list[Any] = [None] * world
+    dist.all_gather_object(everything, found)
+    problem = next((p for part in everything for p in part), None)
+    if problem is None and files and rank == 0:
+        gib = sum(f["bytes"] for f in files.values()) / 2**30
+        print(f"megarl: verified {path} ({len(files)} files, {gib:.2f} GiB checksummed over {world} ranks in "
+              f"{time.perf_counter() - started:.1f} s)", flush=True)
+    return problem
+
+
+def _unloadable(path: Path, rank: int) -> list[str]:
+    """The small files every rank reads, loaded as a resume loads them: damage to one is an error every rank
+    reports alike (a checkpoint without a manifest gets no other check)."""
+    def unreadable(file: Path, err: BaseException) -> list[str]:
+        return [f"{file} is unreadable ({type(err).__name__}: {' '.join(str(err).split())[:200]})"]
+
+    try:
+        int(json.loads((path / TRAINER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return unreadable(path / TRAINER, err)
+    for file in [*sorted(path.glob(f"*/{OPTIMIZER}/{COMMON}")), path / f"rank{rank}.pt"]:
+        if file.name != COMMON and not file.exists():  # another layout's ranks: not read
+            continue
+        try:
+            torch.load(file, weights_only=False)
+        except Exception as err:  # noqa: BLE001 (a damaged pickle fails in any of a dozen ways)
+            return unreadable(file, err)
+    return []
 
 
 def load(path: Path, models: dict[str, MegatronModel], prepare: Callable[[str], None] | None = None
          ) -> dict[str, Any]:
     """Restore weights, optimizer state and LR schedule in any layout, and the RNG states in the same one.
     ``prepare(role)`` runs before each model is written, as in ``save``."""
-    state = json.loads((path / "trainer.json").read_text())
+    state = json.loads((path / TRAINER).read_text())
     metas = {role: _check_compatible(path / role, model) for role, model in models.items()}
     for role, model in models.items():
         if prepare is not None:

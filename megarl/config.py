@@ -474,15 +474,29 @@ class CheckpointConfig:
     save_every: int = 0
     """Save every this many steps (and at the end); 0 = never."""
     keep_last: int = 2
-    """Checkpoints to keep; older ones are deleted after a successful save."""
+    """Checkpoints to keep; older ones are deleted after a successful save (never the one just saved, nor
+    any of a later step)."""
     resume: str = "auto"
-    """auto = latest checkpoint in dir if any; none = start fresh; otherwise a checkpoint path."""
+    """auto = the newest checkpoint in dir that verifies against its manifest, if any (damaged ones are
+    passed over, with a line, and renamed *.damaged); none = start fresh; otherwise a checkpoint path, which
+    must verify."""
     stop_file: str | None = None
     """Once this file exists, training saves a checkpoint after the current step, deletes the file and
     exits with code 0; null = STOP in dir (off without a dir). The Slurm scripts create it when Slurm
     signals the end of the time limit or a preemption (--signal)."""
+    allow_changes: str | None = None
+    """Fields that define the experiment (model, dtype, algorithm, reward, data, sampling, batch shape,
+    optimizer, seeds) which a resume may change from the checkpoint's values, as dotted keys separated by
+    commas, e.g. "rollout.num_samples_per_prompt, data.num_prompts_per_step"; null = none: a changed one stops
+    the resume naming each. The layout (parallel.*, the distributed optimizer) may always change."""
 
     def __post_init__(self) -> None:
+        from megarl.resume_check import allowed_changes, defines_experiment
+
+        for key in allowed_changes(self.allow_changes):
+            check(defines_experiment(key), "allow_changes", self.allow_changes,
+                  f"name only fields that define the experiment, which `{key}` is not (a layout or run setting, "
+                  "free to change on resume, or no field at all)", f"remove `{key}`, or fix its spelling")
         _within(self, "save_every", "[0, inf)", "use 0 to never save")
         check(self.stop_file is None or self.dir is not None, "stop_file", self.stop_file,
               "come with checkpoint.dir (a stop saves a checkpoint)", "set checkpoint.dir or stop_file: null")

@@ -152,22 +152,46 @@ def open_store(cfg: Config, out_dir: Path) -> Any:
 
 def forget_jsonl_steps(out_dir: Path, start_step: int) -> None:
     """Make metrics.jsonl hold only steps before ``start_step``: a run resumed from a checkpoint logs the
-    steps after it again. Rows dropped are appended to metrics.discarded.jsonl first, so none is lost."""
+    steps after it again. Rows dropped are appended to metrics.discarded.jsonl first, so none is lost; so is a
+    last line cut short by a crash while it was written (a damaged line anywhere else is an error)."""
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
         return
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] < start_step]
+    rows, cut = read_jsonl_rows(path, lines)
+    kept = [line for line, row in zip(lines, rows, strict=False) if row["step"] < start_step]
     if len(kept) == len(lines):
         return
-    dropped = [line for line in lines if json.loads(line)["step"] >= start_step]
+    dropped = [line for line, row in zip(lines, rows, strict=False) if row["step"] >= start_step] + cut
     with open(out_dir / "metrics.discarded.jsonl", "a") as f:
         f.write("".join(line + "\n" for line in dropped))
     tmp = out_dir / ".metrics.jsonl.tmp"
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
-    print(f"megarl: metrics.jsonl holds steps before {start_step} only; {len(dropped)} rows logged after the "
-          "checkpoint this run starts from moved to metrics.discarded.jsonl", flush=True)
+    if cut:
+        print(f"megarl: the last line of {path} was cut short (a crash while it was written: {cut[0][:60]!r}); "
+              "it moved to metrics.discarded.jsonl", flush=True)
+    if len(dropped) > len(cut):
+        print(f"megarl: metrics.jsonl holds steps before {start_step} only; {len(dropped) - len(cut)} rows logged "
+              "after the checkpoint this run starts from moved to metrics.discarded.jsonl", flush=True)
+
+
+def read_jsonl_rows(path: Path, lines: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of metrics.jsonl's ``lines``, and the last line if a crash cut it short (else nothing)."""
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a metrics row with an integer step")
+        except ValueError as err:
+            if number == len(lines):
+                return rows, [line]
+            raise UserError(f"{path} line {number} is damaged ({err}: {line[:80]!r}); only its last line may be "
+                            "(cut short by a crash), which a resume drops. Fix: delete or repair that line, or move "
+                            "the file away to start a new one (the mlflow run keeps the metrics too).") from None
+        rows.append(row)
+    return rows, []
 
 
 def forget_mlflow_steps(uri: str, run_id: str, start_step: int) -> int | None:

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
             stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
             if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
-                state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict()}
+                state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
+                         "config": cfg.to_flat_dict()}  # a resume compares the experiment with it
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
                                 prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
             evaluate = evals.due(step) and not stop

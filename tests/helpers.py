@@ -84,3 +84,11 @@ def train_recipe(recipe: str, ckpt_dir: Path, *overrides: str, nproc: int = 1) -
     proc = run_torchrun(["megarl/train.py", "--config", recipe, *sets], nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def zero_data(path: Path) -> None:
+    """Zero a safetensors file's tensor bytes and leave its header as it was (the issue's damage)."""
+    raw = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    raw[start:] = bytes(len(raw) - start)
+    path.write_bytes(bytes(raw))

@@ -1,0 +1,208 @@
+"""Nothing damaged is resumed, nothing good is deleted: the manifest's checksums are checked before a resume,
+``auto`` passes over damaged checkpoints, the rotation keeps what it must, a full disk is one paragraph.
+
+Fast: checkpoint.save and checkpoint.find run in this process (a gloo world of one) on stand-in models whose
+shards are small files; tests/test_checkpoint.py damages a real checkpoint end to end."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+
+from helpers import run_worker, zero_data
+from megarl import checkpoint, manifest
+from megarl.errors import UserError
+from megarl.parallel import ParallelDims
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """A process group of one rank, and checkpoint.save writing stand-in shards: the actor's weights and
+    optimizer state as safetensors, common.pt as training writes them."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    from safetensors.torch import save_file
+
+    def save_model(model, out):
+        save_file({"w": torch.full((256,), float(model.step))}, str(out / "tp00_pp00.safetensors"))
+        (out / "megarl_checkpoint.json").write_text("{}")
+        return [out / "tp00_pp00.safetensors"]
+
+    def save_optimizer(model, out):
+        save_file({"w/exp_avg": torch.full((4096,), 0.5)}, str(out / "tp00_pp00_dp00.safetensors"))
+        torch.save({"step": model.step, "scheduler": {}, "grad_scaler": None}, out / checkpoint.COMMON)
+        return [out / "tp00_pp00_dp00.safetensors"]
+
+    monkeypatch.setattr(checkpoint, "_save_model", save_model)
+    monkeypatch.setattr(checkpoint, "_save_optimizer", save_optimizer)
+    monkeypatch.setattr(checkpoint, "_rng_state", lambda: {"cpu": torch.get_rng_state()})
+    yield tmp_path / "ckpt"
+    dist.destroy_process_group()
+
+
+def save(root: Path, step: int, keep_last: int = 5) -> Path:
+    model = types.SimpleNamespace(step=step, groups=types.SimpleNamespace(dims=ParallelDims(tp=1, pp=1, dp=1)))
+    return checkpoint.save(str(root), step, {"actor": model}, {"loader": {}}, keep_last)
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_checksum(world):
+    saved = save(world, 1)
+    files = manifest.read(saved)
+    on_disk = {p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file()} - {manifest.MANIFEST}
+    assert set(files) == on_disk and {"trainer.json", "rank0.pt", "actor/optimizer/common.pt"} <= on_disk
+    for name, entry in files.items():
+        assert entry["bytes"] == (saved / name).stat().st_size
+        assert entry["crc32"] == manifest.crc32(saved / name)
+    assert checkpoint.verify(saved) is None
+
+
+def test_each_rank_checks_about_the_same_number_of_bytes():
+    files = {f"f{i}": {"bytes": size, "crc32": "0"} for i, size in enumerate([90, 50, 40, 30, 30, 10, 5, 5])}
+    shares = [manifest.share(files, r, 3) for r in range(3)]
+    assert sorted(n for s in shares for n in s) == sorted(files)  # each file once
+    loads = [sum(files[n]["bytes"] for n in s) for s in shares]
+    assert max(loads) - min(loads) <= 10, loads
+
+
+@pytest.mark.parametrize("damage", ["optimizer data zeroed", "common.pt truncated", "rank0.pt truncated",
+                                    "trainer.json truncated", "weights missing", "manifest truncated"])
+def test_auto_resumes_from_the_newest_checkpoint_that_verifies_and_a_named_damaged_one_is_an_error(
+        world, damage, capsys):
+    good, bad = save(world, 2), save(world, 5)
+    target = {"optimizer data zeroed": "actor/optimizer/tp00_pp00_dp00.safetensors",
+              "common.pt truncated": "actor/optimizer/common.pt", "rank0.pt truncated": "rank0.pt",
+              "trainer.json truncated": "trainer.json", "weights missing": "actor/tp00_pp00.safetensors",
+              "manifest truncated": manifest.MANIFEST}[damage]
+    if damage == "optimizer data zeroed":
+        zero_data(bad / target)
+    elif damage == "weights missing":
+        (bad / target).unlink()
+    else:
+        (bad / target).write_bytes((bad / target).read_bytes()[:-7])
+    with pytest.raises(UserError) as err:
+        checkpoint.find(str(bad), str(world))
+    assert str(bad / target) in str(err.value) and "checkpoint.resume: auto" in str(err.value)
+    assert checkpoint.find("auto", str(world)) == good
+    line = [x for x in capsys.readouterr().out.splitlines() if "instead of the damaged" in x]
+    assert len(line) == 1 and "step_000005" in line[0] and str(bad / target) in line[0], line
+    # The damaged one is kept aside: neither the next resume nor the rotation counts it.
+    assert not bad.exists() and (world / "step_000005.damaged" / target).exists() == (damage != "weights missing")
+    assert checkpoint.find("auto", str(world)) == good
+
+
+def test_auto_with_no_checkpoint_that_verifies_is_an_error_and_renames_nothing(world):
+    only = save(world, 3)
+    (only / "trainer.json").write_text("{")
+    with pytest.raises(UserError, match="found no checkpoint in .* that verifies: step_000003: .*trainer.json"):
+        checkpoint.find("auto", str(world))
+    assert only.is_dir()
+
+
+def test_a_checkpoint_without_a_manifest_resumes_with_a_line_saying_it_is_not_verified(world, capsys):
+    saved = save(world, 1)
+    (saved / manifest.MANIFEST).unlink()
+    assert checkpoint.find("auto", str(world)) == saved
+    assert "has no manifest.json (saved by a megarl before checksums): its files are not verified" in (
+        capsys.readouterr().out)
+
+
+def test_rotation_keeps_the_checkpoint_just_saved_and_the_newest_before_it(world):
+    for step in (2, 5, 8):
+        save(world, step)
+    # Resumed from step 2 (say 5 and 8 were of a run the user abandoned): the checkpoint of step 3 is the
+    # newest verified one, whatever keep_last says; it and `latest` must stay.
+    saved = save(world, 3, keep_last=1)
+    assert saved.is_dir() and (world / "latest").read_text() == "step_000003"
+    assert checkpoint.find("auto", str(world)) == saved
+    assert not (world / "step_000002").exists()  # keep_last 1: the one before goes
+    assert (world / "step_000005").is_dir() and (world / "step_000008").is_dir()  # later steps: not this run's
+    save(world, 4, keep_last=2)
+    assert sorted(checkpoint.checkpoints(world)) == [3, 4, 5, 8]
+
+
+def test_saving_a_step_again_replaces_its_checkpoint(world):
+    save(world, 1)
+    again = save(world, 1)
+    assert checkpoint.verify(again) is None and not list(world.glob(".*"))
+
+
+FULL = {  # how each writer reports a full disk (measured on a 1 MiB tmpfs)
+    "open()": lambda path: OSError(errno.ENOSPC, "No space left on device", str(path)),
+    "safetensors": lambda path: SafetensorError("Error while serializing: I/O error: No space left on device "
+                                                "(os error 28)"),
+    "torch.save": lambda path: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+}
+
+
+@pytest.mark.parametrize("writer", FULL)
+@pytest.mark.parametrize("where", ["a rank's shard", "rank 0's manifest"])
+def test_a_full_disk_during_a_save_is_one_paragraph_and_leaves_the_last_checkpoint(world, monkeypatch, where,
+                                                                                    writer):
+    good = save(world, 1)
+    free = shutil.disk_usage(world)
+
+    def full(out: Path, *args):
+        # torch.save's message says nothing of the disk: the space left does (this one has 1 MiB).
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: free._replace(free=2**20))
+        raise FULL[writer](out)
+
+    if where == "a rank's shard":
+        monkeypatch.setattr(checkpoint, "_save_optimizer", lambda model, out: full(out / "tp00_pp00_dp00.safetensors"))
+    else:
+        monkeypatch.setattr(manifest, "write", lambda root, files: full(root / manifest.MANIFEST))
+    with pytest.raises(UserError) as err:
+        save(world, 2)
+    message = str(err.value)
+    assert f"checkpoint.dir = {str(world)!r} is full" in message and "1.0 MiB of" in message
+    assert f"the last checkpoint, {good.name}, took" in message
+    assert not (world / ".step_000002.tmp").exists() and not (world / "step_000002").exists()
+    assert (world / "latest").read_text() == good.name and checkpoint.verify(good) is None
+
+
+
+def test_every_rank_reports_the_damage_one_rank_found(world, tmp_path):
+    """Two ranks share the checking; the damaged file is in rank 1's share only. Both must stop alike (one
+    paragraph, reported by rank 0) and fall back alike; neither may wait for the other."""
+    good, bad = save(world, 2), save(world, 5)
+    files = manifest.read(bad)
+    target = manifest.share(files, 1, 2)[0]
+    assert target not in manifest.share(files, 0, 2)
+    (bad / target).write_bytes(b"\0" * (bad / target).stat().st_size)
+    rows = run_worker("checkpoint_verify.py", tmp_path, world, bad, nproc=2)
+    assert len(rows) == 2 and rows[0] == rows[1], rows
+    assert rows[0]["explicit"].startswith("UserError: ") and str(bad / target) in rows[0]["explicit"]
+    assert rows[0]["auto"] == str(good)
+
+
+def test_every_file_and_directory_is_fsynced_before_the_rename_publishes_the_checkpoint(world, monkeypatch):
+    events: list[tuple[str, Path]] = []
+    fsync, replace = manifest.fsync_file, os.replace
+    monkeypatch.setattr(manifest, "fsync_file", lambda path: (events.append(("fsync", Path(path))), fsync(path)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", Path(b))), replace(a, b)))
+    saved = save(world, 1)
+    tmp = world / ".step_000001.tmp"
+    published = events.index(("rename", saved))
+    synced = {path for kind, path in events[:published] if kind == "fsync"}
+    expected = {tmp / p.relative_to(saved) for p in saved.rglob("*")} | {tmp}
+    assert expected <= synced, sorted(expected - synced)
+    assert ("fsync", world) in events[published:]  # the rename itself, and then `latest`'s
+    assert events.index(("rename", world / "latest")) > published
+
+
+def test_any_other_failure_during_a_save_is_raised_as_it_is_and_leaves_nothing_half_written(world, monkeypatch):
+    good = save(world, 1)
+
+    def broken(model, out):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(checkpoint, "_save_optimizer", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        save(world, 2)
+    assert not (world / ".step_000002.tmp").exists() and (world / "latest").read_text() == good.name

@@ -1,0 +1,104 @@
+"""What a resume reads back besides the weights: the experiment it continues must be the checkpoint's (a change
+is refused naming each field, unless checkpoint.allow_changes lists it; the layout may change), and a
+metrics.jsonl whose last line a crash cut short is tolerated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.configio import FieldError
+from megarl.errors import UserError
+from megarl.resume_check import check_unchanged
+from megarl.tracking import forget_jsonl_steps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(recipe: str = "grpo", *overrides: str):
+    return load_config(REPO / f"recipes/tiny_cpu_{recipe}.yaml", list(overrides))
+
+
+def saved_checkpoint(tmp_path: Path, cfg, roles=("actor",)) -> Path:
+    """A checkpoint's trainer.json as training writes it (with its config), and its models' directories."""
+    path = tmp_path / "step_000003"
+    for role in roles:
+        (path / role).mkdir(parents=True)
+    (path / "trainer.json").write_text(json.dumps({"step": 3, "config": cfg.to_flat_dict()}))
+    return path
+
+
+def test_a_resume_with_a_changed_experiment_is_refused_naming_each_field(tmp_path):
+    path = saved_checkpoint(tmp_path, config())
+    changed = config("grpo", "rollout.num_samples_per_prompt=4", "data.num_prompts_per_step=16",
+                     "model.dtype=bfloat16")
+    with pytest.raises(UserError) as err:
+        check_unchanged(changed, path, rank=0)
+    message = str(err.value)
+    for change in ("rollout.num_samples_per_prompt 8 -> 4", "data.num_prompts_per_step 32 -> 16",
+                   "model.dtype float32 -> bfloat16"):
+        assert change in message, message
+    assert "checkpoint.allow_changes=data.num_prompts_per_step,model.dtype,rollout.num_samples_per_prompt" in message
+
+
+def test_listed_changes_resume_with_a_line_naming_them(tmp_path, capsys):
+    path = saved_checkpoint(tmp_path, config())
+    check_unchanged(config("grpo", "rollout.num_samples_per_prompt=4", "checkpoint.allow_changes="
+                                   "rollout.num_samples_per_prompt"), path, rank=0)
+    assert "with rollout.num_samples_per_prompt 8 -> 4 (checkpoint.allow_changes)" in capsys.readouterr().out
+    with pytest.raises(UserError, match="model.dtype float32 -> bfloat16") as err:  # a listed one lets no other pass
+        check_unchanged(config("grpo", "rollout.num_samples_per_prompt=4", "model.dtype=bfloat16",
+                               "checkpoint.allow_changes=rollout.num_samples_per_prompt"), path, rank=0)
+    assert "num_samples_per_prompt" not in str(err.value).split(". ")[0]
+
+
+def test_layout_and_run_length_may_change(tmp_path, capsys):
+    path = saved_checkpoint(tmp_path, config("ppo"), roles=("actor", "critic"))
+    check_unchanged(config("ppo", "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2",
+                           "actor.optimizer.use_distributed_optimizer=false", "critic.micro_batch_size=4",
+                           "actor.dynamic_batch=false", "trainer.num_steps=500", "rollout.tensor_parallel=2",
+                           "actor.offload_optimizer=false", "tracking.backend=none"), path, rank=0)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_grpo_checkpoint_resumed_as_ppo_says_so(tmp_path):
+    path = saved_checkpoint(tmp_path, config("grpo"))
+    ppo = config("ppo", "algorithm.kl_coef=0.0")
+    with pytest.raises(UserError, match="algorithm grpo -> ppo"):
+        check_unchanged(ppo, path, rank=0)
+    with pytest.raises(UserError, match="algorithm grpo -> ppo"):  # even when listed: there is no critic to load
+        check_unchanged(config("ppo", "checkpoint.allow_changes=algorithm.name"), path, rank=0)
+
+
+def test_a_checkpoint_without_a_config_resumes_with_a_line_saying_it_is_not_compared(tmp_path, capsys):
+    path = saved_checkpoint(tmp_path, config())
+    (path / "trainer.json").write_text(json.dumps({"step": 3}))
+    check_unchanged(config("grpo", "rollout.num_samples_per_prompt=4"), path, rank=0)
+    assert "holds no config" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", ["parallel.tensor_parallel", "rollout.num_sample_per_prompt",
+                                 "actor.optimizer.use_distributed_optimizer"])
+def test_allow_changes_names_only_fields_that_define_the_experiment(key):
+    with pytest.raises(FieldError, match=f"checkpoint.allow_changes.*`{key}` is not"):
+        config("grpo", f"checkpoint.allow_changes=rollout.seed, {key}")
+
+
+def test_a_metrics_line_cut_short_by_a_crash_is_set_aside_on_resume(tmp_path, capsys):
+    rows = [json.dumps({"step": s, "reward_mean": 0.1 * s}) for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n" + rows[3][:-9])
+    forget_jsonl_steps(tmp_path, 3)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == rows[:3]
+    assert (tmp_path / "metrics.discarded.jsonl").read_text().splitlines() == [rows[3], rows[3][:-9]]
+    assert "the last line of" in capsys.readouterr().out
+
+
+def test_a_damaged_metrics_line_before_the_last_is_an_error(tmp_path):
+    rows = [json.dumps({"step": s}) for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([rows[0], rows[1][:5], rows[2]]) + "\n")
+    with pytest.raises(UserError, match="metrics.jsonl line 2 is damaged"):
+        forget_jsonl_steps(tmp_path, 1)
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3  # left as it was
