@@ -5,6 +5,12 @@
 #   truncated: which distribution SGLang's logprobs belong to under top-p/top-k (benchmarks/truncated_logprobs.py)
 #   exit:      GRPO on the tiny recipe with SGLang, $STEPS steps: a finished run prints no traceback or CUDA IPC
 #              warning (counted in $OUT/exit.log)
+#   kill9:     the same run, its trainer killed with SIGKILL after step 1: the engine's processes must be gone and
+#              the GPU's memory free within seconds ($OUT/kill9.log lists what is left)
+#   hang:      the same run with SGLang's scheduler hanging while it starts (.diag/sitecustomize.py, MEGARL_DIAG_HANG):
+#              the run must end at rollout.timeout_minutes with one paragraph, exit 2, no process left
+#   learn:     SmolLM2-135M-Instruct (converted here from the GGUF carried in .gguf/) GRPO on the arith task for
+#              $LEARN_STEPS steps with CUDA graphs, held-out greedy accuracy every $EVAL_EVERY steps
 # PART selects a subset (default: setup truncated exit).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -32,5 +38,39 @@ for part in $PART; do
            "$(grep -c 'Producer process has been terminated' "$OUT/exit.log")"
       tail -25 "$OUT/exit.log" | cut -c1-300
       [[ -n ${DIAG:-} ]] && grep -A30 "^LOKY" "$OUT/exit.log" | grep -v "^  File.*<frozen" | head -80 ;;
+    kill9)
+      timeout 300 torchrun --standalone --nproc-per-node 1 megarl/train.py --config recipes/tiny_cpu_grpo.yaml \
+        "${TINY[@]}" --set trainer.num_steps=50 --set checkpoint.dir=/tmp/kill9 > "$OUT/kill9.log" 2>&1 &
+      for _ in $(seq 240); do [[ -s /tmp/kill9/metrics.jsonl ]] && break; sleep 0.5; done
+      engines=$(pgrep -f "multiprocessing.spawn|sglang" | wc -l)
+      worker=$(pgrep -f "^[^ ]*python[^ ]* -u megarl/train.py|^[^ ]*python[^ ]* megarl/train.py" | head -1)
+      echo "[h200] kill9: $engines engine processes while step 1 runs; kill -9 trainer $worker"
+      kill -9 "$worker"; start=$SECONDS
+      for _ in $(seq 60); do (( $(pgrep -f "multiprocessing.spawn|sglang" | wc -l) == 0 )) && break; sleep 0.5; done
+      echo "[h200] kill9: engine processes left after $((SECONDS - start)) s: $(pgrep -f 'multiprocessing.spawn|sglang' | wc -l)"
+      ps -eo pid,ppid,etimes,rss,args | grep -E "spawn|sglang" | grep -v grep | cut -c1-200 >> "$OUT/kill9.log"
+      wait; nvidia-smi --query-gpu=memory.used --format=csv ;;
+    hang)
+      export PYTHONPATH=$PWD/.diag:$PYTHONPATH
+      start=$SECONDS
+      MEGARL_DIAG_HANG=1 timeout 300 torchrun --standalone --nproc-per-node 1 megarl/train.py \
+        --config recipes/tiny_cpu_grpo.yaml "${TINY[@]}" --set rollout.timeout_minutes=0.5 \
+        --set checkpoint.dir=/tmp/hang > "$OUT/hang.log" 2>&1
+      echo "[h200] hang: exit $? after $((SECONDS - start)) s; engine processes left: $(pgrep -f 'multiprocessing.spawn|sglang' | wc -l)"
+      grep "megarl error" "$OUT/hang.log" | cut -c1-600 ;;
+    learn)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/gguf-*.whl
+      cat /tmp/smollm2.gguf.* > /tmp/smollm2.gguf  # the parts the calls before this one left there
+      [[ -d /tmp/smollm2 ]] || python3 -m megarl.convert gguf-to-hf --gguf /tmp/smollm2.gguf --out /tmp/smollm2 2>&1 | tail -1
+      timeout "${LEARN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node 1 megarl/train.py \
+        --config recipes/smollm2_gsm8k_grpo.yaml --set model.hf_path=/tmp/smollm2 --set tracking.backend=none \
+        --set data.train_path=recipes/arith/train.jsonl --set trainer.num_steps="${LEARN_STEPS:-60}" \
+        --set eval.every="${EVAL_EVERY:-10}" --set rollout.max_new_tokens=256 \
+        --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}, {name: gsm8k, path: "gsm8k:test", max_prompts: 300}]' \
+        --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch \
+        --set rollout.engine_args.grammar_backend=none --set checkpoint.dir=/tmp/learn --set checkpoint.save_every=0 \
+        > "$OUT/learn.log" 2>&1
+      echo "[h200] learn exit $?"; cp /tmp/learn/metrics.jsonl "$OUT/learn.metrics.jsonl"
+      grep -E "^step|eval " "$OUT/learn.log" | cut -c1-300 | tail -30 ;;
   esac
 done

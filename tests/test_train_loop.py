@@ -96,7 +96,10 @@ def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: lis
     trainer, tracker = RecordingTrainer(batch, old, algo.kl_coef), Tracker(tmp_path)
     cfg = config(algo, trainer=TrainerConfig(num_steps=steps),
                  rollout=RolloutConfig(logprob_diff_max=bound, num_samples_per_prompt=2, max_new_tokens=2))
-    monkeypatch.setattr("megarl.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker))
+    from megarl.eval_loop import InTrainingEval
+
+    no_eval = InTrainingEval(cfg, [], tmp_path, 0)
+    monkeypatch.setattr("megarl.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
     monkeypatch.setattr("megarl.checkpoint.stop_requested", lambda cfg, device: False)
     train.main(["--config", "unused.yaml"])
     return trainer, tracker, batch
