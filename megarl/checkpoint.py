@@ -52,6 +52,7 @@ from safetensors.torch import save_file
 from megarl import manifest
 from megarl.config import CheckpointConfig
 from megarl.errors import UserError
+from megarl.keep_best import best_step
 from megarl.models.hf_io import apply_umask, copy_model_files
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
 from megarl.models.spec import ModelSpec, load_spec
@@ -357,12 +358,12 @@ def checkpoints(root: Path) -> dict[int, Path]:
 
 
 def rotate(root: Path, keep_last: int, saved: Path) -> None:
-    """Keep ``saved`` (just written and checksummed from the disk: the newest verified checkpoint) and the
-    ``keep_last - 1`` newest before it; delete older ones. Checkpoints of later steps (left by a run resumed
-    from an earlier one) are not this run's to delete."""
-    step = int(saved.name.removeprefix("step_"))
+    """Keep ``saved`` (just written and checksummed from the disk: the newest verified checkpoint), the
+    ``keep_last - 1`` newest before it and the best one (checkpoint.keep_best); delete older ones. Checkpoints
+    of later steps (left by a run resumed from an earlier one) are not this run's to delete."""
+    step, best = int(saved.name.removeprefix("step_")), best_step(root)
     older = sorted((s for s in checkpoints(root) if s < step), reverse=True)
-    for s in older[keep_last - 1:]:
+    for s in [s for s in older[keep_last - 1:] if s != best]:  # checkpoint.keep_best's stays
         shutil.rmtree(root / f"step_{s:06d}", ignore_errors=True)
 
 

@@ -484,6 +484,10 @@ class CheckpointConfig:
     """Once this file exists, training saves a checkpoint after the current step, deletes the file and
     exits with code 0; null = STOP in dir (off without a dir). The Slurm scripts create it when Slurm
     signals the end of the time limit or a preemption (--signal)."""
+    keep_best: str | None = None
+    """A held-out metric, e.g. eval/gsm8k/accuracy: the checkpoint of the step that scored highest on it stays
+    outside keep_last's rotation (best.json in dir names it). Needs save_every to be a multiple of eval.every,
+    so that saved steps are evaluated; null = none."""
     allow_changes: str | None = None
     """Fields that define the experiment (model, dtype, algorithm, reward, data, sampling, batch shape,
     optimizer, seeds) which a resume may change from the checkpoint's values, as dotted keys separated by
@@ -643,6 +647,7 @@ class Config:
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
         self._check_truncation()
         self._check_eval()
+        self._check_keep_best()
         batch = self.data.num_prompts_per_step * n
         longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
         for name, section in self.trained_sections():
@@ -675,6 +680,19 @@ class Config:
             t = self.eval.temperature if d.temperature is None else d.temperature
             check(k == 1 or t > 0, f"eval.datasets[{i}].num_samples", k, f"be 1 at temperature {t}: greedy samples "
                   "are all the same", "set a temperature > 0 for pass@k, or num_samples: 1")
+
+    def _check_keep_best(self) -> None:
+        best, e, c = self.checkpoint.keep_best, self.eval, self.checkpoint
+        if best is None:
+            return
+        names = [d.name for d in e.datasets]
+        parts = best.split("/")
+        check(len(parts) == 3 and parts[0] == "eval" and parts[1] in names, "checkpoint.keep_best", best,
+              f"name a held-out metric eval/<name>/<metric> of an eval dataset ({', '.join(names) or 'none given'})",
+              "write e.g. eval/<name>/accuracy, with that name under eval.datasets")
+        check(c.save_every > 0 and (e.every == 0 or c.save_every % e.every == 0), "checkpoint.save_every",
+              c.save_every, f"be a multiple of eval.every = {e.every} with checkpoint.keep_best, so that saved steps "
+              "are evaluated", f"set checkpoint.save_every to a multiple of {e.every or 1}")
 
     def _check_truncation(self) -> None:
         """top_p / top_k: the engine samples from the truncated distribution, the trainer scores the full one."""

@@ -20,6 +20,7 @@ from megarl.config import Config, EvalDatasetConfig
 from megarl.data.batching import TokenizedPrompt, tokenize_prompts
 from megarl.data.prompts import load_prompts
 from megarl.evaluation import score, write_samples
+from megarl.keep_best import mark_best
 from megarl.rewards.registry import RewardFn, load_reward
 from megarl.rollout.base import SamplingParams
 
@@ -62,10 +63,17 @@ class InTrainingEval:
         self.every, self.num_steps, self.sets = cfg.eval.every, cfg.trainer.num_steps, sets
         self.before_train = cfg.eval.before_train and bool(sets)
         self.out_dir, self.rank = out_dir, rank
+        self.best_metric = cfg.checkpoint.keep_best
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` are evaluated."""
         return bool(self.sets) and ((self.every > 0 and (step + 1) % self.every == 0) or step + 1 == self.num_steps)
+
+    def keep_best(self, step: int, metrics: dict[str, float]) -> None:
+        """checkpoint.keep_best: step's checkpoint, when it scored best so far (megarl.keep_best)."""
+        if self.best_metric is not None and self.rank == 0 and mark_best(self.out_dir, self.best_metric, step, metrics):
+            print(f"megarl: step {step}'s checkpoint is the best so far on {self.best_metric} "
+                  f"({metrics[self.best_metric]:.4f}); it stays outside checkpoint.keep_last", flush=True)
 
     def run(self, trainer: Any, decode: Any, label: str) -> dict[str, float]:
         """Evaluate the weights the engines hold now; ``label``: "initial" or "step_N" (the samples' file)."""

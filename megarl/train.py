@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                     trainer.push_weights()
             with tracker.phase("eval"):  # the weights the engines just received, on the held-out sets
                 held_out |= evals.run(trainer, decode, f"step_{step}") if evaluate else {}
+            evals.keep_best(step, held_out)
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
             tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.step_metrics()
                         | {"kl_coef": trainer.kl.value} | held_out)

@@ -24,7 +24,8 @@ at seeds S = 0, 1, 2 (`python megarl/train.py --config RECIPE --set trainer.num_
 --set rollout.seed=S --set data.seed=S`)."""
 
 
-EVAL = ("eval.every=40", "eval.before_train=true", "checkpoint.save_every=60",
+EVAL = ("eval.every=40", "eval.before_train=true", "checkpoint.save_every=40", "checkpoint.keep_last=1",
+        "checkpoint.keep_best=eval/echo/accuracy",
         "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 64, "
         'reward: "megarl.rewards.echo:reward"}]')
 """Held-out evaluation during the learning run: greedy, on the first 64 echo prompts, every 40 steps."""
@@ -57,6 +58,10 @@ def check_eval_rows(rows: list[dict], run: Path, evaluated: list[int]) -> None:
     final = [json.loads(line) for line in final_file.read_text().splitlines()]
     assert len(final) == 64 and rows[-1]["eval/echo/accuracy"] == sum(s["reward"] for s in final) / 64
     assert rows[-1]["eval/echo/accuracy"] > rows[0]["eval/echo/initial/accuracy"]  # the policy learnt the task
+    scores = {r["step"]: r["eval/echo/accuracy"] for r in rows if "eval/echo/accuracy" in r}
+    best = max(scores, key=lambda s: (scores[s], -s))  # the first step to reach the best score
+    assert json.loads((run / "best.json").read_text())["step"] == best
+    assert sorted(p.name for p in run.glob("step_*")) == sorted({f"step_{best:06d}", f"step_{evaluated[-1]:06d}"})
     samples = run / "standalone.jsonl"
     proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", str(run), "--data",
                            "recipes/tiny/echo.jsonl", "--max-prompts", "64", "--reward", "megarl.rewards.echo:reward",
