@@ -11,6 +11,7 @@ from megarl import checkpoint, interrupt
 from megarl.config import load_config, run_dir, validate_layout
 from megarl.configio import check
 from megarl.errors import UserError
+from megarl.runlock import lock_run
 from megarl.tracking import Tracker, open_store
 
 
@@ -92,6 +93,8 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
     from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform, cfg.parallel.timeout_minutes)
+    field = "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)"
+    lock_run(out_dir, field, platform.device)  # before anything is written there
     p = cfg.parallel
     groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
                                               vpp=p.virtual_pipeline, order=p.rank_order, ep=p.expert_parallel),
