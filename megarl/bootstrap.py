@@ -124,7 +124,7 @@ def setup(config_path: str, overrides: Sequence[str]) -> tuple[Any, Any, Any, Ca
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
     tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
     interrupt.at_interrupt(trainer.close)
-    interrupt.at_interrupt(lambda: tracker.close(status="KILLED"))
+    tracker.end_with_the_process()
 
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))

@@ -45,13 +45,33 @@ def fail(message: str) -> NoReturn:
     raise UserError(message)
 
 
+_at_failure: list[Callable[[], object]] = []
+
+
+def at_failure(cleanup: Callable[[], object]) -> None:
+    """Run ``cleanup`` (last registered first) when the run ends with an error (``run_main``, or an engine
+    call's deadline: megarl.rollout.failures), e.g. to mark the mlflow run FAILED."""
+    _at_failure.append(cleanup)
+
+
+def failed() -> None:
+    """Run the failure clean-ups, once; one that fails is reported in a line, never in place of the error."""
+    while _at_failure:
+        cleanup = _at_failure.pop()
+        try:
+            cleanup()
+        except Exception as err:
+            print(f"megarl: clean-up after the error failed: {type(err).__name__}: {err}", file=sys.stderr)
+
+
 ERROR_FILE = "MEGARL_ERROR_FILE"
 """Where workers append their error paragraph, for the launcher (megarl.launch) to print it last."""
 
 
 def run_main(main: Callable[[], object]) -> None:
     """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2. Under several
-    ranks, an error every rank raises is reported by rank 0 only."""
+    ranks, an error every rank raises is reported by rank 0 only. Any error runs the ``at_failure`` clean-ups,
+    an interrupt the ``at_interrupt`` ones (megarl.interrupt)."""
     from megarl.interrupt import Interrupted, handle
 
     try:
@@ -61,6 +81,7 @@ def run_main(main: Callable[[], object]) -> None:
             raise
         handle(stop)
     except UserError as err:
+        failed()
         if os.environ.get("MEGARL_DEBUG") == "1":
             raise
         rank = os.environ.get("RANK")
@@ -72,3 +93,7 @@ def run_main(main: Callable[[], object]) -> None:
                 with open(os.environ[ERROR_FILE], "a") as f:
                     f.write(line + "\n")
         sys.exit(2)
+    except BaseException as err:  # a bug or an unforeseen error: its traceback, and the run marked failed
+        if not isinstance(err, SystemExit) or err.code not in (None, 0):
+            failed()
+        raise

@@ -19,8 +19,12 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megarl.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 LOCK_FILE = "run.lock"
 
@@ -75,7 +79,7 @@ def acquire(directory: Path, field: str = "checkpoint.dir") -> Path:
     return path
 
 
-def lock_run(directory: Path, field: str, device: object) -> None:
+def lock_run(directory: Path, field: str, device: torch.device) -> None:
     """Rank 0 locks the run directory; every rank learns whether it could, and a refused run stops on every
     rank with exit code 2 (rank 0 names the holder) instead of leaving the others waiting for it."""
     import torch

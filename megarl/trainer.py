@@ -26,7 +26,7 @@ from megarl.algos.losses import token_weights
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
-from megarl.interrupt import sigint_ignored
+from megarl.interrupt import terminal_signals_ignored
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
@@ -128,7 +128,7 @@ class RLTrainer:
         in_engine = kind.copies_in_engine
         views = aliased_views(plan, groups.rank, self.actor.named_params()) if aliased else {}
         alias_file = self._share_aliases(group, kind, views) if aliased else None
-        with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
+        with terminal_signals_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
             engine = make_engine(cfg, group.index, group.devices(), alias_file) if group.driver else None
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else

@@ -142,3 +142,62 @@ def test_train_reports_a_bad_store_before_building_anything(tmp_path):
     assert proc.returncode != 0 and "megarl error: tracking.uri = " in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr.split("megarl error")[0][-3000:]
     assert "vLLM" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()  # no engine started
+
+
+ENDING = """
+import errno, os, signal, sys, time
+from megarl import interrupt
+from megarl.config import load_config
+from megarl.errors import UserError, run_main
+from megarl.rl_step import Batch
+from megarl.tracking import Tracker
+
+def main():
+    interrupt.install()
+    cfg = load_config(sys.argv[1], ["tracking.backend=mlflow", "tracking.uri=" + sys.argv[2], "trainer.num_steps=2",
+                                    "tracking.run_name=" + sys.argv[4]])
+    tracker = Tracker(cfg, rank=0, out_dir=__import__("pathlib").Path(sys.argv[3]))
+    tracker.end_with_the_process()
+    tracker.log(0, Batch.build([[1, 2]], [[4, 5]], [[-0.5, -1.0]], [1.0]), {"logprob_diff_max": 0.0})
+    how = sys.argv[4]
+    if how == "user_error":
+        raise UserError("step 1: reward of sample 0 = nan")
+    if how == "crash":
+        raise RuntimeError("a bug")
+    if how == "disk_full":
+        raise OSError(errno.ENOSPC, "No space left on device", "ckpt/.step_000001.tmp")
+    if how in ("SIGTERM", "SIGINT", "SIGHUP"):
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(30)
+    tracker.close()
+
+run_main(main)
+"""
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for the cases below: creating one costs seconds (mlflow's schema migrations)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'store.db'}"
+
+
+@pytest.mark.parametrize("how, code, status", [
+    ("finish", 0, "FINISHED"), ("user_error", 2, "FAILED"), ("crash", 1, "FAILED"), ("disk_full", 1, "FAILED"),
+    ("SIGTERM", 143, "KILLED"), ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED")])
+def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how, code, status):
+    """Errors FAILED (before, mlflow's own exit hook marked them FINISHED), signals KILLED (SIGHUP left the run
+    RUNNING and exited silently), the last step FINISHED."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ENDING, str(GRPO), store, str(tmp_path / "run"), how], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin"})
+    assert proc.returncode == code, proc.stderr[-3000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id],
+                               filter_string=f"tags.mlflow.runName = '{how}'")
+    assert run.info.status == status
+    assert run.data.metrics["reward_mean"] == 1.0  # the step logged before the end is kept
+    if how.startswith("SIG"):
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl: interrupted by {how}"), proc.stderr
