@@ -6,7 +6,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 
 class UserError(ValueError):
@@ -68,6 +68,14 @@ ERROR_FILE = "MEGARL_ERROR_FILE"
 """Where workers append their error paragraph, for the launcher (megarl.launch) to print it last."""
 
 
+def report(line: str, console: TextIO | None = None) -> None:
+    """An error's one line on ``console`` (None: stderr), and in the launcher's error file."""
+    print(line, file=console or sys.stderr, flush=True)
+    if os.environ.get(ERROR_FILE):
+        with open(os.environ[ERROR_FILE], "a") as f:
+            f.write(line + "\n")
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2. Under several
     ranks, an error every rank raises is reported by rank 0 only. Any error runs the ``at_failure`` clean-ups,
@@ -87,11 +95,7 @@ def run_main(main: Callable[[], object]) -> None:
         rank = os.environ.get("RANK")
         if rank in (None, "0") or not err.on_every_rank:
             prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
-            line = prefix + " ".join(str(err).split())
-            print(line, file=sys.stderr, flush=True)
-            if os.environ.get(ERROR_FILE):
-                with open(os.environ[ERROR_FILE], "a") as f:
-                    f.write(line + "\n")
+            report(prefix + " ".join(str(err).split()))
         sys.exit(2)
     except BaseException as err:  # a bug or an unforeseen error: its traceback, and the run marked failed
         if not isinstance(err, SystemExit) or err.code not in (None, 0):

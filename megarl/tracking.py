@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -115,11 +116,16 @@ class Tracker:
 
     def end_with_the_process(self) -> None:
         """However the process ends, the mlflow run ends with it: KILLED after a signal (megarl.interrupt), FAILED
-        after an error (megarl.errors.at_failure); ``close`` gives FINISHED after the last step."""
+        after an error (megarl.errors.at_failure), also another rank's, after which torchrun sends this one SIGTERM
+        (the launcher's error file holds it); ``close`` gives FINISHED after the last step."""
         from megarl import interrupt
-        from megarl.errors import at_failure
+        from megarl.errors import ERROR_FILE, at_failure
 
-        interrupt.at_interrupt(lambda: self.close(status="KILLED"))
+        def interrupted() -> None:
+            errors = os.environ.get(ERROR_FILE)
+            self.close(status="FAILED" if errors and os.path.isfile(errors) and os.path.getsize(errors) else "KILLED")
+
+        interrupt.at_interrupt(interrupted)
         at_failure(lambda: self.close(status="FAILED"))
 
     def close(self, status: str = "FINISHED") -> None:

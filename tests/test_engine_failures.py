@@ -169,3 +169,47 @@ def test_a_sigterm_during_an_engine_call_on_uvloop_ends_the_run_as_an_interrupt(
         loop.close()
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+HANGING_START = """
+import sys, threading
+from pathlib import Path
+from megarl.errors import at_failure, run_main
+from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.group import EngineGroup, start_engine
+
+def engine():  # one that never comes up, its output going to its log as a real engine's does while it starts
+    with EngineLog(Path(sys.argv[3])).capture():
+        threading.Event().wait()
+
+def main():
+    at_failure(lambda: open(sys.argv[1], "w").write("marked failed"))
+    group = EngineGroup(index=0, num_groups=1, size=1, rank_in_group=0, members=(0,), group=None)
+    start_engine(group, engine, timeout_s=float(sys.argv[2]))
+
+run_main(main)
+"""
+
+
+def test_an_engine_that_hangs_while_starting_ends_the_run_at_the_deadline(tmp_path):
+    """Start-up is an engine call like the others: past rollout.timeout_minutes the run ends with one paragraph
+    naming the phase and the deadline (on the console, not in the engine's log, and in the launcher's error
+    file), exit code 2, and the run marked failed; the engine's processes then go with the trainer
+    (test_engine_processes.py)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    error_file, marker = tmp_path / "errors", tmp_path / "marker"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HANGING_START, str(marker), "3", str(tmp_path / "engine_0.log")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "MEGARL_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert time.monotonic() - start < 30
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("megarl error: the rollout engine did not finish start-up within 3 s "
+                           "(rollout.timeout_minutes = 0.05). Memory: host: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert error_file.read_text() == line + "\n" and marker.read_text() == "marked failed"

@@ -166,6 +166,14 @@ def main():
         raise RuntimeError("a bug")
     if how == "disk_full":
         raise OSError(errno.ENOSPC, "No space left on device", "ckpt/.step_000001.tmp")
+    if how == "hang":  # an engine call past its deadline (rollout.timeout_minutes), ended from the timer's thread
+        import threading
+        from megarl.rollout.failures import engine_call
+        with engine_call("generate", timeout_s=2):
+            threading.Event().wait()
+    if how == "another_rank_failed":  # its paragraph in the launcher's error file, then torchrun's SIGTERM
+        open(os.environ["MEGARL_ERROR_FILE"], "w").write("megarl error (rank 1): the rollout engine failed\n")
+        how = "SIGTERM"
     if how in ("SIGTERM", "SIGINT", "SIGHUP"):
         os.kill(os.getpid(), getattr(signal, how))
         time.sleep(30)
@@ -183,21 +191,25 @@ def store(tmp_path_factory):
 
 @pytest.mark.parametrize("how, code, status", [
     ("finish", 0, "FINISHED"), ("user_error", 2, "FAILED"), ("crash", 1, "FAILED"), ("disk_full", 1, "FAILED"),
-    ("SIGTERM", 143, "KILLED"), ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED")])
+    ("hang", 2, "FAILED"), ("another_rank_failed", 143, "FAILED"), ("SIGTERM", 143, "KILLED"),
+    ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED")])
 def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how, code, status):
-    """Errors FAILED (before, mlflow's own exit hook marked them FINISHED), signals KILLED (SIGHUP left the run
-    RUNNING and exited silently), the last step FINISHED."""
+    """Errors FAILED (before, mlflow's own exit hook marked them FINISHED, and a hung engine call left the run
+    RUNNING), signals KILLED (SIGHUP left the run RUNNING and exited silently) unless another rank's error caused
+    them, the last step FINISHED."""
+    import signal
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-c", ENDING, str(GRPO), store, str(tmp_path / "run"), how], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin"})
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin", "MEGARL_ERROR_FILE": str(tmp_path / "e")})
     assert proc.returncode == code, proc.stderr[-3000:]
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id],
                                filter_string=f"tags.mlflow.runName = '{how}'")
     assert run.info.status == status
     assert run.data.metrics["reward_mean"] == 1.0  # the step logged before the end is kept
-    if how.startswith("SIG"):
-        assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl: interrupted by {how}"), proc.stderr
+    if code > 128:
+        name = signal.Signals(code - 128).name
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl: interrupted by {name}"), proc.stderr

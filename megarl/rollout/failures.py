@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,10 +18,10 @@ from typing import Any
 
 import torch
 
-from megarl.errors import UserError
+from megarl.errors import UserError, failed, report
 from megarl.interrupt import Interrupted
 from megarl.platform.device import host_memory
-from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.enginelog import EngineLog, console
 
 
 class EngineFailed(UserError):
@@ -47,13 +46,27 @@ def memory_summary() -> str:
     return f"host: {used / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
 
 
+CLEANUP_S = 60.0
+"""How long the clean-ups after a hang may take before the process ends without them."""
+
+
 def _hung(phase: str, timeout_s: float) -> None:
-    print(f"megarl error: the rollout engine did not finish {phase} within {timeout_s:.0f} s "
-          f"(rollout.timeout_minutes). Memory: {memory_summary()}. Training stopped; the last complete checkpoint "
-          "is intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
-          "rollout.timeout_minutes if "
-          "generation is legitimately that slow.", file=sys.stderr, flush=True)
-    os._exit(3)
+    """The deadline of an engine call passed: the main thread is stuck inside it, where no exception reaches it
+    (a wait in C, a loop that swallows what signal handlers raise), so this thread reports the error as run_main
+    would (stderr, the launcher's error file), marks the run failed (errors.at_failure) and ends the process;
+    the engine's watchdog then ends the engine's processes (megarl.rollout.watchdog)."""
+    rank = os.environ.get("RANK")
+    with os.fdopen(os.dup(console()), "w") as stderr:  # not into the log of an engine that hangs while it starts
+        report(("megarl error: " if rank in (None, "0") else f"megarl error (rank {rank}): ")
+               + f"the rollout engine did not finish {phase} within {timeout_s:.0f} s (rollout.timeout_minutes = "
+               f"{timeout_s / 60:.3g}). Memory: {memory_summary()}. Training stopped; the last complete checkpoint "
+               "is intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
+               f"rollout.timeout_minutes if {phase} is legitimately that slow.", stderr)
+    backstop = threading.Timer(CLEANUP_S, os._exit, args=(2,))
+    backstop.daemon = True
+    backstop.start()
+    failed()
+    os._exit(2)
 
 
 @contextmanager
