@@ -144,7 +144,7 @@ def test_train_reports_a_bad_store_before_building_anything(tmp_path):
     assert "vLLM" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()  # no engine started
 
 
-ENDING = """
+ENDING = r"""
 import errno, os, signal, sys, time
 from megarl import interrupt
 from megarl.config import load_config
