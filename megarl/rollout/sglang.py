@@ -105,9 +105,7 @@ class SGLangEngine:
                                 f"(enable_return_routed_experts, in 0.5.17); this is {sglang.__version__}. "
                                 "Install the GPU image's SGLang, or set algorithm.routing_replay: false.")
             args["enable_return_routed_experts"] = True
-        # The engine's processes die with this one: SGLang's schedulers and detokenizer end themselves when this
-        # process's thread that started them ends (PR_SET_PDEATHSIG), but not what they start, nor on every path.
-        self._watchdog = Watchdog(engine_log.path)
+        self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one, however it ends
         try:
             # SGLang's logprobs are those of softmax(logits / T), the distribution it samples from and the one
             # the trainer computes; this variable would switch them to T = 1, so it is pinned off.

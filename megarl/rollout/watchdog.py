@@ -149,16 +149,22 @@ def main() -> None:
     if os.fork():
         os._exit(0)  # the trainer reaps this one; the watchdog goes on outside the trainer's process tree
     watch = _Watch(trainer, token, log)
-    trainer_gone = os.pidfd_open(trainer)
+    trainer_stat = _stat(trainer)
+    try:
+        trainer_gone: int | None = os.pidfd_open(trainer)  # readable once it has exited
+    except (AttributeError, OSError):  # Linux before 5.3: its start time is checked at every scan instead
+        trainer_gone = None
     print(f"ready {os.getpid()}", flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     commands: int | None = 0
     pending = b""
     while True:
         watch.scan()
-        ready, _, _ = select.select([trainer_gone, *([commands] if commands is not None else [])], [], [],
-                                    SCAN_STARTING_S if watch.starting else SCAN_RUNNING_S)
-        if trainer_gone in ready:
+        waits = [fd for fd in (trainer_gone, commands) if fd is not None]
+        period = SCAN_STARTING_S if watch.starting or trainer_gone is None else SCAN_RUNNING_S
+        ready, _, _ = select.select(waits, [], [], period)
+        alive = _stat(trainer)
+        if trainer_gone in ready or alive is None or trainer_stat is None or alive[1] != trainer_stat[1]:
             watch.kill(f"the trainer (pid {trainer}) is gone")
             return
         if commands is not None and commands in ready:
