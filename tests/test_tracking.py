@@ -166,6 +166,10 @@ def main():
         raise RuntimeError("a bug")
     if how == "disk_full":
         raise OSError(errno.ENOSPC, "No space left on device", "ckpt/.step_000001.tmp")
+    if how == "dead_engine":  # an engine call that raises: EngineFailed, a UserError
+        from megarl.rollout.failures import engine_call
+        with engine_call("wake", timeout_s=60):
+            raise RuntimeError("EngineCore died unexpectedly")
     if how == "hang":  # an engine call past its deadline (rollout.timeout_minutes), ended from the timer's thread
         import threading
         from megarl.rollout.failures import engine_call
@@ -191,8 +195,8 @@ def store(tmp_path_factory):
 
 @pytest.mark.parametrize("how, code, status", [
     ("finish", 0, "FINISHED"), ("user_error", 2, "FAILED"), ("crash", 1, "FAILED"), ("disk_full", 1, "FAILED"),
-    ("hang", 2, "FAILED"), ("another_rank_failed", 143, "FAILED"), ("SIGTERM", 143, "KILLED"),
-    ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED")])
+    ("dead_engine", 2, "FAILED"), ("hang", 2, "FAILED"), ("another_rank_failed", 143, "FAILED"),
+    ("SIGTERM", 143, "KILLED"), ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED")])
 def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how, code, status):
     """Errors FAILED (before, mlflow's own exit hook marked them FINISHED, and a hung engine call left the run
     RUNNING), signals KILLED (SIGHUP left the run RUNNING and exited silently) unless another rank's error caused
