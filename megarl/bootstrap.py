@@ -12,6 +12,7 @@ from megarl.config import load_config, run_dir, validate_layout
 from megarl.configio import check
 from megarl.errors import UserError
 from megarl.resume_check import check_unchanged
+from megarl.runlock import lock_run
 from megarl.tracking import Tracker, open_store
 
 
@@ -103,6 +104,8 @@ def setup(config_path: str, overrides: Sequence[str]
     from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform, cfg.parallel.timeout_minutes)
+    field = "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)"
+    lock_run(out_dir, field, platform.device)  # before anything is written there
     p = cfg.parallel
     groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
                                               vpp=p.virtual_pipeline, order=p.rank_order, ep=p.expert_parallel),
@@ -133,7 +136,7 @@ def setup(config_path: str, overrides: Sequence[str]
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
     tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
     interrupt.at_interrupt(trainer.close)
-    interrupt.at_interrupt(lambda: tracker.close(status="KILLED"))
+    tracker.end_with_the_process()
 
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))

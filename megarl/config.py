@@ -267,7 +267,8 @@ class RolloutConfig:
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
-    """An engine call (wake, generate, hand-over, sleep) that takes longer stops training with an error naming it."""
+    """An engine call (start-up, wake, generate, hand-over, sleep, shutdown) that takes longer stops training with
+    an error naming it (exit code 2, the mlflow run FAILED)."""
     verify_every: int = 0
     """Check the hand-over every N updates (the first, then every N-th; 0 = never): every engine rank checksums its
     parameters inside the engine and the trainer compares them with checksums of its own weights; a mismatch

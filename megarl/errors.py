@@ -6,7 +6,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 
 class UserError(ValueError):
@@ -45,13 +45,41 @@ def fail(message: str) -> NoReturn:
     raise UserError(message)
 
 
+_at_failure: list[Callable[[], object]] = []
+
+
+def at_failure(cleanup: Callable[[], object]) -> None:
+    """Run ``cleanup`` (last registered first) when the run ends with an error (``run_main``, or an engine
+    call's deadline: megarl.rollout.failures), e.g. to mark the mlflow run FAILED."""
+    _at_failure.append(cleanup)
+
+
+def failed() -> None:
+    """Run the failure clean-ups, once; one that fails is reported in a line, never in place of the error."""
+    while _at_failure:
+        cleanup = _at_failure.pop()
+        try:
+            cleanup()
+        except Exception as err:
+            print(f"megarl: clean-up after the error failed: {type(err).__name__}: {err}", file=sys.stderr)
+
+
 ERROR_FILE = "MEGARL_ERROR_FILE"
 """Where workers append their error paragraph, for the launcher (megarl.launch) to print it last."""
 
 
+def report(line: str, console: TextIO | None = None) -> None:
+    """An error's one line on ``console`` (None: stderr), and in the launcher's error file."""
+    print(line, file=console or sys.stderr, flush=True)
+    if os.environ.get(ERROR_FILE):
+        with open(os.environ[ERROR_FILE], "a") as f:
+            f.write(line + "\n")
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2. Under several
-    ranks, an error every rank raises is reported by rank 0 only."""
+    ranks, an error every rank raises is reported by rank 0 only. Any error runs the ``at_failure`` clean-ups,
+    an interrupt the ``at_interrupt`` ones (megarl.interrupt)."""
     from megarl.interrupt import Interrupted, handle
 
     try:
@@ -61,14 +89,15 @@ def run_main(main: Callable[[], object]) -> None:
             raise
         handle(stop)
     except UserError as err:
+        failed()
         if os.environ.get("MEGARL_DEBUG") == "1":
             raise
         rank = os.environ.get("RANK")
         if rank in (None, "0") or not err.on_every_rank:
             prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
-            line = prefix + " ".join(str(err).split())
-            print(line, file=sys.stderr, flush=True)
-            if os.environ.get(ERROR_FILE):
-                with open(os.environ[ERROR_FILE], "a") as f:
-                    f.write(line + "\n")
+            report(prefix + " ".join(str(err).split()))
         sys.exit(2)
+    except BaseException as err:  # a bug or an unforeseen error: its traceback, and the run marked failed
+        if not isinstance(err, SystemExit) or err.code not in (None, 0):
+            failed()
+        raise

@@ -1,8 +1,8 @@
-"""Clean interrupts: SIGINT (Ctrl-C) and SIGTERM (scancel, a time limit without --signal) end a run with one
-line and exit code 128 + the signal; the mlflow run is marked KILLED, the engine is shut down, and a
-checkpoint being written is abandoned, never left half-written.
+"""Clean interrupts: SIGINT (Ctrl-C), SIGTERM (scancel, a time limit without --signal) and SIGHUP (the terminal
+or ssh session closed) end a run with one line and exit code 128 + the signal; the mlflow run is marked KILLED,
+the engine is shut down, and a checkpoint being written is abandoned, never left half-written.
 
-``install()`` turns both signals into ``Interrupted`` in the main thread; ``at_interrupt`` registers what
+``install()`` turns these signals into ``Interrupted`` in the main thread; ``at_interrupt`` registers what
 runs before the process exits (errors.run_main calls ``handle``).
 """
 
@@ -15,11 +15,16 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import NoReturn
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that interrupt a run."""
+TERMINAL = (signal.SIGINT, signal.SIGHUP)
+"""What a terminal sends its whole foreground process group (Ctrl-C, hangup): engine processes ignore them."""
+
 _cleanups: list[Callable[[], object]] = []
 
 
 class Interrupted(BaseException):
-    """Raised in the main thread by SIGINT or SIGTERM (a BaseException, like KeyboardInterrupt, so that no
+    """Raised in the main thread by SIGINT, SIGTERM or SIGHUP (a BaseException, like KeyboardInterrupt, so that no
     ``except Exception`` swallows it)."""
 
     def __init__(self, signum: int) -> None:
@@ -32,7 +37,7 @@ def _raise(signum: int, frame: FrameType | None) -> None:
 
 
 def install() -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in SIGNALS:
         signal.signal(s, _raise)
 
 
@@ -44,7 +49,7 @@ def at_interrupt(cleanup: Callable[[], object]) -> None:
 def handle(stop: Interrupted | KeyboardInterrupt) -> NoReturn:
     """Clean up, say so in one line, exit with 128 + the signal."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
-    for s in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C does not interrupt the clean-up
+    for s in SIGNALS:  # a second Ctrl-C does not interrupt the clean-up
         signal.signal(s, signal.SIG_IGN)
     for cleanup in reversed(_cleanups):
         try:
@@ -57,11 +62,13 @@ def handle(stop: Interrupted | KeyboardInterrupt) -> NoReturn:
 
 
 @contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Processes started in the block (engine workers) ignore SIGINT, which Ctrl-C sends to the whole
-    terminal: the trainer shuts them down itself instead of each printing its own traceback."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def terminal_signals_ignored() -> Iterator[None]:
+    """Processes started in the block (engine workers) ignore SIGINT and SIGHUP, which Ctrl-C and a closed
+    terminal send to the whole terminal: the trainer shuts them down itself instead of each printing its own
+    traceback (and megarl.rollout.watchdog kills them if the trainer dies first)."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in TERMINAL}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ class Tracker:
         self.memory: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
         self.mlflow: Any = None
+        self.run_id: str | None = None
         self.jsonl = None
         if rank != 0:
             return
@@ -50,11 +52,11 @@ class Tracker:
         self.console = Console(stderr=True, soft_wrap=True)  # one line per step in captured logs too
         if cfg.tracking.backend == "mlflow":
             self.mlflow = start_mlflow(cfg, out_dir, run_id, start_step)
+            self.run_id = self.mlflow.active_run().info.run_id
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps so that a resumed run logs into the same mlflow run (rank 0)."""
-        run = self.mlflow.active_run() if self.mlflow is not None else None
-        return {"mlflow_run_id": run.info.run_id if run is not None else None}
+        return {"mlflow_run_id": self.run_id}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -114,14 +116,34 @@ class Tracker:
         seconds = int((time.monotonic() - self.started) / max(done, 1) * left)
         return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
+    def end_with_the_process(self) -> None:
+        """However the process ends, the mlflow run ends with it: KILLED after a signal (megarl.interrupt), FAILED
+        after an error (megarl.errors.at_failure), also another rank's, after which torchrun sends this one SIGTERM
+        (the launcher's error file holds it); ``close`` gives FINISHED after the last step."""
+        from megarl import interrupt
+        from megarl.errors import ERROR_FILE, at_failure
+
+        def interrupted() -> None:
+            errors = os.environ.get(ERROR_FILE)
+            self.close(status="FAILED" if errors and os.path.isfile(errors) and os.path.getsize(errors) else "KILLED")
+
+        interrupt.at_interrupt(interrupted)
+        at_failure(lambda: self.close(status="FAILED"))
+
     def close(self, status: str = "FINISHED") -> None:
-        """Close metrics.jsonl and end the mlflow run with ``status`` (KILLED after an interrupt)."""
+        """Close metrics.jsonl and end the mlflow run with ``status``: FINISHED after the last step, FAILED after
+        an error, KILLED after a signal. Once: a second call does nothing. From another thread too (an engine
+        call's deadline ends the run from its timer's), where mlflow's active run, kept per thread, is unknown."""
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
         if self.mlflow is not None:
-            self.mlflow.end_run(status=status)
-            self.mlflow = None
+            mlflow, self.mlflow = self.mlflow, None
+            run = mlflow.active_run()
+            if run is not None and run.info.run_id == self.run_id:
+                mlflow.end_run(status=status)  # else mlflow's exit hook would end it once more, as FINISHED
+            else:
+                mlflow.MlflowClient().set_terminated(self.run_id, status=status)
 
 
 def open_store(cfg: Config, out_dir: Path) -> Any:

@@ -27,7 +27,6 @@ from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
-from megarl.interrupt import sigint_ignored
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
@@ -41,7 +40,7 @@ from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
-from megarl.rollout.group import EngineGroup, GroupEngine, engine_group
+from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, start_engine
 
 
 def engine_class(cfg: Config) -> Any:
@@ -132,8 +131,8 @@ class RLTrainer:
         in_engine = kind.copies_in_engine
         views = aliased_views(plan, groups.rank, self.actor.named_params()) if aliased else {}
         alias_file = self._share_aliases(group, kind, views) if aliased else None
-        with sigint_ignored():  # Ctrl-C reaches the trainer, which shuts the engine down itself
-            engine = make_engine(cfg, group.index, group.devices(), alias_file) if group.driver else None
+        engine = start_engine(group, lambda: make_engine(cfg, group.index, group.devices(), alias_file),
+                              cfg.rollout.timeout_minutes * 60)
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)

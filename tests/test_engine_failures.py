@@ -13,15 +13,24 @@ import pytest
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch, EngineFailed, engine_call
 
+WATCHED = (signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)
+"""What a ChildWatch takes over (each test gives them back)."""
+
+
+@pytest.fixture(autouse=True)
+def handlers():
+    saved = {s: signal.getsignal(s) for s in WATCHED}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
 
 @pytest.fixture
 def loop():
     loop = asyncio.new_event_loop()
-    previous = signal.getsignal(signal.SIGQUIT)
     yield loop
     loop.remove_signal_handler(signal.SIGQUIT)
     loop.close()
-    signal.signal(signal.SIGQUIT, previous)
 
 
 def test_a_sigquit_during_an_engine_call_ends_it_with_the_phase_and_the_log(loop):
@@ -124,36 +133,83 @@ def test_sigterm_taken_by_the_engine_loop_goes_back_to_the_trainers_handler(loop
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_a_sigterm_during_an_engine_call_on_uvloop_ends_the_run_as_an_interrupt():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sigterm_during_an_engine_call_on_uvloop_ends_the_run_as_an_interrupt(signum):
     """On the H200: torchrun's SIGTERM reached the trainer inside a wake on SGLang's uvloop (which only logged the
     interrupt handler's exception) and the engine's scheduler, which died of it and signalled SIGQUIT; the run then
-    ended as an engine failure. The interrupt now ends the call and wins over the failure it caused."""
+    ended as an engine failure. The interrupt now ends the call and wins over the failure it caused. A closed
+    terminal's SIGHUP is an interrupt too."""
     from megarl.interrupt import Interrupted
 
     uvloop = pytest.importorskip("uvloop")
     loop = uvloop.new_event_loop()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGQUIT, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in WATCHED}
 
     def trainers(signum, frame):
         raise Interrupted(signum)
 
-    signal.signal(signal.SIGTERM, trainers)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, trainers)
     try:
         watch = ChildWatch(loop, EngineLog(), "an SGLang engine process")
-        threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+        threading.Timer(0.5, os.kill, args=(os.getpid(), signum)).start()
         threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGQUIT)).start()  # the scheduler, dying of it
         start = time.monotonic()
         with pytest.raises(Interrupted) as stopped, engine_call("wake", timeout_s=60), watch.alive():
             loop.run_until_complete(asyncio.sleep(30))
-        assert stopped.value.signum == signal.SIGTERM and time.monotonic() - start < 10
+        assert stopped.value.signum == signum and time.monotonic() - start < 10
         time.sleep(1)  # the SIGQUIT has come
         with pytest.raises(Interrupted), watch.alive():  # and the next call is not an engine failure either
             pytest.fail("an interrupted run must not call its engine")
-        # Between calls SIGTERM goes to the trainer's handler.
+        # Between calls the signal goes to the trainer's handler.
         with pytest.raises(Interrupted):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
             time.sleep(5)
     finally:
         loop.close()
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+HANGING_START = """
+import sys, threading
+from pathlib import Path
+from megarl.errors import at_failure, run_main
+from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.group import EngineGroup, start_engine
+
+def engine():  # one that never comes up, its output going to its log as a real engine's does while it starts
+    with EngineLog(Path(sys.argv[3])).capture():
+        threading.Event().wait()
+
+def main():
+    at_failure(lambda: open(sys.argv[1], "w").write("marked failed"))
+    group = EngineGroup(index=0, num_groups=1, size=1, rank_in_group=0, members=(0,), group=None)
+    start_engine(group, engine, timeout_s=float(sys.argv[2]))
+
+run_main(main)
+"""
+
+
+def test_an_engine_that_hangs_while_starting_ends_the_run_at_the_deadline(tmp_path):
+    """Start-up is an engine call like the others: past rollout.timeout_minutes the run ends with one paragraph
+    naming the phase and the deadline (on the console, not in the engine's log, and in the launcher's error
+    file), exit code 2, and the run marked failed; the engine's processes then go with the trainer
+    (test_engine_processes.py)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    error_file, marker = tmp_path / "errors", tmp_path / "marker"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HANGING_START, str(marker), "3", str(tmp_path / "engine_0.log")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "MEGARL_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert time.monotonic() - start < 30
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("megarl error: the rollout engine did not finish start-up within 3 s "
+                           "(rollout.timeout_minutes = 0.05). Memory: host: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert error_file.read_text() == line + "\n" and marker.read_text() == "marked failed"

@@ -142,3 +142,78 @@ def test_train_reports_a_bad_store_before_building_anything(tmp_path):
     assert proc.returncode != 0 and "megarl error: tracking.uri = " in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr.split("megarl error")[0][-3000:]
     assert "vLLM" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()  # no engine started
+
+
+ENDING = r"""
+import errno, os, signal, sys, time
+from megarl import interrupt
+from megarl.config import load_config
+from megarl.errors import UserError, run_main
+from megarl.rl_step import Batch
+from megarl.tracking import Tracker
+
+def main():
+    interrupt.install()
+    cfg = load_config(sys.argv[1], ["tracking.backend=mlflow", "tracking.uri=" + sys.argv[2], "trainer.num_steps=2",
+                                    "tracking.run_name=" + sys.argv[4]])
+    tracker = Tracker(cfg, rank=0, out_dir=__import__("pathlib").Path(sys.argv[3]))
+    tracker.end_with_the_process()
+    tracker.log(0, Batch.build([[1, 2]], [[4, 5]], [[-0.5, -1.0]], [1.0]), {"logprob_diff_max": 0.0})
+    how = sys.argv[4]
+    if how == "user_error":
+        raise UserError("step 1: reward of sample 0 = nan")
+    if how == "crash":
+        raise RuntimeError("a bug")
+    if how == "disk_full":
+        raise OSError(errno.ENOSPC, "No space left on device", "ckpt/.step_000001.tmp")
+    if how == "dead_engine":  # an engine call that raises: EngineFailed, a UserError
+        from megarl.rollout.failures import engine_call
+        with engine_call("wake", timeout_s=60):
+            raise RuntimeError("EngineCore died unexpectedly")
+    if how == "hang":  # an engine call past its deadline (rollout.timeout_minutes), ended from the timer's thread
+        import threading
+        from megarl.rollout.failures import engine_call
+        with engine_call("generate", timeout_s=2):
+            threading.Event().wait()
+    if how == "another_rank_failed":  # its paragraph in the launcher's error file, then torchrun's SIGTERM
+        open(os.environ["MEGARL_ERROR_FILE"], "w").write("megarl error (rank 1): the rollout engine failed\n")
+        how = "SIGTERM"
+    if how in ("SIGTERM", "SIGINT", "SIGHUP"):
+        os.kill(os.getpid(), getattr(signal, how))
+        time.sleep(30)
+    tracker.close()
+
+run_main(main)
+"""
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for the cases below: creating one costs seconds (mlflow's schema migrations)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'store.db'}"
+
+
+@pytest.mark.parametrize("how, code, status", [
+    ("finish", 0, "FINISHED"), ("user_error", 2, "FAILED"), ("crash", 1, "FAILED"), ("disk_full", 1, "FAILED"),
+    ("dead_engine", 2, "FAILED"), ("hang", 2, "FAILED"), ("another_rank_failed", 143, "FAILED"),
+    ("SIGTERM", 143, "KILLED"), ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED")])
+def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how, code, status):
+    """Errors FAILED (before, mlflow's own exit hook marked them FINISHED, and a hung engine call left the run
+    RUNNING), signals KILLED (SIGHUP left the run RUNNING and exited silently) unless another rank's error caused
+    them, the last step FINISHED."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ENDING, str(GRPO), store, str(tmp_path / "run"), how], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin", "MEGARL_ERROR_FILE": str(tmp_path / "e")})
+    assert proc.returncode == code, proc.stderr[-3000:]
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id],
+                               filter_string=f"tags.mlflow.runName = '{how}'")
+    assert run.info.status == status
+    assert run.data.metrics["reward_mean"] == 1.0  # the step logged before the end is kept
+    if code > 128:
+        name = signal.Signals(code - 128).name
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl: interrupted by {name}"), proc.stderr

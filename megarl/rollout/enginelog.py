@@ -25,6 +25,15 @@ ENGINE_LOGGERS = ("vllm", "sglang")
 """Loggers of the engines' code that runs in this process (vLLM's LLM front end, SGLang's tokenizer manager)."""
 
 
+_consoles: list[int] = []
+"""This process's own stderr while engine starts redirect fd 2 (innermost last)."""
+
+
+def console() -> int:
+    """The file descriptor of this process's stderr, also while an engine's start redirects fd 2 to its log."""
+    return _consoles[-1] if _consoles else 2
+
+
 class EngineLog:
     """One engine's log: ``path`` (appended to), or this process's console when None."""
 
@@ -47,9 +56,11 @@ class EngineLog:
             os.close(write)
             out = os.dup(sink if sink is not None else saved[fd])
             threading.Thread(target=self._pump, args=(read, out), daemon=True).start()
+        _consoles.append(saved[2])
         try:
             yield
         finally:
+            _consoles.remove(saved[2])
             sys.stdout.flush()
             sys.stderr.flush()
             for fd, fd_saved in saved.items():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,10 +18,10 @@ from typing import Any
 
 import torch
 
-from megarl.errors import UserError
+from megarl.errors import UserError, failed, report
 from megarl.interrupt import Interrupted
 from megarl.platform.device import host_memory
-from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.enginelog import EngineLog, console
 
 
 class EngineFailed(UserError):
@@ -47,13 +46,27 @@ def memory_summary() -> str:
     return f"host: {used / 2**30:.1f} of {total / 2**30:.1f} GiB in use"
 
 
+CLEANUP_S = 60.0
+"""How long the clean-ups after a hang may take before the process ends without them."""
+
+
 def _hung(phase: str, timeout_s: float) -> None:
-    print(f"megarl error: the rollout engine did not finish {phase} within {timeout_s:.0f} s "
-          f"(rollout.timeout_minutes). Memory: {memory_summary()}. Training stopped; the last complete checkpoint "
-          "is intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
-          "rollout.timeout_minutes if "
-          "generation is legitimately that slow.", file=sys.stderr, flush=True)
-    os._exit(3)
+    """The deadline of an engine call passed: the main thread is stuck inside it, where no exception reaches it
+    (a wait in C, a loop that swallows what signal handlers raise), so this thread reports the error as run_main
+    would (stderr, the launcher's error file), marks the run failed (errors.at_failure) and ends the process;
+    the engine's watchdog then ends the engine's processes (megarl.rollout.watchdog)."""
+    rank = os.environ.get("RANK")
+    with os.fdopen(os.dup(console()), "w") as stderr:  # not into the log of an engine that hangs while it starts
+        report(("megarl error: " if rank in (None, "0") else f"megarl error (rank {rank}): ")
+               + f"the rollout engine did not finish {phase} within {timeout_s:.0f} s (rollout.timeout_minutes = "
+               f"{timeout_s / 60:.3g}). Memory: {memory_summary()}. Training stopped; the last complete checkpoint "
+               "is intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
+               f"rollout.timeout_minutes if {phase} is legitimately that slow.", stderr)
+    backstop = threading.Timer(CLEANUP_S, os._exit, args=(2,))
+    backstop.daemon = True
+    backstop.start()
+    failed()
+    os._exit(2)
 
 
 @contextmanager
@@ -78,6 +91,10 @@ def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
         timer.cancel()
 
 
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that end the run as an interrupt, which an engine call on uvloop would swallow."""
+
+
 class EngineProcessDied(Exception):
     """Raised in the main thread by the SIGQUIT handler, out of whatever an engine call blocks in."""
 
@@ -93,17 +110,19 @@ class ChildWatch:
     before it starts.
 
     SIGTERM (scancel, a Slurm time limit; torchrun sends it to the whole process group, the engine's processes
-    too) arriving during an engine call ends the call the same way and ``alive`` raises ``Interrupted``: uvloop
-    would swallow the trainer's own handler's exception, and the engine processes' death from the same signal
-    must read as the interrupt, not as an engine failure. Between calls the trainer's handler takes it."""
+    too) or SIGHUP (a closed terminal) arriving during an engine call ends the call the same way and ``alive``
+    raises ``Interrupted``: uvloop would swallow the trainer's own handler's exception, and the engine processes'
+    death from the same signal must read as the interrupt, not as an engine failure. Between calls the trainer's
+    handler takes it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, log: EngineLog, what: str,
                  sigterm: Any = None) -> None:
         """``loop``: the event loop on which the engine registered its own SIGQUIT handler (None: none); install
         after the engine has (SGLang: after its first request); ``what``: the failing process; ``sigterm``: this
         process's SIGTERM handler from before the engine started (None: the one in place), which takes SIGTERM
-        between engine calls; the engine loop's own is removed (SGLang's drains requests, then SIGKILLs the
-        process tree: a scancel or a Slurm time limit would skip megarl's clean interrupt)."""
+        between engine calls (SIGHUP: the one in place); the engine loop's own are removed (SGLang's drains
+        requests, then SIGKILLs the process tree: a scancel or a Slurm time limit would skip megarl's clean
+        interrupt)."""
         self.failed = False
         self.interrupted: int | None = None
         self._calling = False
@@ -114,17 +133,21 @@ class ChildWatch:
                   "(rollout.timeout_minutes) or by the engine's own SIGKILL", flush=True)
             return
         if loop is not None:
-            loop.remove_signal_handler(signal.SIGQUIT)
-            loop.remove_signal_handler(signal.SIGTERM)
-        self._sigterm = sigterm if sigterm is not None else signal.getsignal(signal.SIGTERM)
+            for s in (signal.SIGQUIT, *TERMINATING):
+                loop.remove_signal_handler(s)
+        self._previous: dict[int, Any] = {s: signal.getsignal(s) for s in TERMINATING}
+        if sigterm is not None:
+            self._previous[signal.SIGTERM] = sigterm
         signal.signal(signal.SIGQUIT, self._signalled)
-        signal.signal(signal.SIGTERM, self._terminated)
+        for s in TERMINATING:
+            signal.signal(s, self._terminated)
 
     def _terminated(self, signum: int, frame: Any) -> None:
         if not self._calling:
-            if callable(self._sigterm):
-                self._sigterm(signum, frame)
-            elif self._sigterm != signal.SIG_IGN:
+            previous = self._previous[signum]
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
                 signal.signal(signum, signal.SIG_DFL)  # no handler of its own before the engine: the default
                 os.kill(os.getpid(), signum)
             return

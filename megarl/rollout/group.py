@@ -11,6 +11,7 @@ ranks, so none of that touches the GPUs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,6 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from megarl.interrupt import terminal_signals_ignored
 from megarl.reshard.handover import EngineCopy, checksum_message
 from megarl.rollout.base import (
     Completion,
@@ -97,6 +99,15 @@ def engine_group(rank: int, engines: list[list[int]]) -> EngineGroup:
     members = engines[index]
     return EngineGroup(index=index, num_groups=len(engines), size=size, rank_in_group=members.index(rank),
                        members=tuple(members), group=mine)
+
+
+def start_engine(group: EngineGroup, make: Callable[[], RolloutEngine], timeout_s: float) -> RolloutEngine | None:
+    """The group's engine, started by its driver (None elsewhere) within ``timeout_s`` like every engine call:
+    an engine that hangs while it starts ends the run with an error naming the phase and the deadline."""
+    if not group.driver:
+        return None
+    with terminal_signals_ignored(), engine_call("start-up", timeout_s):  # Ctrl-C: the trainer stops the engine
+        return make()
 
 
 class GroupEngine:
@@ -190,4 +201,5 @@ class GroupEngine:
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            with self._call("shutdown"):
+                self.engine.shutdown()

