@@ -41,6 +41,26 @@ def check_finite(where: str, values: Mapping[str, float], hint: str) -> None:
                                "intact. Rerun with MEGARL_DEBUG=1 for a traceback.")
 
 
+def end_finished_run() -> None:
+    """The last call of a run that finished, on a GPU: Python's exit handlers run (mlflow, logging,
+    multiprocessing's resource tracker), then the process ends without C++ static destructors. The engine's
+    processes are gone by now (shutdown waits for them), but they never released the CUDA IPC handles of the
+    trainer's tensors they mapped, and torch's bookkeeping of those would print "Producer process has been
+    terminated before all shared CUDA tensors released" at exit; the driver frees the memory either way."""
+    import atexit
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def fail(message: str) -> NoReturn:
     raise UserError(message)
 

@@ -12,7 +12,7 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 
-from megarl.errors import run_main  # noqa: E402
+from megarl.errors import end_finished_run, run_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         from megarl.report import report
 
         print(report(tracker.out_dir), flush=True)
+    end_finished_run()
 
 
 if __name__ == "__main__":

@@ -229,10 +229,10 @@ class SGLangEngine:
         self._cache_awake = self._cache_awake or what != "weights"
 
     def shutdown(self) -> None:
-        try:
-            self.engine.shutdown()
-        finally:
-            self._watchdog.stop()
+        """End the engine's processes (the watchdog's recorded ones), and wait until they are gone. Not SGLang's
+        own shutdown: it SIGKILLs every descendant of this process, multiprocessing's resource tracker included,
+        whose replacement then fails at exit on the semaphores the first one held (a KeyError traceback)."""
+        self._watchdog.stop(wait_s=30.0)
 
 
 def decode_routed_experts(encoded: str | None, num_tokens: int, num_layers: int, topk: int, num_experts: int

@@ -217,11 +217,16 @@ class Watchdog:
     def started(self) -> None:
         self._send(b"started")
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Have the watchdog end the engine's processes; ``wait_s``: wait up to that long until it has (it exits
+        once they are gone: SIGTERM, then SIGKILL after GRACE_S)."""
         self._send(b"stop")
         if self._commands is not None:
             self._commands.close()
             self._commands = None
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _stat(self.pid) is not None:
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":
