@@ -27,6 +27,7 @@ clean interrupt.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import dataclasses
 import json
@@ -112,6 +113,8 @@ class SGLangEngine:
             env = visible_devices_env(devices) | {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
             with engine_log.capture(), engine_process_env(**env, **self._watchdog.env):
                 self.engine = sglang.Engine(**args)
+            # SGLang's own exit hook is its shutdown, which SIGKILLs every descendant of this process; see shutdown().
+            atexit.unregister(self.engine.shutdown)
         except Exception as err:  # the engine's own exception carries its log tail
             engine_log.drain()
             self._watchdog.stop()
@@ -230,8 +233,9 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         """End the engine's processes (the watchdog's recorded ones), and wait until they are gone. Not SGLang's
-        own shutdown: it SIGKILLs every descendant of this process, multiprocessing's resource tracker included,
-        whose replacement then fails at exit on the semaphores the first one held (a KeyError traceback)."""
+        own shutdown (nor its exit hook, unregistered at start): it SIGKILLs every descendant of this process,
+        multiprocessing's resource tracker included, whose replacement then fails at exit on the semaphores the
+        first one held (a KeyError '/loky-...' traceback, seen on an H200 after a finished run)."""
         self._watchdog.stop(wait_s=30.0)
 
 
