@@ -60,6 +60,7 @@ def hf_model(path: Path, scratch: Path) -> Path:
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if (path / "actor" / META).is_file():
+        check_actor(path)
         path = path / "actor"
     if not (path / META).is_file():
         return path
@@ -68,6 +69,20 @@ def hf_model(path: Path, scratch: Path) -> Path:
     write_hf(out, tensors, spec, source_dir=path)
     print(f"megarl: exported the actor of {path} for evaluation", file=sys.stderr, flush=True)
     return out
+
+
+def check_actor(step_dir: Path) -> None:
+    """The actor's files of a training checkpoint against its manifest (megarl.manifest), before they are read."""
+    from megarl import manifest
+    from megarl.errors import UserError
+
+    try:
+        files = manifest.read(step_dir)
+    except manifest.ManifestError as err:
+        raise UserError(f"--model {step_dir}: {err}. Fix: evaluate another checkpoint of the run.") from None
+    bad = manifest.problems(step_dir, files, [n for n in files if n.startswith("actor/")]) if files else []
+    if bad:
+        raise UserError(f"--model {step_dir} is damaged: {bad[0]}. Fix: evaluate another checkpoint of the run.")
 
 
 def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngine:

@@ -97,3 +97,18 @@ def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected:
     with pytest.raises(UserError) as err:
         load_eval_sets(cfg, load_tokenizer(str(REPO / "recipes" / "tiny" / "model")), ())
     assert expected in str(err.value)
+
+
+def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
+    from megarl import manifest
+    from megarl.evaluate import check_actor
+
+    step = tmp_path / "step_000003"
+    (step / "actor").mkdir(parents=True)
+    weights = step / "actor" / "tp0_pp0.safetensors"
+    weights.write_bytes(b"\1" * 64)
+    manifest.write(step, manifest.describe(step, [weights]))
+    check_actor(step)  # intact
+    weights.write_bytes(b"\0" * 64)  # the data zeroed, the size kept
+    with pytest.raises(UserError, match="step_000003 is damaged: .*tp0_pp0.safetensors has CRC-32"):
+        check_actor(step)
