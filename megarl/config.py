@@ -496,10 +496,10 @@ class CheckpointConfig:
     the resume naming each. The layout (parallel.*, the distributed optimizer) may always change."""
 
     def __post_init__(self) -> None:
-        from megarl.resume_check import allowed_changes, defines_experiment
+        from megarl.experiment_keys import allowed_changes, defines_experiment
 
         for key in allowed_changes(self.allow_changes):
-            check(defines_experiment(key), "allow_changes", self.allow_changes,
+            check(defines_experiment(key, Config), "allow_changes", self.allow_changes,
                   f"name only fields that define the experiment, which `{key}` is not (a layout or run setting, "
                   "free to change on resume, or no field at all)", f"remove `{key}`, or fix its spelling")
         _within(self, "save_every", "[0, inf)", "use 0 to never save")

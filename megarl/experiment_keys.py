@@ -1,0 +1,44 @@
+"""The config keys that define an experiment (what a resume must not change, megarl.resume_check), apart from
+the checks themselves so that megarl.config can validate checkpoint.allow_changes with them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import typing
+
+DEFINING = ("model.hf_path", "model.dtype", "model.moe_aux_loss_coeff", "algorithm.", "data.", "trainer.seed",
+            "trainer.reward", "rollout.num_samples_per_prompt", "rollout.temperature", "rollout.top_p",
+            "rollout.top_k", "rollout.max_new_tokens", "rollout.max_prompt_tokens", "rollout.seed",
+            "actor.optimizer.", "actor.num_ppo_epochs", "actor.mini_batch_size",
+            "critic.hf_path", "critic.optimizer.", "critic.num_ppo_epochs", "critic.mini_batch_size")
+"""Keys (and, ending in a dot, sections) of the config that define the experiment."""
+LAYOUT = ("actor.optimizer.use_distributed_optimizer", "critic.optimizer.use_distributed_optimizer")
+"""Inside a defining section, but only a layout: the optimizer state reshards between the two."""
+
+
+@functools.cache
+def config_keys(cls: type, prefix: str = "") -> frozenset[str]:
+    """Every dotted key of the config (its leaves)."""
+    keys: set[str] = set()
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        tp = hints[field.name]
+        keys |= (config_keys(typing.cast(type, tp), f"{prefix}{field.name}.") if dataclasses.is_dataclass(tp)
+                 else {prefix + field.name})
+    return frozenset(keys)
+
+
+def defines_experiment(key: str, config: type) -> bool:
+    """Whether dotted ``key`` is a field of the ``config`` dataclass (megarl.config.Config) that defines the
+    experiment."""
+    return key not in LAYOUT and key in config_keys(config) and any(
+        key == d or (d.endswith(".") and key.startswith(d)) for d in DEFINING)
+
+
+def allowed_changes(value: str | None) -> list[str]:
+    """checkpoint.allow_changes as a list of dotted keys (commas and/or spaces between them)."""
+    return [key for key in re.split(r"[,\s]+", value or "") if key]
+
+
