@@ -1,9 +1,9 @@
 """The configuration reference in Markdown, generated from the config dataclasses' field docstrings.
 
   python -m megarl.config_reference            # print it
-  python -m megarl.config_reference --update   # rewrite the README section between the markers
+  python -m megarl.config_reference --update   # rewrite docs/configuration.md between the markers
 
-tests/test_config_reference.py keeps README.md's copy current.
+tests/test_config_reference.py keeps docs/configuration.md's copy current.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from megarl.config import Config
 from megarl.configio import field_docs
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def _type_name(tp: object) -> str:
@@ -66,7 +66,7 @@ def reference() -> str:
     return "\n".join(out)
 
 
-def updated_readme(text: str) -> str:
+def updated_page(text: str) -> str:
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
     return f"{head}{START}\n{reference()}\n{END}{tail}"
@@ -74,6 +74,6 @@ def updated_readme(text: str) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--update"]:
-        README.write_text(updated_readme(README.read_text()))
+        REFERENCE_PAGE.write_text(updated_page(REFERENCE_PAGE.read_text()))
     else:
         print(reference())

@@ -17,7 +17,7 @@ from megarl.errors import end_finished_run, run_main  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megarl/train.py", description=__doc__)
-    parser.add_argument("--config", required=True, help="recipe YAML (see README: Configuration)")
+    parser.add_argument("--config", required=True, help="recipe YAML (see docs/configuration.md)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     parser.add_argument("--profile", type=int, metavar="STEP",
                         help="write a torch profiler trace of step STEP (profile_stepSTEP_rankR.json in the run dir)")

@@ -1,15 +1,15 @@
-"""README.md's configuration reference is generated from the config dataclasses and must stay current."""
+"""docs/configuration.md's configuration reference is generated from the config dataclasses and must stay current."""
 
 import dataclasses
 
 from megarl.config import Config
-from megarl.config_reference import END, README, START, reference, updated_readme
+from megarl.config_reference import END, REFERENCE_PAGE, START, reference, updated_page
 
 
-def test_readme_config_reference_is_current():
-    text = README.read_text()
+def test_docs_config_reference_is_current():
+    text = REFERENCE_PAGE.read_text()
     assert START in text and END in text
-    assert updated_readme(text) == text, "run `python -m megarl.config_reference --update`"
+    assert updated_page(text) == text, "run `python -m megarl.config_reference --update`"
 
 
 def test_reference_lists_every_field_with_its_docstring():
