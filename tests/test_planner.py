@@ -226,8 +226,8 @@ def test_a_byte_crosses_into_a_node_once_and_fans_out_inside(order):
 
 
 def test_relays_cut_the_predicted_time_across_nodes():
-    """Llama-3-8B, the 64-GPU tp-dp-pp plan in docs/benchmarks.md: a quarter of the bytes cross the network, and the bound and
-    the predicted time fall with them (the network carries the most per GPU)."""
+    """Llama-3-8B, the 64-GPU tp-dp-pp plan in docs/benchmarks.md: a quarter of the bytes cross the network, and
+    the bound and the predicted time fall with them (the network carries the most per GPU)."""
     spec = preset_or_hf_spec("llama3-8b")
     dims = ParallelDims(tp=4, pp=2, dp=8, order="tp-dp-pp")
     plan, direct = make_plan(spec, dims, 2), make_plan(spec, dims, 2, relay=False)
