@@ -33,6 +33,9 @@ def fake_sglang(monkeypatch):
         def __init__(self, **kwargs):
             calls["start"] = kwargs
 
+        def shutdown(self):  # SGLang registers it with atexit; the adapter unregisters it
+            calls["shutdown"] = True
+
         def get_server_info(self):
             return {"max_total_num_tokens": 1000}
 
