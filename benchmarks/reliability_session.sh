@@ -9,8 +9,9 @@
 #              the GPU's memory free within seconds ($OUT/kill9.log lists what is left)
 #   hang:      the same run with SGLang's scheduler hanging while it starts (.diag/sitecustomize.py, MEGARL_DIAG_HANG):
 #              the run must end at rollout.timeout_minutes with one paragraph, exit 2, no process left
-#   learn:     SmolLM2-135M-Instruct (converted here from the GGUF carried in .gguf/) GRPO on the arith task for
-#              $LEARN_STEPS steps with CUDA graphs, held-out greedy accuracy every $EVAL_EVERY steps
+#   learn:     SmolLM2-135M-Instruct (converted here from the GGUF, whose parts earlier calls copied into /tmp/gguf)
+#              trained with $LEARN_ALGO (grpo or ppo) on the arith task for $LEARN_STEPS steps with CUDA graphs,
+#              held-out greedy accuracy on arith and GSM8K every $EVAL_EVERY steps
 # PART selects a subset (default: setup truncated exit).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -59,18 +60,24 @@ for part in $PART; do
       echo "[h200] hang: exit $? after $((SECONDS - start)) s; engine processes left: $(pgrep -f 'multiprocessing.spawn|sglang' | wc -l)"
       grep "megarl error" "$OUT/hang.log" | cut -c1-600 ;;
     learn)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/gguf-*.whl
-      cat /tmp/smollm2.gguf.* > /tmp/smollm2.gguf  # the parts the calls before this one left there
-      [[ -d /tmp/smollm2 ]] || python3 -m megarl.convert gguf-to-hf --gguf /tmp/smollm2.gguf --out /tmp/smollm2 2>&1 | tail -1
+      # The GGUF arrives in parts, one per call (.gguf/gN carried, copied into /tmp/gguf); gguf comes with SGLang.
+      name=learn_${LEARN_ALGO:-grpo}
+      if [[ ! -d /tmp/smollm2 ]]; then
+        cat /tmp/gguf/smollm2.gguf.* > /tmp/smollm2.gguf
+        echo "[h200] gguf sha256 $(sha256sum /tmp/smollm2.gguf | cut -c1-16) (b179c9523d0e6a0f expected)"
+        python3 -m megarl.convert gguf-to-hf --gguf /tmp/smollm2.gguf --out /tmp/smollm2 2>&1 | tail -1
+      fi
+      start=$SECONDS
       timeout "${LEARN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node 1 megarl/train.py \
-        --config recipes/smollm2_gsm8k_grpo.yaml --set model.hf_path=/tmp/smollm2 --set tracking.backend=none \
-        --set data.train_path=recipes/arith/train.jsonl --set trainer.num_steps="${LEARN_STEPS:-60}" \
-        --set eval.every="${EVAL_EVERY:-10}" --set rollout.max_new_tokens=256 \
-        --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}, {name: gsm8k, path: "gsm8k:test", max_prompts: 300}]' \
+        --config "recipes/smollm2_gsm8k_${LEARN_ALGO:-grpo}.yaml" --set model.hf_path=/tmp/smollm2 \
+        --set tracking.backend=none --set data.train_path=recipes/arith/train.jsonl \
+        --set trainer.num_steps="${LEARN_STEPS:-60}" --set eval.every="${EVAL_EVERY:-10}" \
+        --set rollout.max_new_tokens=256 \
+        --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}, {name: gsm8k, path: "gsm8k:test", max_prompts: 500}]' \
         --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch \
-        --set rollout.engine_args.grammar_backend=none --set checkpoint.dir=/tmp/learn --set checkpoint.save_every=0 \
-        > "$OUT/learn.log" 2>&1
-      echo "[h200] learn exit $?"; cp /tmp/learn/metrics.jsonl "$OUT/learn.metrics.jsonl"
-      grep -E "^step|eval " "$OUT/learn.log" | cut -c1-300 | tail -30 ;;
+        --set rollout.engine_args.grammar_backend=none --set checkpoint.dir=/tmp/$name --set checkpoint.save_every=0 \
+        > "$OUT/$name.log" 2>&1
+      echo "[h200] $name exit $? after $((SECONDS - start)) s"; cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl"
+      grep -E "^step|eval " "$OUT/$name.log" | cut -c1-300 | tail -30 ;;
   esac
 done
