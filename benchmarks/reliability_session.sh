@@ -55,7 +55,7 @@ for part in $PART; do
       export PYTHONPATH=$PWD/.diag:$PYTHONPATH
       start=$SECONDS
       MEGARL_DIAG_HANG=1 timeout 300 torchrun --standalone --nproc-per-node 1 megarl/train.py \
-        --config recipes/tiny_cpu_grpo.yaml "${TINY[@]}" --set rollout.timeout_minutes=0.5 \
+        --config recipes/tiny_cpu_grpo.yaml "${TINY[@]}" --set rollout.timeout_minutes=1 \
         --set checkpoint.dir=/tmp/hang > "$OUT/hang.log" 2>&1
       echo "[h200] hang: exit $? after $((SECONDS - start)) s; engine processes left: $(pgrep -f 'multiprocessing.spawn|sglang' | wc -l)"
       grep "megarl error" "$OUT/hang.log" | cut -c1-600 ;;

@@ -1,0 +1,89 @@
+"""Held-out accuracy curves of training runs, with a two-proportion test of the first against the best eval.
+
+  python benchmarks/learning_curve.py NAME=RUN/metrics.jsonl [NAME=...] --png OUT.png [--json OUT.json]
+
+Reads the eval rows megarl writes into metrics.jsonl (``eval/<set>/initial/accuracy`` before the first step,
+``eval/<set>/accuracy`` after a step) and each set's size from ``--n SET=N``. The test is the pooled two-sided
+z-test of two proportions, each eval scoring N prompts greedily once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+
+def curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """{set: [(steps trained, accuracy), ...]}; the initial eval counts as 0 steps, the eval after step s as s + 1."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            parts = key.split("/")
+            if parts[0] != "eval" or parts[-1] != "accuracy":
+                continue
+            trained = 0 if parts[2] == "initial" else int(row["step"]) + 1
+            out.setdefault(parts[1], []).append((trained, float(value)))
+    return {name: sorted(points) for name, points in out.items()}
+
+
+def two_proportion_p(p1: float, p2: float, n: int) -> float:
+    """Two-sided p-value that two proportions, each from n trials, are equal (pooled z-test)."""
+    pooled = (p1 + p2) / 2
+    se = math.sqrt(2 * pooled * (1 - pooled) / n)
+    if se == 0:
+        return 1.0
+    return math.erfc(abs(p2 - p1) / se / math.sqrt(2))
+
+
+def phase_medians(path: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()][1:]  # step 0 compiles and captures
+    keys = sorted({k for r in rows for k in r if k.startswith("time/")} | {"tokens_per_s"})
+    return {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in keys}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="NAME=PATH of a run's metrics.jsonl")
+    parser.add_argument("--n", action="append", default=[], help="SET=N: prompts in an eval set")
+    parser.add_argument("--png", type=Path, required=True)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    sizes = {k: int(v) for k, v in (item.split("=", 1) for item in args.n)}
+    runs = {name: Path(path) for name, path in (item.split("=", 1) for item in args.runs)}
+    report: dict[str, dict] = {}
+    for name, path in runs.items():
+        report[name] = {"metrics": str(path), "phase_medians": phase_medians(path), "sets": {}}
+        for eval_set, points in curves(path).items():
+            first, best = points[0][1], max(acc for _, acc in points)
+            entry = {"curve": points, "first": first, "best": best, "last": points[-1][1]}
+            if eval_set in sizes:
+                entry |= {"n": sizes[eval_set], "p_first_vs_best": two_proportion_p(first, best, sizes[eval_set])}
+            report[name]["sets"][eval_set] = entry
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    eval_sets = sorted({s for r in report.values() for s in r["sets"]})
+    fig, axes = plt.subplots(1, len(eval_sets), figsize=(5 * len(eval_sets), 3.6), squeeze=False)
+    for ax, eval_set in zip(axes[0], eval_sets):
+        for name, entry in report.items():
+            if eval_set in entry["sets"]:
+                steps, acc = zip(*entry["sets"][eval_set]["curve"])
+                ax.plot(steps, acc, marker="o", label=name)
+        ax.set(title=f"held-out {eval_set}, greedy", xlabel="RL steps trained", ylabel="accuracy", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+    print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
