@@ -136,11 +136,11 @@ def _audit_hook(workdir: str):
             path, mode, flags = args
             writes = any(c in (mode or "") for c in "wax+") or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
             if writes and not _inside(path, workdir):
-                raise PermissionError(f"writing outside the sandbox's directory is refused: {path}")
+                raise PermissionError(f"writing outside the sandbox's directory is refused: {path!r}")
         elif event in _PATH_EVENTS:
             for arg in args:
                 if isinstance(arg, str | bytes | os.PathLike) and not _inside(arg, workdir):
-                    raise PermissionError(f"{event} outside the sandbox's directory is refused: {arg}")
+                    raise PermissionError(f"{event} outside the sandbox's directory is refused: {arg!r}")
 
     return hook
 
