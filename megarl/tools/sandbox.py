@@ -46,7 +46,8 @@ class SandboxConfig:
     max_processes: int = 32
     """Processes and threads of the call together (a pids cgroup as root, else RLIMIT_NPROC: see docs/tools.md)."""
     python: str = sys.executable
-    """Interpreter that runs the code, started with -I (isolated: no PYTHON* variables, no user site)."""
+    """Interpreter that runs the code, started with -I (isolated: no PYTHON* variables, no user site) and -u
+(unbuffered, so stdout and stderr interleave as written and nothing printed before a kill is lost)."""
     kernel_isolation: bool = True
     """Use namespaces, the pids cgroup and capability dropping where the kernel allows. False leaves rlimits,
     the audit hook and the marker scan: the layers that hold where the kernel offers none (tests use it)."""
@@ -80,12 +81,12 @@ class SandboxResult:
     @property
     def observation(self) -> str:
         """What the model sees: the output, the truncation marker, and the end unless it was "ok"."""
-        text = self.output
+        parts = [self.output.rstrip("\n")]
         if self.truncated_bytes:
-            text += f"\n... [output truncated: {self.truncated_bytes} more bytes]"
+            parts.append(f"... [output truncated: {self.truncated_bytes} more bytes]")
         if self.end != "ok":
-            text += f"\n[{self.end}]"
-        return text.strip("\n") or "(no output)"
+            parts.append(f"[{self.end}]")
+        return "\n".join(part for part in parts if part) or "(no output)"
 
 
 def _end(status: dict, returncode: int | None, timeout_s: float, timed_out: bool) -> str:
@@ -170,7 +171,7 @@ def run_python(code: str, config: SandboxConfig) -> SandboxResult:
                 "cpu_s": config.cpu_s, "memory_bytes": config.memory_bytes, "file_bytes": config.file_bytes,
                 "open_files": config.open_files, "max_processes": config.max_processes}
         deadline = time.monotonic() + config.timeout_s
-        proc = subprocess.Popen([config.python, "-I", _CHILD, json.dumps(spec)], cwd=workdir,
+        proc = subprocess.Popen([config.python, "-I", "-u", _CHILD, json.dumps(spec)], cwd=workdir,
                                 env=_env(workdir, call_id), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, pass_fds=[status_w], start_new_session=True)
         os.close(status_w)

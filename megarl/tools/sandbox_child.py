@@ -85,6 +85,7 @@ def _read_only_mounts(workdir: str, layers: dict) -> None:
     try:
         _call("mount", None, b"/", None, _MS_REC | _MS_PRIVATE, None)  # nothing below propagates to the host
         _call("mount", workdir.encode(), workdir.encode(), None, _MS_BIND, None)
+        os.chdir(workdir)  # our cwd still points below the mount just made, into what becomes read-only
         failed = []
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split() for line in f]
