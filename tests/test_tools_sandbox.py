@@ -175,13 +175,13 @@ def test_writes_outside_the_working_directory_are_refused(kernel, tmp_path):
     outside = tmp_path / f"outside-{uuid.uuid4().hex}"
     code = (f"open('inside.txt', 'w').write('fine')\nimport os\nprint(os.path.getsize('inside.txt'))\n"
             f"for attempt in (lambda: open({str(outside)!r}, 'w'), lambda: os.mkdir({str(outside)!r}),\n"
-            f"                lambda: os.symlink('/etc', 'etc_link') or open('etc_link/megarl_test', 'w')):\n"
+            f"                lambda: os.symlink({str(tmp_path)!r}, 'link') or open('link/through_link', 'w')):\n"
             "    try:\n        attempt()\n    except OSError as err:\n        print(type(err).__name__, err)\n")
     result = run_python(code, config(kernel))
     lines = result.observation.splitlines()
     assert lines[0] == "4" and len(lines) == 4
     assert all(line.startswith("PermissionError") and "refused" in line for line in lines[1:])
-    assert not outside.exists() and not os.path.exists("/etc/megarl_test")
+    assert not outside.exists() and not (tmp_path / "through_link").exists()
 
 
 def test_the_python_tool_reports_how_the_call_ended_and_which_layers_held():
