@@ -3,6 +3,7 @@ memory hogs, network connections, writes outside its directory and processes lef
 kernel's isolation (namespaces, pids cgroup, no capabilities; where this machine offers them) and without it
 (rlimits, audit hook and marker scan only: what holds where the kernel offers nothing)."""
 
+import asyncio
 import os
 import socket
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megarl.tools import ToolPool
 from megarl.tools.python_exec import PythonExecutor
 from megarl.tools.reap import MARKER
 from megarl.tools.sandbox import SandboxConfig, run_python
@@ -201,3 +203,20 @@ def test_the_python_tool_reports_how_the_call_ended_and_which_layers_held():
 def test_bad_config_values_are_named(field, value, must):
     with pytest.raises(ValueError, match=f"`{field}` = .*{must}.* Fix: "):
         SandboxConfig(**{field: value})
+
+
+def test_sandboxed_calls_run_side_by_side_in_a_pool():
+    pool = ToolPool([PythonExecutor(timeout_s=5.0)], max_workers=4)
+
+    async def main():
+        start = time.monotonic()
+        results = await asyncio.gather(*(pool.run("python", f"import time\ntime.sleep(0.5)\nprint({i})")
+                                         for i in range(4)))
+        return results, time.monotonic() - start
+
+    try:
+        results, took = asyncio.run(main())
+    finally:
+        pool.close()
+    assert [r.observation for r in results] == ["0", "1", "2", "3"] and took < 1.2
+    assert all(r.metadata["isolation"] == KERNEL for r in results)
