@@ -80,8 +80,9 @@ def _unshare(layers: dict) -> None:
     layers["namespaces"] = "network, pid, mount" + ("" if root else ", user")
 
 
-def _read_only_mounts(workdir: str, layers: dict) -> None:
-    """Every mount read-only except a bind mount of the working directory, in our own mount namespace."""
+def _read_only_mounts(workdir: str, file_bytes: int, layers: dict) -> None:
+    """Every mount read-only except a bind mount of the working directory and a private /dev/shm, in our own
+    mount namespace."""
     try:
         _call("mount", None, b"/", None, _MS_REC | _MS_PRIVATE, None)  # nothing below propagates to the host
         _call("mount", workdir.encode(), workdir.encode(), None, _MS_BIND, None)
@@ -100,10 +101,18 @@ def _read_only_mounts(workdir: str, layers: dict) -> None:
                 _call("mount", None, point.encode(), None, flags, None)
             except OSError:
                 failed.append(point)
+        _private_shm(file_bytes)
     except OSError as err:
         layers["files"] = f"audit hook only ({err.strerror})"
         return
     layers["files"] = "read-only mounts" + (f" (not {failed})" if failed else "")
+
+
+def _private_shm(size: int) -> None:
+    """A small empty /dev/shm of the call's own: multiprocessing's locks need one, the host's is read-only now."""
+    if os.path.isdir("/dev/shm"):
+        data = f"size={max(size, 1 << 20)},mode=1777".encode()
+        _call("mount", b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, data)
 
 
 def _drop_capabilities() -> None:
@@ -225,7 +234,7 @@ def main() -> None:
         layers["namespaces"] = "none (turned off)"
 
     if layers["namespaces"].startswith("network"):
-        _read_only_mounts(spec["workdir"], layers)
+        _read_only_mounts(spec["workdir"], spec["file_bytes"], layers)
         layers["network"] = "namespace + audit hook"
     else:
         layers["files"] = "audit hook only"
