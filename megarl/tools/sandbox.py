@@ -47,7 +47,7 @@ class SandboxConfig:
     """Processes and threads of the call together (a pids cgroup as root, else RLIMIT_NPROC: see docs/tools.md)."""
     python: str = sys.executable
     """Interpreter that runs the code, started with -I (isolated: no PYTHON* variables, no user site) and -u
-(unbuffered, so stdout and stderr interleave as written and nothing printed before a kill is lost)."""
+    (unbuffered, so stdout and stderr interleave as written and nothing printed before a kill is lost)."""
     kernel_isolation: bool = True
     """Use namespaces, the pids cgroup and capability dropping where the kernel allows. False leaves rlimits,
     the audit hook and the marker scan: the layers that hold where the kernel offers none (tests use it)."""

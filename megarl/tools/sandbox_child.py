@@ -10,6 +10,7 @@ writes two JSON lines to the status pipe: which layers took effect, and why the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -100,6 +101,8 @@ def _read_only_mounts(workdir: str, file_bytes: int, layers: dict) -> None:
             try:
                 _call("mount", None, point.encode(), None, flags, None)
             except OSError:
+                if point == "/":
+                    raise
                 failed.append(point)
         _private_shm(file_bytes)
     except OSError as err:
@@ -191,10 +194,10 @@ def _end(wait_status: int, rusage: resource.struct_rusage, spec: dict) -> tuple[
 
 def _init(spec: dict, layers: dict, status_fd: int) -> None:
     if layers["namespaces"].startswith("network"):
-        try:  # a /proc of this namespace only: the code sees neither the host's processes nor its sysctls
+        # a /proc of this namespace only: the code sees neither the host's processes nor its sysctls; without it
+        # the host's /proc, read-only, is still there
+        with contextlib.suppress(OSError):
             _call("mount", b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, None)
-        except OSError:
-            pass
     if not spec["namespaces"]:
         layers["capabilities"] = "kept (turned off)"
     else:
@@ -222,17 +225,16 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     status_fd = spec["status_fd"]
     layers: dict = {}
+    layers["processes"] = "RLIMIT_NPROC" if os.geteuid() != 0 else "none (root, no cgroup)"
     if spec["cgroup"]:  # before any fork, so every process of the call counts
-        _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
-        layers["processes"] = "cgroup pids.max"
-    else:
-        layers["processes"] = "RLIMIT_NPROC" if os.geteuid() != 0 else "none (root, no cgroup)"
+        with contextlib.suppress(OSError):
+            _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
+            layers["processes"] = "cgroup pids.max"
     _set_rlimits(spec)
     if spec["namespaces"]:
         _unshare(layers)
     else:
         layers["namespaces"] = "none (turned off)"
-
     if layers["namespaces"].startswith("network"):
         _read_only_mounts(spec["workdir"], spec["file_bytes"], layers)
         layers["network"] = "namespace + audit hook"
