@@ -1,0 +1,35 @@
+"""A tool that runs model-written Python in the sandbox and shows the model its output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.tools.base import Status, ToolOutput
+from megarl.tools.sandbox import SandboxConfig, run_python
+
+
+class PythonExecutor:
+    """Runs each call as a Python script in a fresh sandbox (sandbox.py); the observation is its stdout+stderr,
+    truncated, and how it ended when not normally. Keyword arguments are SandboxConfig fields."""
+
+    name = "python"
+    description = (
+        "Runs a Python 3 script and returns what it prints (stdout and stderr). Each call starts fresh: no state, "
+        "files or network; print the values you need."
+    )
+
+    def __init__(self, **config: Any) -> None:
+        self.config = SandboxConfig(**config)
+
+    def run(self, call: str) -> ToolOutput:
+        result = run_python(call, self.config)
+        status: Status
+        if result.end.startswith("timeout"):
+            status = "timeout"
+        elif result.end == "ok":
+            status = "ok"
+        else:
+            status = "error"
+        return ToolOutput(text=result.observation, status=status,
+                          metadata={"end": result.end, "isolation": result.layers,
+                                    "truncated_bytes": result.truncated_bytes, "survivors": result.survivors})

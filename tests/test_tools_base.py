@@ -1,0 +1,191 @@
+"""The tool layer of agentic rollouts: load_tool's errors, the calculator's results and refusals, and ToolPool's
+promises (bounded concurrency, a free event loop, every failure or timeout as observation text)."""
+
+import asyncio
+import textwrap
+import time
+
+import pytest
+
+from megarl.tools import ToolOutput, ToolPool, load_tool
+from megarl.tools.calculator import Calculator, calculate
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("2 + 3 * 4", "14"), ("(1 + 2) ** 3", "27"), ("7 / 2", "3.5"), ("-7 // 2", "-4"), ("7 % 3", "1"),
+    ("2 ** -1", "0.5"), ("1e3 * 2", "2000"), ("-(4 - 10)", "6"), ("2 ** 100", str(2**100)),
+    ("0.1 + 0.2", "0.30000000000000004"), ("-" * 900 + "5", "5"),
+])
+def test_calculator_evaluates_arithmetic(expression, value):
+    assert Calculator().run(expression) == value
+
+
+@pytest.mark.parametrize("expression, why", [
+    ("9**9**9", "too large"), ("10 ** 10000", "too large"), ("2 ** 4000 * 2 ** 4000", "too large"),
+    ("2.0 ** 10000", "too large for a float"), ("1 / 0", "division by zero"), ("(-8) ** 0.5", "complex"),
+    ("__import__('os').system('true')", "Call is not allowed"), ("x + 1", "Name is not allowed"),
+    ("(1).real", "Attribute is not allowed"), ("'a' * 3", "Constant is not allowed"), ("True + 1", "Constant"),
+    ("1 +", "not an arithmetic expression"), ("(" * 300 + "1" + ")" * 300, "too many nested parentheses"),
+    ("1+" * 600 + "1", "too long"),
+])
+def test_calculator_refuses_at_once(expression, why):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=why):
+        calculate(expression)
+    assert time.monotonic() - start < 0.5
+
+
+def test_load_tool_builds_the_built_ins_with_their_arguments():
+    assert load_tool("megarl.tools.calculator:Calculator").name == "calculator"
+    python = load_tool("megarl.tools.python_exec:PythonExecutor", timeout_s=3)
+    assert python.name == "python" and python.description and python.config.timeout_s == 3
+
+
+@pytest.fixture
+def tool_module(tmp_path, monkeypatch):
+    (tmp_path / "broken_tools.py").write_text("raise RuntimeError('half-written module')\n")
+    (tmp_path / "needy_tools.py").write_text("import not_installed_anywhere\n")
+    (tmp_path / "odd_tools.py").write_text(textwrap.dedent("""
+        class NoRun:
+            name = "norun"
+            description = "cannot run"
+
+        class Nameless:
+            description = "no name"
+            def run(self, call):
+                return call
+
+        not_a_class = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec, kwargs, says", [
+    ("calculator", {}, ["not an import path", "package.module:Class"]),
+    ("megarl.tools.no_such_module:Tool", {}, ["'megarl.tools.no_such_module'", "cannot be imported", "PYTHONPATH"]),
+    ("broken_tools:Tool", {}, ["importing module 'broken_tools' failed", "RuntimeError: half-written module"]),
+    ("needy_tools:Tool", {}, ["needs 'not_installed_anywhere'", "install"]),
+    ("megarl.tools.calculator:Calc", {}, ["has no attribute 'Calc'", "'Calculator'"]),
+    ("odd_tools:not_a_class", {}, ["int, not a class", "'NoRun'"]),
+    ("odd_tools:NoRun", {}, ["NoRun is not a tool: it lacks run", "run(self, call: str)"]),
+    ("odd_tools:Nameless", {}, ["lacks name", "non-empty `name`"]),
+    ("megarl.tools.calculator:Calculator", {"precision": 3}, ["Calculator(precision=3) failed", "arguments"]),
+])
+def test_load_tool_explains_in_one_paragraph(tool_module, spec, kwargs, says):
+    with pytest.raises(ValueError) as info:
+        load_tool(spec, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"tool {spec!r}") and "Fix:" in message and "\n" not in message
+    for part in says:
+        assert part in message
+
+
+class Sleepy:
+    name = "sleepy"
+    description = "sleeps"
+
+    def __init__(self, seconds=0.3):
+        self.seconds = seconds
+
+    def run(self, call):
+        time.sleep(self.seconds)
+        return f"slept {call}"
+
+
+class AsyncSleepy(Sleepy):
+    name = "async_sleepy"
+
+    async def run(self, call):
+        await asyncio.sleep(self.seconds)
+        return ToolOutput(text=f"awoke {call}", metadata={"seconds": self.seconds})
+
+
+class Faulty:
+    name = "faulty"
+    description = "raises or returns the wrong type"
+
+    def run(self, call):
+        if call == "raise":
+            raise RuntimeError("boom")
+        return 42
+
+
+def run_calls(pool, calls):
+    async def main():
+        start = time.monotonic()
+        results = await asyncio.gather(*(pool.run(name, call) for name, call in calls))
+        return results, time.monotonic() - start
+    try:
+        return asyncio.run(main())
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("tool", [Sleepy(), AsyncSleepy()])
+def test_pool_runs_calls_concurrently_bounded_by_its_workers(tool):
+    results, took = run_calls(ToolPool([tool], max_workers=4), [(tool.name, str(i)) for i in range(4)])
+    assert [r.status for r in results] == ["ok"] * 4 and results[2].observation.endswith(" 2")
+    assert 0.25 < took < 0.8  # four calls of 0.3 s in about the time of one (1.2 s one after another)
+    results, took = run_calls(ToolPool([tool], max_workers=4), [(tool.name, str(i)) for i in range(8)])
+    assert 0.55 < took < 1.5  # eight calls on four workers: two rounds, not one
+    assert all(0.25 < r.wall_s < 0.45 for r in results)  # waiting for a worker is not the call's time
+
+
+def test_sync_calls_leave_the_event_loop_free():
+    pool = ToolPool([Sleepy()], max_workers=2)
+
+    async def main():
+        ticks = 0
+        calls = asyncio.gather(pool.run("sleepy", "a"), pool.run("sleepy", "b"))
+        while not calls.done():
+            ticks += 1
+            await asyncio.sleep(0.01)
+        return ticks
+
+    try:
+        assert asyncio.run(main()) > 10
+    finally:
+        pool.close()
+
+
+def test_tool_failures_and_timeouts_become_observations():
+    pool = ToolPool([Faulty(), Sleepy(seconds=1.0), AsyncSleepy(seconds=1.0)], max_workers=4, timeout_s=0.2)
+    results, took = run_calls(pool, [("faulty", "raise"), ("faulty", "other"), ("sleepy", "x"),
+                                     ("async_sleepy", "x"), ("search", "x")])
+    raised, wrong_type, sync_late, async_late, unknown = results
+    assert (raised.status, raised.observation) == ("error", "error: RuntimeError: boom")
+    assert wrong_type.status == "error" and "returned a int, not a str or ToolOutput" in wrong_type.observation
+    for late in (sync_late, async_late):
+        assert (late.status, late.observation) == ("timeout", "timeout after 0.2 s") and late.wall_s < 0.4
+    assert unknown.status == "error" and "no tool named 'search'" in unknown.observation
+    assert took < 0.5
+
+
+def test_a_timed_out_sync_call_keeps_its_worker_until_it_returns():
+    pool = ToolPool([Sleepy(seconds=0.5)], max_workers=1, timeout_s=0.1)
+
+    async def main():
+        first = await pool.run("sleepy", "a")
+        start = time.monotonic()
+        second = await pool.run("sleepy", "b")
+        return first, second, time.monotonic() - start
+
+    try:
+        first, second, took = asyncio.run(main())
+    finally:
+        pool.close()
+    assert first.status == second.status == "timeout"
+    assert took > 0.35  # the second call waited for the first call's thread to end
+
+
+def test_the_pool_passes_on_a_tools_output_metadata():
+    results, _ = run_calls(ToolPool([AsyncSleepy(seconds=0.01), Calculator()]),
+                           [("async_sleepy", "x"), ("calculator", "6 * 7"), ("calculator", "9**9**9")])
+    assert results[0].observation == "awoke x" and results[0].metadata == {"seconds": 0.01}
+    assert results[1].observation == "42"
+    assert results[2].status == "error" and results[2].observation.startswith("error: ValueError: exponent")
+
+
+def test_a_pool_refuses_two_tools_of_one_name():
+    with pytest.raises(ValueError, match="two tools are named 'calculator'"):
+        ToolPool([Calculator(), Calculator()])
