@@ -72,10 +72,10 @@ def main() -> None:
     import matplotlib.pyplot as plt
     eval_sets = sorted({s for r in report.values() for s in r["sets"]})
     fig, axes = plt.subplots(1, len(eval_sets), figsize=(5 * len(eval_sets), 3.6), squeeze=False)
-    for ax, eval_set in zip(axes[0], eval_sets):
+    for ax, eval_set in zip(axes[0], eval_sets, strict=True):
         for name, entry in report.items():
             if eval_set in entry["sets"]:
-                steps, acc = zip(*entry["sets"][eval_set]["curve"])
+                steps, acc = zip(*entry["sets"][eval_set]["curve"], strict=True)
                 ax.plot(steps, acc, marker="o", label=name)
         ax.set(title=f"held-out {eval_set}, greedy", xlabel="RL steps trained", ylabel="accuracy", ylim=(0, 1))
         ax.grid(alpha=0.3)
