@@ -117,15 +117,17 @@ def gpu_memory_bytes() -> int:
 
 
 def run(cmd: list[str]) -> int:
-    """Run torchrun with an error file; forward SIGTERM (Slurm, scancel) to it and let Ctrl-C reach the
-    workers, which share the terminal. A worker's error paragraph is printed last, once."""
+    """Run torchrun with an error file; forward SIGTERM (Slurm, scancel) and SIGHUP (a closed terminal or
+    ssh session) to it and let Ctrl-C reach the workers, which share the terminal. A worker's error paragraph
+    is printed last, once."""
     with tempfile.NamedTemporaryFile(prefix="megarl-error-", delete=False) as f:
         error_file = f.name
     try:
         # torchrun of this interpreter, whether or not its bin/ is on PATH
         argv = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
         child = subprocess.Popen(argv, env=os.environ | {ERROR_FILE: error_file})
-        signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+        for forwarded in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(forwarded, lambda signum, frame: child.send_signal(signum))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         code = child.wait()
         lines = list(dict.fromkeys(open(error_file).read().splitlines()))

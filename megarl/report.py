@@ -51,7 +51,8 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     engine_logs = sorted(run_dir.glob("engine_*.log"))
     if engine_logs:
         lines.append(f"  engine logs: {', '.join(str(p) for p in engine_logs)}")
-    checkpoints = sorted(run_dir.glob("step_*"))
+    # complete ones only: not a resume set aside as step_N.damaged (megarl.checkpoint, which imports torch)
+    checkpoints = sorted(p for p in run_dir.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
     if checkpoints:
         lines.append(f"  checkpoints: {', '.join(p.name for p in checkpoints)} in {run_dir} "
                      f"(export: python -m megarl.convert mcore-to-hf --ckpt {checkpoints[-1] / 'actor'} --out DIR)")

@@ -146,3 +146,36 @@ def test_routing_replay_on_a_dense_model_is_refused_before_any_worker_starts(tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "algorithm.routing_replay" in last and "be false for a dense model" in last, last
+
+
+# A worker that reports the signal torchrun ends it with (torchrun passes on the one it got), then exits.
+SIGNAL_WORKER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+for signum in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, lambda s, f: (out.write_text(str(s)), sys.exit(0)))
+out.with_suffix(".ready").write_text("")
+time.sleep(120)
+"""
+
+
+def test_sighup_of_the_launcher_ends_the_workers(tmp_path):
+    """A closed terminal or ssh session sends the launcher SIGHUP; unforwarded, it killed the launcher and left
+    torchrun and its workers running on, orphaned."""
+    script, out = tmp_path / "worker.py", tmp_path / "signal.txt"
+    script.write_text(SIGNAL_WORKER)
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.launch", str(script), str(out)], cwd=REPO,
+                            env=os.environ | {"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not out.with_suffix(".ready").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(timeout=60)
+        assert out.exists(), "torchrun did not end the worker"
+        assert out.read_text() in (str(int(signal.SIGTERM)), str(int(signal.SIGHUP)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

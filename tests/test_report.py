@@ -12,11 +12,13 @@ def test_report_from_metrics(tmp_path):
              "time/update": 1.0 + s % 2} for s in range(30)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "step_000029" / "actor").mkdir(parents=True)
+    (tmp_path / "step_000019.damaged" / "actor").mkdir(parents=True)  # set aside by a resume: not a checkpoint
     proc = subprocess.run([sys.executable, "-m", "megarl.report", str(tmp_path)], cwd=REPO, capture_output=True,
                           text=True, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert "30 steps" in proc.stdout and "reward 0.100 (first 10 steps) -> 0.500 (last 10)" in proc.stdout
     assert "generate 2.00s, update 1.50s" in proc.stdout and "step_000029" in proc.stdout
+    assert "damaged" not in proc.stdout
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     proc = subprocess.run([sys.executable, "-m", "megarl.report", str(tmp_path / "nothing")], cwd=REPO,
                           capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
