@@ -39,34 +39,9 @@ from megarl.reshard.predict import describe_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
-from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.factory import engine_class, make_engine
 from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, start_engine
-
-
-def engine_class(cfg: Config) -> Any:
-    if cfg.rollout.engine == "vllm":
-        from megarl.rollout.vllm import VLLMEngine
-
-        return VLLMEngine
-    from megarl.rollout.sglang import SGLangEngine
-
-    return SGLangEngine
-
-
-def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:
-    """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory; ``aliases``: the
-    file of its parameters that map the actor's memory (rollout.alias_weights)."""
-    r = cfg.rollout
-    log_file = run_dir(cfg) / f"engine_{index}.log"
-    print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
-          f"{log_file}", flush=True)
-    engine: RolloutEngine = engine_class(cfg)(
-        cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
-        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
-        log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
-                               | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
-                               | ({"aliases": aliases} if aliases is not None else {})))
-    return engine
 
 
 class RLTrainer:
@@ -75,7 +50,7 @@ class RLTrainer:
         self._engine_state: Literal["asleep", "weights", "awake"] = "awake"  # engines start awake
         self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
         self._num_handovers = 0
-        self._handover_s: defaultdict[str, float] = defaultdict(float)
+        self._parts_s: defaultdict[str, float] = defaultdict(float)
         self.spec = load_spec(cfg.model.hf_path)
         # Each step's samples (tokens, logprobs and, with routing replay, every token's experts: hundreds of MB at
         # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
@@ -149,7 +124,7 @@ class RLTrainer:
             print(f"megarl: each hand-over lands what other GPUs send in {self.resharder.num_rounds} rounds, one "
                   f"engine call each (rollout.landing_buffer_mb = {cfg.rollout.landing_buffer_mb})", flush=True)
         self.push_weights()
-        self._handover_s.clear()  # steps report their own hand-overs, not the first one's start-up
+        self._parts_s.clear()  # steps report their own hand-overs, not the first one's start-up
 
     def _share_aliases(self, group: EngineGroup, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
         """Every engine rank's views of the actor's tensors, packaged (CUDA IPC handles), in one file the engine's
@@ -186,21 +161,22 @@ class RLTrainer:
 
     def step_metrics(self) -> dict[str, float]:
         """Since the last call: seconds spent moving state between device and host (inside the phases' times),
-        the hand-over's parts (``handover/*_s``, inside time/reshard) and, with routing replay, the share of
-        expert choices the actor would have made otherwise."""
+        the hand-over's parts (``handover/*_s``, inside time/reshard), the rollout's (``rollout/*_s``: engine,
+        reward, sleep; inside time/generate) and, with routing replay, the share of expert choices the actor
+        would have made otherwise."""
         seconds, self.residency.seconds = self.residency.seconds, 0.0
-        parts, self._handover_s = self._handover_s, defaultdict(float)
-        return ({"offload_seconds": seconds} | {f"handover/{k}_s": v for k, v in parts.items()}
+        parts, self._parts_s = self._parts_s, defaultdict(float)
+        return ({"offload_seconds": seconds} | {f"{k}_s": v for k, v in parts.items()}
                 | self.actor.routing_disagreement())
 
     @contextmanager
     def _timed(self, part: str) -> Iterator[None]:
-        """Add the wall time of ``part`` of a hand-over (device work included) to its ``handover/*_s`` metric."""
+        """Add the wall time of ``part`` of a step (device work included) to its ``part``_s metric."""
         start = time.perf_counter()
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._handover_s[part] += time.perf_counter() - start
+        self._parts_s[part] += time.perf_counter() - start
 
     def _hold(self, phase: str) -> None:
         """Keep on the device only what ``phase`` uses (megarl.offload). Before the phases in which the engine
@@ -221,27 +197,28 @@ class RLTrainer:
         actor's then leave the GPU (the resharder and the engine let go of their addresses), and only then
         does the engine's KV cache wake, in the room they leave."""
         if self._engine_state == "asleep":
-            with self._timed("hold"):  # the update's state (optimizer, grads) leaves, the actor's weights come back
+            # the update's state (optimizer, grads) leaves, the actor's weights come back
+            with self._timed("handover/hold"):
                 self._hold("handover")
-            with self._timed("wake_weights"):
+            with self._timed("handover/wake_weights"):
                 self.engine.wake("weights")
             self._engine_state = "weights"
-        with self._timed("attach"):
+        with self._timed("handover/attach"):
             if self.engine.copies_in_engine and not self._attached:
                 self.engine.attach(self.resharder.engine_copy())  # the actor's tensors where they are now
                 self._attached = True
             if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
                 self.engine_tensors.update(self._allocate_engine_tensors())
-        with self._timed("copy"):
+        with self._timed("handover/copy"):
             for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
                 self.resharder.refit(round)
                 self.engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
         if every and self._num_handovers % every == 0:
-            with self._timed("verify"):
+            with self._timed("handover/verify"):
                 self._verify_handover()
         self._num_handovers += 1
-        with self._timed("release"):  # the actor's weights leave (actor.offload_weights), caches go back
+        with self._timed("handover/release"):  # the actor's weights leave (actor.offload_weights), caches go back
             if self._weights_leave:
                 if self._attached:
                     self.engine.detach()
@@ -252,7 +229,7 @@ class RLTrainer:
             if self._weights_leave or self._engine_state == "weights":
                 self._hold("generate")  # also with the actor's weights kept: the update's cached memory must go
         if self._engine_state == "weights":
-            with self._timed("wake_cache"):
+            with self._timed("handover/wake_cache"):
                 self.engine.wake("cache")
         self._engine_state = "awake"
 
@@ -301,7 +278,8 @@ class RLTrainer:
                 kept.append(batch.select([g * n + j for g in take for j in range(n)]))
             if skip:
                 dropped.append(batch.select([g * n + j for g in skip for j in range(n)]))
-        self.sleep_engine()
+        with self._timed("rollout/sleep"):
+            self.sleep_engine()
         metrics: dict[str, float] = {}
         if algo.dynamic_sampling:
             metrics = {"sampling/rounds": float(rounds), "sampling/informative_prompts": float(num_kept),
@@ -318,8 +296,10 @@ class RLTrainer:
         params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003,
                                 stop_token_ids=self.stop_ids)
-        rows = self.generate_all(prompts, params)
-        scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
+        with self._timed("rollout/engine"):
+            rows = self.generate_all(prompts, params)
+        with self._timed("rollout/reward"):
+            scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
         check_scores(scores, len(rows), self.cfg.trainer.reward, step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],

@@ -30,7 +30,7 @@ def trainer_at_step(events, weights_leave):
     t.engine, t.resharder = Recorder(events, "engine"), Recorder(events, "resharder")
     t.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
     t.engine_tensors = None
-    t._handover_s = defaultdict(float)
+    t._parts_s = defaultdict(float)
     t.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
     return t
 
@@ -46,7 +46,8 @@ def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch,
     t.push_weights()
     assert t._engine_state == "awake"
     # Its parts are timed for the step's metrics (handover/*_s), verification off.
-    assert set(t._handover_s) == {"hold", "wake_weights", "attach", "copy", "release", "wake_cache"}
+    parts = ("hold", "wake_weights", "attach", "copy", "release", "wake_cache")
+    assert set(t._parts_s) == {f"handover/{p}" for p in parts}
     wakes = [i for i, e in enumerate(events) if e.startswith("engine.wake")]
     assert [events[i] for i in wakes] == ["engine.wake(weights)", "engine.wake(cache)"]
     for i in wakes:  # the last thing before every wake: the trainer's freed and cached memory went back

@@ -1,0 +1,35 @@
+"""The rollout engine a config asks for, started with its settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megarl.config import Config, run_dir
+from megarl.rollout.base import RolloutEngine
+
+
+def engine_class(cfg: Config) -> Any:
+    if cfg.rollout.engine == "vllm":
+        from megarl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine
+    from megarl.rollout.sglang import SGLangEngine
+
+    return SGLangEngine
+
+
+def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:
+    """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory; ``aliases``: the
+    file of its parameters that map the actor's memory (rollout.alias_weights)."""
+    r = cfg.rollout
+    log_file = run_dir(cfg) / f"engine_{index}.log"
+    print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
+          f"{log_file}", flush=True)
+    engine: RolloutEngine = engine_class(cfg)(
+        cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
+        max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
+        log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
+                               | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
+                               | ({"aliases": aliases} if aliases is not None else {})))
+    return engine
