@@ -9,6 +9,7 @@
 #              the GPU's memory free within seconds ($OUT/kill9.log lists what is left)
 #   hang:      the same run with SGLang's scheduler hanging while it starts (.diag/sitecustomize.py, MEGARL_DIAG_HANG):
 #              the run must end at rollout.timeout_minutes with one paragraph, exit 2, no process left
+#   rollout:   benchmarks/rollout_speed.py on SmolLM2 (converted by learn), triton and flashinfer backends
 #   learn:     SmolLM2-135M-Instruct (converted here from the GGUF, whose parts earlier calls copied into /tmp/gguf)
 #              trained with $LEARN_ALGO (grpo or ppo) on the arith task for $LEARN_STEPS steps with CUDA graphs,
 #              held-out greedy accuracy on arith and GSM8K every $EVAL_EVERY steps
@@ -79,5 +80,15 @@ for part in $PART; do
         > "$OUT/$name.log" 2>&1
       echo "[h200] $name exit $? after $((SECONDS - start)) s"; cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl"
       grep -E "^step|eval " "$OUT/$name.log" | cut -c1-300 | tail -30 ;;
+    rollout)
+      # megarl's adapter against the bare SGLang engine on SmolLM2 (issue: rollout at the engine's speed)
+      for backend in "triton pytorch" "flashinfer flashinfer"; do
+        set -- $backend
+        timeout 400 python3 benchmarks/rollout_speed.py --model /tmp/smollm2 --data recipes/arith/train.jsonl \
+          --prompts 64 --samples 8 --max-new-tokens 256 --engine sglang --engine-arg attention_backend=$1 \
+          --engine-arg sampling_backend=$2 --engine-arg grammar_backend=none --json "$OUT/rollout_speed_$1.json" \
+          > "$OUT/rollout_speed_$1.log" 2>&1
+        echo "[h200] rollout_speed $1/$2 exit $?"; grep -A3 '"bare\|"adapter' "$OUT/rollout_speed_$1.json"
+      done ;;
   esac
 done

@@ -1,0 +1,131 @@
+"""Generation through megarl's engine adapter against the same engine driven alone, same prompts and sampling.
+
+  python benchmarks/rollout_speed.py --model HF_DIR --data NAME_OR_PATH [--prompt-template T] [--prompts 64]
+      [--samples 8] [--max-new-tokens 256] [--engine sglang|vllm] [--engine-arg KEY=VALUE ...] [--repeats 3]
+      [--json OUT]
+
+Variants, run in turn on one engine (alternating, ``--repeats`` times each; the first pass of all is a warm-up):
+  bare           the engine's own API: one request per prompt asking for n samples, no logprobs, no seeds
+  bare+logprobs  the same, with the sampled tokens' logprobs returned
+  adapter        megarl's adapter as training calls it (logprobs, a seed per sample, stop at EOS)
+  adapter-noseed the adapter without seeds
+Prints one JSON object: per variant the median seconds, generated tokens and tokens/s, and its slowdown against
+``bare`` (bare's tokens/s over the variant's: sampled lengths differ from pass to pass). The prompts are built as
+training builds them (chat template, data.prompt_template).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--prompt-template")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--engine", choices=["sglang", "vllm"])
+    parser.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE (a YAML value) for the engine")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json")
+    return parser.parse_args()
+
+
+def bare_sglang(engine: Any, prompts: list[list[int]], n: int, max_new: int, temperature: float, stop: list[int],
+                logprobs: bool) -> int:
+    params = {"n": n, "temperature": temperature, "max_new_tokens": max_new, "stop_token_ids": stop}
+    out = engine.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=logprobs)
+    return sum(len(o["output_ids"]) for o in out)
+
+
+def bare_vllm(engine: Any, prompts: list[list[int]], n: int, max_new: int, temperature: float, stop: list[int],
+              logprobs: bool) -> int:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_new, stop_token_ids=stop,
+                            logprobs=0 if logprobs else None, detokenize=False)
+    out = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return sum(len(s.token_ids) for o in out for s in o.outputs)
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    import yaml
+
+    from megarl.data.batching import tokenize_prompts
+    from megarl.data.prompts import load_prompts
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.models.spec import load_spec
+    from megarl.rollout.base import SamplingParams
+
+    tokenizer = load_tokenizer(args.model, "--model")
+    records = load_prompts(args.data, "question", "answer", args.prompt_template, "--data")[:args.prompts]
+    prompts, _ = tokenize_prompts(records, tokenizer, True, 1024, source=repr(args.data), system_prompt=None)
+    tokens = [list(p.tokens) for p in prompts]
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    kind = args.engine or ("sglang" if torch.cuda.is_available() else "vllm")
+    extra = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    max_len = min(max(map(len, tokens)) + args.max_new_tokens, load_spec(args.model).max_position_embeddings)
+    engine: Any
+    if kind == "sglang":
+        from megarl.rollout.sglang import SGLangEngine
+
+        engine = SGLangEngine(args.model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
+                              enable_sleep=False, **extra)
+        bare = bare_sglang
+    else:
+        from megarl.rollout.vllm import VLLMEngine
+
+        engine = VLLMEngine(args.model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
+                            enable_sleep=False, **extra)
+        bare = bare_vllm
+    n, m, t = args.samples, args.max_new_tokens, args.temperature
+
+    def adapter(seed: int | None) -> int:
+        params = SamplingParams(n=n, temperature=t, max_new_tokens=m, stop_token_ids=stop, seed=seed)
+        return sum(len(c.token_ids) for c in engine.generate(tokens, params))
+
+    variants = {"bare": lambda: bare(engine, tokens, n, m, t, stop, False),
+                "bare+logprobs": lambda: bare(engine, tokens, n, m, t, stop, True),
+                "adapter": lambda: adapter(1234), "adapter-noseed": lambda: adapter(None)}
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
+    try:
+        for rep in range(args.repeats + 1):
+            for name, run in variants.items():
+                start = time.perf_counter()
+                generated = run()
+                if rep:  # the first pass warms caches, compiles and captures
+                    runs[name].append((time.perf_counter() - start, generated))
+                print(f"[rollout_speed] pass {rep} {name}: {time.perf_counter() - start:.2f} s, {generated} tokens",
+                      flush=True)
+    finally:
+        engine.shutdown()
+    def rate(times: list[tuple[float, int]]) -> float:
+        return sum(g for _, g in times) / sum(s for s, _ in times)
+
+    result: dict[str, Any] = {"engine": kind, "model": args.model, "data": args.data, "prompts": len(tokens),
+                              "samples": n, "max_new_tokens": m, "engine_args": extra, "variants": {}}
+    for name, times in runs.items():
+        seconds = statistics.median(s for s, _ in times)
+        generated = statistics.median(g for _, g in times)
+        result["variants"][name] = {"seconds": round(seconds, 3), "tokens": generated,
+                                    "tokens_per_s": round(rate(times)),
+                                    "slowdown_vs_bare": round(rate(runs["bare"]) / rate(times), 3)}
+    print(json.dumps(result, indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
