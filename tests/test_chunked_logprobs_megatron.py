@@ -1,6 +1,7 @@
 """The chunked log-probability head (model.logprob_chunk_tokens) gives what Megatron's full logits give: logprobs,
 entropy, the GRPO loss, its grad norm and the updated model's logprobs, under TP1, TP2 with sequence parallelism,
-PP2 with tied embeddings and packed rows in THD format (tests/workers/chunked_logprobs.py, one launch)."""
+PP2 with tied embeddings, packed rows in THD format and routing replay (tests/workers/chunked_logprobs.py, one
+launch)."""
 
 import pytest
 
@@ -15,10 +16,11 @@ def max_diff(a: list[float], b: list[float]) -> float:
 def test_chunked_head_equals_full_logits_in_every_layout(tmp_path):
     llama = make_hf_model(tmp_path / "llama", "llama")
     qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2")
-    rows = run_worker("chunked_logprobs.py", tmp_path, llama, qwen2, nproc=2)
+    moe = make_hf_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    rows = run_worker("chunked_logprobs.py", tmp_path, llama, qwen2, moe, nproc=2)
     assert {(r["model"], r["tp"], r["pp"], r["mode"]) for r in rows} == {
         ("llama", 1, 1, "plain"), ("llama", 2, 1, "sp"), ("llama", 1, 1, "thd"), ("llama", 2, 1, "thd_sp"),
-        ("qwen2", 1, 1, "plain"), ("qwen2", 1, 2, "plain"), ("qwen2", 2, 1, "sp")}
+        ("qwen2", 1, 1, "plain"), ("qwen2", 1, 2, "plain"), ("qwen2", 2, 1, "sp"), ("qwen3_moe", 2, 1, "sp_replay")}
     for row in rows:
         chunked, full, where = row["chunked"], row["full"], (row["model"], row["tp"], row["pp"], row["mode"])
         assert chunked["head"] and not full["head"], where  # the two paths really differ
