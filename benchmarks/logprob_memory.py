@@ -13,7 +13,8 @@ Peak bytes, above what the inputs already hold: on cuda ``torch.cuda.max_memory_
 peak resident set (VmHWM, reset through /proc/self/clear_refs) above its resident set just before the pass. Each path
 runs in a fresh process with glibc's mmap threshold fixed at 1 MiB, so that a freed tensor leaves the resident set
 (glibc would otherwise raise the threshold and keep freed blocks). Times: the median of ``--repeat`` passes after one
-warm-up. ``max_abs_diff``: the largest difference between the paths over logprobs, entropy and both gradients.
+warm-up. ``max_abs_diff``: the largest difference between the paths over logprobs, entropy and both gradients
+(``max_abs_diff_by`` each, next to its largest magnitude in ``max_abs_value_by``).
 """
 
 from __future__ import annotations
@@ -126,8 +127,10 @@ def main(argv: list[str] | None = None) -> None:
                                capture_output=True, text=True, check=True)
         measured[path] = json.loads(child.stdout.strip().splitlines()[-1])
     x = inputs(args)
-    diff = max((a.double() - b.double()).abs().max().item()
-               for a, b in zip(run("naive", args, x), run("chunked", args, x), strict=True))
+    names = ("logprobs", "entropy", "grad_hidden", "grad_weight")
+    pairs = dict(zip(names, zip(run("naive", args, x), run("chunked", args, x), strict=True), strict=True))
+    diffs = {k: (a.double() - b.double()).abs().max().item() for k, (a, b) in pairs.items()}
+    largest = {k: a.double().abs().max().item() for k, (a, _) in pairs.items()}
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     result = {"vocab": args.vocab, "tokens": args.tokens, "hidden": args.hidden, "tp": args.tp, "chunk": args.chunk,
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
               "dtype": args.dtype, "temperature": TEMPERATURE,
               "naive_peak_bytes": measured["naive"]["peak_bytes"],
               "chunked_peak_bytes": measured["chunked"]["peak_bytes"],
-              "naive_ms": measured["naive"]["ms"], "chunked_ms": measured["chunked"]["ms"], "max_abs_diff": diff,
+              "naive_ms": measured["naive"]["ms"], "chunked_ms": measured["chunked"]["ms"],
+              "max_abs_diff": max(diffs.values()), "max_abs_diff_by": diffs, "max_abs_value_by": largest,
               "peak_method": "torch.cuda.max_memory_allocated" if args.device == "cuda"
               else "VmHWM - VmRSS (peak resident set, glibc mmap threshold 1 MiB)",
               "torch": torch.__version__, "threads": torch.get_num_threads(), "commit": commit}
