@@ -1,7 +1,7 @@
 """The chunked log-probability head (model.logprob_chunk_tokens) gives what Megatron's full logits give: logprobs,
 entropy, the GRPO loss, its grad norm and the updated model's logprobs, under TP1, TP2 with sequence parallelism,
-PP2 with tied embeddings, packed rows in THD format and routing replay (tests/workers/chunked_logprobs.py, one
-launch)."""
+PP2 with tied embeddings, interleaved PP2, packed rows in THD format and routing replay
+(tests/workers/chunked_logprobs.py, one launch)."""
 
 import pytest
 
@@ -20,6 +20,7 @@ def test_chunked_head_equals_full_logits_in_every_layout(tmp_path):
     rows = run_worker("chunked_logprobs.py", tmp_path, llama, qwen2, moe, nproc=2)
     assert {(r["model"], r["tp"], r["pp"], r["mode"]) for r in rows} == {
         ("llama", 1, 1, "plain"), ("llama", 2, 1, "sp"), ("llama", 1, 1, "thd"), ("llama", 2, 1, "thd_sp"),
+        ("llama", 1, 2, "vpp"),
         ("qwen2", 1, 1, "plain"), ("qwen2", 1, 2, "plain"), ("qwen2", 2, 1, "sp"), ("qwen3_moe", 2, 1, "sp_replay")}
     for row in rows:
         chunked, full, where = row["chunked"], row["full"], (row["model"], row["tp"], row["pp"], row["mode"])

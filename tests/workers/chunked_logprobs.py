@@ -36,8 +36,10 @@ from megarl.parallel import (  # noqa: E402
 )
 from megarl.rl_step import Batch, actor_loss  # noqa: E402
 
-# (model, TP, PP, mode): "sp" = sequence parallelism, "thd" = packed rows in Megatron's THD format.
+# (model, TP, PP, mode): "sp" = sequence parallelism, "thd" = packed rows in Megatron's THD format, "vpp" = two
+# virtual stages per PP rank (the head on the last one), "replay" = routing replay.
 RUNS = [("llama", 1, 1, "plain"), ("llama", 2, 1, "sp"), ("llama", 1, 1, "thd"), ("llama", 2, 1, "thd_sp"),
+        ("llama", 1, 2, "vpp"),
         ("qwen2", 1, 1, "plain"), ("qwen2", 1, 2, "plain"), ("qwen2", 2, 1, "sp"), ("qwen3_moe", 2, 1, "sp_replay")]
 CHUNK = 5
 
@@ -63,7 +65,8 @@ def main() -> None:
         weights = token_weights(batch.mask, algo.loss_aggregation)
         row: dict = {"model": name, "tp": tp, "pp": pp, "mode": mode}
         for chunk in (CHUNK, 0):
-            groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)))
+            groups = init_model_parallel(ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp),
+                                                      vpp=2 if mode == "vpp" else None))
             model_parallel_seed(0)
             opts = BuildOptions(sequence_parallel="sp" in mode, packing="thd" if "thd" in mode else "auto",
                                 logprob_chunk_tokens=chunk)
