@@ -3,10 +3,10 @@ tokens at a time, so that no [tokens x vocab] float32 tensor of the whole micro-
 
 The output layer's logits, hidden @ W.T, are made ``chunk_tokens`` rows at a time; forward keeps per token only the
 global max plus log Z and the entropy, and backward makes each chunk's logits again to form their gradient, which it
-turns into the hidden states' and the weight's at once (the weight's summed over chunks in float32). The vocabulary is TP-sharded as in megarl.models.logprobs
-(read its docstring): the softmax statistics are reduced over the TP group, and backward gives each rank the
-gradient of its own vocab slice only; the caller reduces the hidden states' gradient over TP, as Megatron's
-ColumnParallelLinear does (megarl.models.logprob_head).
+turns into the hidden states' and the weight's at once (the weight's summed over chunks in float32). The vocabulary
+is TP-sharded as in megarl.models.logprobs (read its docstring): the softmax statistics are reduced over the TP
+group, and backward gives each rank the gradient of its own vocab slice only; the caller reduces the hidden states'
+gradient over TP, as Megatron's ColumnParallelLinear does (megarl.models.logprob_head).
 """
 
 from __future__ import annotations
