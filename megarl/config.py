@@ -65,10 +65,15 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     """MoE models (Qwen3-MoE): weight of the router's load-balancing loss in the actor's loss (0 = none, as RL
     fine-tuning usually runs; pretraining used 0.001)."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probabilities and entropy (actor update, scoring, reference) from the output layer's input, this many
+    tokens at a time: the micro-batch's [tokens x vocab] logits never exist, only one chunk's, and backward makes
+    each chunk's again (docs/memory.md). 0 = from Megatron's full logits."""
 
     def __post_init__(self) -> None:
         _nonempty(self, "hf_path")
         _positive(self, "vocab_pad_multiple")
+        _within(self, "logprob_chunk_tokens", "[0, inf)", "use 1024, or 0 for the full logits")
         _within(self, "moe_aux_loss_coeff", "[0, inf)", "use 0 (no load-balancing loss) or a small weight, 0.001")
 
 

@@ -8,7 +8,8 @@ layer keeps per token for its backward pass, counted tensor by tensor for these 
 gated MLPs keep three times their width, unlike the 4h GeLU MLP of Korthikanti et al. 2022's 34 B per hidden
 unit; attention keeps no score matrix, since TE's and megarl's kernels are fused; with recomputation only each
 layer's input is kept); logits of one micro-batch with the float32 copies that log-probabilities and entropy
-need. What megarl.offload moves away in a phase is not counted in it.
+need (with ``model.logprob_chunk_tokens``, those of one chunk of tokens). What megarl.offload moves away in a
+phase is not counted in it.
 
 The engine: SGLang fills ``rollout.gpu_memory_fraction`` of the memory free when it starts (weights
 and KV cache; measured on an H200: 0.7 of the free memory plus about 2 GiB); vLLM takes that fraction
@@ -170,7 +171,16 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
         kept = layers * layer
     in_flight = dims.pp  # 1F1B: the first stage holds PP micro-batches' activations
     vocab = spec.padded_vocab_size(tp, cfg.model.vocab_pad_multiple) // tp
-    logit_bytes = tokens * vocab * ((2 + 4 + 4 + 4) + (8 if entropy else 0)) if logits else tokens * 4
+    chunk = cfg.model.logprob_chunk_tokens
+    if not logits:
+        logit_bytes = tokens * 4
+    elif chunk:
+        # One chunk's logits at a time (model dtype, float32, exp, gradient; the entropy rides along), per token a
+        # few float32 statistics and the gathered output-layer input, and the weight gradient's float32 sum.
+        logit_bytes = (min(tokens, chunk) * vocab * (dtype + 4 + 4 + 4) + tokens * (h * dtype + 48)
+                       + vocab * h * 4)
+    else:
+        logit_bytes = tokens * vocab * ((2 + 4 + 4 + 4) + (8 if entropy else 0))
     return kept * in_flight + logit_bytes
 
 

@@ -34,7 +34,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="score under softmax(logits / T), the distribution an engine samples from at T (> 0)")
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=1024,
+                        help="log-probabilities from the output layer's input this many tokens at a time, never the "
+                             "whole logits (model.logprob_chunk_tokens); 0 = from the full logits")
     args = parser.parse_args(argv)
+    if args.logprob_chunk_tokens < 0:
+        raise UserError(f"--logprob-chunk-tokens {args.logprob_chunk_tokens}: must be >= 0. Pass 1024, or 0 for "
+                        "the full logits.")
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UserError(f"--temperature {args.temperature}: must be a finite number > 0 (greedy decoding, T = 0, "
                         "has no log-probabilities). Pass the sampling temperature, e.g. --temperature 1.0.")
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     mine = list(range(groups.dp_rank, len(sequences), groups.dims.dp))
     # Under expert parallelism a replica without sequences still runs the MoE layers' exchanges.
     result = sequence_logprobs(chunks, spec, groups, [sequences[i] for i in mine],
-                               micro_batch_size=args.micro_batch_size, temperature=args.temperature) \
+                               micro_batch_size=args.micro_batch_size, temperature=args.temperature,
+                               chunk_tokens=args.logprob_chunk_tokens) \
         if mine or args.ep > 1 else []
     payload = list(zip(mine, result, strict=True)) if result is not None and groups.tp_rank == 0 else None
     gathered: list = [None] * world if groups.rank == 0 else []

@@ -58,10 +58,10 @@ class RLTrainer:
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
                                                           and transformer_engine_available())
-        opts = BuildOptions(dtype=DTYPES[cfg.model.dtype], vocab_pad_multiple=cfg.model.vocab_pad_multiple,
-                            transformer_engine=use_te, sequence_parallel=cfg.parallel.sequence_parallel,
-                            recompute_activations=cfg.model.recompute_activations,
-                            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff)
+        m = cfg.model
+        opts = BuildOptions(dtype=DTYPES[m.dtype], vocab_pad_multiple=m.vocab_pad_multiple, transformer_engine=use_te,
+                            sequence_parallel=cfg.parallel.sequence_parallel, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                            recompute_activations=m.recompute_activations, logprob_chunk_tokens=m.logprob_chunk_tokens)
         algo, steps = cfg.algorithm, cfg.trainer.num_steps
         rollout_batch = cfg.data.num_prompts_per_step * cfg.rollout.num_samples_per_prompt
         temperature = cfg.rollout.temperature  # log-probabilities of the distribution the engine samples from

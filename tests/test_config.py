@@ -284,6 +284,7 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(critic={"optimizer": {"lr": 0}}), ["`critic.optimizer.lr`", "= 0.0", "> 0"]),
         (with_changes(actor={"optimizer": {"min_lr": 1e-3}}), ["`actor.optimizer.min_lr`", "[0, 1e-06]"]),
         (with_changes(rollout={"top_p": 1.5}), ["`rollout.top_p`", "= 1.5", "in (0, 1]"]),
+        (with_changes(model={"logprob_chunk_tokens": -1}), ["`model.logprob_chunk_tokens`", "= -1", ">= 0", "1024"]),
         (with_changes(rollout={"top_k": 0}), ["`rollout.top_k`", "= 0", "-1 or >= 1"]),
         # The engines return full-distribution logprobs of truncated samples (benchmarks/truncated_logprobs.py).
         (with_changes(rollout={"engine": "sglang", "top_p": 0.9}),

@@ -176,3 +176,24 @@ def test_plan_matches_a_long_sequence_update_measured_on_an_h200(tmp_path):
                        "rollout.max_new_tokens=3584", "actor.offload_optimizer=false", "actor.offload_weights=false")
     for mode in ("packed", "padded"):
         assert trainer_tensors(plan, "actor_update") == pytest.approx(measured[mode]["peak_gib"], rel=0.1), mode
+
+
+def test_chunked_logprobs_plan_one_chunk_of_logits(tmp_path):
+    """With model.logprob_chunk_tokens the update holds one chunk's logits, not the micro-batch's: Llama-3-8B's
+    vocabulary over 16k-token micro-batches drops the full path's ~22 bytes per token and vocab entry (bf16 logits,
+    their float32 copies, entropy's) to the chunk's, and longer micro-batches no longer add logits."""
+    spec = llama8b_body(tmp_path, 8)
+    vocab = spec.padded_vocab_size(1, 128)
+
+    def activations(chunk: int, tokens: int) -> int:
+        _, plan = plan_for("recipes/tiny_cpu_grpo.yaml", spec, ParallelDims(tp=1, pp=1, dp=1),
+                           f"actor.max_tokens_per_gpu={tokens}", "algorithm.entropy_coef=0.01",
+                           f"model.logprob_chunk_tokens={chunk}", "actor.offload_optimizer=false")
+        return plan.phases["actor_update"]["activations or optimizer step"]
+
+    full, chunked, smaller = activations(0, 16384), activations(1024, 16384), activations(256, 16384)
+    assert full - chunked > 0.9 * 16384 * vocab * 22  # the full logits' copies are gone
+    assert chunked - smaller == (1024 - 256) * vocab * (2 + 4 + 4 + 4)  # what remains scales with the chunk
+    # Doubling the micro-batch adds its layers' activations and, only on the full path, logits.
+    grows = activations(0, 32768) - full, activations(1024, 32768) - chunked
+    assert grows[0] - grows[1] > 0.9 * 16384 * vocab * 22

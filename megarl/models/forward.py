@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.data.batching import Layout, MicroBatch, build_micro_batches
+from megarl.models import logprob_head
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelGroups
@@ -88,7 +89,8 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     """Run micro-batches of [B, S] token rows through the pipeline without grad (``thd``: in Megatron's packed
     format, ``model_inputs``).
 
-    ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, or
+    ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, [B, S, 2] from a
+    chunked head (megarl.models.logprob_head), or
     [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
     order on the last pipeline stage, None elsewhere. With pipeline parallelism all micro-batches
     must share one shape. ``prepare(chunk, batch)`` runs before each chunk's forward of a micro-batch.
@@ -159,8 +161,11 @@ def micro_batches(sequences: Sequence[Sequence[int]], micro_batch_size: int, wid
 
 def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: ParallelGroups,
                       sequences: Sequence[Sequence[int]], *, micro_batch_size: int = 1,
-                      vocab_pad_multiple: int = 128, temperature: float = 1.0) -> list[list[float]] | None:
+                      vocab_pad_multiple: int = 128, temperature: float = 1.0, chunk_tokens: int = 0
+                      ) -> list[list[float]] | None:
     """log p(token_t | tokens_<t) for t >= 1 of every sequence, in input order, under softmax(logits / temperature).
+    ``chunk_tokens`` > 0: from the output layer's input that many tokens at a time, never the whole logits
+    (megarl.models.logprob_head, installed on ``chunks``).
 
     Every rank of a pipeline must pass the same ``sequences`` (under expert parallelism possibly none: the rank
     still runs the MoE layers' exchanges). Returns one list of
@@ -174,12 +179,20 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
     vocab_start = groups.tp_rank * padded_vocab // groups.dims.tp
 
     def logprobs(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if chunk_tokens:
+            return logits[:, :-1, 0].cpu()
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=vocab_start,
                                        vocab_size=spec.vocab_size, group=groups.tp_group,
                                        temperature=temperature).cpu()
 
+    def aim(chunk: torch.nn.Module, batch: MicroBatch) -> None:
+        logprob_head.aim(chunk, batch.tokens.to(groups.device), thd=False)
+
+    if chunk_tokens:
+        logprob_head.install(chunks, vocab_start=vocab_start, vocab_size=spec.vocab_size, temperature=temperature,
+                             chunk_tokens=chunk_tokens, group=groups.tp_group)
     batches = even_micro_batches(micro_batches(sequences, micro_batch_size) if sequences else [], groups)
-    outputs = forward_only(chunks, groups, batches, logprobs)
+    outputs = forward_only(chunks, groups, batches, logprobs, aim if chunk_tokens else None)
     if outputs is None:
         return None
     rows = torch.cat(outputs)[: len(sequences)]

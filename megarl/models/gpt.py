@@ -45,6 +45,9 @@ class BuildOptions:
     end to end with PackedSeqParams' cu_seqlens; Transformer Engine's attention and megarl's take it); "segments",
     the rows' segment ids as the attention mask (megarl's attention only); "off", one sequence per row. auto: thd
     with TE, segments with megarl's attention, off with Megatron's unfused attention."""
+    logprob_chunk_tokens: int = 0
+    """Log-probabilities and entropy from the output layer's input, this many tokens at a time, without the
+    micro-batch's logits (megarl.models.logprob_head); 0 = from Megatron's full logits. Not for the critic."""
 
     def packed_format(self) -> str:
         """``packing`` with auto resolved: "thd", "segments" or "off"."""

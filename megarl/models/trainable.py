@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
 from megarl.errors import check_finite
+from megarl.models import logprob_head
 from megarl.models.forward import (
     even_micro_batches,
     forward_only,
@@ -64,6 +65,13 @@ class MegatronModel:
         each, right-padded)."""
         self.chunks = build_model(spec, groups, opts)
         load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
+        self.chunked = bool(opts.logprob_chunk_tokens) and not opts.critic
+        """The last stage outputs [b, L, 2] (log p of the next token, entropy) instead of logits
+        (megarl.models.logprob_head)."""
+        if self.chunked:
+            logprob_head.install(self.chunks, vocab_start=self._vocab_start(), vocab_size=spec.vocab_size,
+                                 temperature=temperature, chunk_tokens=opts.logprob_chunk_tokens,
+                                 group=groups.tp_group)
         assert not routing_replay or spec.is_moe, "routing replay needs an MoE model"
         self.replay = RoutingReplay(
             self.chunks, [chunk_layer_offset(spec, groups, vp) for vp in range(len(self.chunks))],
@@ -108,21 +116,43 @@ class MegatronModel:
         return self.groups.tp_rank * padded // self.groups.dims.tp
 
     def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, L, V_local] logits, [b, L] tokens -> [b, L-1] log p(token_t | prefix) at the sampling temperature."""
+        """[b, L, V_local] logits (or the chunked head's [b, L, 2]), [b, L] tokens -> [b, L-1] log p(token_t | prefix)
+        at the sampling temperature."""
+        if self.chunked:
+            return logits[:, :-1, 0]
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=self._vocab_start(),
                                        vocab_size=self.spec.vocab_size, group=self.groups.tp_group,
                                        temperature=self.temperature)
 
     def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """[b, L, V_local] -> [b, L-1] entropy of the full-vocab distribution at the sampling temperature."""
+        """[b, L, V_local] (or [b, L, 2]) -> [b, L-1] entropy of the full-vocab distribution at the sampling
+        temperature."""
+        if self.chunked:
+            return logits[:, :-1, 1]
         return vocab_parallel_entropy(logits[:, :-1], vocab_start=self._vocab_start(),
                                       vocab_size=self.spec.vocab_size, group=self.groups.tp_group,
                                       temperature=self.temperature)
 
+    def _preparing(self, routing: Sequence[np.ndarray] | None, counting: bool
+                   ) -> Callable[[torch.nn.Module, MicroBatch], None] | None:
+        """What runs before each chunk's forward of a micro-batch: the chunked head takes its tokens, and the
+        routers its sequences' routing (``_replaying``)."""
+        replaying = self._replaying(routing, counting)
+        if not self.chunked:
+            return replaying
+        thd = self.packing == "thd"
+
+        def prepare(model: torch.nn.Module, batch: MicroBatch) -> None:
+            if replaying is not None:
+                replaying(model, batch)
+            logprob_head.aim(model, batch.tokens.to(self.groups.device), thd)
+
+        return prepare
+
     def _replaying(self, routing: Sequence[np.ndarray] | None, counting: bool
                    ) -> Callable[[torch.nn.Module, MicroBatch], None] | None:
-        """What runs before each chunk's forward of a micro-batch: the routers take its sequences' routing
-        (``counting``: and count where they would have chosen otherwise)."""
+        """The routers take a micro-batch's sequences' routing (``counting``: and count where they would have chosen
+        otherwise)."""
         if routing is None:
             assert self.replay is None, "this model replays routing: pass every sequence's"
             return None
@@ -156,7 +186,7 @@ class MegatronModel:
         each sequence's [len-1, num_layers, k] expert choices, with routing replay.
         """
         batches = self._micro_batches(sequences, max_tokens, micro_batch_size)
-        prepare = self._replaying(routing, counting=True)
+        prepare = self._preparing(routing, counting=True)
 
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
@@ -189,7 +219,7 @@ class MegatronModel:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         batches = self._micro_batches(sequences, max_tokens, micro_batch_size)
-        prepare = self._replaying(routing, counting=False)
+        prepare = self._preparing(routing, counting=False)
         # Padding and the position where one packed sequence "predicts" the next get 0 extras: weight 0.
         extra_batches = [{name: b.place(rows) for name, rows in extras.items()} for b in batches]
         device = self.groups.device
