@@ -62,7 +62,7 @@ def tool_module(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("spec, kwargs, says", [
     ("calculator", {}, ["not an import path", "package.module:Class"]),
-    ("megarl.tools.no_such_module:Tool", {}, ["'megarl.tools.no_such_module'", "cannot be imported", "PYTHONPATH"]),
+    ("megarl.tools.no_such_module:Tool", {}, ["no module named 'megarl.tools.no_such_module'", "PYTHONPATH"]),
     ("broken_tools:Tool", {}, ["importing module 'broken_tools' failed", "RuntimeError: half-written module"]),
     ("needy_tools:Tool", {}, ["needs 'not_installed_anywhere'", "install"]),
     ("megarl.tools.calculator:Calc", {}, ["has no attribute 'Calc'", "'Calculator'"]),

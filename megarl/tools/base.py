@@ -7,12 +7,12 @@ report. `ToolPool` (pool.py) runs the calls.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from megarl.errors import UserError
+from megarl.imports import import_spec
 
 Status = Literal["ok", "error", "timeout"]
 
@@ -43,23 +43,13 @@ def load_tool(spec: str, **kwargs: Any) -> Tool:
     """Import `module:Class` and build it with `kwargs`; one ValueError paragraph (spec, what failed, the fix)
     for anything that keeps it from being a tool."""
     where = f"tool {spec!r}"
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f'{where} is not an import path. Fix: write it as "package.module:Class".')
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:
-        missing = getattr(err, "name", None)
-        cause = f"needs {missing!r}, which cannot be imported" if missing else f"raised {type(err).__name__}: {err}"
-        raise UserError(
-            f"{where}: importing module {module_name!r} failed: it {cause}. Fix: check the spelling, install what "
-            "it needs, or put its directory on PYTHONPATH."
-        ) from err
+    module, attr = import_spec(spec, where, "Class")
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         classes = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))
         found = "has no attribute" if cls is None else f"has a {type(cls).__name__}, not a class, named"
-        raise UserError(f"{where}: module {module_name!r} {found} {attr!r}. Fix: name one of its classes: {classes}.")
+        raise UserError(f"{where}: module {module.__name__!r} {found} {attr!r}. Fix: name one of its classes: "
+                        f"{classes}.")
     try:
         tool = cls(**kwargs)
     except TypeError as err:
