@@ -11,7 +11,6 @@ in the run directory.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from megarl.config import Config, EvalDatasetConfig
 from megarl.data.batching import TokenizedPrompt, tokenize_prompts
 from megarl.data.prompts import load_prompts
-from megarl.evaluation import score, write_samples
+from megarl.evaluation import evaluate, write_samples
 from megarl.keep_best import mark_best
 from megarl.rewards.registry import RewardFn, load_reward
 from megarl.rollout.base import SamplingParams
@@ -80,10 +79,7 @@ class InTrainingEval:
         out: dict[str, float] = {}
         prefix = "initial/" if label == "initial" else ""
         for s in self.sets:
-            start = time.perf_counter()
-            completions = trainer.generate_all([p.tokens for p in s.prompts], s.params)
-            row, samples = score(s.prompts, completions, s.reward_fn, s.params.n, decode)
-            row["seconds"] = time.perf_counter() - start
+            row, samples = evaluate(trainer.generate_all, s.prompts, s.reward_fn, s.params, decode)
             out |= {f"eval/{s.name}/{prefix}{key}": value for key, value in row.items() if key != "num_prompts"}
             if self.rank == 0:
                 write_samples(self.out_dir / "eval" / s.name / f"{label}.jsonl", samples)

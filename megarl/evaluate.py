@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         params = SamplingParams(n=args.num_samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 stop_token_ids=stop, seed=args.seed)
         try:
-            result, samples = evaluate(engine, prompts, reward_fn, params,
+            result, samples = evaluate(engine.generate, prompts, reward_fn, params,
                                        lambda t: str(tokenizer.decode(t, skip_special_tokens=True)))
         finally:
             engine.shutdown()

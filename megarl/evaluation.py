@@ -16,7 +16,7 @@ from typing import Any
 
 from megarl.data.batching import TokenizedPrompt
 from megarl.rewards.registry import RewardFn
-from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +52,13 @@ def score(prompts: Sequence[TokenizedPrompt], completions: Sequence[Completion],
     return metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples]), samples
 
 
-def evaluate(engine: RolloutEngine, prompts: Sequence[TokenizedPrompt], reward_fn: RewardFn,
-             params: SamplingParams, decode: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
-    """Generate ``params.n`` samples per prompt and score them: (metrics with seconds, samples in prompt order)."""
+def evaluate(generate: Callable[[list[list[int]], SamplingParams], list[Completion]],
+             prompts: Sequence[TokenizedPrompt], reward_fn: RewardFn, params: SamplingParams,
+             decode: Callable[[list[int]], str]) -> tuple[dict[str, float], list[Sample]]:
+    """Generate ``params.n`` samples per prompt (``generate``: an engine's, or the trainer's over all its engines)
+    and score them: (metrics with seconds, samples in prompt order)."""
     start = time.perf_counter()
-    out, samples = score(prompts, engine.generate([p.tokens for p in prompts], params), reward_fn, params.n, decode)
+    out, samples = score(prompts, generate([p.tokens for p in prompts], params), reward_fn, params.n, decode)
     return out | {"seconds": time.perf_counter() - start}, samples
 
 
