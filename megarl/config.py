@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megarl.configio import FieldError, apply_overrides, build, check, locate, read_yaml
+from megarl.data.prompts import template_fields
+from megarl.experiment_keys import allowed_changes, defines_experiment
 
 _IMPORT_PATH_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _INTERVAL_RE = re.compile(r"([\[(])(\S+), (\S+)([\])])")
@@ -446,8 +448,6 @@ class DataConfig:
         _nonempty(self, "train_path", "prompt_key", "answer_key")
         _positive(self, "num_prompts_per_step")
         if self.prompt_template is not None:
-            from megarl.data.prompts import template_fields
-
             template_fields(self.prompt_template, "data.prompt_template")
 
 
@@ -501,8 +501,6 @@ class CheckpointConfig:
     the resume naming each. The layout (parallel.*, the distributed optimizer) may always change."""
 
     def __post_init__(self) -> None:
-        from megarl.experiment_keys import allowed_changes, defines_experiment
-
         for key in allowed_changes(self.allow_changes):
             check(defines_experiment(key, Config), "allow_changes", self.allow_changes,
                   f"name only fields that define the experiment, which `{key}` is not (a layout or run setting, "
