@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import Config
-from megarl.rollout.agent import agent_metrics
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
+from megarl.rollout.agent import agent_metrics
 
 
 class Tracker:

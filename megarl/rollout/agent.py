@@ -31,7 +31,7 @@ _SEED_STRIDE = 1_000_003  # engine call c samples at seed + c * stride + request
 
 
 class Generator(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]: ...
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
 
 @dataclass(slots=True)
