@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megarl.algos.losses import token_weights
-from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig
+from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.errors import UserError
 from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
-from megarl.rollout.agent import AgentLoop, agent_metrics
+from megarl.rollout.agent import AgentLoop, agent_metrics, make_generate
 from megarl.rollout.base import Completion, SamplingParams
 
 EOS = 0
@@ -57,7 +57,7 @@ def logprob(context_len: int, token: int) -> float:
 
 
 class ScriptedEngine:
-    """Deterministic: the turn-th text of ``script[prompt]`` (turn = observations in the context so far, "<eos>"
+    """Deterministic: the turn-th text of ``script[prompt]`` (turn = tool turns in the context so far, "<eos>"
     = EOS), cut at max_new_tokens ("length") or after a stop token ("stop"); every call recorded."""
 
     max_model_len = 4096
@@ -71,7 +71,7 @@ class ScriptedEngine:
         for i, prompt in enumerate(prompts):
             for _ in range(params.n):
                 context = decode(prompt)
-                text = self.script[context.split("\n")[0]][context.count("<obs>")]
+                text = self.script[context.split("\n")[0]][context.count("<obs>") + context.count("<|im_start|>tool")]
                 ids = encode(text.removesuffix("<eos>")) + ([EOS] if text.endswith("<eos>") else [])
                 ids = [STOP if t == 0x2400 else t for t in ids]  # "␀" writes the one-token delimiter
                 stop = next((k + 1 for k, t in enumerate(ids) if t in params.stop_token_ids or t == EOS), None)
@@ -114,6 +114,58 @@ def test_calls_parse_as_json_or_as_plain_text_for_a_single_tool() -> None:
 def test_bad_tool_spec_stops_at_start_up_naming_it() -> None:
     with pytest.raises(UserError, match="megarl.tools.nothere"):
         AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096, 400)
+
+
+BASE = {"model": {"hf_path": "/m"}, "rollout": {"num_samples_per_prompt": 4, "max_new_tokens": 256},
+        "data": {"train_path": "gsm8k"}}
+
+
+def test_agent_section_maps_yaml_one_to_one() -> None:
+    cfg = build_config(BASE | {"agent": {
+        "tools": [{"spec": "megarl.tools.calculator:Calculator"},
+                  {"spec": "megarl.tools.python_exec:PythonExecutor", "args": {"timeout_s": 5}}],
+        "max_turns": 3, "max_total_tokens": 200, "call_end": "</call>", "tool_timeout_s": 2}})
+    a = cfg.agent
+    assert [t.spec.split(":")[1] for t in a.tools] == ["Calculator", "PythonExecutor"]
+    assert a.tools[1].args == {"timeout_s": 5} and a.max_turns == 3 and a.max_total_tokens == 200
+    assert a.call_end == "</call>" and a.tool_timeout_s == 2.0 and a.call_start == "<tool_call>"
+    assert build_config(BASE).agent.tools == []  # absent: single-turn
+
+
+@pytest.mark.parametrize("agent,words", [
+    ({"max_turns": 0}, ["agent.max_turns", "= 0"]),
+    ({"max_total_tokens": 300}, ["agent.max_total_tokens", "300", "rollout.max_new_tokens = 256"]),
+    ({"tools": [{"spec": "calculator"}]}, ["agent.tools[0].spec", "import path"]),
+    ({"tools": [{"args": {}}]}, ["agent.tools[0].spec", "required"]),
+    ({"observation_template": "no placeholder"}, ["agent.observation_template", "{observation} exactly once"]),
+    ({"call_end": " "}, ["agent.call_end", "non-empty"]),
+    ({"max_turn": 2}, ["agent.max_turn", "did you mean `max_turns`"]),
+])
+def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
+    with pytest.raises(UserError) as info:
+        build_config(BASE | {"agent": agent})
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        return encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return decode(ids)
+
+
+def test_trainer_rollout_is_the_engine_without_tools_and_the_loop_with_them() -> None:
+    engine = ScriptedEngine({"A": [call("lookup", "rome"), "it is italy<eos>"]})
+    single = make_generate(build_config(BASE), CharTokenizer())
+    assert decode(single(engine, [encode("A\n")], PARAMS)[0].token_ids) == call("lookup", "rome")
+    spec = {"spec": f"{__name__}:Lookup"}
+    multi = make_generate(build_config(BASE | {"agent": {"tools": [spec]}}), CharTokenizer())
+    [out] = multi(engine, [encode("A\n")], PARAMS)
+    assert decode(out.token_ids).endswith("<|im_start|>tool\nitaly<|im_end|>\n<|im_start|>assistant\nit is italy")
+    with pytest.raises(UserError, match="nothere"):
+        make_generate(build_config(BASE | {"agent": {"tools": [{"spec": "nothere:Tool"}]}}), CharTokenizer())
 
 
 # ---- the loop ----
