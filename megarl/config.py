@@ -695,6 +695,9 @@ class Config:
         check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
               algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
+        check(not (self.agent.tools and algo.routing_replay), "algorithm.routing_replay", algo.routing_replay,
+              "be false with agent.tools: a multi-turn sample spans several engine calls, whose expert choices are "
+              "not joined", "set algorithm.routing_replay: false, or remove agent.tools")
         budget = self.agent.max_total_tokens
         check(budget is None or budget <= self.rollout.max_new_tokens, "agent.max_total_tokens", budget,
               f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",

@@ -4,6 +4,7 @@ them (megarl.rl_step): masks, logprobs, advantages and the actor's loss, against
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 
@@ -57,8 +58,8 @@ def logprob(context_len: int, token: int) -> float:
 
 
 class ScriptedEngine:
-    """Deterministic: the turn-th text of ``script[prompt]`` (turn = tool turns in the context so far, "<eos>"
-    = EOS), cut at max_new_tokens ("length") or after a stop token ("stop"); every call recorded."""
+    """Deterministic: the rest of the turn-th text of ``script[prompt]`` (turn = tool turns in the context so far,
+    "<eos>" = EOS), cut at max_new_tokens ("length") or after a stop token ("stop"); every call recorded."""
 
     max_model_len = 4096
 
@@ -71,7 +72,11 @@ class ScriptedEngine:
         for i, prompt in enumerate(prompts):
             for _ in range(params.n):
                 context = decode(prompt)
-                text = self.script[context.split("\n")[0]][context.count("<obs>") + context.count("<|im_start|>tool")]
+                head, _, rest = context.partition("\n")
+                text = self.script[head][context.count("<obs>") + context.count("<|im_start|>tool")]
+                done = re.split(r"</obs>\n|<\|im_start\|>assistant\n", rest)[-1]  # this turn's text so far
+                assert text.startswith(done)
+                text = text[len(done):]
                 ids = encode(text.removesuffix("<eos>")) + ([EOS] if text.endswith("<eos>") else [])
                 ids = [STOP if t == 0x2400 else t for t in ids]  # "␀" writes the one-token delimiter
                 stop = next((k + 1 for k, t in enumerate(ids) if t in params.stop_token_ids or t == EOS), None)
@@ -145,6 +150,12 @@ def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
     with pytest.raises(UserError) as info:
         build_config(BASE | {"agent": agent})
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_routing_replay_is_refused_with_tools() -> None:
+    with pytest.raises(UserError, match=r"algorithm.routing_replay.*agent.tools"):
+        build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}, "algorithm": {"routing_replay": True},
+                             "rollout": {"num_samples_per_prompt": 4, "engine": "sglang"}})
 
 
 class CharTokenizer:
@@ -233,6 +244,19 @@ def test_observation_that_leaves_no_room_ends_the_sample() -> None:
     [out] = loop(Lookup, max_total_tokens=len(FIRST) + len(FRANCE)).generate(engine, [encode("A\n")], PARAMS)
     assert out.token_ids == encode(FIRST) and out.policy_mask == [1] * len(FIRST)
     assert out.stats is not None and out.stats["cut_by_budget"] == 1 and out.stats["tool_calls"] == 1
+
+
+def test_a_sample_cut_short_by_another_samples_context_goes_on_in_the_same_turn() -> None:
+    script = {"A": ["y" * 35 + "<eos>"], "B" + "b" * 30: ["b<eos>"]}
+    engine = ScriptedEngine(script)
+    prompts = [encode("A\n"), encode("B" + "b" * 30 + "\n")]
+    cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS, max_total_tokens=40)
+    outs = AgentLoop(cfg, encode, decode, context=60, max_new_tokens=400).generate(engine, prompts, PARAMS)
+    assert [p.max_new_tokens for _, p in engine.calls] == [60 - 32, 40 - 28]  # B's context, then A's budget
+    whole = ScriptedEngine(script).generate(prompts, PARAMS)  # one call with room for everything
+    for out, ref in zip(outs, whole, strict=True):
+        assert (out.token_ids, out.logprobs, out.finish_reason) == (ref.token_ids, ref.logprobs, "stop")
+        assert out.stats is not None and out.stats["turns"] == 1 and out.stats["cut_by_budget"] == 0
 
 
 def test_tool_errors_and_timeouts_become_observations() -> None:
