@@ -202,6 +202,25 @@ def test_dapo_sampling_and_rollout_correction_at_a_temperature(tmp_path):
 
 
 @pytest.mark.slow
+def test_multi_turn_tool_rollouts_train(tmp_path):
+    """The tiny recipe with a tool (megarl.rollout.agent): its word-level vocabulary has no tool format, so "="
+    closes a call, whose digits the calculator gets; "is" and the result (when a digit) form the tool turn. The
+    trainer sees the policy mask: its logprobs of the policy's tokens are the engine's, and the agent metrics are
+    logged with every step."""
+    steps = 3
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}",
+                        "rollout.max_new_tokens=8", 'agent.tools=[{spec: "megarl.tools.calculator:Calculator"}]',
+                        'agent.call_end="="', 'agent.observation_template="is {observation}"', "agent.max_turns=3")
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert max(r["logprob_diff_max"] for r in rows) < 0.05
+    for r in rows:
+        assert r["agent/tool_calls"] > 0 and 1 < r["agent/turns"] <= 3, r
+        assert 0 < r["agent/tool_tokens"] and r["agent/policy_token_share"] < 1, r
+        assert 0 <= r["agent/tool_errors"] <= r["agent/tool_calls"] and r["agent/tool_timeouts"] == 0
+        assert r["response_length"] + r["agent/tool_tokens"] <= 8  # policy and tool tokens within the budget
+
+
+@pytest.mark.slow
 def test_nan_reward_stops_training_with_one_message(tmp_path):
     (tmp_path / "nan_reward.py").write_text("def reward(completions, answers):\n"
                                             "    return [float('nan')] * len(completions)\n")
