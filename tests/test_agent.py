@@ -152,6 +152,17 @@ def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
+def test_agent_settings_define_the_experiment_but_tool_workers_do_not() -> None:
+    from megarl.resume_check import changes
+
+    saved = build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}}).to_flat_dict()
+    for change, key in [({"tools": [{"spec": "a:C"}]}, "agent.tools"), ({"tools": [{"spec": "a:B", "args": {"x": 1}}]},
+                         "agent.tools"), ({"tools": [{"spec": "a:B"}], "max_turns": 2}, "agent.max_turns"),
+                        ({"tools": [{"spec": "a:B"}], "tool_workers": 2}, None)]:
+        found = changes(saved, build_config(BASE | {"agent": change}).to_flat_dict())
+        assert [k for k, _, _ in found] == ([key] if key else []), change
+
+
 def test_routing_replay_is_refused_with_tools() -> None:
     with pytest.raises(UserError, match=r"algorithm.routing_replay.*agent.tools"):
         build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}, "algorithm": {"routing_replay": True},
