@@ -61,12 +61,13 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
     log_file = run_dir(cfg) / f"engine_{index}.log"
     print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
           f"{log_file}", flush=True)
-    return engine_class(cfg)(  # type: ignore[no-any-return]
+    engine: RolloutEngine = engine_class(cfg)(
         cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
         log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
                                | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
                                | ({"aliases": aliases} if aliases is not None else {})))
+    return engine
 
 
 class RLTrainer:
