@@ -270,6 +270,24 @@ def test_a_sample_cut_short_by_another_samples_context_goes_on_in_the_same_turn(
         assert out.stats is not None and out.stats["turns"] == 1 and out.stats["cut_by_budget"] == 0
 
 
+def test_a_call_split_over_two_engine_calls_is_one_call() -> None:
+    """A turn cut short by another sample's context: its call opens in one engine call and closes in the next,
+    the delimiter itself split between them."""
+    engine = ScriptedEngine({"A": ["<tool_call>rome</tool_call>", "ok<eos>"], "B" + "b" * 38: ["b<eos>"]})
+    agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS), encode,
+                      decode, context=60, max_new_tokens=60)
+    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 38 + "\n")], PARAMS)
+    assert [decode(t) for t in engine.calls[1][0]] == ["A\n<tool_call>rome</too"]  # cut by B's context (40 + 20)
+    assert decode(outs[0].token_ids) == "<tool_call>rome</tool_call>\n<obs>italy</obs>\nok"
+    assert outs[0].stats is not None and outs[0].stats["tool_calls"] == 1 and outs[0].stats["turns"] == 2
+
+
+def test_an_engine_that_gives_nothing_back_ends_the_sample() -> None:
+    engine = ScriptedEngine({"A": [""]})
+    [out] = loop(Lookup).generate(engine, [encode("A\n")], PARAMS)
+    assert (out.token_ids, out.finish_reason, len(engine.calls)) == ([], "length", 1)
+
+
 def test_tool_errors_and_timeouts_become_observations() -> None:
     script = {"A": [call("lookup", "boom"), "a<eos>"], "B": [call("lookup", "slow"), "b<eos>"],
               "C": [call("nothere", "x"), "c<eos>"], "D": ["<tool_call>not json</tool_call>", "d<eos>"]}

@@ -43,6 +43,8 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0.0) | {"turns": 1.0})
     finish: Literal["stop", "length"] | None = None
+    turn_start: int = 0
+    """Where the current turn's tokens begin in ``tokens`` (a turn may span engine calls)."""
 
     def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
         self.tokens += ids
@@ -87,29 +89,31 @@ class AgentLoop:
     def _take(self, s: _Sample, out: Completion) -> str | None:
         """Append a call's output to ``s``; the text of its turn when that ended in a tool call to run."""
         ids, logprobs = out.token_ids, out.logprobs
-        end = self._call_end(ids)
+        before = s.tokens[s.turn_start:]
+        end = self._call_end(before, ids)
         if end is not None:
             ids, logprobs = ids[:end], logprobs[:end]
         room = self.budget - len(s.tokens)
         s.extend(ids[:room], logprobs[:room])
         if len(ids) > room or (end is None and len(s.tokens) == self.budget):
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
-        elif end is None:
-            s.finish = "stop" if out.finish_reason == "stop" else None  # "length" short of the budget: go on
+        elif end is None:  # "length" short of the budget: go on, unless nothing came (it would again, forever)
+            s.finish = "stop" if out.finish_reason == "stop" else None if ids else "length"
         elif s.stats["turns"] >= self.cfg.max_turns:
             s.finish, s.stats["cut_by_turns"] = "length", 1.0
         else:
-            return self.decode(ids)
+            return self.decode(before + ids)
         return None
 
-    def _call_end(self, ids: list[int]) -> int | None:
-        """The number of tokens up to the one that completes ``call_end`` in the decoded text, or None."""
-        if not ids or self.cfg.call_end not in self.decode(ids):
+    def _call_end(self, before: list[int], ids: list[int]) -> int | None:
+        """The number of tokens of ``ids`` up to the one that completes ``call_end`` in the decoded text of the turn
+        (``before`` + ``ids``), or None."""
+        if not ids or self.cfg.call_end not in self.decode(before + ids):
             return None
         low, high = 1, len(ids)  # decoded prefixes only grow, so containing the delimiter is monotone
         while low < high:
             mid = (low + high) // 2
-            if self.cfg.call_end in self.decode(ids[:mid]):
+            if self.cfg.call_end in self.decode(before + ids[:mid]):
                 high = mid
             else:
                 low = mid + 1
@@ -138,6 +142,7 @@ class AgentLoop:
                 s.finish, s.stats["cut_by_budget"] = "length", 1.0
                 continue
             s.extend(obs, None)
+            s.turn_start = len(s.tokens)
             s.stats["tool_tokens"] += len(obs)
             s.stats["turns"] += 1
 
