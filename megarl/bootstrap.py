@@ -122,7 +122,7 @@ def setup(config_path: str, overrides: Sequence[str]
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
     if resume_from is not None:
         check_unchanged(cfg, resume_from, groups.rank)
-    trainer = RLTrainer(cfg, groups, stop_token_ids=stop_ids(tokenizer))
+    trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)
     start_step, run_id = 0, None
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory

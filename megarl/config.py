@@ -308,6 +308,53 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ToolConfig:
+    spec: str
+    """Import path "package.module:Class" of the tool (docs/tools.md), e.g. megarl.tools.calculator:Calculator."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of its constructor, e.g. {timeout_s: 5} for megarl.tools.python_exec:PythonExecutor."""
+
+    def __post_init__(self) -> None:
+        check(bool(_IMPORT_PATH_RE.fullmatch(self.spec)), "spec", self.spec, 'be an import path "module:Class"',
+              "write e.g. megarl.tools.calculator:Calculator")
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    tools: list[ToolConfig] = field(default_factory=list)
+    """Tools the policy may call between turns (megarl.rollout.agent); none = single-turn rollouts. Loaded and
+    checked at start-up."""
+    max_turns: int = 4
+    """Most model turns per sample; a sample whose last turn ends in a tool call stops there, the call not run."""
+    max_total_tokens: int | None = None
+    """Response budget per sample, policy and tool tokens together; null = rollout.max_new_tokens, which bounds
+    it (the engine's context and the trainer's token budgets are sized by it)."""
+    call_start: str = "<tool_call>"
+    """Text that opens a tool call; optional in the output (a call without it runs from the start of its turn)."""
+    call_end: str = "</tool_call>"
+    """Text that closes a tool call: the turn ends at the token that completes it."""
+    observation_template: str = "<|im_end|>\n<|im_start|>tool\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+    """The tool turn appended after a call, {observation} replaced by the tool's output; the default closes the
+    assistant turn, adds a ChatML tool turn and opens the next assistant turn (SmolLM2, Qwen)."""
+    tool_timeout_s: float = 30.0
+    """A call running longer becomes the observation "timeout after N s"."""
+    tool_workers: int = 8
+    """Most tool calls running at once per engine driver."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_turns", "tool_workers")
+        if self.max_total_tokens is not None:
+            _positive(self, "max_total_tokens")
+        _within(self, "tool_timeout_s", "(0, inf)", "use e.g. 30")
+        _nonempty(self, "call_end")
+        check(self.observation_template.count("{observation}") == 1, "observation_template",
+              self.observation_template, "hold {observation} exactly once", "write the tool turn around {observation}")
+        specs = [t.spec for t in self.tools]
+        dupes = sorted({s for s in specs if specs.count(s) > 1})
+        check(not dupes, "tools", dupes, "list every tool once", "remove the repeated entries")
+
+
+@dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     name: Literal["ppo", "grpo"] = "grpo"
     """ppo = KL-PPO with a critic and GAE; grpo = group-normalised rewards, no critic."""
@@ -627,6 +674,8 @@ class Config:
     """Experiment tracking."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation during training (megarl.eval_loop)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn, tool-using rollouts (megarl.rollout.agent); no tools = single-turn."""
 
     def __post_init__(self) -> None:
         n = self.rollout.num_samples_per_prompt
@@ -649,6 +698,13 @@ class Config:
         check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
               algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
+        check(not (self.agent.tools and algo.routing_replay), "algorithm.routing_replay", algo.routing_replay,
+              "be false with agent.tools: a multi-turn sample spans several engine calls, whose expert choices are "
+              "not joined", "set algorithm.routing_replay: false, or remove agent.tools")
+        budget = self.agent.max_total_tokens
+        check(budget is None or budget <= self.rollout.max_new_tokens, "agent.max_total_tokens", budget,
+              f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",
+              "raise rollout.max_new_tokens, or use null")
         self._check_truncation()
         self._check_eval()
         self._check_keep_best()

@@ -33,7 +33,8 @@ def _type_name(tp: object) -> str:
 
 def _default(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
-        return f"`{field.default!r}`" if field.default is not None else "`null`"
+        # a table cell ends at any unescaped "|", code spans included (GitHub's tables)
+        return f"`{field.default!r}`".replace("|", "\\|") if field.default is not None else "`null`"
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         return {dict: "`{}`", list: "`[]`"}.get(field.default_factory, "(section)")  # type: ignore[call-overload]
     return "**required**"

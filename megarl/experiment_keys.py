@@ -12,10 +12,12 @@ DEFINING = ("model.hf_path", "model.dtype", "model.moe_aux_loss_coeff", "algorit
             "trainer.reward", "rollout.num_samples_per_prompt", "rollout.temperature", "rollout.top_p",
             "rollout.top_k", "rollout.max_new_tokens", "rollout.max_prompt_tokens", "rollout.seed",
             "actor.optimizer.", "actor.num_ppo_epochs", "actor.mini_batch_size",
-            "critic.hf_path", "critic.optimizer.", "critic.num_ppo_epochs", "critic.mini_batch_size")
+            "critic.hf_path", "critic.optimizer.", "critic.num_ppo_epochs", "critic.mini_batch_size", "agent.")
 """Keys (and, ending in a dot, sections) of the config that define the experiment."""
-LAYOUT = ("actor.optimizer.use_distributed_optimizer", "critic.optimizer.use_distributed_optimizer")
-"""Inside a defining section, but only a layout: the optimizer state reshards between the two."""
+LAYOUT = ("actor.optimizer.use_distributed_optimizer", "critic.optimizer.use_distributed_optimizer",
+          "agent.tool_workers")
+"""Inside a defining section, but only how it runs: the optimizer state reshards between the two layouts, and
+the number of tool calls at once changes no observation."""
 
 
 @functools.cache

@@ -30,7 +30,8 @@ class Batch:
     sequences: list[list[int]]
     prompt_lens: list[int]
     mask: torch.Tensor
-    """1.0 on response tokens."""
+    """1.0 on the policy's response tokens: all of a single-turn response, none of a multi-turn one's tool tokens
+    (which go through the model as context but carry no logprob, loss, KL, entropy, value or advantage)."""
     rollout_logprobs: torch.Tensor
     scores: torch.Tensor
     """[N] outcome rewards."""
@@ -39,6 +40,8 @@ class Batch:
     keep the batch at its configured size: the actor's loss leaves them out (actor_loss_mask)."""
     routing: list[np.ndarray] | None = None
     """MoE with routing replay: each sequence's [len-1, num_layers, k] experts, as the engine routed them."""
+    stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Multi-turn rollouts: per-sample [N] statistics by name (megarl.rollout.agent.STATS); empty otherwise."""
 
     def as_filler(self) -> Batch:
         """These samples as filler: in the batch, out of the actor's loss."""
@@ -47,18 +50,24 @@ class Batch:
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               rollout_logprobs: Sequence[Sequence[float]], scores: Sequence[float],
-              routing: Sequence[np.ndarray] | None = None) -> Batch:
+              routing: Sequence[np.ndarray] | None = None, masks: Sequence[Sequence[int] | None] | None = None,
+              stats: Sequence[Mapping[str, float] | None] | None = None) -> Batch:
+        """``masks``: per response, 1 at the policy's tokens and 0 at tool tokens (None = all the policy's)."""
         sequences = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
         width = max(len(s) for s in sequences) - 1
         mask = torch.zeros(len(sequences), width)
         lp = torch.zeros(len(sequences), width)
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            mask[i, len(p) - 1: len(p) - 1 + len(r)] = 1.0
+            policy = masks[i] if masks is not None else None
+            mask[i, len(p) - 1: len(p) - 1 + len(r)] = 1.0 if policy is None else torch.tensor(policy)
             lp[i, len(p) - 1: len(p) - 1 + len(r)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
         if routing is not None:
             assert all(r.shape[0] == len(s) - 1 for r, s in zip(routing, sequences, strict=True))
+        rows = [] if stats is None else [x for x in stats if x is not None]
+        assert not rows or len(rows) == len(sequences), "stats for some samples only"
         return Batch(sequences, [len(p) for p in prompts], mask, lp, torch.tensor(scores, dtype=torch.float32),
-                     torch.ones(len(sequences)), None if routing is None else list(routing))
+                     torch.ones(len(sequences)), None if routing is None else list(routing),
+                     {k: torch.tensor([x[k] for x in rows], dtype=torch.float32) for k in (rows[0] if rows else {})})
 
     def stack(self, rows: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """Per-sequence [len-1] tensors by batch index -> [N, T], zero where no row is given."""
@@ -78,7 +87,8 @@ class Batch:
         rows = torch.tensor(list(index), dtype=torch.long)
         return Batch(sequences, [self.prompt_lens[i] for i in index], self.mask[rows, :width],
                      self.rollout_logprobs[rows, :width], self.scores[rows], self.informative[rows],
-                     None if self.routing is None else [self.routing[i] for i in index])
+                     None if self.routing is None else [self.routing[i] for i in index],
+                     {k: v[rows] for k, v in self.stats.items()})
 
     @staticmethod
     def concat(parts: Sequence[Batch]) -> Batch:
@@ -94,7 +104,8 @@ class Batch:
         return Batch([s for p in parts for s in p.sequences], [n for p in parts for n in p.prompt_lens],
                      cat("mask"), cat("rollout_logprobs"), torch.cat([p.scores for p in parts]),
                      torch.cat([p.informative for p in parts]),
-                     None if any(r is None for r in routed) else [x for r in routed if r is not None for x in r])
+                     None if any(r is None for r in routed) else [x for r in routed if r is not None for x in r],
+                     {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats})
 
 
 def actor_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megarl.config import Config
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
+from megarl.rollout.agent import agent_metrics
 
 
 class Tracker:
@@ -88,7 +89,8 @@ class Tracker:
         row = {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
                "response_length": float(batch.mask.sum(dim=1).mean()),
                "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
-               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **metrics, **times, **memory}
+               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **agent_metrics(batch.stats, batch.mask),
+               **metrics, **times, **memory}
         self.history.append(row)
         if self.rank != 0:
             return

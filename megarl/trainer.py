@@ -39,14 +39,16 @@ from megarl.reshard.predict import describe_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
+from megarl.rollout.agent import make_generate
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.factory import engine_class, make_engine
 from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, start_engine
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config, groups: ParallelGroups, stop_token_ids: tuple[int, ...] = ()) -> None:
-        self.cfg, self.groups, self.stop_ids = cfg, groups, stop_token_ids
+    def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...] = (), tokenizer: Any = None):
+        self.cfg, self.groups, self.stop_ids = cfg, groups, stop_ids
+        self._generate = make_generate(cfg, tokenizer)  # tools load and are checked before any model is built
         self._engine_state: Literal["asleep", "weights", "awake"] = "awake"  # engines start awake
         self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
         self._num_handovers = 0
@@ -303,7 +305,8 @@ class RLTrainer:
         check_scores(scores, len(rows), self.cfg.trainer.reward, step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
-                           [c.logprobs for c in rows], scores, routing)
+                           [c.logprobs for c in rows], scores, routing, [c.policy_mask for c in rows],
+                           [c.stats for c in rows])
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
@@ -313,7 +316,7 @@ class RLTrainer:
         mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
         seeded = dataclasses.replace(params, seed=None if params.seed is None else params.seed + eg.index)
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
-                for c in self.engine.generate([prompts[i] for i in mine], seeded)]
+                for c in self._generate(self.engine, [prompts[i] for i in mine], seeded)]
         everything: list[Any] = [None] * self.groups.dims.world_size
         dist.all_gather_object(everything, done, group=self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt

@@ -304,3 +304,44 @@ def test_qwen3_engine_takes_a_megatron_refit_and_matches_transformers(tmp_path):
             logits = model(torch.tensor([prompt + c.token_ids])).logits[0].float()
         ref = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
         assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-4
+
+
+@pytest.mark.slow
+def test_multi_turn_rollout_keeps_engine_and_trainer_logprobs_together(engine, models):
+    """A tool-using rollout through the real engine (megarl.rollout.agent). The tiny random model has no tokenizer
+    and writes no delimiters: text is a synthetic map (token id t decodes to "<t>", an observation encodes to three
+    tokens, here of the calculator's error at the model's gibberish), and the closing delimiter is
+    a token the first turn of sample 0 is known to sample (a seeded first call is the same with or without the
+    loop). After the tool turn the engine goes on from the whole sequence; its logprobs of every policy token,
+    first turns and later ones, must stay the trainer's (transformers here) at float32 level."""
+    from megarl.config import AgentConfig, ToolConfig
+    from megarl.rollout.agent import AgentLoop
+
+    engine.update_weights(_refit_from_megatron(models[1]))
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=40, seed=11)
+    first = engine.generate([p for p in PROMPTS for _ in range(2)], SamplingParams(
+        n=1, temperature=0.7, max_new_tokens=40, seed=11))
+    assert [c.token_ids for c in engine.generate(PROMPTS, params)] == [c.token_ids for c in first]
+    ids = first[0].token_ids
+    cut = next(k for k in range(3, len(ids)) if ids[k] not in ids[:k])  # the delimiter completes the 4th or later
+    cfg = AgentConfig(tools=[ToolConfig(spec="megarl.tools.calculator:Calculator")], call_end=f"<{ids[cut]}>",
+                      observation_template="{observation}")
+    agent = AgentLoop(cfg, lambda text: [100 + sum(map(ord, text)) % 40, 140, 141],
+                      lambda t: "".join(f"<{i}>" for i in t), context=engine.max_model_len, max_new_tokens=40)
+    out = agent.generate(engine, PROMPTS, params)
+    agent.close()
+    assert out[0].token_ids[: cut + 1] == ids[: cut + 1] and out[0].policy_mask[cut + 1] == 0
+    resumed = [c for c in out if c.policy_mask and 0 in c.policy_mask and 1 in c.policy_mask[c.policy_mask.index(0):]]
+    assert resumed, "no sample went on after a tool turn"
+    model = _hf_model(models[1])
+    worst = 0.0
+    for c in out:
+        prompt = PROMPTS[c.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1:-1] / 0.7, -1).gather(1, torch.tensor(c.token_ids)[:, None])
+        policy = torch.tensor(c.policy_mask, dtype=torch.bool)
+        got = torch.tensor(c.logprobs)
+        assert (got[~policy] == 0).all()
+        worst = max(worst, (ref[:, 0] - got)[policy].abs().max().item())
+    assert worst < 1e-4, worst

@@ -63,6 +63,10 @@ class Completion:
     routed_experts: np.ndarray | None = None
     """MoE engines started with ``return_routed_experts``: [len(prompt) + len(token_ids) - 1, num_layers, k],
     the experts every layer routed each token it ran to (the last sampled token never runs)."""
+    policy_mask: list[int] | None = None
+    """Multi-turn rollouts (megarl.rollout.agent): 1 at the policy's tokens, 0 at tool tokens; None = all policy."""
+    stats: dict[str, float] | None = None
+    """Multi-turn rollouts: the sample's turns, tool calls and the like (megarl.rollout.agent.STATS)."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int,

@@ -1,0 +1,190 @@
+"""Multi-turn, tool-using rollouts: generate until a tool call or the end, run the calls, append the observations
+as tokens, generate on from the whole sequence.
+
+Every engine call holds all live samples (one ``n=1`` request each), so a turn is one batched call. The policy's
+tokens are kept exactly as the engine produced them (cut at the token that completes ``call_end``, never
+re-tokenized); only the observation's tool turn is tokenized. Each sample's response is its policy and tool
+tokens interleaved, with a mask of 1 at the policy's tokens and 0 at the tool's, whose rollout logprobs are 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from megarl.config import AgentConfig
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.tools.base import load_tool
+from megarl.tools.pool import ToolPool
+
+STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
+         "cut_by_turns")
+"""Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>."""
+
+_SEED_STRIDE = 1_000_003  # engine call c samples at seed + c * stride + request index: no seed used twice
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+@dataclass(slots=True)
+class _Sample:
+    prompt_index: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATS, 0.0) | {"turns": 1.0})
+    finish: Literal["stop", "length"] | None = None
+    turn_start: int = 0
+    """Where the current turn's tokens begin in ``tokens`` (a turn may span engine calls)."""
+
+    def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.tokens += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+class AgentLoop:
+    """Multi-turn rollouts with ``cfg``'s tools; ``encode``/``decode`` are the policy's tokenizer (no special tokens
+    added), ``context`` the engine's max_model_len and ``max_new_tokens`` the default response budget."""
+
+    def __init__(self, cfg: AgentConfig, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 context: int, max_new_tokens: int) -> None:
+        self.cfg, self.encode, self.decode, self.context = cfg, encode, decode, context
+        self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
+                             timeout_s=cfg.tool_timeout_s)
+        self.budget = cfg.max_total_tokens or max_new_tokens
+        end = encode(cfg.call_end)
+        self._stop_ids = tuple(end) if len(end) == 1 else ()  # a one-token delimiter stops the engine there
+        self._loop = asyncio.new_event_loop()
+
+    def generate(self, engine: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams
+                 ) -> list[Completion]:
+        """``params.n`` samples per prompt, grouped by prompt, as ``engine.generate`` returns them."""
+        samples = [_Sample(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        live, call = list(samples), 0
+        while live:
+            # One max_new_tokens per call: the most any sample may still take, within every sample's context; a
+            # sample cut short of its budget by another's context goes on in the next call.
+            limit = min(max(self.budget - len(s.tokens) for s in live),
+                        min(self.context - len(s.prompt) - len(s.tokens) for s in live))
+            seed = None if params.seed is None else params.seed + call * _SEED_STRIDE
+            turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=seed,
+                                       stop_token_ids=(*params.stop_token_ids, *self._stop_ids))
+            outs = engine.generate([s.prompt + s.tokens for s in live], turn)
+            calls = [(s, text) for s, out in zip(live, outs, strict=True) if (text := self._take(s, out)) is not None]
+            self._observe(calls)
+            live, call = [s for s in live if s.finish is None], call + 1
+        return [Completion(prompt_index=s.prompt_index, token_ids=s.tokens, logprobs=s.logprobs, finish_reason=s.finish
+                           or "length", policy_mask=s.mask, stats=s.stats) for s in samples]
+
+    def _take(self, s: _Sample, out: Completion) -> str | None:
+        """Append a call's output to ``s``; the text of its turn when that ended in a tool call to run."""
+        ids, logprobs = out.token_ids, out.logprobs
+        before = s.tokens[s.turn_start:]
+        end = self._call_end(before, ids)
+        if end is not None:
+            ids, logprobs = ids[:end], logprobs[:end]
+        room = self.budget - len(s.tokens)
+        s.extend(ids[:room], logprobs[:room])
+        if len(ids) > room or (end is None and len(s.tokens) == self.budget):
+            s.finish, s.stats["cut_by_budget"] = "length", 1.0
+        elif end is None:  # "length" short of the budget: go on, unless nothing came (it would again, forever)
+            s.finish = "stop" if out.finish_reason == "stop" else None if ids else "length"
+        elif s.stats["turns"] >= self.cfg.max_turns:
+            s.finish, s.stats["cut_by_turns"] = "length", 1.0
+        else:
+            return self.decode(before + ids)
+        return None
+
+    def _call_end(self, before: list[int], ids: list[int]) -> int | None:
+        """The number of tokens of ``ids`` up to the one that completes ``call_end`` in the decoded text of the turn
+        (``before`` + ``ids``), or None."""
+        if not ids or self.cfg.call_end not in self.decode(before + ids):
+            return None
+        low, high = 1, len(ids)  # decoded prefixes only grow, so containing the delimiter is monotone
+        while low < high:
+            mid = (low + high) // 2
+            if self.cfg.call_end in self.decode(before + ids[:mid]):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    def _observe(self, calls: list[tuple[_Sample, str]]) -> None:
+        """Run the turns' tool calls concurrently and append each observation's tool turn."""
+        parsed = [self.parse(text) for _, text in calls]
+
+        async def run_all() -> list[Any]:
+            return await asyncio.gather(*(self.pool.run(*p) for p in parsed if isinstance(p, tuple)))
+
+        results = iter(self._loop.run_until_complete(run_all()))
+        for (s, _), p in zip(calls, parsed, strict=True):
+            s.stats["tool_calls"] += 1
+            if isinstance(p, tuple):
+                result = next(results)
+                text, status = result.observation, result.status
+                s.stats["tool_wall_s"] += result.wall_s
+            else:
+                text, status = p, "error"
+            s.stats["tool_errors"] += status == "error"
+            s.stats["tool_timeouts"] += status == "timeout"
+            obs = self.encode(self.cfg.observation_template.replace("{observation}", text))
+            if len(s.tokens) + len(obs) >= self.budget:  # no room left for the policy to answer it
+                s.finish, s.stats["cut_by_budget"] = "length", 1.0
+                continue
+            s.extend(obs, None)
+            s.turn_start = len(s.tokens)
+            s.stats["tool_tokens"] += len(obs)
+            s.stats["turns"] += 1
+
+    def parse(self, turn: str) -> tuple[str, str] | str:
+        """(tool name, call) from a turn's text ending in ``call_end``, or the error observation. The call is JSON
+        {"name": ..., "arguments": ...} (arguments that are not a string are passed as JSON text), or with a
+        single tool its plain text."""
+        body = turn[: turn.index(self.cfg.call_end)]
+        start = body.rfind(self.cfg.call_start) if self.cfg.call_start else -1
+        body = (body[start + len(self.cfg.call_start):] if start >= 0 else body).strip()
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj:
+            args = obj["arguments"]
+            return obj["name"], args if isinstance(args, str) else json.dumps(args)
+        names = sorted(self.pool.tools)
+        if len(names) == 1:
+            return names[0], body
+        return (f'error: a tool call must be JSON {{"name": ..., "arguments": ...}} between {self.cfg.call_start} '
+                f"and {self.cfg.call_end}, naming one of {names}")
+
+    def close(self) -> None:
+        self.pool.close()
+        self._loop.close()
+
+
+def agent_metrics(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """Step metrics of a batch's per-sample ``stats`` ([N] each; none for single-turn) and policy ``mask``."""
+    if not stats:
+        return {}
+    policy = float(mask.sum())
+    return ({f"agent/{k}": float(v.mean()) for k, v in stats.items()}
+            | {"agent/policy_token_share": policy / max(policy + float(stats["tool_tokens"].sum()), 1.0)})
+
+
+def make_generate(cfg: Any, tokenizer: Any) -> Callable[[Generator, list[list[int]], SamplingParams], list[Completion]]:
+    """The trainer's rollout: ``engine.generate`` without tools, else an AgentLoop over ``cfg.agent.tools``."""
+    if not cfg.agent.tools:
+        return lambda engine, prompts, params: engine.generate(prompts, params)
+    loop = AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                     lambda ids: tokenizer.decode(ids), cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                     cfg.rollout.max_new_tokens)
+    return loop.generate

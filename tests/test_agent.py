@@ -1,0 +1,445 @@
+"""Multi-turn, tool-using rollouts (megarl.rollout.agent) against a scripted engine, and what the trainer makes of
+them (megarl.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by hand."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from megarl.algos.losses import token_weights
+from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
+from megarl.errors import UserError
+from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
+from megarl.rollout.agent import AgentLoop, agent_metrics, make_generate
+from megarl.rollout.base import Completion, SamplingParams
+
+EOS = 0
+STOP = 1  # a one-token "</tool_call>" in the vocabulary of test_one_token_delimiter_stops_the_engine
+SPECIAL = {EOS: "", STOP: "</tool_call>"}
+OBS = "\n<obs>{observation}</obs>\n"
+
+
+def encode(text: str) -> list[int]:
+    """Characters as token ids (the delimiters span many tokens)."""
+    return [ord(c) for c in text]
+
+
+def decode(ids: Sequence[int]) -> str:
+    return "".join(SPECIAL.get(t, chr(t)) for t in ids)
+
+
+class Lookup:
+    name = "lookup"
+    description = "capital -> country"
+
+    def run(self, call: str) -> str:
+        if call == "boom":
+            raise RuntimeError("boom")
+        if call == "slow":
+            time.sleep(1.0)
+        return {"paris": "france", "rome": "italy"}.get(call, "unknown")
+
+
+class Echo:
+    name = "echo"
+    description = "returns its input"
+
+    def run(self, call: str) -> str:
+        return call
+
+
+def logprob(context_len: int, token: int) -> float:
+    return -((token * 7 + context_len) % 13 + 1) / 10
+
+
+class ScriptedEngine:
+    """Deterministic: the rest of the turn-th text of ``script[prompt]`` (turn = tool turns in the context so far,
+    "<eos>" = EOS), cut at max_new_tokens ("length") or after a stop token ("stop"); every call recorded."""
+
+    max_model_len = 4096
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        self.script, self.calls = script, []  # type: ignore[var-annotated]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        self.calls.append(([list(p) for p in prompts], params))
+        out = []
+        for i, prompt in enumerate(prompts):
+            for _ in range(params.n):
+                context = decode(prompt)
+                head, _, rest = context.partition("\n")
+                text = self.script[head][context.count("<obs>") + context.count("<|im_start|>tool")]
+                done = re.split(r"</obs>\n|<\|im_start\|>assistant\n", rest)[-1]  # this turn's text so far
+                assert text.startswith(done)
+                text = text[len(done):]
+                ids = encode(text.removesuffix("<eos>")) + ([EOS] if text.endswith("<eos>") else [])
+                ids = [STOP if t == 0x2400 else t for t in ids]  # "␀" writes the one-token delimiter
+                stop = next((k + 1 for k, t in enumerate(ids) if t in params.stop_token_ids or t == EOS), None)
+                reason = "stop" if stop is not None and stop <= params.max_new_tokens else "length"
+                ids = ids[: min(stop or len(ids), params.max_new_tokens)]
+                out.append(Completion(prompt_index=i, token_ids=ids, finish_reason=reason,  # type: ignore[arg-type]
+                                      logprobs=[logprob(len(prompt) + k, t) for k, t in enumerate(ids)]))
+        return out
+
+
+def loop(*tools: type, **kwargs: object) -> AgentLoop:
+    cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:{t.__name__}") for t in tools],
+                      observation_template=OBS, **kwargs)  # type: ignore[arg-type]
+    return AgentLoop(cfg, encode, decode, context=4096, max_new_tokens=400)
+
+
+def call(name: str, arguments: str) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+PARAMS = SamplingParams(n=1, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
+
+
+# ---- parsing ----
+
+def test_calls_parse_as_json_or_as_plain_text_for_a_single_tool() -> None:
+    two = loop(Lookup, Echo)
+    assert two.parse('I will look. <tool_call> {"name": "lookup", "arguments": "rome"} </tool_call>') == ("lookup",
+                                                                                                          "rome")
+    assert two.parse('<tool_call>{"name": "echo", "arguments": {"a": [1, 2]}}</tool_call>') == ("echo",
+                                                                                                '{"a": [1, 2]}')
+    assert two.parse('{"name": "echo", "arguments": "x"}</tool_call>') == ("echo", "x")  # no opening delimiter
+    bad = two.parse("<tool_call>lookup rome</tool_call>")
+    assert isinstance(bad, str) and bad.startswith("error: a tool call must be JSON") and "['echo', 'lookup']" in bad
+    one = loop(Lookup)
+    assert one.parse("<tool_call>old<tool_call> paris </tool_call>") == ("lookup", "paris")  # the last opening
+    assert one.parse("<tool_call>42</tool_call>") == ("lookup", "42")  # JSON, but not a call object
+
+
+def test_bad_tool_spec_stops_at_start_up_naming_it() -> None:
+    with pytest.raises(UserError, match="megarl.tools.nothere"):
+        AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096, 400)
+
+
+BASE = {"model": {"hf_path": "/m"}, "rollout": {"num_samples_per_prompt": 4, "max_new_tokens": 256},
+        "data": {"train_path": "gsm8k"}}
+
+
+def test_agent_section_maps_yaml_one_to_one() -> None:
+    cfg = build_config(BASE | {"agent": {
+        "tools": [{"spec": "megarl.tools.calculator:Calculator"},
+                  {"spec": "megarl.tools.python_exec:PythonExecutor", "args": {"timeout_s": 5}}],
+        "max_turns": 3, "max_total_tokens": 200, "call_end": "</call>", "tool_timeout_s": 2}})
+    a = cfg.agent
+    assert [t.spec.split(":")[1] for t in a.tools] == ["Calculator", "PythonExecutor"]
+    assert a.tools[1].args == {"timeout_s": 5} and a.max_turns == 3 and a.max_total_tokens == 200
+    assert a.call_end == "</call>" and a.tool_timeout_s == 2.0 and a.call_start == "<tool_call>"
+    assert build_config(BASE).agent.tools == []  # absent: single-turn
+
+
+@pytest.mark.parametrize("agent,words", [
+    ({"max_turns": 0}, ["agent.max_turns", "= 0"]),
+    ({"max_total_tokens": 300}, ["agent.max_total_tokens", "300", "rollout.max_new_tokens = 256"]),
+    ({"tools": [{"spec": "calculator"}]}, ["agent.tools[0].spec", "import path"]),
+    ({"tools": [{"args": {}}]}, ["agent.tools[0].spec", "required"]),
+    ({"observation_template": "no placeholder"}, ["agent.observation_template", "{observation} exactly once"]),
+    ({"call_end": " "}, ["agent.call_end", "non-empty"]),
+    ({"max_turn": 2}, ["agent.max_turn", "did you mean `max_turns`"]),
+])
+def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
+    with pytest.raises(UserError) as info:
+        build_config(BASE | {"agent": agent})
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_agent_settings_define_the_experiment_but_tool_workers_do_not() -> None:
+    from megarl.resume_check import changes
+
+    saved = build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}}).to_flat_dict()
+    for change, key in [({"tools": [{"spec": "a:C"}]}, "agent.tools"), ({"tools": [{"spec": "a:B", "args": {"x": 1}}]},
+                         "agent.tools"), ({"tools": [{"spec": "a:B"}], "max_turns": 2}, "agent.max_turns"),
+                        ({"tools": [{"spec": "a:B"}], "tool_workers": 2}, None)]:
+        found = changes(saved, build_config(BASE | {"agent": change}).to_flat_dict())
+        assert [k for k, _, _ in found] == ([key] if key else []), change
+
+
+def test_routing_replay_is_refused_with_tools() -> None:
+    with pytest.raises(UserError, match=r"algorithm.routing_replay.*agent.tools"):
+        build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}, "algorithm": {"routing_replay": True},
+                             "rollout": {"num_samples_per_prompt": 4, "engine": "sglang"}})
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        return encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return decode(ids)
+
+
+def test_trainer_rollout_is_the_engine_without_tools_and_the_loop_with_them() -> None:
+    engine = ScriptedEngine({"A": [call("lookup", "rome"), "it is italy<eos>"]})
+    single = make_generate(build_config(BASE), CharTokenizer())
+    assert decode(single(engine, [encode("A\n")], PARAMS)[0].token_ids) == call("lookup", "rome")
+    spec = {"spec": f"{__name__}:Lookup"}
+    multi = make_generate(build_config(BASE | {"agent": {"tools": [spec]}}), CharTokenizer())
+    [out] = multi(engine, [encode("A\n")], PARAMS)
+    assert decode(out.token_ids).endswith("<|im_start|>tool\nitaly<|im_end|>\n<|im_start|>assistant\nit is italy")
+    with pytest.raises(UserError, match="nothere"):
+        make_generate(build_config(BASE | {"agent": {"tools": [{"spec": "nothere:Tool"}]}}), CharTokenizer())
+
+
+# ---- the loop ----
+
+def test_observation_tokens_are_inserted_and_masked_and_policy_tokens_kept_as_generated() -> None:
+    first = "Let me look. " + call("lookup", "paris")
+    engine = ScriptedEngine({"Q": [first + " and junk after the call", "It is france.<eos>"]})
+    [out] = loop(Lookup, Echo).generate(engine, [encode("Q\n")], PARAMS)
+    turn1, tool, turn2 = encode(first), encode(OBS.replace("{observation}", "france")), encode("It is france.") + [EOS]
+    assert out.token_ids == turn1 + tool + turn2
+    assert out.policy_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+    prompt = len("Q\n")
+    lp1 = [logprob(prompt + k, t) for k, t in enumerate(turn1)]
+    start2 = prompt + len(turn1) + len(tool)
+    assert out.logprobs == lp1 + [0.0] * len(tool) + [logprob(start2 + k, t) for k, t in enumerate(turn2)]
+    assert out.finish_reason == "stop"
+    assert out.stats is not None and out.stats["turns"] == 2 and out.stats["tool_calls"] == 1
+    assert out.stats["tool_tokens"] == len(tool) and out.stats["tool_errors"] == 0
+    # the second call continued from the whole sequence, the first call's tokens unchanged
+    assert engine.calls[1][0] == [encode("Q\n") + turn1 + tool]
+
+
+def test_many_samples_in_flight_share_each_engine_call() -> None:
+    script = {"A": [call("lookup", "paris"), call("lookup", "rome"), "done<eos>"],
+              "B": ["no tools<eos>"],
+              "C": [call("echo", "hi"), "ok<eos>"]}
+    engine = ScriptedEngine(script)
+    params = SamplingParams(n=2, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
+    outs = loop(Lookup, Echo).generate(engine, [encode("A\n"), encode("B\n"), encode("C\n")], params)
+    assert [c.prompt_index for c in outs] == [0, 0, 1, 1, 2, 2]
+    assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 2]  # every live sample, one call per turn
+    assert all(p.n == 1 for _, p in engine.calls)
+    assert [p.seed for _, p in engine.calls] == [5, 5 + 1_000_003, 5 + 2_000_006]
+    assert [c.stats["turns"] for c in outs if c.stats] == [3, 3, 1, 1, 2, 2]
+    assert decode(outs[0].token_ids).endswith("<obs>france</obs>\n" + call("lookup", "rome")
+                                              + "\n<obs>italy</obs>\ndone")
+    assert decode(outs[4].token_ids) == call("echo", "hi") + "\n<obs>hi</obs>\nok"
+
+
+def test_max_turns_ends_a_sample_at_its_last_call_unrun() -> None:
+    engine = ScriptedEngine({"A": [call("lookup", "paris")] * 5})
+    [out] = loop(Lookup, max_turns=2).generate(engine, [encode("A\n")], PARAMS)
+    assert decode(out.token_ids) == call("lookup", "paris") + "\n<obs>france</obs>\n" + call("lookup", "paris")
+    assert out.finish_reason == "length" and out.stats is not None
+    assert (out.stats["turns"], out.stats["tool_calls"], out.stats["cut_by_turns"]) == (2, 1, 1)
+
+
+FIRST = call("lookup", "paris")
+FRANCE = OBS.replace("{observation}", "france")
+
+
+@pytest.mark.parametrize("budget,response", [(len(FIRST) + len(FRANCE) + 5, FIRST + FRANCE + "xxxxx"),
+                                             (len(FIRST) - 8, FIRST[:-8])])
+def test_token_budget_cuts_a_sample(budget: int, response: str) -> None:
+    engine = ScriptedEngine({"A": [FIRST, "x" * 100 + "<eos>"]})
+    [out] = loop(Lookup, max_total_tokens=budget).generate(engine, [encode("A\n")], PARAMS)
+    assert decode(out.token_ids) == response and len(out.token_ids) == budget
+    assert out.finish_reason == "length" and out.stats is not None and out.stats["cut_by_budget"] == 1
+    assert out.stats["tool_calls"] == (1 if FRANCE in response else 0)
+    assert engine.calls[0][1].max_new_tokens == budget
+
+
+def test_observation_that_leaves_no_room_ends_the_sample() -> None:
+    engine = ScriptedEngine({"A": [FIRST, "never<eos>"]})
+    [out] = loop(Lookup, max_total_tokens=len(FIRST) + len(FRANCE)).generate(engine, [encode("A\n")], PARAMS)
+    assert out.token_ids == encode(FIRST) and out.policy_mask == [1] * len(FIRST)
+    assert out.stats is not None and out.stats["cut_by_budget"] == 1 and out.stats["tool_calls"] == 1
+
+
+def test_a_sample_cut_short_by_another_samples_context_goes_on_in_the_same_turn() -> None:
+    script = {"A": ["y" * 35 + "<eos>"], "B" + "b" * 30: ["b<eos>"]}
+    engine = ScriptedEngine(script)
+    prompts = [encode("A\n"), encode("B" + "b" * 30 + "\n")]
+    cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS, max_total_tokens=40)
+    outs = AgentLoop(cfg, encode, decode, context=60, max_new_tokens=400).generate(engine, prompts, PARAMS)
+    assert [p.max_new_tokens for _, p in engine.calls] == [60 - 32, 40 - 28]  # B's context, then A's budget
+    whole = ScriptedEngine(script).generate(prompts, PARAMS)  # one call with room for everything
+    for out, ref in zip(outs, whole, strict=True):
+        assert (out.token_ids, out.logprobs, out.finish_reason) == (ref.token_ids, ref.logprobs, "stop")
+        assert out.stats is not None and out.stats["turns"] == 1 and out.stats["cut_by_budget"] == 0
+
+
+def test_a_call_split_over_two_engine_calls_is_one_call() -> None:
+    """A turn cut short by another sample's context: its call opens in one engine call and closes in the next,
+    the delimiter itself split between them."""
+    engine = ScriptedEngine({"A": ["<tool_call>rome</tool_call>", "ok<eos>"], "B" + "b" * 38: ["b<eos>"]})
+    agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS), encode,
+                      decode, context=60, max_new_tokens=60)
+    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 38 + "\n")], PARAMS)
+    assert [decode(t) for t in engine.calls[1][0]] == ["A\n<tool_call>rome</too"]  # cut by B's context (40 + 20)
+    assert decode(outs[0].token_ids) == "<tool_call>rome</tool_call>\n<obs>italy</obs>\nok"
+    assert outs[0].stats is not None and outs[0].stats["tool_calls"] == 1 and outs[0].stats["turns"] == 2
+
+
+def test_an_engine_that_gives_nothing_back_ends_the_sample() -> None:
+    engine = ScriptedEngine({"A": [""]})
+    [out] = loop(Lookup).generate(engine, [encode("A\n")], PARAMS)
+    assert (out.token_ids, out.finish_reason, len(engine.calls)) == ([], "length", 1)
+
+
+def test_tool_errors_and_timeouts_become_observations() -> None:
+    script = {"A": [call("lookup", "boom"), "a<eos>"], "B": [call("lookup", "slow"), "b<eos>"],
+              "C": [call("nothere", "x"), "c<eos>"], "D": ["<tool_call>not json</tool_call>", "d<eos>"]}
+    engine = ScriptedEngine(script)
+    start = time.monotonic()
+    outs = loop(Lookup, Echo, tool_timeout_s=0.3).generate(engine, [encode(k + "\n") for k in "ABCD"], PARAMS)
+    assert time.monotonic() - start < 0.95  # the slow call was not waited for
+    obs = [decode(c.token_ids).split("<obs>")[1].split("</obs>")[0] for c in outs]
+    assert obs[0] == "error: RuntimeError: boom"
+    assert obs[1] == "timeout after 0.3 s"
+    assert obs[2].startswith("error: no tool named 'nothere'")
+    assert obs[3].startswith("error: a tool call must be JSON")
+    stats = [c.stats for c in outs if c.stats]
+    assert [(s["tool_errors"], s["tool_timeouts"]) for s in stats] == [(1, 0), (0, 1), (1, 0), (1, 0)]
+    assert stats[1]["tool_wall_s"] == pytest.approx(0.3, abs=0.2)
+    assert all(c.finish_reason == "stop" for c in outs)
+
+
+def test_one_token_delimiter_stops_the_engine() -> None:
+    cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS)
+    agent = AgentLoop(cfg, lambda text: [STOP] if text == "</tool_call>" else encode(text), decode, 4096, 400)
+    engine = ScriptedEngine({"A": ["<tool_call>paris\u2400 junk", "ok<eos>"]})
+    [out] = agent.generate(engine, [encode("A\n")], PARAMS)
+    assert engine.calls[0][1].stop_token_ids == (EOS, STOP)
+    assert out.token_ids[: len("<tool_call>paris") + 1] == encode("<tool_call>paris") + [STOP]
+    assert decode(out.token_ids).endswith("<obs>france</obs>\nok")
+
+
+def test_without_tool_calls_the_rollout_is_the_single_turn_one() -> None:
+    engine = ScriptedEngine({"A": ["plain answer<eos>"], "B": ["x" * 500]})
+    prompts = [encode("A\n"), encode("B\n")]
+    params = SamplingParams(n=3, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
+    multi = loop(Lookup).generate(engine, prompts, params)
+    single = engine.generate(prompts, params)
+    assert [(c.prompt_index, c.token_ids, c.logprobs, c.finish_reason) for c in multi] == [
+        (c.prompt_index, c.token_ids, c.logprobs, c.finish_reason) for c in single]
+    a = Batch.build([prompts[c.prompt_index] for c in multi], [c.token_ids for c in multi],
+                    [c.logprobs for c in multi], [0.0] * 6, None, [c.policy_mask for c in multi])
+    b = Batch.build([prompts[c.prompt_index] for c in single], [c.token_ids for c in single],
+                    [c.logprobs for c in single], [0.0] * 6)
+    assert torch.equal(a.mask, b.mask) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+
+
+# ---- what the trainer makes of it ----
+
+def agent_batch() -> tuple[Batch, list[list[int]]]:
+    """Two multi-turn samples and a single-turn one, with the hand-written policy positions of each response."""
+    script = {"A": ["ab<tool_call>rome</tool_call>", "cd<eos>"],
+              "B": ["<tool_call>paris</tool_call>", "<tool_call>rome</tool_call>", "e<eos>"],
+              "C": ["fgh<eos>"]}
+    outs = loop(Lookup).generate(ScriptedEngine(script), [encode(k + "\n") for k in "ABC"], PARAMS)
+    t1, t2 = len("ab<tool_call>rome</tool_call>"), len("<tool_call>paris</tool_call>")
+    obs = len(encode(OBS.replace("{observation}", "italy")))
+    obs2 = len(encode(OBS.replace("{observation}", "france")))
+    t3 = len("<tool_call>rome</tool_call>")
+    policy = [list(range(t1)) + [t1 + obs + k for k in range(3)],
+              list(range(t2)) + [t2 + obs2 + k for k in range(t3)] + [t2 + obs2 + t3 + obs + k for k in range(2)],
+              list(range(4))]
+    batch = Batch.build([encode(k + "\n") for k in "ABC"], [c.token_ids for c in outs], [c.logprobs for c in outs],
+                        [1.0, 0.0, 0.5], None, [c.policy_mask for c in outs], [c.stats for c in outs])
+    return batch, policy
+
+
+def test_batch_mask_is_the_policy_mask_and_stats_follow_select_and_concat() -> None:
+    batch, policy = agent_batch()
+    for i, positions in enumerate(policy):
+        start = batch.prompt_lens[i] - 1
+        assert batch.mask[i].nonzero().flatten().tolist() == [start + p for p in positions]
+        assert (batch.rollout_logprobs[i] * (1 - batch.mask[i])).abs().sum() == 0
+        assert (batch.rollout_logprobs[i][batch.mask[i] > 0] < 0).all()
+    assert batch.stats["tool_calls"].tolist() == [1, 2, 0]
+    both = Batch.concat([batch.select([2]), batch.select([0, 1])])
+    assert both.stats["turns"].tolist() == [1, 2, 3]
+    assert torch.equal(both.mask[1:, : batch.mask.shape[1]], batch.mask[:2])
+    metrics = agent_metrics(both.stats, both.mask)
+    tool = sum(len(b.sequences[i]) - b.prompt_lens[i] for b in [batch] for i in range(3)) - batch.mask.sum()
+    assert metrics["agent/policy_token_share"] == pytest.approx(float(batch.mask.sum() / (batch.mask.sum() + tool)))
+    assert metrics["agent/tool_calls"] == pytest.approx(1.0)
+    assert agent_metrics({}, both.mask) == {}
+
+
+def test_gae_bootstraps_across_tool_tokens_against_a_float64_loop() -> None:
+    batch, policy = agent_batch()
+    gamma, lam = 0.9, 0.8
+    algo = AlgorithmConfig(name="ppo", gamma=gamma, gae_lambda=lam)
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(batch.mask.shape, generator=gen)
+    adv, ret, _ = advantages_and_returns(batch, algo, 1, 0.0, None, batch.rollout_logprobs, values, 400)
+    assert ret is not None
+    raw_all: list[float] = []
+    want_ret = torch.zeros_like(ret, dtype=torch.float64)
+    for i, positions in enumerate(policy):
+        # the policy's tokens alone, in order: tool tokens are the environment's transition between two of them
+        cols = [batch.prompt_lens[i] - 1 + p for p in positions]
+        v = [float(values[i, c]) for c in cols]
+        raw = [0.0] * len(cols)
+        next_v = next_a = 0.0
+        for k in reversed(range(len(cols))):
+            r = float(batch.scores[i]) if k == len(cols) - 1 else 0.0
+            raw[k] = r + gamma * next_v - v[k] + gamma * lam * next_a
+            next_v, next_a = v[k], raw[k]
+            want_ret[i, cols[k]] = raw[k] + v[k]
+        raw_all += raw
+    torch.testing.assert_close(ret.double(), want_ret, atol=1e-6, rtol=0)
+    mean = sum(raw_all) / len(raw_all)
+    std = (sum((a - mean) ** 2 for a in raw_all) / len(raw_all) + 1e-8) ** 0.5
+    want = [(a - mean) / std for a in raw_all]
+    got = [float(adv[i, batch.prompt_lens[i] - 1 + p]) for i, ps in enumerate(policy) for p in ps]
+    assert got == pytest.approx(want, abs=1e-5)
+    assert (adv * (1 - batch.mask)).abs().sum() == 0
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_actor_loss_and_gradient_of_a_multi_turn_sample_match_one_masked_sequence(aggregation: str) -> None:
+    """The agent's batch through rl_step's path vs the same token sequences as one sequence each, the tool tokens'
+    positions masked by hand, and the clipped objective written out per token."""
+    batch, policy = agent_batch()
+    algo = AlgorithmConfig(name="grpo", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                           loss_aggregation=aggregation)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    vocab, width = 128, batch.mask.shape[1]
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, 16), torch.nn.Linear(16, vocab))
+    tokens = torch.zeros(len(batch.sequences), width + 1, dtype=torch.long)
+    for i, s in enumerate(batch.sequences):
+        tokens[i, : len(s)] = torch.tensor(s)
+
+    def logprobs() -> torch.Tensor:
+        logp = torch.log_softmax(model(tokens[:, :-1]).float(), dim=-1)  # the whole sequence, tool tokens too
+        return logp.gather(-1, tokens[:, 1:, None])[..., 0]
+
+    old = (logprobs().detach() + 0.1 * torch.randn(tokens.shape[0], width)) * batch.mask
+    adv, _, _ = advantages_and_returns(batch, algo, 3, 0.0, None, old, None, 400)
+    weights = token_weights(actor_loss_mask(batch, batch.mask), aggregation, 400)  # type: ignore[arg-type]
+    loss, _ = actor_loss(logprobs(), {"old_logprobs": old, "advantages": adv, "weights": weights}, algo, 0.0)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    scores = batch.scores.tolist()
+    mean = sum(scores) / 3
+    std = (sum((s - mean) ** 2 for s in scores) / 2) ** 0.5
+    lp = logprobs()
+    terms, per_seq = [], []
+    for i, positions in enumerate(policy):
+        cols = [batch.prompt_lens[i] - 1 + p for p in positions]
+        a = (scores[i] - mean) / (std + 1e-6)
+        seq = []
+        for c in cols:
+            ratio = torch.exp(lp[i, c] - old[i, c])
+            seq.append(-torch.minimum(ratio * a, ratio.clamp(1 - 0.2, 1 + 0.28) * a))
+        terms += seq
+        per_seq.append(torch.stack(seq).mean())
+    want = torch.stack(terms).mean() if aggregation == "token-mean" else torch.stack(per_seq).mean()
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=0)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
