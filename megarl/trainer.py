@@ -39,7 +39,7 @@ from megarl.reshard.predict import describe_plan
 from megarl.reshard.verify import check_reports, mismatched
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
-from megarl.rollout.agent import make_generate
+from megarl.rollout.agent import make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.factory import engine_class, make_engine
 from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, start_engine
@@ -48,7 +48,7 @@ from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, start_e
 class RLTrainer:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...] = (), tokenizer: Any = None):
         self.cfg, self.groups, self.stop_ids = cfg, groups, stop_ids
-        self._generate = make_generate(cfg, tokenizer)  # tools load and are checked before any model is built
+        self._rollout_loop = make_rollout(cfg, tokenizer)  # tools load and are checked before any model is built
         self._engine_state: Literal["asleep", "weights", "awake"] = "awake"  # engines start awake
         self._attached = False  # an in-engine hand-over maps the actor's tensors (megarl.reshard.handover)
         self._num_handovers = 0
@@ -146,8 +146,9 @@ class RLTrainer:
                                          self.groups.device)
 
     def close(self) -> None:
-        """Stop the engine before this process ends: its processes still map the actor's memory."""
+        """Stop the engine before this process ends (its processes still map the actor's memory), and the tools."""
         self.engine.shutdown()
+        self._rollout_loop.close()
 
     def sleep_engine(self) -> None:
         """Colocation: the trainer gets the engine's memory until the next push_weights."""
@@ -316,7 +317,7 @@ class RLTrainer:
         mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
         seeded = dataclasses.replace(params, seed=None if params.seed is None else params.seed + eg.index)
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
-                for c in self._generate(self.engine, [prompts[i] for i in mine], seeded)]
+                for c in self._rollout_loop.generate(self.engine, [prompts[i] for i in mine], seeded)]
         everything: list[Any] = [None] * self.groups.dims.world_size
         dist.all_gather_object(everything, done, group=self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt

@@ -15,7 +15,7 @@ from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.errors import UserError
 from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
-from megarl.rollout.agent import AgentLoop, agent_metrics, make_generate
+from megarl.rollout.agent import AgentLoop, agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 
 EOS = 0
@@ -180,14 +180,16 @@ class CharTokenizer:
 
 def test_trainer_rollout_is_the_engine_without_tools_and_the_loop_with_them() -> None:
     engine = ScriptedEngine({"A": [call("lookup", "rome"), "it is italy<eos>"]})
-    single = make_generate(build_config(BASE), CharTokenizer())
-    assert decode(single(engine, [encode("A\n")], PARAMS)[0].token_ids) == call("lookup", "rome")
+    single = make_rollout(build_config(BASE), CharTokenizer())
+    assert decode(single.generate(engine, [encode("A\n")], PARAMS)[0].token_ids) == call("lookup", "rome")
     spec = {"spec": f"{__name__}:Lookup"}
-    multi = make_generate(build_config(BASE | {"agent": {"tools": [spec]}}), CharTokenizer())
-    [out] = multi(engine, [encode("A\n")], PARAMS)
+    multi = make_rollout(build_config(BASE | {"agent": {"tools": [spec]}}), CharTokenizer())
+    [out] = multi.generate(engine, [encode("A\n")], PARAMS)
+    multi.close()
+    assert multi.pool._threads._shutdown, "close ends the tools' threads"
     assert decode(out.token_ids).endswith("<|im_start|>tool\nitaly<|im_end|>\n<|im_start|>assistant\nit is italy")
     with pytest.raises(UserError, match="nothere"):
-        make_generate(build_config(BASE | {"agent": {"tools": [{"spec": "nothere:Tool"}]}}), CharTokenizer())
+        make_rollout(build_config(BASE | {"agent": {"tools": [{"spec": "nothere:Tool"}]}}), CharTokenizer())
 
 
 # ---- the loop ----

@@ -180,11 +180,22 @@ def agent_metrics(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[st
             | {"agent/policy_token_share": policy / max(policy + float(stats["tool_tokens"].sum()), 1.0)})
 
 
-def make_generate(cfg: Any, tokenizer: Any) -> Callable[[Generator, list[list[int]], SamplingParams], list[Completion]]:
-    """The trainer's rollout: ``engine.generate`` without tools, else an AgentLoop over ``cfg.agent.tools``."""
+class SingleTurn:
+    """Today's rollout: one engine call, the response up to the end (what the trainer uses without tools)."""
+
+    def generate(self, engine: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams
+                 ) -> list[Completion]:
+        return engine.generate([list(p) for p in prompts], params)
+
+    def close(self) -> None:
+        pass
+
+
+def make_rollout(cfg: Any, tokenizer: Any) -> SingleTurn | AgentLoop:
+    """The trainer's rollout: ``engine.generate`` without tools, else an AgentLoop over ``cfg.agent.tools``; its
+    ``close`` ends the tools' threads and event loop."""
     if not cfg.agent.tools:
-        return lambda engine, prompts, params: engine.generate(prompts, params)
-    loop = AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
+        return SingleTurn()
+    return AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
                      lambda ids: tokenizer.decode(ids), cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
                      cfg.rollout.max_new_tokens)
-    return loop.generate
