@@ -38,7 +38,8 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model.hf_path, "model.hf_path")
     records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)[:args.prompts]
     prompts, _ = tokenize_prompts(records, tokenizer, d.apply_chat_template, r.max_prompt_tokens,
-                                  source=repr(d.train_path), system_prompt=d.system_prompt)
+                                  source=repr(d.train_path), system_prompt=d.system_prompt,
+                                  response_prefix=d.response_prefix)
     reward_fn = load_reward(cfg.trainer.reward)
     rollout = make_rollout(cfg, tokenizer)
     engine = make_engine(cfg, 0, None)

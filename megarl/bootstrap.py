@@ -55,7 +55,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     d = cfg.data
     records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
     prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,
-                                        d.drop_long_prompts, repr(d.train_path), d.system_prompt)
+                                        d.drop_long_prompts, repr(d.train_path), d.system_prompt, d.response_prefix)
     from megarl.eval_loop import load_eval_sets
 
     eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))

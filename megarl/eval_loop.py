@@ -46,7 +46,8 @@ def _load(cfg: Config, d: EvalDatasetConfig, where: str, tokenizer: Any, stop: t
     records = load_prompts(d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, template,
                            f"{where}.path")[:d.max_prompts]
     prompts, _ = tokenize_prompts(records, tokenizer, data.apply_chat_template, cfg.rollout.max_prompt_tokens,
-                                  source=repr(d.path), system_prompt=d.system_prompt or data.system_prompt)
+                                  source=repr(d.path), system_prompt=d.system_prompt or data.system_prompt,
+                                  response_prefix=d.response_prefix or data.response_prefix)
     reward_fn = load_reward(d.reward or cfg.trainer.reward, f"{where}.reward")
     params = SamplingParams(n=d.num_samples or e.num_samples,
                             temperature=e.temperature if d.temperature is None else d.temperature,

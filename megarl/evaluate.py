@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--answer-key", default="answer")
     parser.add_argument("--prompt-template", help="format string over the record's fields (data.prompt_template)")
     parser.add_argument("--system-prompt", help="a system turn before every prompt (data.system_prompt)")
+    parser.add_argument("--response-prefix", help="text every response starts with, as prompt (data.response_prefix)")
     parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
     parser.add_argument("--engine", choices=["vllm", "sglang"], help="default: sglang on a GPU, else vllm")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template, "--data")
         records = records[:args.max_prompts]
         prompts, _ = tokenize_prompts(records, tokenizer, not args.no_chat_template, args.max_prompt_tokens,
-                                      source=repr(args.data), system_prompt=args.system_prompt)
+                                      source=repr(args.data), system_prompt=args.system_prompt,
+                                      response_prefix=args.response_prefix)
         kind = args.engine or ("sglang" if torch.cuda.is_available() else "vllm")
         engine = make_engine(kind, model, args)
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

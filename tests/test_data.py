@@ -209,3 +209,16 @@ def test_system_prompt_is_a_system_turn_or_leading_text() -> None:
     assert plain[0].tokens == tok("six\n\none two")["input_ids"]
     bare, _ = tokenize_prompts(records, tok, apply_chat_template=False, max_prompt_tokens=16)
     assert bare[0].tokens == tok("one two")["input_ids"]
+
+
+def test_response_prefix_ends_the_prompt_as_its_own_tokens() -> None:
+    template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok = word_tokenizer(chat_template=template)
+    records = [PromptRecord("one two", "2")]
+    plain, _ = tokenize_prompts(records, tok, apply_chat_template=True, max_prompt_tokens=16)
+    opened, _ = tokenize_prompts(records, tok, apply_chat_template=True, max_prompt_tokens=16, response_prefix="six")
+    assert opened[0].tokens == plain[0].tokens + tok.encode("six", add_special_tokens=False)
+    with pytest.raises(UserError, match="longer than rollout.max_prompt_tokens"):
+        tokenize_prompts(records, tok, apply_chat_template=True, max_prompt_tokens=len(plain[0].tokens),
+                         response_prefix="six")

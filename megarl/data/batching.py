@@ -28,6 +28,7 @@ def tokenize_prompts(
     drop_long: bool = False,
     source: str = "the prompt file",
     system_prompt: str | None = None,
+    response_prefix: str | None = None,
 ) -> tuple[list[TokenizedPrompt], int]:
     """Tokenize prompts; returns (kept, number dropped). A prompt longer than max_prompt_tokens is an error
     naming ``source``, the count and the longest, unless ``drop_long`` (data.drop_long_prompts) drops it.
@@ -35,8 +36,9 @@ def tokenize_prompts(
     With apply_chat_template and a tokenizer that has a chat template, each prompt becomes one user
     turn followed by the assistant header; otherwise it is encoded as plain text (with the tokenizer's
     BOS, if any). ``system_prompt`` (data.system_prompt) is a system turn before each user turn, or without
-    the chat template text before the prompt and a blank line. Kept prompts stay in input order, each with its
-    record so answers stay aligned.
+    the chat template text before the prompt and a blank line. ``response_prefix`` (data.response_prefix) is
+    encoded on its own and appended: the response starts with it, but it is prompt, never generated or trained on.
+    Kept prompts stay in input order, each with its record so answers stay aligned.
     """
     if not records:
         return [], 0
@@ -50,7 +52,9 @@ def tokenize_prompts(
         )
     else:
         encoded = tokenizer([prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}" for prompt in prompts])
-    lengths = [len(tokens) for tokens in encoded["input_ids"]]
+    prefix = tokenizer.encode(response_prefix, add_special_tokens=False) if response_prefix else []
+    ids = [list(tokens) + prefix for tokens in encoded["input_ids"]]
+    lengths = [len(tokens) for tokens in ids]
     empty = [i for i, n in enumerate(lengths) if n == 0]
     if empty:
         where = records[empty[0]].source or f"{source} record {empty[0] + 1}"
@@ -66,7 +70,7 @@ def tokenize_prompts(
                         f"longest, record {worst + 1}, has {lengths[worst]}). Fix: raise rollout.max_prompt_tokens "
                         f"to {lengths[worst]}, or set data.drop_long_prompts: true to train without them.")
     kept = [TokenizedPrompt(record, list(tokens))
-            for record, tokens, n in zip(records, encoded["input_ids"], lengths, strict=True) if n <= max_prompt_tokens]
+            for record, tokens, n in zip(records, ids, lengths, strict=True) if n <= max_prompt_tokens]
     return kept, len(records) - len(kept)
 
 
