@@ -5,7 +5,7 @@ heads."""
 import pytest
 import torch
 
-from megarl.models.forward import block_causal_mask
+from megarl.models.attention import block_causal_mask
 
 
 def reference(q, k, v, mask, scale):

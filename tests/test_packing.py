@@ -12,7 +12,7 @@ import torch
 
 from megarl.data.batching import Layout, build_micro_batches, plan_micro_batches
 from megarl.errors import UserError
-from megarl.models.forward import block_causal_mask
+from megarl.models.attention import block_causal_mask
 
 
 def slots(layout: Layout) -> int:

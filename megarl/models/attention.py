@@ -24,7 +24,19 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megarl.models.forward import block_causal_mask
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[b, s] segment ids -> [b, 1, s, s] bool attention mask, True = masked out.
+
+    A token attends to itself and the earlier tokens of its own segment only, so sequences packed
+    into one row do not see each other (every token sees at least itself: no row is all masked). The local
+    spec's fused attention (below) passes it to SDPA; Transformer Engine's takes it too.
+    Its memory is b * s^2 bytes per micro-batch, shared by every layer and head.
+    """
+    s = segments.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    same = segments.unsqueeze(2) == segments.unsqueeze(1)
+    return ~(same & causal).unsqueeze(1)
 
 
 class FusedCoreAttention(MegatronModule):

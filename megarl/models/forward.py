@@ -15,20 +15,6 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelGroups
 
 
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[b, s] segment ids -> [b, 1, s, s] bool attention mask, True = masked out.
-
-    A token attends to itself and the earlier tokens of its own segment only, so sequences packed
-    into one row do not see each other (every token sees at least itself: no row is all masked). The local
-    spec's fused attention (megarl.models.attention) passes it to SDPA; Transformer Engine's takes it too.
-    Its memory is b * s^2 bytes per micro-batch, shared by every layer and head.
-    """
-    s = segments.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
-    same = segments.unsqueeze(2) == segments.unsqueeze(1)
-    return ~(same & causal).unsqueeze(1)
-
-
 def model_inputs(batch: MicroBatch, device: torch.device, thd: bool = False
                  ) -> tuple[torch.Tensor, dict[str, Any]]:
     """(tokens [r, s], GPTModel.forward's inputs) for one micro-batch.
