@@ -11,8 +11,11 @@
 #              the run must end at rollout.timeout_minutes with one paragraph, exit 2, no process left
 #   rollout:   benchmarks/rollout_speed.py on SmolLM2 (converted by learn), triton and flashinfer backends
 #   learn:     SmolLM2-135M-Instruct (converted here from the GGUF, whose parts earlier calls copied into /tmp/gguf)
-#              trained with $LEARN_ALGO (grpo or ppo) on the arith task for $LEARN_STEPS steps with CUDA graphs,
-#              held-out greedy accuracy on arith and GSM8K every $EVAL_EVERY steps
+#              trained with recipes/smollm2_gsm8k_$LEARN_ALGO.yaml (grpo, ppo or tool_grpo) on $LEARN_TRAIN (default:
+#              the arith task) for $LEARN_STEPS steps with CUDA graphs, held-out greedy accuracy on arith and GSM8K
+#              every $EVAL_EVERY steps. BG=1 starts it in the background and returns; part `collect` waits for it.
+#   update:    benchmarks/update_memory.py: scoring's and the actor update's peaks and tokens/s with the full logits
+#              and the chunked path, SmolLM2 (converted by learn) and Llama-3-8B's body at 16 layers
 # PART selects a subset (default: setup truncated exit).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -68,18 +71,45 @@ for part in $PART; do
         echo "[h200] gguf sha256 $(sha256sum /tmp/smollm2.gguf | cut -c1-16) (b179c9523d0e6a0f expected)"
         python3 -m megarl.convert gguf-to-hf --gguf /tmp/smollm2.gguf --out /tmp/smollm2 2>&1 | tail -1
       fi
+      cmd=(timeout "${LEARN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node 1 megarl/train.py
+        --config "recipes/smollm2_gsm8k_${LEARN_ALGO:-grpo}.yaml" --set model.hf_path=/tmp/smollm2
+        --set tracking.backend=none --set data.train_path="${LEARN_TRAIN:-recipes/arith/train.jsonl}"
+        --set trainer.num_steps="${LEARN_STEPS:-60}" --set eval.every="${EVAL_EVERY:-10}"
+        --set rollout.max_new_tokens="${LEARN_MAX_NEW:-256}"
+        --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}, {name: gsm8k, path: "gsm8k:test", max_prompts: 500}]'
+        --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch
+        --set rollout.engine_args.grammar_backend=none --set checkpoint.dir=/tmp/$name --set checkpoint.save_every=0
+        ${LEARN_SETS:-})
+      if [[ -n ${BG:-} ]]; then
+        # Its own session, so that it outlives this call; the seconds since its start go with each line of its log.
+        setsid nohup bash -c 'start=$SECONDS; "$@" 2>&1 | while IFS= read -r l; do echo "[$((SECONDS - start))s] $l"; \
+          done > /tmp/$0.log; echo "${PIPESTATUS[0]} $((SECONDS - start))" > /tmp/$0.rc' "$name" "${cmd[@]}" \
+          > /dev/null 2>&1 < /dev/null &
+        echo "[h200] $name started in the background"
+        continue
+      fi
       start=$SECONDS
-      timeout "${LEARN_TIMEOUT:-540}" torchrun --standalone --nproc-per-node 1 megarl/train.py \
-        --config "recipes/smollm2_gsm8k_${LEARN_ALGO:-grpo}.yaml" --set model.hf_path=/tmp/smollm2 \
-        --set tracking.backend=none --set data.train_path=recipes/arith/train.jsonl \
-        --set trainer.num_steps="${LEARN_STEPS:-60}" --set eval.every="${EVAL_EVERY:-10}" \
-        --set rollout.max_new_tokens=256 \
-        --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}, {name: gsm8k, path: "gsm8k:test", max_prompts: 500}]' \
-        --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch \
-        --set rollout.engine_args.grammar_backend=none --set checkpoint.dir=/tmp/$name --set checkpoint.save_every=0 \
-        > "$OUT/$name.log" 2>&1
+      "${cmd[@]}" > "$OUT/$name.log" 2>&1
       echo "[h200] $name exit $? after $((SECONDS - start)) s"; cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl"
       grep -E "^step|eval " "$OUT/$name.log" | cut -c1-300 | tail -30 ;;
+    collect)
+      # A background learn run: wait up to $WAIT s for it to end, then keep its log and metrics.
+      name=learn_${LEARN_ALGO:-grpo}
+      for _ in $(seq "${WAIT:-0}"); do [[ -f /tmp/$name.rc ]] && break; sleep 1; done
+      echo "[h200] $name: $(cat /tmp/$name.rc 2>/dev/null || echo running) (exit code, seconds)"
+      cp /tmp/$name.log "$OUT/$name.log"; cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
+      grep -E "\] step|eval " "$OUT/$name.log" | cut -c1-300 | tail -${TAIL:-12} ;;
+    update)
+      timeout 300 torchrun --standalone --nproc-per-node 1 benchmarks/update_memory.py --model /tmp/smollm2 \
+        --chunk 0 --chunk 1024 --tokens 32768 --tokens 131072 --json "$OUT/update_memory_smollm2.json" \
+        > "$OUT/update_memory_smollm2.log" 2>&1
+      echo "[h200] update_memory smollm2 exit $?"; grep '^{' "$OUT/update_memory_smollm2.log"
+      for chunk in 0 1024; do
+        timeout 240 torchrun --standalone --nproc-per-node 1 benchmarks/update_memory.py --model llama3-8b \
+          --num-layers 16 --samples 256 --chunk $chunk --tokens 8192 $([[ $chunk != 0 ]] && echo --tokens 16384) \
+          --json "$OUT/update_memory_llama3_8b_16l_chunk$chunk.json" > "$OUT/update_memory_llama3_8b_16l_chunk$chunk.log" 2>&1
+        echo "[h200] update_memory llama3-8b-16l chunk $chunk exit $?"; grep '^{' "$OUT/update_memory_llama3_8b_16l_chunk$chunk.log"
+      done ;;
     rollout)
       # megarl's adapter against the bare SGLang engine on SmolLM2 (issue: rollout at the engine's speed)
       for backend in "triton pytorch" "flashinfer flashinfer"; do

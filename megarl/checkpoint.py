@@ -117,7 +117,8 @@ def _save_model(model: MegatronModel, out: Path) -> list[Path]:
                                             "ep": g.dims.ep,
                                             "vocab_pad_multiple": model.opts.vocab_pad_multiple,
                                             "padded_vocab_size": padded, "critic": model.opts.critic}))
-        copy_model_files(Path(model.hf_dir), out)  # the tokenizer and generation config: exports load as they are
+        if model.hf_dir is not None:  # the tokenizer and generation config: exports load as they are
+            copy_model_files(Path(model.hf_dir), out)
         (out / "config.json").write_text(json.dumps(model.spec.hf_config, indent=2) + "\n")
     return written
 

@@ -47,7 +47,7 @@ class MegatronModel:
     (megarl.models.routing).
     """
 
-    def __init__(self, spec: ModelSpec, hf_dir: str, groups: ParallelGroups, opts: BuildOptions,
+    def __init__(self, spec: ModelSpec, hf_dir: str | None, groups: ParallelGroups, opts: BuildOptions,
                  optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0,
                  routing_replay: bool = False, updates_per_step: int = 1) -> None:
         from megatron.core.distributed import (
@@ -64,7 +64,8 @@ class MegatronModel:
         """How sequences share rows under a token budget (BuildOptions.packing): "thd", "segments" or "off" (one
         each, right-padded)."""
         self.chunks = build_model(spec, groups, opts)
-        load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
+        if hf_dir is not None:  # None: Megatron's random initialisation, for benchmarks of a model's shape
+            load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
         self.chunked = bool(opts.logprob_chunk_tokens) and not opts.critic
         """The last stage outputs [b, L, 2] (log p of the next token, entropy) instead of logits
         (megarl.models.logprob_head)."""
