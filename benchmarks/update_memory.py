@@ -113,8 +113,8 @@ def main() -> None:
                 index = [(step * size + i) % args.samples for i in range(size)]
                 mb = [seqs[i] for i in index]
                 mask = torch.zeros(len(mb), max(len(s) for s in mb) - 1)
-                for row, s in enumerate(mb):
-                    mask[row, args.prompt_len - 1: len(s) - 1] = 1
+                for r, s in enumerate(mb):
+                    mask[r, args.prompt_len - 1: len(s) - 1] = 1
                 weights = token_weights(mask, algo.loss_aggregation, cfg.rollout.max_new_tokens)
                 extras = {"old_logprobs": [old[i] for i in index],
                           "advantages": [torch.full((len(s) - 1,), float(advantages[i])) * mask[r, : len(s) - 1]
