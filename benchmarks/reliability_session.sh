@@ -15,7 +15,7 @@
 #              the arith task) for $LEARN_STEPS steps with CUDA graphs, held-out greedy accuracy on arith and GSM8K
 #              every $EVAL_EVERY steps. BG=1 starts it in the background and returns; part `collect` waits for it.
 #   update:    benchmarks/update_memory.py: scoring's and the actor update's peaks and tokens/s with the full logits
-#              and the chunked path, SmolLM2 (converted by learn) and Llama-3-8B's body at 16 layers
+#              and the chunked path, SmolLM2 (converted by learn) or Llama-3-8B's body at 16 layers ($UPDATE_MODEL)
 # PART selects a subset (default: setup truncated exit).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
@@ -100,15 +100,21 @@ for part in $PART; do
       cp /tmp/$name.log "$OUT/$name.log"; cp /tmp/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
       grep -E "\] step|eval " "$OUT/$name.log" | cut -c1-300 | tail -${TAIL:-12} ;;
     update)
-      timeout 300 torchrun --standalone --nproc-per-node 1 benchmarks/update_memory.py --model /tmp/smollm2 \
-        --chunk 0 --chunk 1024 --tokens 32768 --tokens 131072 --json "$OUT/update_memory_smollm2.json" \
-        > "$OUT/update_memory_smollm2.log" 2>&1
-      echo "[h200] update_memory smollm2 exit $?"; grep '^{' "$OUT/update_memory_smollm2.log"
-      for chunk in 0 1024; do
-        timeout 240 torchrun --standalone --nproc-per-node 1 benchmarks/update_memory.py --model llama3-8b \
-          --num-layers 16 --samples 256 --chunk $chunk --tokens 8192 $([[ $chunk != 0 ]] && echo --tokens 16384) \
-          --json "$OUT/update_memory_llama3_8b_16l_chunk$chunk.json" > "$OUT/update_memory_llama3_8b_16l_chunk$chunk.log" 2>&1
-        echo "[h200] update_memory llama3-8b-16l chunk $chunk exit $?"; grep '^{' "$OUT/update_memory_llama3_8b_16l_chunk$chunk.log"
+      # $UPDATE_MODEL: smollm2 (converted by learn) at 32k and 128k tokens per micro-batch, or llama (Llama-3-8B's
+      # body at 16 layers, random weights) at 8k and 32k; each with and without activation recomputation. The full
+      # logits run at the smaller budget only: at the larger one they do not fit.
+      if [[ ${UPDATE_MODEL:-smollm2} == smollm2 ]]; then model=(--model /tmp/smollm2); small=32768; large=131072
+      else model=(--model llama3-8b --num-layers 16 --samples 256); small=8192; large=32768; fi
+      for recompute in ${UPDATE_RECOMPUTE:-false true}; do
+        for chunk in 0 1024; do
+          name=update_memory_${UPDATE_MODEL:-smollm2}_chunk${chunk}_recompute_$recompute
+          budgets=(--tokens $small); [[ $chunk != 0 ]] && budgets+=(--tokens $large)
+          [[ $chunk != 0 && $recompute == false && ${UPDATE_MODEL:-smollm2} == llama ]] && budgets=(--tokens $small)
+          timeout 200 torchrun --standalone --nproc-per-node 1 benchmarks/update_memory.py "${model[@]}" \
+            --chunk $chunk "${budgets[@]}" --set model.recompute_activations=$recompute --json "$OUT/$name.json" \
+            > "$OUT/$name.log" 2>&1
+          echo "[h200] $name exit $?"; grep '^{' "$OUT/$name.log" | cut -c1-420
+        done
       done ;;
     rollout)
       # megarl's adapter against the bare SGLang engine on SmolLM2 (issue: rollout at the engine's speed)

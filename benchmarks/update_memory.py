@@ -3,7 +3,7 @@ tokens/s of scoring (old log-probabilities) and of the actor update, with the me
 
   torchrun --nproc-per-node 1 benchmarks/update_memory.py --model DIR_OR_PRESET [--num-layers N]
       [--config recipes/smollm2_gsm8k_grpo.yaml] [--chunk 0 --chunk 1024] [--tokens 32768 --tokens 65536]
-      [--samples 512] [--prompt-len 100] [--response-len 140] [--steps 3] [--json OUT]
+      [--samples 512] [--prompt-len 100] [--response-len 140] [--steps 3] [--set KEY=VALUE ...] [--json OUT]
 
 --model: a HF directory (its weights are loaded) or a preset name (llama3-8b: Megatron's random initialisation, its
 own 128256-token vocabulary). Sequences are random tokens: a prompt of --prompt-len and a response of 0.5x to 1.5x
@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--response-len", type=int, default=140)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override, as for train.py (model.recompute_activations=true)")
     p.add_argument("--json")
     args = p.parse_args()
     chunks, budgets = args.chunk or [0, 1024], args.tokens or [32768]
@@ -91,7 +93,7 @@ def main() -> None:
         for budget in budgets:
             cfg = load_config(args.config, [f"model.hf_path={hf_dir or '/unused'}", f"model.dtype={dtype}",
                                             f"model.logprob_chunk_tokens={chunk}", f"actor.max_tokens_per_gpu={budget}",
-                                            "algorithm.kl_coef=0", "rollout.engine=sglang"])
+                                            "algorithm.kl_coef=0", "rollout.engine=sglang", *args.set])
             opts = BuildOptions(dtype=DTYPES[dtype], vocab_pad_multiple=cfg.model.vocab_pad_multiple,
                                 logprob_chunk_tokens=chunk, recompute_activations=cfg.model.recompute_activations)
             actor = MegatronModel(spec, hf_dir, groups, opts, cfg.actor.optimizer, num_steps=args.steps,
