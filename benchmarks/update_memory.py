@@ -143,7 +143,7 @@ def main() -> None:
                    "plan_error": (planned - update_peak) / update_peak if update_peak else None}
             results.append(row)
             print(json.dumps(row), flush=True)
-            del actor, old
+            del actor, old, loss  # the loss holds the model: kept, the next row would count its 2.3 GiB
             gc.collect()
             if platform.is_cuda:
                 torch.cuda.empty_cache()

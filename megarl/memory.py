@@ -24,6 +24,7 @@ without room is refused before launch too (one H200 host of 128 GiB was OOM-kill
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from megarl.config import Config, UpdateConfig
@@ -140,13 +141,15 @@ def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distribut
 def layer_activations(spec: ModelSpec, tp: int, sequence_parallel: bool) -> float:
     """Elements one token keeps in one layer for the backward pass, on one TP rank: the inputs of both norms and
     of the QKV and first MLP linears (hidden size each; split over TP only with sequence parallelism), the QKV
-    output, the attention output twice (the fused kernel's, and the output projection's input, a copy), and per
-    MLP unit (TP-split) the gate, its SiLU and the up projection plus the second linear's input. An MoE layer runs
-    that MLP in each of the top-k experts a token goes to, on a dispatched copy of the token."""
+    output, the rotated query and key, the query, key and value in the fused attention kernel's layout, the
+    attention output twice (the fused kernel's, and the output projection's input, a copy), and per MLP unit
+    (TP-split) the gate, its SiLU and the up projection plus the second linear's input. An MoE layer runs that MLP
+    in each of the top-k experts a token goes to, on a dispatched copy of the token. Measured on an H200 with the
+    local layers (benchmarks/results/h200/update_memory): within 5% for SmolLM2 and Llama-3-8B's body."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_kv_heads * d
     replicated = 4 * h
-    split = 3 * q + 2 * kv
+    split = (q + 2 * kv) + (q + kv) + (q + 2 * kv) + 2 * q
     if spec.is_moe:
         k = spec.num_experts_per_tok
         split += k * (h + 4 * spec.moe_intermediate_size)
@@ -156,8 +159,9 @@ def layer_activations(spec: ModelSpec, tp: int, sequence_parallel: bool) -> floa
 
 
 def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: ParallelDims,
-                     entropy: bool, logits: bool = True) -> int:
-    """One micro-batch of training (forward and backward) on the busiest GPU."""
+                     entropy: bool, logits: bool = True, segment_mask: bool = False) -> int:
+    """One micro-batch of training (forward and backward) on the busiest GPU; ``segment_mask``: packed rows carry a
+    block-causal mask (the local layers' packing)."""
     width = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
     tokens = section.max_tokens_per_gpu if section.dynamic_batch else section.micro_batch_size * width
     h, tp = spec.hidden_size, dims.tp
@@ -180,8 +184,12 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
         logit_bytes = (min(tokens, chunk) * vocab * (dtype + 4 + 4 + 4) + tokens * (h * dtype + 48)
                        + vocab * h * 4)
     else:
-        logit_bytes = tokens * vocab * ((2 + 4 + 4 + 4) + (8 if entropy else 0))
-    return kept * in_flight + logit_bytes
+        # The logits, their float32 copy and its exponent, and their gradient in the model's dtype.
+        logit_bytes = tokens * vocab * ((2 + 4 + 4 + 2) + (8 if entropy else 0))
+    # Without Transformer Engine a token budget's packed row carries its block-causal mask: one byte per pair of its
+    # tokens (megarl.models.attention.block_causal_mask), which measured 3.5 GiB more at 61k tokens on an H200.
+    mask = tokens * tokens if segment_mask and section.dynamic_batch else 0
+    return kept * in_flight + logit_bytes + mask
 
 
 def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int) -> MemoryPlan:
@@ -247,15 +255,17 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
 
     plan = MemoryPlan(gpu_bytes)
     entropy = algo.entropy_coef > 0
+    te = cfg.model.transformer_engine
+    masked = te == "off" or (te == "auto" and importlib.util.find_spec("transformer_engine") is None)
     asleep = {"engines asleep": ENGINE_ASLEEP}  # engines never share a GPU: engine g spans its group's GPUs
     # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
     plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
-        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, entropy),
-                                             actor.step_scratch)}) | asleep
+        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, entropy,
+                                                              segment_mask=masked), actor.step_scratch)}) | asleep
     if critic is not None:
         plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
-            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, False,
-                                                                  logits=False), critic.step_scratch)}) | asleep
+            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, False, logits=False,
+                                                                  segment_mask=masked), critic.step_scratch)}) | asleep
     # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
     at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
     plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start)
