@@ -24,5 +24,5 @@ def test_logits_logprobs_values_match_transformers(tmp_path):
                     | {("qwen3_moe", *layout) for layout in moe_layouts})
     assert all("SequentialMLP" in r["layers"] for r in results if r["model"] == "qwen3_moe")
     for row in results:
-        for key in ("logits", "logprobs", "values"):
+        for key in ("logits", "logprobs", "chunked_logprobs", "values"):
             assert row[key] < MAX_ABS_DIFF, row

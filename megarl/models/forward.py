@@ -174,11 +174,13 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
     def aim(chunk: torch.nn.Module, batch: MicroBatch) -> None:
         logprob_head.aim(chunk, batch.tokens.to(groups.device), thd=False)
 
-    if chunk_tokens:
-        logprob_head.install(chunks, vocab_start=vocab_start, vocab_size=spec.vocab_size, temperature=temperature,
-                             chunk_tokens=chunk_tokens, group=groups.tp_group)
     batches = even_micro_batches(micro_batches(sequences, micro_batch_size) if sequences else [], groups)
-    outputs = forward_only(chunks, groups, batches, logprobs, aim if chunk_tokens else None)
+    if chunk_tokens:
+        with logprob_head.installed(chunks, vocab_start=vocab_start, vocab_size=spec.vocab_size,
+                                    temperature=temperature, chunk_tokens=chunk_tokens, group=groups.tp_group):
+            outputs = forward_only(chunks, groups, batches, logprobs, aim)
+    else:
+        outputs = forward_only(chunks, groups, batches, logprobs, None)
     if outputs is None:
         return None
     rows = torch.cat(outputs)[: len(sequences)]

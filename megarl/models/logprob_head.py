@@ -14,7 +14,9 @@ the last position's log p meaningless (nothing follows it). Each forward needs i
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,6 +65,19 @@ def install(chunks: list[torch.nn.Module], **head: Any) -> None:
             state = LogprobHead(**head)
             model.output_layer.logprob_head = state
             model.output_layer.forward = functools.partial(state.forward, model.output_layer)
+
+
+@contextlib.contextmanager
+def installed(chunks: list[torch.nn.Module], **head: Any) -> Iterator[None]:
+    """``install`` for the duration of a block: the output layers give logits again after it."""
+    install(chunks, **head)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            layer = getattr(unwrap(chunk), "output_layer", None)
+            if layer is not None and hasattr(layer, "logprob_head"):
+                del layer.forward, layer.logprob_head  # the class's forward shows through again
 
 
 def aim(chunk: torch.nn.Module, tokens: torch.Tensor, thd: bool) -> None:

@@ -72,6 +72,8 @@ def main() -> None:
                 return torch.cat(parts, dim=-1)[..., :v].float().cpu()
 
             batches = micro_batches(sequences, micro_batch_size=2)
+            # The chunked head (megarl.score --logprob-chunk-tokens) first: the output layer gives logits again after.
+            chunked = sequence_logprobs(chunks, spec, groups, sequences, micro_batch_size=2, chunk_tokens=3)
             logits = forward_only(chunks, groups, batches, gather_logits)
             logprobs = sequence_logprobs(chunks, spec, groups, sequences, micro_batch_size=2)
 
@@ -88,15 +90,18 @@ def main() -> None:
             if logits is not None and logprobs is not None and values is not None and groups.tp_rank == 0:
                 rows = torch.cat(logits)
                 value_rows = torch.cat(values)
-                d_logit = d_lp = d_val = 0.0
+                d_logit = d_lp = d_chunked = d_val = 0.0
                 for i, seq in enumerate(sequences):
                     n = len(seq)
                     ref = ref_logits[i]
                     d_logit = max(d_logit, (rows[i, :n] - ref).abs().max().item())
                     ref_lp = torch.log_softmax(ref, -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
                     d_lp = max(d_lp, (torch.tensor(logprobs[i]) - ref_lp).abs().max().item())
+                    assert chunked is not None
+                    d_chunked = max(d_chunked, (torch.tensor(chunked[i]) - ref_lp).abs().max().item())
                     d_val = max(d_val, (value_rows[i, :n] - ref_values[i]).abs().max().item())
-                results.append(entry | {"logits": d_logit, "logprobs": d_lp, "values": d_val})
+                results.append(entry | {"logits": d_logit, "logprobs": d_lp, "chunked_logprobs": d_chunked,
+                                        "values": d_val})
             destroy_model_parallel()
     if results:
         (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
