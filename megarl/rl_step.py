@@ -115,6 +115,13 @@ def actor_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
     return kept * batch.informative[:, None]
 
 
+def critic_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
+    """[N, T]: the response tokens the critic's loss counts: those ``kept`` by the rollout correction (a rejected
+    sequence came from a sampler too far from the policy for its returns to be the policy's values). Unlike the
+    actor's, filler groups count: their returns are value targets like any other."""
+    return kept * batch.mask
+
+
 def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
     """Rollout engine vs trainer log-probabilities of the sampled tokens (a broken weight update shows here)."""
     diff = (batch.rollout_logprobs - trainer_logprobs).abs() * batch.mask

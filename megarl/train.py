@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl import checkpoint
     from megarl.algos.correction import rollout_correction
     from megarl.profiling import check_profile_step, profiled, trace_path
-    from megarl.rl_step import actor_loss_mask, advantages_and_returns, check_drift, logprob_drift
+    from megarl.rl_step import actor_loss_mask, advantages_and_returns, check_drift, critic_loss_mask, logprob_drift
 
     algo = cfg.algorithm
     check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
                 metrics = trainer.update_actor(batch, extras, step, actor_loss_mask(batch, kept))
             with tracker.phase("critic"):
                 if values is not None and returns is not None:
-                    metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step)
+                    metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step,
+                                                     critic_loss_mask(batch, kept))
             if "kl" in kl_metrics:
                 trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
             every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps

@@ -371,15 +371,17 @@ class RLTrainer:
         metrics = self._optimize(actor, self.cfg.actor, batch, extras, loss, f"step {step}, actor", step, mask)
         return {f"actor/{k}": v for k, v in metrics.items()}
 
-    def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor], step: int) -> dict[str, float]:
-        """Clipped value updates; extras: old_values, returns as [N, T]."""
+    def update_critic(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
+                      ) -> dict[str, float]:
+        """Clipped value updates; extras: old_values, returns as [N, T]; ``mask`` [N, T]: the tokens the loss counts
+        (rl_step.critic_loss_mask)."""
         if self.critic is None:
             return {}
         algo = self.cfg.algorithm
         self._hold("critic_update")
         metrics = self._optimize(self.critic, self.cfg.critic, batch, extras,
                                  lambda out, tok, ex: critic_loss(out[:, :-1, 0].float(), ex, algo),
-                                 f"step {step}, critic", step, batch.mask)
+                                 f"step {step}, critic", step, mask)
         return {f"critic/{k}": v for k, v in metrics.items()}
 
     def _share_rows(self, rows: dict[int, torch.Tensor] | None, batch: Batch) -> torch.Tensor:

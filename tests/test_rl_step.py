@@ -11,7 +11,16 @@ from megarl.algos.correction import rollout_correction
 from megarl.algos.losses import token_weights
 from megarl.config import AlgorithmConfig
 from megarl.errors import TrainingDiverged
-from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, check_drift, logprob_drift
+from megarl.rl_step import (
+    Batch,
+    actor_loss,
+    actor_loss_mask,
+    advantages_and_returns,
+    check_drift,
+    critic_loss,
+    critic_loss_mask,
+    logprob_drift,
+)
 
 
 def batch_of(scores: list[float], response_lens: list[int]) -> Batch:
@@ -118,3 +127,32 @@ def test_rejected_sequences_leave_the_loss_and_its_denominators(mode: str, corre
     expected = policy_gradient(alone, old[[0, 2], :width], advantages[[0, 2], :width], algo)
     torch.testing.assert_close(grad[[0, 2], :width], expected)
     assert expected.abs().sum() > 0
+
+
+def test_rejected_sequences_leave_the_critic_loss_but_filler_groups_stay() -> None:
+    """A sequence the rollout correction rejects trains neither the actor nor the critic (its returns come from a
+    sampler too far from the policy); a filler group, which teaches the actor nothing, still gives the critic value
+    targets. The critic's gradient with a rejected sequence is the one of the batch without it."""
+    batch = batch_of([1.0, 0.0, 0.5], [2, 3, 1])
+    old = batch.rollout_logprobs + 2.0 * batch.mask * torch.tensor([0.0, 1.0, 0.0])[:, None]
+    algo = AlgorithmConfig(name="ppo", rollout_correction="seq_product_mis")  # type: ignore[arg-type]
+    _, kept, _ = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
+    filler = batch.as_filler()
+    assert critic_loss_mask(filler, kept).sum() == kept.sum() > 0
+    assert actor_loss_mask(filler, kept).sum() == 0
+    returns = torch.tensor([1.0, -1.0, 0.5])[:, None] * batch.mask
+
+    def value_gradient(b: Batch, mask: torch.Tensor, ret: torch.Tensor) -> torch.Tensor:
+        values = torch.zeros_like(mask, requires_grad=True)
+        weights = token_weights(mask, algo.loss_aggregation, 8)
+        loss, _ = critic_loss(values, {"old_values": torch.zeros_like(mask), "returns": ret, "weights": weights}, algo)
+        loss.backward()
+        assert values.grad is not None
+        return values.grad
+
+    grad = value_gradient(batch, critic_loss_mask(batch, kept), returns)
+    assert grad[1].abs().sum() == 0
+    alone = batch.select([0, 2])
+    width = alone.mask.shape[1]
+    expected = value_gradient(alone, alone.mask, returns[[0, 2], :width])
+    torch.testing.assert_close(grad[[0, 2], :width], expected)
