@@ -47,7 +47,7 @@ def _load(cfg: Config, d: EvalDatasetConfig, where: str, tokenizer: Any, stop: t
                            f"{where}.path")[:d.max_prompts]
     prompts, _ = tokenize_prompts(records, tokenizer, data.apply_chat_template, cfg.rollout.max_prompt_tokens,
                                   source=repr(d.path), system_prompt=d.system_prompt or data.system_prompt,
-                                  response_prefix=d.response_prefix or data.response_prefix)
+                                  response_prefix=d.response_prefix or data.response_prefix, field=f"{where}.path")
     reward_fn = load_reward(d.reward or cfg.trainer.reward, f"{where}.reward")
     params = SamplingParams(n=d.num_samples or e.num_samples,
                             temperature=e.temperature if d.temperature is None else d.temperature,

@@ -3,17 +3,21 @@
 DIR is a HF model directory, or a megarl training checkpoint (a run's checkpoint.dir, one of its step_N
 directories, or its actor directory), whose actor is exported to HF first. Prompts are built as training
 builds them (the same templates, system prompt and chat template); generation runs on vLLM (CPU or GPU) or
-SGLang (GPU). The last line of stdout is one JSON object: accuracy, num_prompts, mean_length,
-truncated_fraction, seconds, and pass@k / mean@k with --num-samples K > 1.
+SGLang (GPU). --config RECIPE evaluates as that recipe trains: its prompt settings, reward and token limits are
+the defaults, and with an ``agent:`` section the model calls its tools over several turns as in training (the
+same agent loop). The last line of stdout is one JSON object: accuracy, num_prompts, mean_length,
+truncated_fraction, seconds, pass@k / mean@k with --num-samples K > 1, and agent/* means with tools.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from megarl.errors import run_main
 from megarl.rollout.base import RolloutEngine
@@ -24,14 +28,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory or megarl checkpoint")
     parser.add_argument("--data", required=True, help='"gsm8k:test" (vendored) or a .jsonl / .parquet file')
-    parser.add_argument("--reward", default="megarl.rewards.gsm8k:reward", help='"module:function"')
+    parser.add_argument("--config", type=Path, metavar="RECIPE",
+                        help="evaluate as this training recipe does: its data.* prompt settings, trainer.reward, "
+                             "rollout token limits and agent tools are the defaults of the options below")
+    parser.add_argument("--reward", help='"module:function" (default: megarl.rewards.gsm8k:reward)')
     parser.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples per prompt (pass@K)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, help="default: 1024")
+    parser.add_argument("--max-prompt-tokens", type=int, help="default: 1024")
     parser.add_argument("--max-prompts", type=int, help="the first N prompts only")
-    parser.add_argument("--prompt-key", default="question")
-    parser.add_argument("--answer-key", default="answer")
+    parser.add_argument("--prompt-key", help="default: question")
+    parser.add_argument("--answer-key", help="default: answer")
     parser.add_argument("--prompt-template", help="format string over the record's fields (data.prompt_template)")
     parser.add_argument("--system-prompt", help="a system turn before every prompt (data.system_prompt)")
     parser.add_argument("--response-prefix", help="text every response starts with, as prompt (data.response_prefix)")
@@ -51,6 +58,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--num-samples {args.num_samples} with --temperature 0 gives {args.num_samples} identical "
                      "greedy samples; pass a temperature > 0 for pass@k")
     return args
+
+
+DEFAULTS = {"reward": "megarl.rewards.gsm8k:reward", "max_new_tokens": 1024, "max_prompt_tokens": 1024,
+            "prompt_key": "question", "answer_key": "answer"}
+"""Without --config, what the options left out take."""
+
+
+def resolve(args: argparse.Namespace) -> Any:
+    """Fill the options left out from --config's recipe (or DEFAULTS); the recipe's Config, or None."""
+    cfg = None
+    if args.config is not None:
+        from megarl.config import load_config
+
+        cfg = load_config(args.config, [f"model.hf_path={args.model}"])
+        data, rollout = cfg.data, cfg.rollout
+        given = {"reward": cfg.trainer.reward, "max_new_tokens": rollout.max_new_tokens,
+                 "max_prompt_tokens": rollout.max_prompt_tokens, "prompt_key": data.prompt_key,
+                 "answer_key": data.answer_key, "prompt_template": data.prompt_template,
+                 "system_prompt": data.system_prompt, "response_prefix": data.response_prefix}
+        args.no_chat_template = args.no_chat_template or not data.apply_chat_template
+    else:
+        given = DEFAULTS
+    for name, value in given.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return cfg
 
 
 def hf_model(path: Path, scratch: Path) -> Path:
@@ -102,6 +135,7 @@ def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngin
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    cfg = resolve(args)
     import torch
 
     from megarl.data.batching import tokenize_prompts
@@ -109,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.data.tokenizer import load_tokenizer
     from megarl.evaluation import evaluate, write_samples
     from megarl.rewards.registry import load_reward
+    from megarl.rollout.agent import AgentLoop
     from megarl.rollout.base import SamplingParams
 
     if args.prompt_template is not None:
@@ -117,21 +152,29 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as scratch:
         model = str(hf_model(Path(args.model), Path(scratch)))
         tokenizer = load_tokenizer(model, "--model")
+        # Tools load (and bad specs stop) before the data is read and an engine starts.
+        loop = None if cfg is None or not cfg.agent.tools else AgentLoop(
+            cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False), tokenizer.decode,
+            args.max_prompt_tokens + args.max_new_tokens, args.max_new_tokens)
         records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template, "--data")
         records = records[:args.max_prompts]
         prompts, _ = tokenize_prompts(records, tokenizer, not args.no_chat_template, args.max_prompt_tokens,
                                       source=repr(args.data), system_prompt=args.system_prompt,
-                                      response_prefix=args.response_prefix)
+                                      response_prefix=args.response_prefix, field="--data",
+                                      limit_field="--max-prompt-tokens")
         kind = args.engine or ("sglang" if torch.cuda.is_available() else "vllm")
         engine = make_engine(kind, model, args)
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         params = SamplingParams(n=args.num_samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 stop_token_ids=stop, seed=args.seed)
         try:
-            result, samples = evaluate(engine.generate, prompts, reward_fn, params,
+            generate = engine.generate if loop is None else functools.partial(loop.generate, engine)
+            result, samples = evaluate(generate, prompts, reward_fn, params,
                                        lambda t: str(tokenizer.decode(t, skip_special_tokens=True)))
         finally:
             engine.shutdown()
+            if loop is not None:
+                loop.close()
     if args.output is not None:
         write_samples(args.output, samples)
     print(json.dumps({"model": args.model, "data": args.data, "engine": kind, "num_samples": args.num_samples}

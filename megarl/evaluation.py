@@ -2,7 +2,8 @@
 
 A sample is correct when its reward is positive (the bundled verifiers give 1.0 or 0.0). Per dataset:
 ``accuracy`` (mean reward over all samples, = ``mean@k``), ``pass@k`` (share of prompts with a correct sample
-among their k), ``mean_length`` (generated tokens), ``truncated_fraction`` (samples cut at max_new_tokens).
+among their k), ``mean_length`` (generated tokens), ``truncated_fraction`` (samples cut at max_new_tokens), and
+with tools the means of ``agent/turns``, ``agent/tool_calls``, ``agent/tool_errors`` and ``agent/tool_timeouts``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ def score(prompts: Sequence[TokenizedPrompt], completions: Sequence[Completion],
                       tokens=len(c.token_ids), truncated=c.finish_reason == "length")
                for c, text, reward in zip(completions, texts, rewards, strict=True)]
     grouped = [rewards[i * k:(i + 1) * k] for i in range(len(prompts))]
-    return metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples]), samples
+    out = metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples])
+    if completions and completions[0].stats:  # multi-turn: how the tools were used
+        out |= {f"agent/{key}": sum((c.stats or {})[key] for c in completions) / len(completions)
+                for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+    return out, samples
 
 
 def evaluate(generate: Callable[[list[list[int]], SamplingParams], list[Completion]],

@@ -67,9 +67,16 @@ def test_greedy_evaluation_equals_a_transformers_decode_scored_by_the_same_rewar
     (["--data", "gsm8k:test", "--reward", "megarl.rewards.nope:reward"],
      "--reward = 'megarl.rewards.nope:reward': no module named 'megarl.rewards.nope'"),
     (["--data", "gsm8k:test", "--prompt-template", "{question"], "--prompt-template = '{question' is not a format"),
+    (["--data", "gsm8k:test", "--config", "missing.yaml"], "missing.yaml"),
+    (["--data", "gsm8k:test", "--config", "BAD_TOOL"], "megarl.tools.nope"),
 ])
-def test_bad_input_is_named_before_any_engine_starts(args: list[str], expected: str) -> None:
+def test_bad_input_is_named_before_any_engine_starts(tmp_path: Path, args: list[str], expected: str) -> None:
     from megarl.evaluate import main
+
+    if "BAD_TOOL" in args:  # a recipe whose tool does not import
+        recipe = (REPO / "recipes" / "tiny_cpu_grpo.yaml").read_text()
+        (tmp_path / "bad.yaml").write_text(recipe + "agent:\n  tools:\n    - spec: megarl.tools.nope:X\n")
+        args = [str(tmp_path / "bad.yaml") if a == "BAD_TOOL" else a for a in args]
 
     with pytest.raises(UserError) as err:
         main(["--model", str(REPO / "recipes" / "tiny" / "model"), *args])

@@ -203,16 +203,25 @@ def test_dapo_sampling_and_rollout_correction_at_a_temperature(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny_cpu_grpo", "tiny_cpu_ppo"])
-def test_multi_turn_tool_rollouts_train(tmp_path, recipe):
-    """The tiny recipe with a tool (megarl.rollout.agent): its tokenizer has no tool format and encodes only digits,
-    "=" and "<eos>" (other words vanish), so "=" closes a call, whose digits the calculator gets, and the tool turn
-    is the digits of its output. The trainer sees the policy mask: its logprobs of the policy's tokens are the
-    engine's, the critic (ppo) trains on them, and the agent metrics are logged with every step."""
-    steps = 3
-    rows = train_recipe(f"recipes/{recipe}.yaml", tmp_path, f"trainer.num_steps={steps}",
-                        "rollout.max_new_tokens=8", 'agent.tools=[{spec: "megarl.tools.calculator:Calculator"}]',
-                        'agent.call_end="="', 'agent.observation_template="{observation}"', "agent.max_turns=3")
+def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path):
+    """The tiny PPO recipe with a tool (megarl.rollout.agent): its tokenizer has no tool format and encodes only
+    digits, "=" and "<eos>" (other words vanish), so "=" closes a call, whose digits the calculator gets, and the tool
+    turn is the digits of its output. The trainer sees the policy mask: its logprobs of the policy's tokens are the
+    engine's, the critic trains on them, and the agent metrics are logged with every step. The held-out eval runs
+    the same agent loop, and so does the standalone evaluator given the recipe: on the starting weights both give the
+    same samples. (GRPO with tools: test_a_task_only_a_tool_solves_is_learnt.)"""
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes/tiny_cpu_ppo.yaml").read_text())
+    recipe["rollout"]["max_new_tokens"] = 8
+    recipe["agent"] = {"tools": [{"spec": "megarl.tools.calculator:Calculator"}], "call_end": "=",
+                       "observation_template": "{observation}", "max_turns": 3}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    steps, run = 3, tmp_path / "run"
+    rows = train_recipe(str(path), run, f"trainer.num_steps={steps}", "eval.before_train=true", "eval.every=0",
+                        "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 16, "
+                        'reward: "megarl.rewards.echo:reward"}]')
     assert [r["step"] for r in rows] == list(range(steps))
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
     for r in rows:
@@ -220,7 +229,22 @@ def test_multi_turn_tool_rollouts_train(tmp_path, recipe):
         assert 0 < r["agent/tool_tokens"] and r["agent/policy_token_share"] < 1, r
         assert 0 <= r["agent/tool_errors"] <= r["agent/tool_calls"] and r["agent/tool_timeouts"] == 0
         assert r["response_length"] + r["agent/tool_tokens"] <= 8  # policy and tool tokens within the budget
-        assert recipe == "tiny_cpu_grpo" or math.isfinite(r["critic/value_loss"]), r
+        assert math.isfinite(r["critic/value_loss"]), r
+    assert rows[0]["eval/echo/initial/agent/tool_calls"] > 0
+    samples = tmp_path / "standalone.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", "recipes/tiny/model", "--data",
+                           "recipes/tiny/echo.jsonl", "--config", str(path), "--max-prompts", "16",
+                           "--reward", "megarl.rewards.echo:reward", "--engine", "vllm",
+                           "--gpu-memory-fraction", "0.1", "--output", str(samples)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["accuracy"] == rows[0]["eval/echo/initial/accuracy"]
+    assert result["agent/tool_calls"] == rows[0]["eval/echo/initial/agent/tool_calls"] > 0
+    in_training = [json.loads(line) for line in (run / "eval" / "echo" / "initial.jsonl").read_text().splitlines()]
+    assert [s["completion"] for s in in_training] == [json.loads(line)["completion"]
+                                                       for line in samples.read_text().splitlines()]
 
 
 @pytest.mark.slow

@@ -29,9 +29,12 @@ def tokenize_prompts(
     source: str = "the prompt file",
     system_prompt: str | None = None,
     response_prefix: str | None = None,
+    field: str = "data.train_path",
+    limit_field: str = "rollout.max_prompt_tokens",
 ) -> tuple[list[TokenizedPrompt], int]:
     """Tokenize prompts; returns (kept, number dropped). A prompt longer than max_prompt_tokens is an error
-    naming ``source``, the count and the longest, unless ``drop_long`` (data.drop_long_prompts) drops it.
+    naming ``field`` (where the prompts come from: a config field or a command-line flag), ``source``, the count
+    and the longest, unless ``drop_long`` (data.drop_long_prompts) drops it; ``limit_field`` names the limit.
 
     With apply_chat_template and a tokenizer that has a chat template, each prompt becomes one user
     turn followed by the assistant header; otherwise it is encoded as plain text (with the tokenizer's
@@ -58,17 +61,18 @@ def tokenize_prompts(
     empty = [i for i, n in enumerate(lengths) if n == 0]
     if empty:
         where = records[empty[0]].source or f"{source} record {empty[0] + 1}"
-        raise UserError(f"data.train_path {where}: the prompt {records[empty[0]].prompt!r} encodes to no tokens "
+        raise UserError(f"{field} {where}: the prompt {records[empty[0]].prompt!r} encodes to no tokens "
                         f"({len(empty)} of {len(records)} prompts do), and the engine cannot generate from an empty "
-                        "prompt. Fix: remove those records, or set data.apply_chat_template: true with a tokenizer "
-                        "that has a chat template.")
+                        "prompt. Fix: remove those records, or encode the prompts with a chat template (a tokenizer "
+                        "that has one, and data.apply_chat_template: true or no --no-chat-template).")
     long = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
     if long and not drop_long:
         worst = max(long, key=lambda i: lengths[i])
-        raise UserError(f"data.train_path = {source}: {len(long)} of {len(records)} prompts are longer than "
-                        f"rollout.max_prompt_tokens = {max_prompt_tokens} tokens (after the chat template; the "
-                        f"longest, record {worst + 1}, has {lengths[worst]}). Fix: raise rollout.max_prompt_tokens "
-                        f"to {lengths[worst]}, or set data.drop_long_prompts: true to train without them.")
+        drop = ", or set data.drop_long_prompts: true to train without them" if field == "data.train_path" else ""
+        raise UserError(f"{field} = {source}: {len(long)} of {len(records)} prompts are longer than "
+                        f"{limit_field} = {max_prompt_tokens} tokens (after the chat template; the "
+                        f"longest, record {worst + 1}, has {lengths[worst]}). Fix: raise {limit_field} "
+                        f"to {lengths[worst]}{drop}.")
     kept = [TokenizedPrompt(record, list(tokens))
             for record, tokens, n in zip(records, ids, lengths, strict=True) if n <= max_prompt_tokens]
     return kept, len(records) - len(kept)
