@@ -208,8 +208,8 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
     digits, "=" and "<eos>" (other words vanish), so "=" closes a call, whose digits the calculator gets, and the tool
     turn is the digits of its output. The trainer sees the policy mask: its logprobs of the policy's tokens are the
     engine's, the critic trains on them, and the agent metrics are logged with every step. The held-out eval runs
-    the same agent loop, and so does the standalone evaluator given the recipe: on the starting weights both give the
-    same samples. (GRPO with tools: test_a_task_only_a_tool_solves_is_learnt.)"""
+    the same agent loop, and so does the standalone evaluator given the recipe: on the starting weights, at the same
+    seed, both give the same samples. (GRPO with tools: test_a_task_only_a_tool_solves_is_learnt.)"""
     import yaml
 
     recipe = yaml.safe_load((REPO / "recipes/tiny_cpu_ppo.yaml").read_text())
@@ -220,6 +220,7 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
     path.write_text(yaml.safe_dump(recipe))
     steps, run = 3, tmp_path / "run"
     rows = train_recipe(str(path), run, f"trainer.num_steps={steps}", "eval.before_train=true", "eval.every=0",
+                        "eval.temperature=1.0",  # the random model calls the tool only when it samples
                         "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 16, "
                         'reward: "megarl.rewards.echo:reward"}]')
     assert [r["step"] for r in rows] == list(range(steps))
@@ -234,7 +235,7 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
     samples = tmp_path / "standalone.jsonl"
     proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", "recipes/tiny/model", "--data",
                            "recipes/tiny/echo.jsonl", "--config", str(path), "--max-prompts", "16",
-                           "--reward", "megarl.rewards.echo:reward", "--engine", "vllm",
+                           "--reward", "megarl.rewards.echo:reward", "--engine", "vllm", "--temperature", "1.0",
                            "--gpu-memory-fraction", "0.1", "--output", str(samples)],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=os.environ | {"PYTHONPATH": str(REPO)})
