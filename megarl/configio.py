@@ -189,7 +189,10 @@ def _unknown_key(cls: type, key: str, path: str) -> FieldError:
         and (match := _closest(key, [g.name for g in dataclasses.fields(hints[f.name])]))
     ]
     close = _closest(key, names) or (deeper[0] if deeper else None)
-    if close:
+    refused = getattr(cls, "REFUSED_KEYS", {}).get(key)  # a key known to be wrong here, with its reason
+    if refused:
+        hint = refused
+    elif close:
         hint = f"did you mean `{close}`?"
     elif "." in key:
         hint = "dotted keys are for --set; in YAML, nest each part as an indented section."
