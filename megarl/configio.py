@@ -188,7 +188,8 @@ def _unknown_key(cls: type, key: str, path: str) -> FieldError:
         if dataclasses.is_dataclass(hints[f.name])
         and (match := _closest(key, [g.name for g in dataclasses.fields(hints[f.name])]))
     ]
-    close = _closest(key, names) or (deeper[0] if deeper else None)
+    exact = [d for d in deeper if d.endswith(f".{key}")]  # `actor.lr`: optimizer.lr before a near name (lora)
+    close = exact[0] if exact else _closest(key, names) or (deeper[0] if deeper else None)
     refused = getattr(cls, "REFUSED_KEYS", {}).get(key)  # a key known to be wrong here, with its reason
     if refused:
         hint = refused
