@@ -1,0 +1,84 @@
+"""A LoRA actor in training (actor.lora, megarl.lora.training): B = 0 scores as the base model; one update moves only
+the adapters; the reference (adapters off) is the base model; the hand-over reads W + s B A; the config refuses bad
+values clearly; the memory plan counts no reference weights and the adapters' optimizer state only. The Megatron
+checks run in one TP2 launch (tests/workers/lora_actor.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_hf_model, run_worker
+from megarl.config import build_config
+from megarl.errors import UserError
+from megarl.lora.config import LoraConfig
+from megarl.lora.training import adapter_params_per_rank, merged_params_per_rank
+from megarl.memory import plan_memory
+from megarl.models.presets import preset_or_hf_spec
+from megarl.parallel import ParallelDims
+
+MINIMAL = {"model": {"hf_path": "/models/m"}, "rollout": {"num_samples_per_prompt": 4},
+           "data": {"train_path": "gsm8k", "num_prompts_per_step": 16}}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_actor")
+    return run_worker("lora_actor.py", root, make_hf_model(root / "llama", "llama"), nproc=2)
+
+
+def test_the_lora_actor_trains_only_its_adapters_and_hands_over_merged_weights(rows):
+    assert len(rows) == 2
+    for row in rows:
+        # DDP's gradient buffers and the optimizer hold the adapters only.
+        assert row["trainable"] == row["expected_adapters"] == row["ddp_grad_numel"] > 0
+        assert row["optimizer_numel"] == row["trainable"]
+        assert row["merged_numel"] == row["expected_merged"]
+        assert row["zero_b_exact"]  # B = 0: the base model's logprobs, bit for bit
+        assert row["grad_norm"] > 0 and row["b_moved"] > 0  # every B moved
+        assert row["a_moved"] == 0.0  # from B = 0 the first step's gradient reaches no A
+        assert row["base_identical"]  # the frozen base weights are bit for bit those loaded
+        assert row["trained_moved"] > 1e-4
+        assert row["reference_exact"] and row["adapters_back_on"]  # adapters off: the base model; on again after
+        assert row["same_addresses"]  # the resharder keeps reading the same tensors
+        assert row["merged_names"] == row["expected_names"] and row["merged_diff"] < 1e-6 and row["merged_moved"] > 0
+        assert row["others_are_weights"]
+        assert row["merged_after_offload"] == 0.0
+
+
+def error_of(data, overrides=()):
+    with pytest.raises(UserError) as info:
+        build_config(data, overrides)
+    return str(info.value)
+
+
+def test_config_errors_name_the_key_and_the_fix():
+    assert "actor.lora.target_modules" in (e := error_of(MINIMAL, ["actor.lora.rank=8",
+                                                                   "actor.lora.target_modules=[q_proj]"]))
+    assert "use 'qkv'" in e
+    e = error_of(MINIMAL | {"critic": {"lora": {"rank": 8}}})
+    assert "`critic.lora`" in e and "only the actor" in e
+    e = error_of(MINIMAL, ["actor.lora.rank=8", "rollout.alias_weights=true"])
+    assert "rollout.alias_weights" in e and "merged" in e
+    assert "actor.lora.rank" in error_of(MINIMAL, ["actor.lora.rank=-1"])
+    cfg = build_config(MINIMAL, ["actor.lora.rank=16", "actor.lora.alpha=32"])
+    assert cfg.actor.lora == LoraConfig(rank=16, alpha=32.0) and cfg.actor.lora_on()
+    assert not build_config(MINIMAL).actor.lora_on()
+    assert not build_config(MINIMAL, ["actor.lora.rank=0"]).actor.lora_on()
+
+
+def test_memory_plan_counts_no_reference_and_the_adapters_optimizer_only():
+    spec = preset_or_hf_spec("llama3-8b")
+    dims = ParallelDims(tp=2, pp=1, dp=4)
+    sets = ["algorithm.kl_coef=0.01", "rollout.engine=sglang", "reference.offload_weights=false"]
+    full = plan_memory(build_config(MINIMAL, sets), spec, dims, 141 * 2**30)
+    lora = plan_memory(build_config(MINIMAL, [*sets, "actor.lora.rank=16"]), spec, dims, 141 * 2**30)
+    assert "reference weights" in full.phases["actor_update"]  # kept on the device: reference.offload_weights false
+    assert all("reference weights" not in parts for parts in lora.phases.values())
+    update = lora.phases["actor_update"]
+    adapters = adapter_params_per_rank(spec, LoraConfig(rank=16), 2, 1)
+    assert update["actor grads"] == adapters * 4  # float32 gradients of the adapters only
+    assert update["actor optimizer"] == adapters * (4 + 8) // 4  # master weights and Adam moments, over DP 4
+    assert update["actor optimizer"] < full.phases["actor_update"]["actor optimizer"] / 100
+    extra = adapters * 2 + merged_params_per_rank(spec, LoraConfig(rank=16), 2, 1) * 2
+    assert update["actor weights"] == full.phases["actor_update"]["actor weights"] + extra
+    assert lora.total("actor_update") < full.total("actor_update") - full.phases["actor_update"]["actor grads"]

@@ -1,0 +1,119 @@
+"""Multi-rank worker for test_lora_training.py: a LoRA actor (actor.lora) under TP2, in one launch.
+
+torchrun --nproc-per-node 2 tests/workers/lora_actor.py OUT_DIR MODEL_DIR
+Builds the base model (scoring only) and the LoRA actor (megarl.lora.training) from the same HF weights, in float32,
+and reports: the actor's logprobs before training against the base model's (B = 0); what DDP and the optimizer hold
+(adapters only); after one train_step, whether the base weights are bit for bit the same and the adapters moved;
+the reference (the actor with its adapters off, lora_training.BaseModel) against the base model; and the hand-over
+tensors (named_params after refresh_merged) against W + s B A.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megarl.platform import init_platform
+
+platform = init_platform()
+
+import torch.distributed as dist  # noqa: E402
+
+from megarl.config import OptimizerConfig  # noqa: E402
+from megarl.lora import training as lora_training  # noqa: E402
+from megarl.lora.config import LoraConfig  # noqa: E402
+from megarl.models.gpt import BuildOptions, canonical_params  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
+from megarl.offload import PARTS, ModelResidency  # noqa: E402
+from megarl.parallel import (  # noqa: E402
+    ParallelDims,
+    destroy_model_parallel,
+    init_distributed,
+    init_model_parallel,
+    model_parallel_seed,
+)
+
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "o", "fc1", "fc2"])
+
+
+def main() -> None:
+    out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
+    init_distributed(platform)
+    world = dist.get_world_size()
+    spec = load_spec(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 5, 12)]
+    dims = ParallelDims(tp=world, pp=1, dp=1)
+    groups = init_model_parallel(dims)
+    model_parallel_seed(0)
+    opts = BuildOptions(dtype=torch.float32)
+    base = MegatronModel(spec, model_dir, groups, opts)
+    base_lp = base.score(seqs, 64)
+    actor = MegatronModel(spec, model_dir, groups, opts,
+                          OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
+                          lora=LORA, seed=3)
+    row: dict = {"rank": dist.get_rank()}
+    trainable = [p for c in actor.chunks for p in c.parameters() if p.requires_grad]
+    row["trainable"] = sum(p.numel() for p in trainable)
+    row["expected_adapters"] = lora_training.adapter_params_per_rank(spec, LORA, dims.tp, dims.pp)
+    row["ddp_grad_numel"] = sum(b.grad_data.numel() for m in actor.models for b in m.buffers)
+    row["optimizer_numel"] = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])
+    row["merged_numel"] = sum(a.merged.numel() for _, a in lora_training.adapted(actor.chunks))
+    row["expected_merged"] = lora_training.merged_params_per_rank(spec, LORA, dims.tp, dims.pp)
+    row["zero_b_exact"] = all(torch.equal(a, b) for a, b in zip(actor.score(seqs, 64), base_lp, strict=True))
+    weights_before = {n: p.detach().clone() for n, p in canonical_params(actor.chunks, spec, groups).items()}
+    adapters_before = [p.detach().clone() for p in trainable]
+    handover = actor.named_params()
+    addresses = {n: t.data_ptr() for n, t in handover.items()}
+
+    def loss(logits, tokens, ex):
+        logp = actor.token_logprobs(logits, tokens)
+        return -(logp * ex["advantages"] * ex["weights"]).sum(), {}
+
+    adv = [torch.randn(len(s) - 1, generator=gen) for s in seqs]
+    weights = [torch.full((len(s) - 1,), 1.0 / sum(len(t) - 1 for t in seqs)) for s in seqs]
+    metrics = actor.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64)
+    row["grad_norm"] = metrics["grad_norm"]
+    after = canonical_params(actor.chunks, spec, groups)
+    row["base_identical"] = all(torch.equal(weights_before[n], p) for n, p in after.items())
+    moved = {id(p): float((p - q).abs().max()) for p, q in zip(trainable, adapters_before, strict=True)}
+    factors = [(m.A, m.B) for _, m in lora_training.adapted(actor.chunks)]
+    # From B = 0 the first step's gradient reaches B only (dL/dA = s B^T dL/dy = 0): A moves from the second on.
+    row["b_moved"] = min(moved[id(b)] for _, b in factors)
+    row["a_moved"] = max(moved[id(a)] for a, _ in factors)
+    trained_lp = actor.score(seqs, 64)
+    row["trained_moved"] = max(float((a - b).abs().max()) for a, b in zip(trained_lp, base_lp, strict=True))
+    reference = lora_training.BaseModel(actor)
+    row["reference_exact"] = all(torch.equal(a, b) for a, b in zip(reference.score(seqs, 64), base_lp, strict=True))
+    row["adapters_back_on"] = all(torch.equal(a, b) for a, b in zip(actor.score(seqs, 64), trained_lp, strict=True))
+    # The hand-over: the same tensors as at start (the resharder keeps them), W + s B A after refresh_merged.
+    actor.refresh_merged()
+    handover = actor.named_params()
+    row["same_addresses"] = {n: t.data_ptr() for n, t in handover.items()} == addresses
+    adapted = {f"{name}.weight": (m.weight, m.lora) for name, m in actor.chunks[0].named_modules()
+               if isinstance(getattr(m, "lora", None), torch.nn.Module)}
+    diffs, names = [], []
+    for name, (w, a) in adapted.items():
+        expected = w + a.scaling * a.B @ a.A
+        diffs.append(float((handover[name] - expected).abs().max()))
+        names.append(name)
+    row["merged_names"], row["expected_names"] = len(names), 4 * spec.num_layers
+    row["merged_diff"] = max(diffs)
+    row["merged_moved"] = max(float((handover[n] - after[n]).abs().max()) for n in names)
+    row["others_are_weights"] = all(handover[n] is after[n].data or torch.equal(handover[n], after[n])
+                                    for n in after if n not in names)
+    # The merged buffers are module buffers: they leave the device and come back with the weights.
+    snapshot = {n: handover[n].clone() for n in names}
+    residency = ModelResidency(actor)
+    residency.offload(PARTS)
+    residency.onload(PARTS)
+    row["merged_after_offload"] = max(float((handover[n] - snapshot[n]).abs().max()) for n in names)
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
+    destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
