@@ -43,6 +43,9 @@ def test_the_lora_actor_trains_only_its_adapters_and_hands_over_merged_weights(r
         assert row["merged_names"] == row["expected_names"] and row["merged_diff"] < 1e-6 and row["merged_moved"] > 0
         assert row["others_are_weights"]
         assert row["merged_after_offload"] == 0.0
+        # Resumed from a checkpoint: the same adapters, and the same second step (Adam's state restored).
+        assert row["resumed_adapters"] and row["resumed_exact"]
+        assert row["resumed_step"][0] == row["resumed_step"][1]
 
 
 def error_of(data, overrides=()):

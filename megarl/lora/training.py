@@ -34,6 +34,12 @@ def install(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int) -> li
     return params
 
 
+def adapter_params(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """This rank's adapter factors by chunk and module name ("0:decoder.layers.1.mlp.linear_fc1.lora.A")."""
+    return {f"{vp}:{name}": p for vp, chunk in enumerate(chunks) for name, p in unwrap(chunk).named_parameters()
+            if ".lora." in name}
+
+
 def adapted(chunks: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, LoraAdapter]]:
     """(base linear layer, its adapter) for every adapted layer of ``chunks``."""
     return [(m, m.lora) for chunk in chunks for m in unwrap(chunk).modules()  # type: ignore[misc]

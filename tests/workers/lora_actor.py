@@ -20,6 +20,7 @@ platform = init_platform()
 
 import torch.distributed as dist  # noqa: E402
 
+from megarl import checkpoint  # noqa: E402
 from megarl.config import OptimizerConfig  # noqa: E402
 from megarl.lora import training as lora_training  # noqa: E402
 from megarl.lora.config import LoraConfig  # noqa: E402
@@ -110,6 +111,20 @@ def main() -> None:
     residency.offload(PARTS)
     residency.onload(PARTS)
     row["merged_after_offload"] = max(float((handover[n] - snapshot[n]).abs().max()) for n in names)
+    # A checkpoint holds the adapters and their optimizer state: a fresh actor (other A) resumed from it takes the
+    # same second step as the actor that saved it.
+    saved = checkpoint.save(str(out_dir / "ckpt"), 1, {"actor": actor}, {}, keep_last=1)
+    resumed = MegatronModel(spec, model_dir, groups, opts,
+                            OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
+                            lora=LORA, seed=4)
+    checkpoint.load(saved, {"actor": resumed})
+    row["resumed_adapters"] = all(torch.equal(p, q) for p, q in zip(
+        lora_training.adapter_params(resumed.chunks).values(), lora_training.adapter_params(actor.chunks).values(),
+        strict=True))
+    second = [m.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64) for m in (actor, resumed)]
+    row["resumed_step"] = [s["grad_norm"] for s in second]
+    row["resumed_exact"] = all(torch.equal(a, b) for a, b in zip(actor.score(seqs, 64), resumed.score(seqs, 64),
+                                                                 strict=True))
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
     destroy_model_parallel()
     dist.destroy_process_group()
