@@ -62,7 +62,8 @@ class ModelConfig:
     vocab_pad_multiple: int = 128
     """Megatron pads the vocabulary to a multiple of this times tensor_parallel."""
     transformer_engine: Literal["auto", "on", "off"] = "auto"
-    """Use Transformer Engine layers: auto = when installed and on GPU; on = required; off = local layers."""
+    """Use Transformer Engine layers: auto = when installed and on GPU (not with actor.lora, which adapts the local
+    layers); on = required; off = local layers."""
     recompute_activations: bool = False
     """Recompute transformer-layer activations in backward to save memory (about 30% more compute)."""
     moe_aux_loss_coeff: float = 0.0
@@ -719,6 +720,9 @@ class Config:
         check(not (self.agent.tools and algo.routing_replay), "algorithm.routing_replay", algo.routing_replay,
               "be false with agent.tools: a multi-turn sample spans several engine calls, whose expert choices are "
               "not joined", "set algorithm.routing_replay: false, or remove agent.tools")
+        check(not (self.actor.lora_on() and self.model.transformer_engine == "on"), "model.transformer_engine",
+              self.model.transformer_engine, "be auto or off with actor.lora: the adapters hook Megatron's local "
+              "linear layers, not Transformer Engine's", "set model.transformer_engine: auto (local layers with LoRA)")
         check(not (self.actor.lora_on() and self.rollout.alias_weights is True), "rollout.alias_weights",
               self.rollout.alias_weights, "be auto or false with actor.lora: the engine must hold the merged weights "
               "W + s B A, which no tensor of the actor holds, so it cannot map them",

@@ -272,7 +272,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     plan = MemoryPlan(gpu_bytes)
     entropy = algo.entropy_coef > 0
     te = cfg.model.transformer_engine
-    masked = te == "off" or (te == "auto" and importlib.util.find_spec("transformer_engine") is None)
+    masked = te == "off" or (te == "auto" and (importlib.util.find_spec("transformer_engine") is None
+                                              or cfg.actor.lora_on()))  # LoRA adapts the local layers only
     asleep = {"engines asleep": ENGINE_ASLEEP}  # engines never share a GPU: engine g spans its group's GPUs
     # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
     plan.phases["actor_update"] = with_overhead(resident("actor_update") | {

@@ -59,8 +59,8 @@ class RLTrainer:
         # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
         # on the GPU, next to the engine's KV cache.
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
-                                                          and transformer_engine_available())
+        te = cfg.model.transformer_engine  # auto: local layers with LoRA, whose adapters hook them
+        use_te = te == "on" or (te == "auto" and transformer_engine_available() and not cfg.actor.lora_on())
         m = cfg.model
         opts = BuildOptions(dtype=DTYPES[m.dtype], vocab_pad_multiple=m.vocab_pad_multiple, transformer_engine=use_te,
                             sequence_parallel=cfg.parallel.sequence_parallel, moe_aux_loss_coeff=m.moe_aux_loss_coeff,

@@ -63,6 +63,8 @@ def test_config_errors_name_the_key_and_the_fix():
     e = error_of(MINIMAL, ["actor.lora.rank=8", "rollout.alias_weights=true"])
     assert "rollout.alias_weights" in e and "merged" in e
     assert "actor.lora.rank" in error_of(MINIMAL, ["actor.lora.rank=-1"])
+    e = error_of(MINIMAL, ["actor.lora.rank=8", "model.transformer_engine=on"])
+    assert "model.transformer_engine" in e and "local" in e
     cfg = build_config(MINIMAL, ["actor.lora.rank=16", "actor.lora.alpha=32"])
     assert cfg.actor.lora == LoraConfig(rank=16, alpha=32.0) and cfg.actor.lora_on()
     assert not build_config(MINIMAL).actor.lora_on()
