@@ -57,7 +57,6 @@ from megarl import manifest
 from megarl.config import CheckpointConfig
 from megarl.errors import UserError
 from megarl.keep_best import best_step
-from megarl.lora import training as lora_training
 from megarl.models.hf_io import apply_umask, copy_model_files
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
 from megarl.models.spec import ModelSpec, load_spec
@@ -111,6 +110,8 @@ def _save_model(model: MegatronModel, out: Path) -> list[Path]:
     """The canonical shard of this (TP, PP) position, written by its first DP replica (other expert-parallel
     ranks' experts: by theirs, in files of their own); the shard file written (rank 0's other files: unnamed)."""
     g = model.groups
+    if getattr(model, "lora", None) is not None:
+        model.refresh_merged()  # a LoRA actor writes its current merged weights, not the last hand-over's
     params = _saving(model, whole=False)
     written = []
     if params is not None:
@@ -629,9 +630,10 @@ def _save_adapters(model: MegatronModel, out: Path) -> list[Path]:
     their optimizer state (its own range of them with the distributed optimizer) to lora/rank{r}.safetensors. The
     model's weights written beside them are the merged W + s B A (an export of the adapted model); its base weights
     come from model.hf_path again on resume."""
-    if getattr(model, "lora", None) is None:
+    lora = getattr(model, "lora", None)
+    if lora is None:
         return []
-    params = lora_training.adapter_params(model.chunks)
+    params = model.adapter_params()
     tensors = {name: p.detach().cpu().contiguous() for name, p in params.items()}
     offsets = {}
     for name, (start, live) in _slots(model, params).items():
@@ -640,7 +642,10 @@ def _save_adapters(model: MegatronModel, out: Path) -> list[Path]:
             tensors[f"{name}/{key}"] = live[key].detach().reshape(-1).cpu().clone()
         offsets[name] = start
     path = _adapter_file(out, dist.get_rank())
-    save_file(tensors, str(path), metadata={"format": FORMAT, "offsets": json.dumps(offsets)})
+    g = model.groups
+    save_file(tensors, str(path), metadata={
+        "format": FORMAT, "offsets": json.dumps(offsets), "tp_rank": str(g.tp_rank), "tp": str(g.dims.tp),
+        "dp_rank": str(g.dp_rank), "lora": json.dumps(dataclasses.asdict(lora))})
     return [path]
 
 
@@ -657,7 +662,7 @@ def _load_adapters(ckpt: Path, model: MegatronModel, layout: dict[str, Any] | No
         raise UserError(f"{ckpt} was saved in layout {layout}; a LoRA actor's adapters resume only in the layout "
                         f"they were saved in, not {dataclasses.asdict(model.groups.dims)}. Set parallel.* as it "
                         "was, or checkpoint.resume to `none`.")
-    params = lora_training.adapter_params(model.chunks)
+    params = model.adapter_params()
     with safe_open(str(path), framework="pt") as handle:
         saved = set(handle.keys())
         missing = sorted(set(params) - saved)

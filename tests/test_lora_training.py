@@ -5,9 +5,14 @@ checks run in one 2-rank launch over TP2, PP2 and DP2 (tests/workers/lora_actor.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from helpers import make_hf_model, run_worker, train_recipe
+from megarl import convert
 from megarl.config import build_config
 from megarl.errors import UserError
 from megarl.lora.config import LoraConfig
@@ -21,8 +26,12 @@ MINIMAL = {"model": {"hf_path": "/models/m"}, "rollout": {"num_samples_per_promp
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_actor")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora_actor")
+
+
+@pytest.fixture(scope="module")
+def rows(root):
     return run_worker("lora_actor.py", root, make_hf_model(root / "llama", "llama"), nproc=2)
 
 
@@ -48,6 +57,40 @@ def test_the_lora_actor_trains_only_its_adapters_and_hands_over_merged_weights(r
         assert row["resumed_adapters"] and row["resumed_exact"]
         assert row["resumed_step"][0] == row["resumed_step"][1]
     assert sum(r["last"] for r in rows) == 5  # PP2's first stage scores nothing
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp1_pp1"])
+def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter(rows, root, layout):
+    """mcore-to-hf gives the merged model; --peft the adapters in HF's layout (q/k/v and gate/up split from Megatron's
+    fused layers), with base + s * lora_B @ lora_A = merged for every adapted HF weight."""
+    ckpt = root / "out" / f"ckpt_{layout}" / "step_000001" / "actor"
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(root / f"merged_{layout}")])
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(root / f"peft_{layout}"), "--peft"])
+    merged = load_dir(root / f"merged_{layout}")
+    base = load_dir(root / "llama")
+    adapter = load_file(root / f"peft_{layout}" / "adapter_model.safetensors")
+    config = json.loads((root / f"peft_{layout}" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}
+    adapted = sorted(k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+                     for k in adapter if k.endswith("lora_A.weight"))
+    layers = json.loads((root / "llama" / "config.json").read_text())["num_hidden_layers"]
+    assert len(adapted) == 7 * layers  # 7 HF projections in each layer
+    scaling = 8.0 / 4
+    for name in adapted:
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        delta = scaling * adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"]
+        assert float((merged[name] - base[name] - delta).abs().max()) < 1e-6, name
+        assert float(delta.abs().max()) > 0, name
+    assert all(torch.equal(merged[k], base[k]) for k in base if k not in adapted)  # norms, embeddings
+
+
+def load_dir(path):
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors |= load_file(f)
+    return tensors
 
 
 def error_of(data, overrides=()):

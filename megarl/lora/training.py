@@ -34,10 +34,16 @@ def install(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int) -> li
     return params
 
 
-def adapter_params(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
-    """This rank's adapter factors by chunk and module name ("0:decoder.layers.1.mlp.linear_fc1.lora.A")."""
-    return {f"{vp}:{name}": p for vp, chunk in enumerate(chunks) for name, p in unwrap(chunk).named_parameters()
-            if ".lora." in name}
+def adapter_params(chunks: Sequence[torch.nn.Module], offsets: Sequence[int]) -> dict[str, torch.nn.Parameter]:
+    """This rank's adapter factors by canonical name ("decoder.layers.5.mlp.linear_fc1.lora.A", global layer
+    numbers: chunk ``vp``'s first layer is ``offsets[vp]``)."""
+    out = {}
+    for chunk, offset in zip(chunks, offsets, strict=True):
+        for name, p in unwrap(chunk).named_parameters():
+            if ".lora." in name:
+                _, _, number, rest = name.split(".", 3)  # decoder.layers.N.rest
+                out[f"decoder.layers.{int(number) + offset}.{rest}"] = p
+    return out
 
 
 def adapted(chunks: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, LoraAdapter]]:

@@ -113,6 +113,13 @@ class MegatronModel:
             return lora_training.handover_params(params, self.chunks)
         return {name: p.data for name, p in params.items()}
 
+    def adapter_params(self) -> dict[str, torch.nn.Parameter]:
+        """LoRA: this rank's adapter factors by canonical name (none without LoRA)."""
+        if self.lora is None:
+            return {}
+        offsets = [chunk_layer_offset(self.spec, self.groups, vp) for vp in range(len(self.chunks))]
+        return lora_training.adapter_params(self.chunks, offsets)
+
     def refresh_merged(self) -> None:
         """LoRA: write the current W + s B A into the tensors ``named_params`` returns (before a hand-over)."""
         if self.lora is not None:

@@ -132,8 +132,7 @@ def run(spec, model_dir, out_dir, seqs, gen, dims) -> dict:
                             lora=LORA, seed=4)
     checkpoint.load(saved, {"actor": resumed})
     row["resumed_adapters"] = all(torch.equal(p, q) for p, q in zip(
-        lora_training.adapter_params(resumed.chunks).values(), lora_training.adapter_params(actor.chunks).values(),
-        strict=True))
+        resumed.adapter_params().values(), actor.adapter_params().values(), strict=True))
     second = [m.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64) for m in (actor, resumed)]
     row["resumed_step"] = [s["grad_norm"] for s in second]
     row["resumed_exact"] = same(actor.score(seqs, 64), resumed.score(seqs, 64))
