@@ -12,6 +12,10 @@ Layout of ``checkpoint.dir``:
                               it DP rank 0 writes whole parameters (and, with MoE experts over EP ranks,
                               DP ranks 1..EP-1 their experts)
   step_000012/actor/optimizer/common.pt   Adam step count, LR scheduler, loss scaler
+  step_000012/actor/lora/rank{r}.safetensors
+                              a LoRA actor's (actor.lora) adapters and their optimizer state, as rank r holds
+                              them (resumable in the same layout only); the actor's weights beside them are
+                              the merged W + s B A, its base weights come from model.hf_path again
   step_000012/critic/         same for the critic (PPO)
   step_000012/rank{r}.pt      this rank's RNG states
   step_000012/trainer.json    step, data position, KL controller, layout, the run's flattened config
@@ -67,6 +71,8 @@ STEP_DIR = re.compile(r"step_(\d{6,})")
 FULL_BELOW = 64 * 2**20
 """A save that fails with less free space than this in checkpoint.dir failed for the lack of it."""
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+LORA_DIR = "lora"
+"""A LoRA actor's adapters and their optimizer state, one file per rank (``_save_adapters``)."""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -104,6 +110,8 @@ def _save_model(model: MegatronModel, out: Path) -> list[Path]:
     """The canonical shard of this (TP, PP) position, written by its first DP replica (other expert-parallel
     ranks' experts: by theirs, in files of their own); the shard file written (rank 0's other files: unnamed)."""
     g = model.groups
+    if getattr(model, "lora", None) is not None:
+        model.refresh_merged()  # a LoRA actor writes its current merged weights, not the last hand-over's
     params = _saving(model, whole=False)
     written = []
     if params is not None:
@@ -134,14 +142,17 @@ def _distributed(model: MegatronModel) -> bool:
     return any(isinstance(opt, DistributedOptimizer) for opt in _optimizers(model))
 
 
-def _slots(model: MegatronModel) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
+def _slots(model: MegatronModel, params: dict[str, torch.nn.Parameter] | None = None
+           ) -> dict[str, tuple[int, dict[str, torch.Tensor]]]:
     """Where this rank keeps each parameter's optimizer state: the offset of its part in the flattened
-    parameter, and the live tensors (fp32 master weights under "param", Adam's moments and step)."""
+    parameter, and the live tensors (fp32 master weights under "param", Adam's moments and step). ``params``: by
+    name, the parameters to look up (the canonical ones if None)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megarl.models.gpt import canonical_params
 
-    params = canonical_params(model.chunks, model.spec, model.groups)
+    if params is None:
+        params = canonical_params(model.chunks, model.spec, model.groups)
     slots = {}
     for opt in _optimizers(model):
         for name, p in params.items():
@@ -231,8 +242,10 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
     rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        for role in models:
+        for role, model in models.items():
             (tmp / role / OPTIMIZER).mkdir(parents=True)
+            if getattr(model, "lora", None) is not None:
+                (tmp / role / LORA_DIR).mkdir()
     dist.barrier()
     error: BaseException | None = None
     files: dict[str, dict[str, Any]] = {}
@@ -243,6 +256,7 @@ def save(directory: str, step: int, models: dict[str, MegatronModel], trainer_st
                 prepare(role)
             written += _save_model(model, tmp / role)
             written += _save_optimizer(model, tmp / role / OPTIMIZER)
+            written += _save_adapters(model, tmp / role)
         torch.save({"rng": _rng_state()}, written[0])
         if rank == 0:
             layout = dataclasses.asdict(next(iter(models.values())).groups.dims)
@@ -515,6 +529,7 @@ def load(path: Path, models: dict[str, MegatronModel], prepare: Callable[[str], 
             prepare(role)
         _load_weights(path / role, metas[role], model)
         _load_optimizer(path / role, metas[role], model)
+        _load_adapters(path / role, model, state.get("layout"))
     dims = next(iter(models.values())).groups.dims
     if state.get("layout") == dataclasses.asdict(dims):
         _set_rng_state(torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)["rng"])
@@ -604,3 +619,65 @@ def _load_optimizer(ckpt: Path, meta: dict[str, int], model: MegatronModel) -> N
     if common["grad_scaler"] is not None:
         for opt in _optimizers(model):
             opt.grad_scaler.load_state_dict(common["grad_scaler"])
+
+
+def _adapter_file(directory: Path, rank: int) -> Path:
+    return directory / f"{LORA_DIR}/rank{rank:04d}.safetensors"
+
+
+def _save_adapters(model: MegatronModel, out: Path) -> list[Path]:
+    """A LoRA actor (actor.lora): every rank writes its adapters (this rank's shards, by chunk and module name) and
+    their optimizer state (its own range of them with the distributed optimizer) to lora/rank{r}.safetensors. The
+    model's weights written beside them are the merged W + s B A (an export of the adapted model); its base weights
+    come from model.hf_path again on resume."""
+    lora = getattr(model, "lora", None)
+    if lora is None:
+        return []
+    params = model.adapter_params()
+    tensors = {name: p.detach().cpu().contiguous() for name, p in params.items()}
+    offsets = {}
+    for name, (start, live) in _slots(model, params).items():
+        for key in STATE_KEYS:
+            # a copy: in float32 the master weights are the parameters, which one file cannot hold twice
+            tensors[f"{name}/{key}"] = live[key].detach().reshape(-1).cpu().clone()
+        offsets[name] = start
+    path = _adapter_file(out, dist.get_rank())
+    g = model.groups
+    save_file(tensors, str(path), metadata={
+        "format": FORMAT, "offsets": json.dumps(offsets), "tp_rank": str(g.tp_rank), "tp": str(g.dims.tp),
+        "dp_rank": str(g.dp_rank), "lora": json.dumps(dataclasses.asdict(lora))})
+    return [path]
+
+
+@torch.no_grad()
+def _load_adapters(ckpt: Path, model: MegatronModel, layout: dict[str, Any] | None) -> None:
+    """Restore a LoRA actor's adapters and their optimizer state (after ``_load_optimizer`` made the state)."""
+    if getattr(model, "lora", None) is None:
+        return
+    path = _adapter_file(ckpt, dist.get_rank())
+    if not path.parent.is_dir():
+        raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/ is missing): it was saved without actor.lora. "
+                        "Resume it without actor.lora, or set checkpoint.resume to `none`.")
+    if layout != dataclasses.asdict(model.groups.dims):
+        raise UserError(f"{ckpt} was saved in layout {layout}; a LoRA actor's adapters resume only in the layout "
+                        f"they were saved in, not {dataclasses.asdict(model.groups.dims)}. Set parallel.* as it "
+                        "was, or checkpoint.resume to `none`.")
+    params = model.adapter_params()
+    with safe_open(str(path), framework="pt") as handle:
+        saved = set(handle.keys())
+        missing = sorted(set(params) - saved)
+        if missing:
+            raise UserError(f"{path} lacks the adapters {missing[:3]}: it was saved with other actor.lora "
+                            "target_modules or rank. Resume with the checkpoint's actor.lora, or set "
+                            "checkpoint.resume to `none`.")
+        for name, p in params.items():
+            tensor = handle.get_tensor(name)
+            if tensor.shape != p.shape:
+                raise UserError(f"{path}: adapter {name} has shape {list(tensor.shape)}, this actor's "
+                                f"{list(p.shape)}: it was saved with another actor.lora.rank. Resume with the "
+                                "checkpoint's actor.lora, or set checkpoint.resume to `none`.")
+            p.copy_(tensor)
+        for name, (_, live) in _slots(model, params).items():
+            for key in STATE_KEYS:
+                live[key].copy_(handle.get_tensor(f"{name}/{key}").view_as(live[key]))
+    model.refresh_merged()

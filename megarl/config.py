@@ -16,11 +16,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from megarl.configio import FieldError, apply_overrides, build, check, locate, read_yaml
 from megarl.data.prompts import template_fields
 from megarl.experiment_keys import allowed_changes, defines_experiment
+from megarl.lora.config import LoraConfig
 
 _IMPORT_PATH_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _INTERVAL_RE = re.compile(r"([\[(])(\S+), (\S+)([\])])")
@@ -61,7 +62,8 @@ class ModelConfig:
     vocab_pad_multiple: int = 128
     """Megatron pads the vocabulary to a multiple of this times tensor_parallel."""
     transformer_engine: Literal["auto", "on", "off"] = "auto"
-    """Use Transformer Engine layers: auto = when installed and on GPU; on = required; off = local layers."""
+    """Use Transformer Engine layers: auto = when installed and on GPU (not with actor.lora, which adapts the local
+    layers); on = required; off = local layers."""
     recompute_activations: bool = False
     """Recompute transformer-layer activations in backward to save memory (about 30% more compute)."""
     moe_aux_loss_coeff: float = 0.0
@@ -209,10 +211,21 @@ class ActorConfig(UpdateConfig):
     """Move the actor's weights (and the hand-over's buffers) to pinned host memory while the engine generates,
     so that the engine's copy is the only one on the GPU and its KV cache gets the room: one copy out after
     each hand-over and one back before scoring."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters (LoRA) on the actor's linear layers, e.g. {rank: 16, alpha: 32}: the base weights stay
+    frozen and only the adapters train (gradients and optimizer state of the adapters only); the reference model
+    is the actor with its adapters off (no second copy of the weights), and the engine receives the merged
+    weights W + s B A. null (or rank 0) = full fine-tuning. The critic has no adapters."""
+
+    def lora_on(self) -> bool:
+        """Whether the actor trains adapters instead of its weights."""
+        return self.lora is not None and self.lora.rank > 0
 
 
 @dataclass(kw_only=True, slots=True)
 class CriticConfig(UpdateConfig):
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {
+        "lora": "LoRA adapters train only the actor (actor.lora); the critic is fully fine-tuned. Remove critic.lora."}
     hf_path: str | None = None
     """Critic initialisation (HF dir); null = model.hf_path with a freshly initialised value head."""
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
@@ -265,12 +278,12 @@ class RolloutConfig:
     reshard_bucket_mb."""
     alias_weights: bool | Literal["auto"] = "auto"
     """SGLang: engine parameters that are byte for byte a tensor of the actor on the same GPU (o_proj, gate_up,
-    down_proj, norms, a vocabulary padded alike) map the actor's memory instead of holding a copy, and a
-    hand-over copies only the rest (QKV and the like). The actor's weights then stay on the GPU through
-    rollout (actor.offload_weights does not apply to them). auto = where that covers at least half of every
-    engine rank's weights (rollout.tensor_parallel equal to parallel.tensor_parallel, pipeline_parallel 1), or
-    any of them with actor.offload_weights: false; true = required (an error where the layouts differ);
-    false = never."""
+    down_proj, norms, a vocabulary padded alike) map the actor's memory instead of holding a copy, and a hand-over
+    copies only the rest (QKV and the like). The actor's weights then stay on the GPU through rollout
+    (actor.offload_weights does not apply to them). auto = where that covers at least half of every engine rank's
+    weights (rollout.tensor_parallel equal to parallel.tensor_parallel, pipeline_parallel 1), or any of them with
+    actor.offload_weights: false, never with actor.lora (the engine needs the merged weights); true = required (an
+    error where the layouts differ); false = never."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
@@ -707,6 +720,13 @@ class Config:
         check(not (self.agent.tools and algo.routing_replay), "algorithm.routing_replay", algo.routing_replay,
               "be false with agent.tools: a multi-turn sample spans several engine calls, whose expert choices are "
               "not joined", "set algorithm.routing_replay: false, or remove agent.tools")
+        check(not (self.actor.lora_on() and self.model.transformer_engine == "on"), "model.transformer_engine",
+              self.model.transformer_engine, "be auto or off with actor.lora: the adapters hook Megatron's local "
+              "linear layers, not Transformer Engine's", "set model.transformer_engine: auto (local layers with LoRA)")
+        check(not (self.actor.lora_on() and self.rollout.alias_weights is True), "rollout.alias_weights",
+              self.rollout.alias_weights, "be auto or false with actor.lora: the engine must hold the merged weights "
+              "W + s B A, which no tensor of the actor holds, so it cannot map them",
+              "set rollout.alias_weights: auto (off with LoRA), or actor.lora: null")
         budget = self.agent.max_total_tokens
         check(budget is None or budget <= self.rollout.max_new_tokens, "agent.max_total_tokens", budget,
               f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def _default(field: dataclasses.Field) -> str:
         # a table cell ends at any unescaped "|", code spans included (GitHub's tables)
         return f"`{field.default!r}`".replace("|", "\\|") if field.default is not None else "`null`"
     if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        made = field.default_factory()  # type: ignore[misc]
+        if isinstance(made, list) and all(isinstance(x, str) for x in made):
+            return f"`{made!r}`"
         return {dict: "`{}`", list: "`[]`"}.get(field.default_factory, "(section)")  # type: ignore[call-overload]
     return "**required**"
 
@@ -47,6 +51,14 @@ def _rows(cls: type, prefix: str, hints: dict[str, object]) -> list[str]:
         tp = hints[field.name]
         if dataclasses.is_dataclass(tp):
             rows += _rows(tp, f"{prefix}{field.name}.", typing.get_type_hints(tp))  # type: ignore[arg-type]
+            continue
+        optional = [a for a in typing.get_args(tp) if a is not type(None)]
+        union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        if union and len(optional) == 1 and dataclasses.is_dataclass(optional[0]):  # optional section: null = off
+            rows.append(f"| `{prefix}{field.name}` | section or null | {_default(field)} | "
+                        f"{docs.get(field.name, '')} |")
+            rows += _rows(optional[0], f"{prefix}{field.name}.",  # type: ignore[arg-type]
+                          typing.get_type_hints(optional[0]))
             continue
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
         if dataclasses.is_dataclass(item):

@@ -188,8 +188,12 @@ def _unknown_key(cls: type, key: str, path: str) -> FieldError:
         if dataclasses.is_dataclass(hints[f.name])
         and (match := _closest(key, [g.name for g in dataclasses.fields(hints[f.name])]))
     ]
-    close = _closest(key, names) or (deeper[0] if deeper else None)
-    if close:
+    exact = [d for d in deeper if d.endswith(f".{key}")]  # `actor.lr`: optimizer.lr before a near name (lora)
+    close = exact[0] if exact else _closest(key, names) or (deeper[0] if deeper else None)
+    refused = getattr(cls, "REFUSED_KEYS", {}).get(key)  # a key known to be wrong here, with its reason
+    if refused:
+        hint = refused
+    elif close:
         hint = f"did you mean `{close}`?"
     elif "." in key:
         hint = "dotted keys are for --set; in YAML, nest each part as an indented section."

@@ -1,11 +1,12 @@
 """Checkpoint conversion between HuggingFace and megarl's Megatron layout.
 
   python -m megarl.convert hf-to-mcore --hf DIR --out DIR --tp N --pp M
-  python -m megarl.convert mcore-to-hf --ckpt DIR --out DIR
+  python -m megarl.convert mcore-to-hf --ckpt DIR --out DIR [--peft]
   python -m megarl.convert gguf-to-hf --gguf FILE --out DIR [--dtype bfloat16|float32]
 
 The round trip is bit-exact: dtypes are kept and vocab padding is dropped on export. gguf-to-hf dequantises
-a GGUF file (e.g. SmolLM2-135M-Instruct, scripts/get_smollm2.sh) into an ordinary HF directory.
+a GGUF file (e.g. SmolLM2-135M-Instruct, scripts/get_smollm2.sh) into an ordinary HF directory. A LoRA actor's
+checkpoint exports as the merged model, or with --peft as its adapters alone (megarl.lora.export).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron TP/PP shards -> HF safetensors + config.json")
     to_hf.add_argument("--ckpt", required=True, help="megarl Megatron checkpoint directory")
     to_hf.add_argument("--out", required=True, help="new HF model directory")
+    to_hf.add_argument("--peft", action="store_true",
+                       help="a LoRA actor's checkpoint (actor.lora): write its adapters as a PEFT adapter directory "
+                            "instead of the merged weights")
     from_gguf = sub.add_parser("gguf-to-hf", help="GGUF file -> HF safetensors, config.json, tokenizer")
     from_gguf.add_argument("--gguf", required=True, help="a .gguf file (any quantisation transformers reads)")
     from_gguf.add_argument("--out", required=True, help="new HF model directory")
@@ -50,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         from megarl.models.gguf_import import gguf_to_hf
 
         gguf_to_hf(args.gguf, args.out, args.dtype)
+    elif args.peft:
+        from megarl.lora.export import export_peft
+
+        export_peft(args.ckpt, args.out)
     else:
         spec, tensors = open_mcore(args.ckpt)
         write_hf(args.out, tensors, spec, source_dir=args.ckpt)

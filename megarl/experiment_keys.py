@@ -11,7 +11,7 @@ import typing
 DEFINING = ("model.hf_path", "model.dtype", "model.moe_aux_loss_coeff", "algorithm.", "data.", "trainer.seed",
             "trainer.reward", "rollout.num_samples_per_prompt", "rollout.temperature", "rollout.top_p",
             "rollout.top_k", "rollout.max_new_tokens", "rollout.max_prompt_tokens", "rollout.seed",
-            "actor.optimizer.", "actor.num_ppo_epochs", "actor.mini_batch_size",
+            "actor.optimizer.", "actor.num_ppo_epochs", "actor.mini_batch_size", "actor.lora.",
             "critic.hf_path", "critic.optimizer.", "critic.num_ppo_epochs", "critic.mini_batch_size", "agent.")
 """Keys (and, ending in a dot, sections) of the config that define the experiment."""
 LAYOUT = ("actor.optimizer.use_distributed_optimizer", "critic.optimizer.use_distributed_optimizer",
@@ -27,6 +27,9 @@ def config_keys(cls: type, prefix: str = "") -> frozenset[str]:
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         tp = hints[field.name]
+        optional = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(optional) == 1 and dataclasses.is_dataclass(optional[0]) and len(typing.get_args(tp)) == 2:
+            tp = optional[0]  # an optional section (actor.lora): its leaves when set
         keys |= (config_keys(typing.cast(type, tp), f"{prefix}{field.name}.") if dataclasses.is_dataclass(tp)
                  else {prefix + field.name})
     return frozenset(keys)

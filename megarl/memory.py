@@ -24,11 +24,14 @@ without room is refused before launch too (one H200 host of 128 GiB was OOM-kill
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
 from megarl.config import Config, UpdateConfig
 from megarl.errors import UserError
+from megarl.lora.config import LoraConfig
+from megarl.lora.training import adapter_params_per_rank, merged_params_per_rank
 from megarl.models.spec import ModelSpec
 from megarl.parallel import ParallelDims
 from megarl.reshard.aliasing import aliases_weights
@@ -138,6 +141,16 @@ def model_state(params: int, dtype_bytes: int, trained: bool, dp: int, distribut
                       optimizer_at_start=sharded(master), step_scratch=sharded(4))
 
 
+def lora_state(full: ModelState, spec: ModelSpec, lora: LoraConfig, dims: ParallelDims, dtype_bytes: int,
+               distributed: bool) -> ModelState:
+    """A LoRA actor's state: ``full``'s weights (frozen), plus the adapters and the hand-over's merged copies of the
+    adapted weights (megarl.lora.training); gradients and optimizer state of the adapters only."""
+    adapters = adapter_params_per_rank(spec, lora, dims.tp, dims.pp)
+    trained = model_state(adapters, dtype_bytes, True, dims.dp, distributed)
+    merged = merged_params_per_rank(spec, lora, dims.tp, dims.pp) * dtype_bytes
+    return dataclasses.replace(trained, weights=full.weights + trained.weights + merged)
+
+
 def layer_activations(spec: ModelSpec, tp: int, sequence_parallel: bool) -> float:
     """Elements one token keeps in one layer for the backward pass, on one TP rank: the inputs of both norms and
     of the QKV and first MLP linears (hidden size each; split over TP only with sequence parallelism), the QKV
@@ -203,10 +216,13 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         return model_state(params, dtype, trained, dims.dp, distributed, stage_expert_params(spec, dims), dims.ep)
 
     actor = state(False, True, cfg.actor)
+    if cfg.actor.lora is not None and cfg.actor.lora_on():  # the base frozen: adapters' grads and optimizer only
+        actor = lora_state(actor, spec, cfg.actor.lora, dims, dtype, cfg.actor.optimizer.use_distributed_optimizer)
     aliased = aliases_weights(cfg, spec, dims)  # that share of the engine's weights is the actor's memory
     weights_leave = cfg.actor.offload_weights and not aliased
     critic = state(True, True, cfg.critic) if algo.name == "ppo" else None
-    reference = state(False, False, None) if algo.kl_coef > 0 else None
+    # A LoRA actor's reference is the actor with its adapters off: no weights of its own.
+    reference = state(False, False, None) if algo.kl_coef > 0 and not cfg.actor.lora_on() else None
 
     def resident(phase: str, started: bool = True) -> dict[str, int]:
         """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
@@ -256,7 +272,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     plan = MemoryPlan(gpu_bytes)
     entropy = algo.entropy_coef > 0
     te = cfg.model.transformer_engine
-    masked = te == "off" or (te == "auto" and importlib.util.find_spec("transformer_engine") is None)
+    masked = te == "off" or (te == "auto" and (importlib.util.find_spec("transformer_engine") is None
+                                              or cfg.actor.lora_on()))  # LoRA adapts the local layers only
     asleep = {"engines asleep": ENGINE_ASLEEP}  # engines never share a GPU: engine g spans its group's GPUs
     # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
     plan.phases["actor_update"] = with_overhead(resident("actor_update") | {

@@ -27,6 +27,7 @@ from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
+from megarl.lora import training as lora_training
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
@@ -58,8 +59,8 @@ class RLTrainer:
         # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
         # on the GPU, next to the engine's KV cache.
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        use_te = cfg.model.transformer_engine == "on" or (cfg.model.transformer_engine == "auto"
-                                                          and transformer_engine_available())
+        te = cfg.model.transformer_engine  # auto: local layers with LoRA, whose adapters hook them
+        use_te = te == "on" or (te == "auto" and transformer_engine_available() and not cfg.actor.lora_on())
         m = cfg.model
         opts = BuildOptions(dtype=DTYPES[m.dtype], vocab_pad_multiple=m.vocab_pad_multiple, transformer_engine=use_te,
                             sequence_parallel=cfg.parallel.sequence_parallel, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
@@ -69,9 +70,12 @@ class RLTrainer:
         temperature = cfg.rollout.temperature  # log-probabilities of the distribution the engine samples from
         self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps,
                                    temperature=temperature, routing_replay=algo.routing_replay,
-                                   updates_per_step=cfg.actor.optimizer_steps(rollout_batch))
-        self.reference = (MegatronModel(self.spec, cfg.model.hf_path, groups, opts, temperature=temperature)
-                          if algo.kl_coef > 0 else None)
+                                   updates_per_step=cfg.actor.optimizer_steps(rollout_batch),
+                                   lora=cfg.actor.lora, seed=cfg.trainer.seed)
+        self.reference: MegatronModel | lora_training.BaseModel | None = None
+        if algo.kl_coef > 0:  # a LoRA actor's reference is the actor with its adapters off: no second copy
+            self.reference = (lora_training.BaseModel(self.actor) if cfg.actor.lora_on() else
+                              MegatronModel(self.spec, cfg.model.hf_path, groups, opts, temperature=temperature))
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)
@@ -93,7 +97,8 @@ class RLTrainer:
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple, links=links)
         aliased = aliases_weights(cfg, self.spec, groups.dims, plan)
         self._weights_leave = cfg.actor.offload_weights and not aliased  # the engine then holds the only copy
-        self.residency = Residency(self.trained_models() | ({"reference": self.reference} if self.reference else {}),
+        reference = {"reference": self.reference} if isinstance(self.reference, MegatronModel) else {}
+        self.residency = Residency(self.trained_models() | reference,
                                    offloadable_parts(cfg, actor_weights_stay=bool(aliased)))
         self._hold("generate")  # the engine sizes itself next to what the trainer holds while it generates
         if groups.rank == 0:
@@ -213,6 +218,7 @@ class RLTrainer:
             if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
                 self.engine_tensors.update(self._allocate_engine_tensors())
         with self._timed("handover/copy"):
+            self.actor.refresh_merged()  # LoRA: the engine gets W + s B A
             for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
                 self.resharder.refit(round)
                 self.engine.deliver(self.engine_tensors, round)
@@ -322,12 +328,13 @@ class RLTrainer:
         dist.all_gather_object(everything, done, group=self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
 
-    def score(self, batch: Batch, model: MegatronModel | None) -> torch.Tensor | None:
+    def score(self, batch: Batch, model: MegatronModel | lora_training.BaseModel | None) -> torch.Tensor | None:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
         data-parallel replica scores its share of the sequences."""
         if model is None:
             return None
-        self._hold("values" if model is self.critic else "reference" if model is self.reference else "score")
+        self._hold("values" if model is self.critic else "score" if not isinstance(model, MegatronModel)
+                   or model is self.actor else "reference")
         section = self.cfg.critic if model is self.critic else self.cfg.actor
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
@@ -422,7 +429,7 @@ def offloadable_parts(cfg: Config, actor_weights_stay: bool = False) -> dict[str
             "reference": weights if cfg.reference.offload_weights else set()}
 
 
-def _routing(model: MegatronModel, batch: Batch, index: list[int]) -> list[Any] | None:
+def _routing(model: MegatronModel | lora_training.BaseModel, batch: Batch, index: list[int]) -> list[Any] | None:
     """The engine's expert choices for the samples at ``index`` if ``model`` replays them (routing replay)."""
     if model.replay is None:
         return None

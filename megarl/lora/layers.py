@@ -112,8 +112,9 @@ def apply_lora(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int = 0
                 holder, name = _PATHS[target]
                 parent = getattr(layer, holder)
                 if holder == "mlp" and hasattr(parent, "experts"):
-                    raise UserError(f"LoRA on MoE expert layers is not supported yet: target_modules {target!r} "
-                                    f"names layer {layer.layer_number}'s experts. Fix: adapt only qkv and o.")
+                    raise UserError(f"LoRA on MoE expert layers is not supported yet: actor.lora.target_modules "
+                                    f"{target!r} names layer {layer.layer_number}'s experts. Fix: set "
+                                    "actor.lora.target_modules: [qkv, o] (attention only), or actor.lora: null.")
                 base = getattr(parent, name)
                 if type(base) not in (ColumnParallelLinear, RowParallelLinear):
                     raise UserError(f"LoRA adapts Megatron's local-spec linear layers; {target} is a "

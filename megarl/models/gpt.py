@@ -223,12 +223,15 @@ def layer_implementation(chunks: list[torch.nn.Module]) -> str:
 
 def canonical_params(chunks: list[torch.nn.Module], spec: ModelSpec,
                      groups: ParallelGroups) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters by canonical name (local-spec names, global layer indices)."""
+    """This rank's parameters by canonical name (local-spec names, global layer indices); LoRA adapters not
+    included."""
     out = {}
     first_expert = groups.ep_rank * (spec.num_experts // groups.dims.ep)
     for vp, chunk in enumerate(chunks):
         offset = chunk_layer_offset(spec, groups, vp)
         for name, param in unwrap(chunk).named_parameters():
+            if ".lora." in name:
+                continue  # LoRA adapters (megarl.lora) are not the model's weights
             match = _LAYER.match(name)
             if match:
                 rest = _TE_NAMES.get(match.group(2), match.group(2))

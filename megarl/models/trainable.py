@@ -8,6 +8,7 @@ packed into each row, each attending only to itself (megarl.models.forward); per
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,9 @@ import torch.distributed as dist
 from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
 from megarl.errors import check_finite
+from megarl.lora import training as lora_training
+from megarl.lora.config import LoraConfig
+from megarl.lora.layers import adapters_disabled
 from megarl.models import logprob_head
 from megarl.models.forward import (
     even_micro_batches,
@@ -49,7 +53,8 @@ class MegatronModel:
 
     def __init__(self, spec: ModelSpec, hf_dir: str | None, groups: ParallelGroups, opts: BuildOptions,
                  optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0,
-                 routing_replay: bool = False, updates_per_step: int = 1) -> None:
+                 routing_replay: bool = False, updates_per_step: int = 1, lora: LoraConfig | None = None,
+                 seed: int = 0) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -66,6 +71,10 @@ class MegatronModel:
         self.chunks = build_model(spec, groups, opts)
         if hf_dir is not None:  # None: Megatron's random initialisation, for benchmarks of a model's shape
             load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        """actor.lora: adapters train, the base weights are frozen (megarl.lora.training)."""
+        if self.lora is not None:
+            lora_training.install(self.chunks, self.lora, seed)
         self.chunked = bool(opts.logprob_chunk_tokens) and not opts.critic
         """The last stage outputs [b, L, 2] (log p of the next token, entropy) instead of logits
         (megarl.models.logprob_head)."""
@@ -97,8 +106,28 @@ class MegatronModel:
         config.grad_scale_func = self.optimizer.scale_loss
 
     def named_params(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by canonical Megatron name (what the resharder reads)."""
-        return {name: p.data for name, p in canonical_params(self.chunks, self.spec, self.groups).items()}
+        """This rank's parameters by canonical Megatron name (what the resharder reads); with LoRA the adapted
+        weights are the merged W + s B A, as of the last ``refresh_merged``."""
+        params = canonical_params(self.chunks, self.spec, self.groups)
+        if self.lora is not None:
+            return lora_training.handover_params(params, self.chunks)
+        return {name: p.data for name, p in params.items()}
+
+    def adapter_params(self) -> dict[str, torch.nn.Parameter]:
+        """LoRA: this rank's adapter factors by canonical name (none without LoRA)."""
+        if self.lora is None:
+            return {}
+        offsets = [chunk_layer_offset(self.spec, self.groups, vp) for vp in range(len(self.chunks))]
+        return lora_training.adapter_params(self.chunks, offsets)
+
+    def refresh_merged(self) -> None:
+        """LoRA: write the current W + s B A into the tensors ``named_params`` returns (before a hand-over)."""
+        if self.lora is not None:
+            lora_training.refresh_merged(self.chunks)
+
+    def base_model(self) -> AbstractContextManager[None]:
+        """Inside the block the model is its base (LoRA adapters off): the reference policy of a LoRA actor."""
+        return adapters_disabled(self.chunks) if self.lora is not None else nullcontext()
 
     def _micro_batches(self, sequences: Sequence[Sequence[int]], max_tokens: int | None,
                        micro_batch_size: int) -> list[MicroBatch]:

@@ -1,0 +1,101 @@
+"""A LoRA actor's checkpoint as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), which
+peft's PeftModel.from_pretrained loads onto the base model (model.hf_path).
+
+  python -m megarl.convert mcore-to-hf --ckpt DIR/step_N/actor --out DIR --peft
+
+Megatron's fused layers become HF's separate ones with the same update: the shared A of the fused qkv (fc1) is each of
+q/k/v_proj's (gate/up_proj's) lora_A, and B's rows split as the fused weight's do (megarl.models.mapping.to_hf, with
+the adapter's rank as the column width); o_proj's and down_proj's A split over TP as their weights' columns do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megarl.errors import UserError
+from megarl.models.mapping import param_rules, to_hf
+from megarl.models.spec import ModelSpec, load_spec
+
+LORA_DIR = "lora"
+# Megatron target -> its linear layer in a transformer layer
+_TARGETS = {"qkv": "self_attention.linear_qkv", "o": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
+            "fc2": "mlp.linear_fc2"}
+
+
+def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None) -> None:
+    """Write the adapters of the LoRA actor checkpoint ``ckpt`` (.../step_N/actor) to ``out`` in PEFT's format."""
+    ckpt, out = Path(ckpt), Path(out)
+    files = sorted((ckpt / LORA_DIR).glob("rank*.safetensors"))
+    if not files:
+        raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/rank*.safetensors): it is not the actor of a run "
+                        "with actor.lora. Export it without --peft (the full weights).")
+    spec = load_spec(ckpt)
+    shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    lora: dict[str, Any] | None = None
+    tp = 1
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+            if meta.get("dp_rank") != "0":
+                continue  # one data-parallel replica holds every adapter
+            lora, tp, tp_rank = json.loads(meta["lora"]), int(meta["tp"]), int(meta["tp_rank"])
+            for name in handle.keys():
+                if "/" not in name:  # not optimizer state
+                    shards[name][tp_rank] = handle.get_tensor(name)
+    assert lora is not None
+    rank: int = lora["rank"]
+    rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(spec.num_layers):
+        for target in lora["target_modules"]:
+            module = f"decoder.layers.{layer}.{_TARGETS[target]}"
+            rule = rules[f"{module}.weight"]
+            a_parts, b_parts = _ordered(shards, f"{module}.lora.A", tp), _ordered(shards, f"{module}.lora.B", tp)
+            column = target in ("qkv", "fc1")
+            # The split factor goes through the weight's own HF mapping, with the rank as its other dimension.
+            split = b_parts if column else a_parts
+            shapes: dict[str, tuple[int, ...]] = {
+                hf: (_hf_rows(spec, hf), rank) if column else (rank, _hf_cols(spec, hf)) for hf in rule.hf}
+            hf_split = to_hf(rule, spec, split, shapes)
+            for hf in rule.hf:
+                prefix = "base_model.model." + hf.removesuffix(".weight")
+                # copies: q/k/v_proj (gate/up_proj) share Megatron's one A, and a file holds each tensor once
+                tensors[f"{prefix}.lora_A.weight"] = (a_parts[0] if column else hf_split[hf]).clone()
+                tensors[f"{prefix}.lora_B.weight"] = (hf_split[hf] if column else b_parts[0]).clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    names = sorted({hf.split(".")[-2] for target in lora["target_modules"]
+                    for hf in rules[f"decoder.layers.0.{_TARGETS[target]}.weight"].hf})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": lora["alpha"],
+              "lora_dropout": lora["dropout"], "use_rslora": lora["rslora"], "bias": "none",
+              "target_modules": names, "base_model_name_or_path": base_model or "", "fan_in_fan_out": False,
+              "init_lora_weights": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _ordered(shards: dict[str, dict[int, torch.Tensor]], name: str, tp: int) -> list[torch.Tensor]:
+    parts = shards.get(name, {})
+    if sorted(parts) != list(range(tp)):
+        raise UserError(f"the checkpoint lacks TP shards of {name} (has {sorted(parts)} of {tp}): it is damaged.")
+    return [parts[t] for t in range(tp)]
+
+
+def _hf_rows(spec: ModelSpec, hf: str) -> int:
+    """Output rows of a column-parallel HF weight: q/k/v_proj, gate/up_proj."""
+    if hf.endswith("q_proj.weight"):
+        return spec.num_attention_heads * spec.head_dim
+    if hf.endswith(("k_proj.weight", "v_proj.weight")):
+        return spec.num_kv_heads * spec.head_dim
+    return spec.intermediate_size
+
+
+def _hf_cols(spec: ModelSpec, hf: str) -> int:
+    """Input columns of a row-parallel HF weight: o_proj, down_proj."""
+    return spec.num_attention_heads * spec.head_dim if hf.endswith("o_proj.weight") else spec.intermediate_size

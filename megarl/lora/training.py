@@ -1,0 +1,106 @@
+"""A LoRA actor in training (actor.lora): the hooks MegatronModel and RLTrainer call, kept out of them.
+
+- ``install``: adapters on this rank's chunks after the HF weights load and before DDP, base weights frozen, so
+  that DDP's gradient buffers and the optimizer hold the adapters only; each adapter gets a ``merged`` buffer of
+  its base weight's shape (a module buffer: it leaves the device with the weights, megarl.offload).
+- ``handover_params``: what the resharder reads: the canonical parameters with every adapted weight replaced by
+  its ``merged`` buffer; ``refresh_merged`` writes W + s B A into those buffers before each hand-over.
+- ``adapter_params_per_rank``: the adapters' parameter count on the busiest GPU, for the memory plan.
+
+The reference policy of a LoRA actor is the actor under ``adapters_disabled`` (megarl.lora.layers): no second copy
+of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megarl.lora.config import LoraConfig
+from megarl.lora.layers import LoraAdapter, adapters_disabled, apply_lora
+from megarl.models.gpt import unwrap
+from megarl.models.spec import ModelSpec
+
+
+def install(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int) -> list[torch.nn.Parameter]:
+    """Adapters on ``chunks`` (unwrapped, weights loaded), the base frozen; the adapters' parameters."""
+    params = apply_lora(chunks, cfg, seed)
+    for base, adapter in adapted(chunks):
+        weight: torch.Tensor = base.weight  # type: ignore[assignment]
+        adapter.register_buffer("merged", torch.empty_like(weight, requires_grad=False), persistent=False)
+    refresh_merged(chunks)
+    return params
+
+
+def adapter_params(chunks: Sequence[torch.nn.Module], offsets: Sequence[int]) -> dict[str, torch.nn.Parameter]:
+    """This rank's adapter factors by canonical name ("decoder.layers.5.mlp.linear_fc1.lora.A", global layer
+    numbers: chunk ``vp``'s first layer is ``offsets[vp]``)."""
+    out = {}
+    for chunk, offset in zip(chunks, offsets, strict=True):
+        for name, p in unwrap(chunk).named_parameters():
+            if ".lora." in name:
+                _, _, number, rest = name.split(".", 3)  # decoder.layers.N.rest
+                out[f"decoder.layers.{int(number) + offset}.{rest}"] = p
+    return out
+
+
+def adapted(chunks: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, LoraAdapter]]:
+    """(base linear layer, its adapter) for every adapted layer of ``chunks``."""
+    return [(m, m.lora) for chunk in chunks for m in unwrap(chunk).modules()  # type: ignore[misc]
+            if isinstance(getattr(m, "lora", None), LoraAdapter)]
+
+
+@torch.no_grad()
+def refresh_merged(chunks: Sequence[torch.nn.Module]) -> None:
+    """W + s B A into every adapter's ``merged`` buffer (in place: the resharder keeps its address)."""
+    for base, adapter in adapted(chunks):
+        merged: torch.Tensor = adapter.merged  # type: ignore[assignment]
+        torch.add(base.weight, adapter.weight_delta(), out=merged)  # type: ignore[arg-type]
+
+
+def handover_params(canonical: dict[str, torch.nn.Parameter], chunks: Sequence[torch.nn.Module]
+                    ) -> dict[str, torch.Tensor]:
+    """``canonical`` (name -> this rank's parameter) as tensors, each adapted weight replaced by its ``merged``
+    buffer."""
+    by_weight = {id(base.weight): adapter.merged for base, adapter in adapted(chunks)}
+    return {name: by_weight.get(id(p), p.data) for name, p in canonical.items()}  # type: ignore[misc]
+
+
+def adapter_params_per_rank(spec: ModelSpec, cfg: LoraConfig, tp: int, pp: int) -> int:
+    """Adapter parameters on a GPU of the busiest pipeline stage: per layer and target, A [r, in] and B [out, r]
+    with the base's split dimension split over TP (B's rows for qkv and fc1, A's columns for o and fc2)."""
+    if cfg.rank == 0:
+        return 0
+    r, shapes = cfg.rank, _shapes(spec)
+    column = {"qkv", "fc1"}  # B's rows split over TP; row-parallel o and fc2: A's columns
+    per_target = {t: r * i + o * r // tp if t in column else r * i // tp + o * r for t, (i, o) in shapes.items()}
+    return -(-spec.num_layers // pp) * sum(per_target[t] for t in cfg.target_modules)
+
+
+class BaseModel:
+    """The reference model of a LoRA actor: the actor itself, scoring with its adapters off (RLTrainer.reference)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.replay = actor.replay
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.score(*args, **kwargs)
+
+
+def _shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target's whole weight."""
+    h, q, kv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    ffn = spec.intermediate_size
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "fc1": (h, 2 * ffn), "fc2": (ffn, h)}
+
+
+def merged_params_per_rank(spec: ModelSpec, cfg: LoraConfig, tp: int, pp: int) -> int:
+    """Elements of the ``merged`` buffers (the hand-over's W + s B A) on a GPU of the busiest pipeline stage."""
+    if cfg.rank == 0:
+        return 0
+    shapes = _shapes(spec)
+    return -(-spec.num_layers // pp) * sum(shapes[t][0] * shapes[t][1] // tp for t in cfg.target_modules)

