@@ -84,6 +84,18 @@ def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter(rows, root, layo
         assert float((merged[name] - base[name] - delta).abs().max()) < 1e-6, name
         assert float(delta.abs().max()) > 0, name
     assert all(torch.equal(merged[k], base[k]) for k in base if k not in adapted)  # norms, embeddings
+    # peft itself loads the adapter onto the base: its logits are the merged model's.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(root / f"merged_{layout}", dtype=torch.float32)(tokens).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(root / "llama", dtype=torch.float32)(tokens).logits
+        base_model = AutoModelForCausalLM.from_pretrained(root / "llama", dtype=torch.float32)
+        got = PeftModel.from_pretrained(base_model, root / f"peft_{layout}")(tokens).logits
+    assert float((got - want).abs().max()) < 1e-5
+    assert float((got - base_logits).abs().max()) > 1e-4  # the adapters change the model
 
 
 def load_dir(path):
