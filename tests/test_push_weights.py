@@ -30,6 +30,7 @@ def trainer_at_step(events, weights_leave):
     t.engine, t.resharder = Recorder(events, "engine"), Recorder(events, "resharder")
     t.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
     t.engine_tensors = None
+    t.actor = Recorder(events, "actor")  # refresh_merged: a LoRA actor's W + s B A
     t._parts_s = defaultdict(float)
     t.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
     return t
@@ -53,9 +54,11 @@ def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch,
     for i in wakes:  # the last thing before every wake: the trainer's freed and cached memory went back
         assert events[i - 1] == "empty_cache", events
     # Each round lands, then the engine copies it out, before the next round reuses the landing buffer.
-    handover = [e for e in events if e.startswith(("engine.attach", "resharder.refit", "engine.deliver"))]
-    assert handover == ["engine.attach", "resharder.refit(0)", "engine.deliver(0)", "resharder.refit(1)",
-                        "engine.deliver(1)"], events
+    # A LoRA actor's merged weights are made before the first round reads them.
+    handover = [e for e in events if e.startswith(("engine.attach", "actor.refresh", "resharder.refit",
+                                                   "engine.deliver"))]
+    assert handover == ["engine.attach", "actor.refresh_merged", "resharder.refit(0)", "engine.deliver(0)",
+                        "resharder.refit(1)", "engine.deliver(1)"], events
     if weights_leave:  # the engine drops its mappings and the resharder its buffers before the weights leave
         assert events.index("engine.detach") < events.index("resharder.release") < wakes[1] - 2
     else:
