@@ -14,7 +14,7 @@ Layout of ``checkpoint.dir``:
   step_000012/actor/optimizer/common.pt   Adam step count, LR scheduler, loss scaler
   step_000012/actor/lora/rank{r}.safetensors
                               a LoRA actor's (actor.lora) adapters and their optimizer state, as rank r holds
-                              them (resumable in the same layout only); the actor's weights beside them are
+                              them (resumable in any layout, megarl.lora.shards); the actor's weights beside them are
                               the merged W + s B A, its base weights come from model.hf_path again
   step_000012/critic/         same for the critic (PPO)
   step_000012/rank{r}.pt      this rank's RNG states
@@ -57,7 +57,9 @@ from megarl import manifest
 from megarl.config import CheckpointConfig
 from megarl.errors import UserError
 from megarl.keep_best import best_step
+from megarl.lora import shards as lora_shards
 from megarl.models.hf_io import apply_umask, copy_model_files
+from megarl.models.mapping import param_rules
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.models.trainable import MegatronModel
@@ -529,7 +531,7 @@ def load(path: Path, models: dict[str, MegatronModel], prepare: Callable[[str], 
             prepare(role)
         _load_weights(path / role, metas[role], model)
         _load_optimizer(path / role, metas[role], model)
-        _load_adapters(path / role, model, state.get("layout"))
+        _load_adapters(path / role, model)
     dims = next(iter(models.values())).groups.dims
     if state.get("layout") == dataclasses.asdict(dims):
         _set_rng_state(torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)["rng"])
@@ -650,34 +652,84 @@ def _save_adapters(model: MegatronModel, out: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def _load_adapters(ckpt: Path, model: MegatronModel, layout: dict[str, Any] | None) -> None:
-    """Restore a LoRA actor's adapters and their optimizer state (after ``_load_optimizer`` made the state)."""
-    if getattr(model, "lora", None) is None:
+def _load_adapters(ckpt: Path, model: MegatronModel) -> None:
+    """Restore a LoRA actor's adapters and their optimizer state (after ``_load_optimizer`` made the state), in any
+    layout: each factor's TP shards (its state's joined from the DP ranges that held them) are joined and split
+    again as its base weight's are (megarl.lora.shards), a pure copy in the layout they were saved in."""
+    lora = getattr(model, "lora", None)
+    if lora is None:
         return
-    path = _adapter_file(ckpt, dist.get_rank())
-    if not path.parent.is_dir():
+    files = sorted((ckpt / LORA_DIR).glob("rank*.safetensors"))
+    if not files:
         raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/ is missing): it was saved without actor.lora. "
                         "Resume it without actor.lora, or set checkpoint.resume to `none`.")
-    if layout != dataclasses.asdict(model.groups.dims):
-        raise UserError(f"{ckpt} was saved in layout {layout}; a LoRA actor's adapters resume only in the layout "
-                        f"they were saved in, not {dataclasses.asdict(model.groups.dims)}. Set parallel.* as it "
-                        "was, or checkpoint.resume to `none`.")
+    saved = _SavedAdapters(files)
+    theirs = {k: saved.lora.get(k) for k in ("rank", "target_modules")}
+    ours = {"rank": lora.rank, "target_modules": list(lora.target_modules)}
+    if theirs != ours:
+        raise UserError(f"{ckpt} holds adapters of actor.lora {theirs}, this actor has {ours}. Resume with the "
+                        "checkpoint's actor.lora, or set checkpoint.resume to `none`.")
+    g = model.groups
+    rules = {r.mcore: r for r in param_rules(model.spec, include_output=False)}
     params = model.adapter_params()
-    with safe_open(str(path), framework="pt") as handle:
-        saved = set(handle.keys())
-        missing = sorted(set(params) - saved)
-        if missing:
-            raise UserError(f"{path} lacks the adapters {missing[:3]}: it was saved with other actor.lora "
-                            "target_modules or rank. Resume with the checkpoint's actor.lora, or set "
-                            "checkpoint.resume to `none`.")
-        for name, p in params.items():
-            tensor = handle.get_tensor(name)
-            if tensor.shape != p.shape:
-                raise UserError(f"{path}: adapter {name} has shape {list(tensor.shape)}, this actor's "
-                                f"{list(p.shape)}: it was saved with another actor.lora.rank. Resume with the "
-                                "checkpoint's actor.lora, or set checkpoint.resume to `none`.")
-            p.copy_(tensor)
-        for name, (_, live) in _slots(model, params).items():
+    slots = _slots(model, params)
+    for name, p in params.items():
+        rule = rules[lora_shards.base_weight(name)]
+        shards = saved.factor(name)
+        p.copy_(lora_shards.reshard_factor(model.spec, rule, name, shards, g.tp_rank, g.dims.tp))
+        if name in slots:
+            start, live = slots[name]
             for key in STATE_KEYS:
-                live[key].copy_(handle.get_tensor(f"{name}/{key}").view_as(live[key]))
+                state = [t.view_as(shard) for t, shard in zip(saved.state(name, key), shards, strict=True)]
+                full = lora_shards.reshard_factor(model.spec, rule, name, state, g.tp_rank, g.dims.tp).reshape(-1)
+                live[key].copy_(full[start: start + live[key].numel()].view_as(live[key]))
     model.refresh_merged()
+
+
+class _SavedAdapters:
+    """The adapters and optimizer state in a checkpoint's lora/rank*.safetensors, by factor and saved TP rank."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.params: dict[str, dict[int, Any]] = defaultdict(dict)
+        self.ranges: dict[tuple[str, int], list[tuple[int, Any]]] = defaultdict(list)
+        self.tp, self.lora = 1, {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+                meta = handle.metadata()
+                tp_rank, offsets = int(meta["tp_rank"]), json.loads(meta["offsets"])
+                self.tp, self.lora = int(meta["tp"]), json.loads(meta["lora"])
+            except (SafetensorError, OSError, KeyError, ValueError) as err:
+                raise UserError(f"LoRA adapters `{path}` are unreadable ({err}). The checkpoint is damaged; resume "
+                                "from another step_* directory or set checkpoint.resume to `none`.") from None
+            for name in handle.keys():
+                if "/" not in name:  # a factor; its optimizer state is name/key
+                    self.params[name][tp_rank] = handle
+            for name, start in offsets.items():
+                self.ranges[name, tp_rank].append((start, handle))
+        self.files = files
+
+    def factor(self, name: str) -> list[torch.Tensor]:
+        held = self.params.get(name, {})
+        if sorted(held) != list(range(self.tp)):
+            raise UserError(f"{self.files[0].parent} lacks TP shards {sorted(set(range(self.tp)) - set(held))} of "
+                            f"the adapter {name} (of {self.tp}): the checkpoint is damaged or incomplete. Resume "
+                            "from another step_* directory or set checkpoint.resume to `none`.")
+        return [held[t].get_tensor(name) for t in range(self.tp)]
+
+    def state(self, name: str, key: str) -> list[torch.Tensor]:
+        """Optimizer state ``key`` of each TP shard of ``name``, flat, joined from the DP ranks' ranges."""
+        out = []
+        for t in range(self.tp):
+            numel = math.prod(self.params[name][t].get_slice(name).get_shape())
+            flat, covered = torch.empty(numel), torch.zeros(numel, dtype=torch.bool)
+            for start, handle in self.ranges.get((name, t), []):
+                part = handle.get_tensor(f"{name}/{key}")
+                flat[start: start + part.numel()] = part
+                covered[start: start + part.numel()] = True
+            if not bool(covered.all()):
+                raise UserError(f"{self.files[0].parent} lacks part of the optimizer state {key} of the adapter "
+                                f"{name} (TP rank {t}): the checkpoint is damaged or incomplete. Resume from "
+                                "another step_* directory or set checkpoint.resume to `none`.")
+            out.append(flat)
+        return out

@@ -21,6 +21,7 @@ from megarl.memory import plan_memory
 from megarl.models.presets import preset_or_hf_spec
 from megarl.parallel import ParallelDims
 
+LORA_RANK = 4  # tests/workers/lora_actor.py's
 MINIMAL = {"model": {"hf_path": "/models/m"}, "rollout": {"num_samples_per_prompt": 4},
            "data": {"train_path": "gsm8k", "num_prompts_per_step": 16}}
 
@@ -96,6 +97,60 @@ def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter(rows, root, layo
         got = PeftModel.from_pretrained(base_model, root / f"peft_{layout}")(tokens).logits
     assert float((got - want).abs().max()) < 1e-5
     assert float((got - base_logits).abs().max()) > 1e-4  # the adapters change the model
+
+
+@pytest.mark.parametrize("before,after", [("tp1_pp1", "tp2_pp1"), ("tp2_pp1", "tp1_pp2")])
+def test_a_lora_checkpoint_resumes_in_another_layout(rows, root, before, after):
+    """DP2 (the distributed optimizer's ranges) -> TP2 (B's rows of the fused qkv and fc1, A's columns of o and fc2
+    split) -> PP2 (joined again, the layers over two stages): resumed in the new layout and saved from it, the
+    adapters (as PEFT exports them) and their Adam state (joined into HF's layout) are the saved ones bit for bit."""
+    dirs = {"saved": root / "out" / f"ckpt_{before}", "resumed": root / "out" / f"cross_{after}"}
+    export, states = {}, {}
+    for name, ckpt in dirs.items():
+        actor = ckpt / "step_000001" / "actor"
+        convert.main(["mcore-to-hf", "--ckpt", str(actor), "--out", str(root / f"peft_{name}_{after}"), "--peft"])
+        export[name] = load_file(root / f"peft_{name}_{after}" / "adapter_model.safetensors")
+        states[name] = adapter_states(actor)
+    assert export["saved"].keys() == export["resumed"].keys() and len(export["saved"]) > 0
+    assert all(torch.equal(export["saved"][k], export["resumed"][k]) for k in export["saved"])
+    assert states["saved"].keys() == states["resumed"].keys()
+    assert all(torch.equal(states["saved"][k], states["resumed"][k]) for k in states["saved"])
+    assert all(float(t.abs().max()) > 0 for k, t in states["saved"].items() if "exp_avg" in k and ".B" in k)
+
+
+def adapter_states(actor):
+    """A LoRA checkpoint's Adam state (master weights, moments) by factor, state and HF weight, in HF's layout:
+    each TP shard joined from the ranges its DP ranks wrote, split factors through the base weight's mapping."""
+    from megarl.lora.shards import base_weight, factor_to_hf, is_split
+    from megarl.models.mapping import param_rules
+    from megarl.models.spec import load_spec
+
+    spec = load_spec(actor)
+    rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
+    flat: dict[tuple[str, int], torch.Tensor] = {}  # (factor/state, TP rank) -> the shard's state, flattened
+    shapes: dict[str, torch.Size] = {}
+    tp = 0
+    for path in sorted((actor / "lora").glob("rank*.safetensors")):
+        tensors = load_file(path)
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
+        offsets, tp_rank, tp = json.loads(header["offsets"]), int(header["tp_rank"]), int(header["tp"])
+        for key, part in tensors.items():
+            if "/" in key:
+                name = key.split("/")[0]
+                shapes[key] = tensors[name].shape
+                full = flat.setdefault((key, tp_rank), torch.full((shapes[key].numel(),), float("nan")))
+                full[offsets[name]: offsets[name] + part.numel()] = part
+    out = {}
+    for key, shape in shapes.items():
+        name = key.split("/")[0]
+        rule = rules[base_weight(name)]
+        shards = [flat[key, t].view(shape) for t in range(tp)]
+        assert not any(s.isnan().any() for s in shards), f"{key}: a DP range is missing"
+        hf = factor_to_hf(spec, rule, shards, LORA_RANK) if is_split(rule, name) else {"replicated": shards[0]}
+        out |= {f"{key}/{n}": t for n, t in hf.items()}
+    assert any("exp_avg_sq" in k for k in out)
+    return out
 
 
 def load_dir(path):

@@ -4,8 +4,8 @@ peft's PeftModel.from_pretrained loads onto the base model (model.hf_path).
   python -m megarl.convert mcore-to-hf --ckpt DIR/step_N/actor --out DIR --peft
 
 Megatron's fused layers become HF's separate ones with the same update: the shared A of the fused qkv (fc1) is each of
-q/k/v_proj's (gate/up_proj's) lora_A, and B's rows split as the fused weight's do (megarl.models.mapping.to_hf, with
-the adapter's rank as the column width); o_proj's and down_proj's A split over TP as their weights' columns do.
+q/k/v_proj's (gate/up_proj's) lora_A, and B's rows split as the fused weight's do; o_proj's and down_proj's A split
+over TP as their weights' columns do (megarl.lora.shards).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.errors import UserError
-from megarl.models.mapping import param_rules, to_hf
-from megarl.models.spec import ModelSpec, load_spec
+from megarl.lora.shards import factor_to_hf
+from megarl.models.mapping import param_rules
+from megarl.models.spec import load_spec
 
 LORA_DIR = "lora"
 # Megatron target -> its linear layer in a transformer layer
@@ -59,11 +60,7 @@ def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None
             rule = rules[f"{module}.weight"]
             a_parts, b_parts = _ordered(shards, f"{module}.lora.A", tp), _ordered(shards, f"{module}.lora.B", tp)
             column = target in ("qkv", "fc1")
-            # The split factor goes through the weight's own HF mapping, with the rank as its other dimension.
-            split = b_parts if column else a_parts
-            shapes: dict[str, tuple[int, ...]] = {
-                hf: (_hf_rows(spec, hf), rank) if column else (rank, _hf_cols(spec, hf)) for hf in rule.hf}
-            hf_split = to_hf(rule, spec, split, shapes)
+            hf_split = factor_to_hf(spec, rule, b_parts if column else a_parts, rank)
             for hf in rule.hf:
                 prefix = "base_model.model." + hf.removesuffix(".weight")
                 # copies: q/k/v_proj (gate/up_proj) share Megatron's one A, and a file holds each tensor once
@@ -86,16 +83,3 @@ def _ordered(shards: dict[str, dict[int, torch.Tensor]], name: str, tp: int) -> 
         raise UserError(f"the checkpoint lacks TP shards of {name} (has {sorted(parts)} of {tp}): it is damaged.")
     return [parts[t] for t in range(tp)]
 
-
-def _hf_rows(spec: ModelSpec, hf: str) -> int:
-    """Output rows of a column-parallel HF weight: q/k/v_proj, gate/up_proj."""
-    if hf.endswith("q_proj.weight"):
-        return spec.num_attention_heads * spec.head_dim
-    if hf.endswith(("k_proj.weight", "v_proj.weight")):
-        return spec.num_kv_heads * spec.head_dim
-    return spec.intermediate_size
-
-
-def _hf_cols(spec: ModelSpec, hf: str) -> int:
-    """Input columns of a row-parallel HF weight: o_proj, down_proj."""
-    return spec.num_attention_heads * spec.head_dim if hf.endswith("o_proj.weight") else spec.intermediate_size

@@ -1,12 +1,12 @@
 """Multi-rank worker for test_lora_training.py: a LoRA actor (actor.lora) in three layouts, one launch.
 
 torchrun --nproc-per-node 2 tests/workers/lora_actor.py OUT_DIR MODEL_DIR
-In each layout (TP2; PP2; DP2 with the distributed optimizer sharding the adapters' state) it builds the base model
+In each layout (DP2 with the distributed optimizer sharding the adapters' state; TP2; PP2) it builds the base model
 (scoring only) and the LoRA actor (megarl.lora.training) from the same HF weights, in float32, and reports: the
 actor's logprobs before training against the base model's (B = 0); what DDP and the optimizer hold (adapters only);
 after one train_step, whether the base weights are bit for bit the same and the adapters moved; the reference (the
 actor with its adapters off, lora_training.BaseModel) against the base model; the hand-over tensors (named_params
-after refresh_merged) against W + s B A; and an actor resumed from a checkpoint.
+after refresh_merged) against W + s B A; and actors resumed from a checkpoint of this layout and of the one before.
 """
 
 import json
@@ -47,8 +47,11 @@ def main() -> None:
     spec = load_spec(model_dir)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 5, 12)]
-    rows = [run(spec, model_dir, out_dir, seqs, gen, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)))
-            for tp, pp in ((world, 1), (1, world), (1, 1))]
+    rows, previous = [], None
+    for tp, pp in ((1, 1), (world, 1), (1, world)):  # each resumes the one before's checkpoint too
+        rows.append(run(spec, model_dir, out_dir, seqs, gen, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)),
+                        previous))
+        previous = out_dir / f"ckpt_tp{tp}_pp{pp}" / "step_000001"
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -58,7 +61,7 @@ def same(a, b) -> bool:
     return (a is None) == (b is None) and (a is None or all(torch.equal(x, y) for x, y in zip(a, b, strict=True)))
 
 
-def run(spec, model_dir, out_dir, seqs, gen, dims) -> dict:
+def run(spec, model_dir, out_dir, seqs, gen, dims, previous) -> dict:
     groups = init_model_parallel(dims)
     model_parallel_seed(0)
     opts = BuildOptions(dtype=torch.float32)
@@ -133,6 +136,12 @@ def run(spec, model_dir, out_dir, seqs, gen, dims) -> dict:
     checkpoint.load(saved, {"actor": resumed})
     row["resumed_adapters"] = all(torch.equal(p, q) for p, q in zip(
         resumed.adapter_params().values(), actor.adapter_params().values(), strict=True))
+    if previous is not None:  # the layout before's checkpoint, resumed in this one and saved again as it holds it
+        cross = MegatronModel(spec, model_dir, groups, opts,
+                              OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
+                              lora=LORA, seed=5)
+        checkpoint.load(previous, {"actor": cross})
+        checkpoint.save(str(out_dir / f"cross_tp{dims.tp}_pp{dims.pp}"), 1, {"actor": cross}, {}, keep_last=1)
     second = [m.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64) for m in (actor, resumed)]
     row["resumed_step"] = [s["grad_norm"] for s in second]
     row["resumed_exact"] = same(actor.score(seqs, 64), resumed.score(seqs, 64))
