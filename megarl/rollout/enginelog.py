@@ -46,6 +46,8 @@ class EngineLog:
     def capture(self) -> Iterator[None]:
         """Send everything written to fds 1 and 2 while the block runs (and later by processes started in it)
         to the log."""
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # the run directory may not exist yet
         saved = {fd: os.dup(fd) for fd in (1, 2)}
         sink = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if self.path else None
         sys.stdout.flush()
