@@ -346,6 +346,11 @@ class AgentConfig:
     """Text that opens a tool call; optional in the output (a call without it runs from the start of its turn)."""
     call_end: str = "</tool_call>"
     """Text that closes a tool call: the turn ends at the token that completes it."""
+    pause_at_call_end: bool = True
+    """Stop the engine at call_end's last token (as the tokenizer writes call_end): nothing past a call is
+    generated. A stop there that completes no call (SmolLM2's '>' also ends <tool_call>) costs the sample one more
+    engine call, in which it goes on, drawing from the same distribution under the next call's seeds. false =
+    generate to the end and cut at call_end (a call_end of one token always stops the engine)."""
     observation_template: str = "<|im_end|>\n<|im_start|>tool\n{observation}<|im_end|>\n<|im_start|>assistant\n"
     """The tool turn appended after a call, {observation} replaced by the tool's output; the default closes the
     assistant turn, adds a ChatML tool turn and opens the next assistant turn (SmolLM2, Qwen)."""
@@ -717,9 +722,6 @@ class Config:
         check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
               algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
-        check(not (self.agent.tools and algo.routing_replay), "algorithm.routing_replay", algo.routing_replay,
-              "be false with agent.tools: a multi-turn sample spans several engine calls, whose expert choices are "
-              "not joined", "set algorithm.routing_replay: false, or remove agent.tools")
         check(not (self.actor.lora_on() and self.model.transformer_engine == "on"), "model.transformer_engine",
               self.model.transformer_engine, "be auto or off with actor.lora: the adapters hook Megatron's local "
               "linear layers, not Transformer Engine's", "set model.transformer_engine: auto (local layers with LoRA)")

@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,10 +164,34 @@ def test_agent_settings_define_the_experiment_but_tool_workers_do_not() -> None:
         assert [k for k, _, _ in found] == ([key] if key else []), change
 
 
-def test_routing_replay_is_refused_with_tools() -> None:
-    with pytest.raises(UserError, match=r"algorithm.routing_replay.*agent.tools"):
-        build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}, "algorithm": {"routing_replay": True},
-                             "rollout": {"num_samples_per_prompt": 4, "engine": "sglang"}})
+class RoutingEngine(ScriptedEngine):
+    """The scripted engine, returning MoE routing as SGLang does: every token it ran, prompt included, whose
+    experts are a function of the token and its position (a cached prefix reports what it routed then)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        outs = super().generate(prompts, params)
+        for prompt, out in zip(prompts, outs, strict=True):
+            out.routed_experts = routes([*prompt, *out.token_ids][:-1])
+        return outs
+
+
+def routes(tokens: Sequence[int]) -> np.ndarray:
+    """[len(tokens), 2 layers, top-2] expert ids."""
+    t, pos = np.asarray(tokens)[:, None, None], np.arange(len(tokens))[:, None, None]
+    return ((t * 3 + pos + np.arange(2)[None, :, None] * 5 + np.arange(2)[None, None, :]) % 8).astype(np.int16)
+
+
+def test_routing_replay_covers_every_turn_and_tool_token_as_the_engine_ran_them() -> None:
+    build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}, "algorithm": {"routing_replay": True},
+                         "rollout": {"num_samples_per_prompt": 4, "engine": "sglang"}})
+    script = {"A": [call("lookup", "paris") + " junk", "It is france.<eos>"],  # ends at the end
+              "B": [call("lookup", "rome") + " junk"] * 3}  # cut by max_turns at a call: its junk dropped
+    outs = loop(Lookup, max_turns=2).generate(RoutingEngine(script), [encode("A\n"), encode("B\n")], PARAMS)
+    for prompt, out in zip(["A\n", "B\n"], outs, strict=True):
+        sequence = encode(prompt) + out.token_ids
+        assert out.routed_experts is not None and 0 in out.policy_mask  # a tool turn inside
+        np.testing.assert_array_equal(out.routed_experts, routes(sequence[:-1]))
+    assert decode(outs[1].token_ids).endswith(call("lookup", "rome"))
 
 
 class CharTokenizer:
@@ -209,7 +234,7 @@ def test_observation_tokens_are_inserted_and_masked_and_policy_tokens_kept_as_ge
     assert out.stats is not None and out.stats["turns"] == 2 and out.stats["tool_calls"] == 1
     assert out.stats["tool_tokens"] == len(tool) and out.stats["tool_errors"] == 0
     # the second call continued from the whole sequence, the first call's tokens unchanged
-    assert engine.calls[1][0] == [encode("Q\n") + turn1 + tool]
+    assert engine.calls[-1][0] == [encode("Q\n") + turn1 + tool]
 
 
 def test_many_samples_in_flight_share_each_engine_call() -> None:
@@ -220,9 +245,10 @@ def test_many_samples_in_flight_share_each_engine_call() -> None:
     params = SamplingParams(n=2, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
     outs = loop(Lookup, Echo).generate(engine, [encode("A\n"), encode("B\n"), encode("C\n")], params)
     assert [c.prompt_index for c in outs] == [0, 0, 1, 1, 2, 2]
-    assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 2]  # every live sample, one call per turn
+    # every live sample in each call; the engine pauses at the '>' that ends <tool_call> (call_end's last token)
+    assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 4, 2, 2]
     assert all(p.n == 1 for _, p in engine.calls)
-    assert [p.seed for _, p in engine.calls] == [5, 5 + 1_000_003, 5 + 2_000_006]
+    assert [p.seed for _, p in engine.calls] == [5 + c * 1_000_003 for c in range(5)]
     assert [c.stats["turns"] for c in outs if c.stats] == [3, 3, 1, 1, 2, 2]
     assert decode(outs[0].token_ids).endswith("<obs>france</obs>\n" + call("lookup", "rome")
                                               + "\n<obs>italy</obs>\ndone")
@@ -275,12 +301,12 @@ def test_a_sample_cut_short_by_another_samples_context_goes_on_in_the_same_turn(
 def test_a_call_split_over_two_engine_calls_is_one_call() -> None:
     """A turn cut short by another sample's context: its call opens in one engine call and closes in the next,
     the delimiter itself split between them."""
-    engine = ScriptedEngine({"A": ["<tool_call>rome</tool_call>", "ok<eos>"], "B" + "b" * 38: ["b<eos>"]})
+    engine = ScriptedEngine({"A": ["rome</tool_call>", "ok<eos>"], "B" + "b" * 49: ["b<eos>"]})
     agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS), encode,
                       decode, context=60, max_new_tokens=60)
-    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 38 + "\n")], PARAMS)
-    assert [decode(t) for t in engine.calls[1][0]] == ["A\n<tool_call>rome</too"]  # cut by B's context (40 + 20)
-    assert decode(outs[0].token_ids) == "<tool_call>rome</tool_call>\n<obs>italy</obs>\nok"
+    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 49 + "\n")], PARAMS)
+    assert [decode(t) for t in engine.calls[1][0]] == ["A\nrome</too"]  # cut by B's context (51 + 9)
+    assert decode(outs[0].token_ids) == "rome</tool_call>\n<obs>italy</obs>\nok"
     assert outs[0].stats is not None and outs[0].stats["tool_calls"] == 1 and outs[0].stats["turns"] == 2
 
 
@@ -316,6 +342,33 @@ def test_one_token_delimiter_stops_the_engine() -> None:
     assert engine.calls[0][1].stop_token_ids == (EOS, STOP)
     assert out.token_ids[: len("<tool_call>paris") + 1] == encode("<tool_call>paris") + [STOP]
     assert decode(out.token_ids).endswith("<obs>france</obs>\nok")
+
+
+def test_a_multi_token_delimiter_pauses_the_engine_at_its_last_token() -> None:
+    """Nothing past a call is generated; a pause at the same token short of a call ('>' in <tool_call> or in
+    code) goes on in the next engine call, and the tokens are those of one uninterrupted generation."""
+    text = "<tool_call>print(3 > 2)</tool_call>"
+    engine = ScriptedEngine({"A": [text + " junk never generated", "so 3 > 2.<eos>"]})
+    [out] = loop(Lookup).generate(engine, [encode("A\n")], PARAMS)
+    assert all(p.stop_token_ids == (EOS, ord(">")) for _, p in engine.calls)
+    assert decode(out.token_ids) == text + "\n<obs>unknown</obs>\nso 3 > 2."
+    assert [c.token_ids[-1] for c in out_calls(engine)][:3] == [ord(">")] * 3  # <tool_call>, 3 >, </tool_call>
+    assert out.stats is not None and out.stats["wasted_tokens"] == 0 and out.stats["engine_calls"] == 5
+    assert out.logprobs[:len(text)] == [logprob(2 + k, t) for k, t in enumerate(encode(text))]
+
+
+def test_without_the_pause_the_engine_generates_past_a_call_and_the_loop_cuts_it() -> None:
+    text = "<tool_call>print(3 > 2)</tool_call>"
+    engine = ScriptedEngine({"A": [text + " junk", "so 3 > 2.<eos>"]})
+    [out] = loop(Lookup, pause_at_call_end=False).generate(engine, [encode("A\n")], PARAMS)
+    assert all(p.stop_token_ids == (EOS,) for _, p in engine.calls)
+    assert decode(out.token_ids) == text + "\n<obs>unknown</obs>\nso 3 > 2."
+    assert out.stats is not None and out.stats["wasted_tokens"] == len(" junk") and out.stats["engine_calls"] == 2
+
+
+def out_calls(engine: ScriptedEngine) -> list[Completion]:
+    """What each recorded call of ``engine`` returned, generated again."""
+    return [ScriptedEngine(engine.script).generate(prompts, params)[0] for prompts, params in engine.calls]
 
 
 def test_without_tool_calls_the_rollout_is_the_single_turn_one() -> None:

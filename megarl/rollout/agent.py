@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from megarl.config import AgentConfig
@@ -24,7 +25,7 @@ from megarl.tools.base import load_tool
 from megarl.tools.pool import ToolPool
 
 STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
-         "cut_by_turns")
+         "cut_by_turns", "engine_calls", "wasted_tokens")
 """Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>."""
 
 _SEED_STRIDE = 1_000_003  # engine call c samples at seed + c * stride + request index: no seed used twice
@@ -45,6 +46,9 @@ class _Sample:
     finish: Literal["stop", "length"] | None = None
     turn_start: int = 0
     """Where the current turn's tokens begin in ``tokens`` (a turn may span engine calls)."""
+    routed: np.ndarray | None = None
+    """MoE engines returning routing: the latest call's experts, which cover the whole sequence so far (the
+    engine reports a cached prefix's experts as it routed them when it first ran those tokens)."""
 
     def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
         self.tokens += ids
@@ -62,8 +66,10 @@ class AgentLoop:
         self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
                              timeout_s=cfg.tool_timeout_s)
         self.budget = cfg.max_total_tokens or max_new_tokens
+        # The engine stops at call_end's last token: a call ends there (when the model writes call_end as the
+        # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
         end = encode(cfg.call_end)
-        self._stop_ids = tuple(end) if len(end) == 1 else ()  # a one-token delimiter stops the engine there
+        self._pause: tuple[int, ...] = (end[-1],) if cfg.pause_at_call_end or len(end) == 1 else ()
         self._loop = asyncio.new_event_loop()
 
     def generate(self, engine: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -78,27 +84,33 @@ class AgentLoop:
                         min(self.context - len(s.prompt) - len(s.tokens) for s in live))
             seed = None if params.seed is None else params.seed + call * _SEED_STRIDE
             turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=seed,
-                                       stop_token_ids=(*params.stop_token_ids, *self._stop_ids))
+                                       stop_token_ids=(*params.stop_token_ids, *self._pause))
             outs = engine.generate([s.prompt + s.tokens for s in live], turn)
-            calls = [(s, text) for s, out in zip(live, outs, strict=True) if (text := self._take(s, out)) is not None]
+            calls = [(s, text) for s, out in zip(live, outs, strict=True)
+                     if (text := self._take(s, out, params)) is not None]
             self._observe(calls)
             live, call = [s for s in live if s.finish is None], call + 1
         return [Completion(prompt_index=s.prompt_index, token_ids=s.tokens, logprobs=s.logprobs, finish_reason=s.finish
-                           or "length", policy_mask=s.mask, stats=s.stats) for s in samples]
+                           or "length", policy_mask=s.mask, stats=s.stats, routed_experts=_routing(s))
+                for s in samples]
 
-    def _take(self, s: _Sample, out: Completion) -> str | None:
+    def _take(self, s: _Sample, out: Completion, params: SamplingParams) -> str | None:
         """Append a call's output to ``s``; the text of its turn when that ended in a tool call to run."""
         ids, logprobs = out.token_ids, out.logprobs
+        s.routed = out.routed_experts
+        s.stats["engine_calls"] += 1
         before = s.tokens[s.turn_start:]
         end = self._call_end(before, ids)
         if end is not None:
+            s.stats["wasted_tokens"] += len(ids) - end
             ids, logprobs = ids[:end], logprobs[:end]
         room = self.budget - len(s.tokens)
         s.extend(ids[:room], logprobs[:room])
         if len(ids) > room or (end is None and len(s.tokens) == self.budget):
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
         elif end is None:  # "length" short of the budget: go on, unless nothing came (it would again, forever)
-            s.finish = "stop" if out.finish_reason == "stop" else None if ids else "length"
+            paused = bool(self._pause) and tuple(ids[-1:]) == self._pause and ids[-1] not in params.stop_token_ids
+            s.finish = None if paused else "stop" if out.finish_reason == "stop" else None if ids else "length"
         elif s.stats["turns"] >= self.cfg.max_turns:
             s.finish, s.stats["cut_by_turns"] = "length", 1.0
         else:
@@ -169,6 +181,16 @@ class AgentLoop:
     def close(self) -> None:
         self.pool.close()
         self._loop.close()
+
+
+def _routing(s: _Sample) -> np.ndarray | None:
+    """The experts of every token the engine ran ([len(prompt) + len(tokens) - 1, layers, k]): the last call's,
+    without the rows of tokens the loop cut (past ``call_end`` or the budget)."""
+    if s.routed is None:
+        return None
+    rows = len(s.prompt) + len(s.tokens) - 1
+    assert len(s.routed) >= rows, f"the engine's routing covers {len(s.routed)} tokens of {rows}"
+    return s.routed[:rows]
 
 
 def agent_metrics(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
