@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-prefix", help="text every response starts with, as prompt (data.response_prefix)")
     parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
     parser.add_argument("--engine", choices=["vllm", "sglang"], help="default: sglang on a GPU, else vllm")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="the engine's precision (default: the recipe's model.dtype with --config, a training "
+                             "checkpoint's model.dtype, else auto: a HF directory's own, float32 in bfloat16)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="write every sample (prompt, completion, reward) here")
@@ -76,7 +79,8 @@ def resolve(args: argparse.Namespace) -> Any:
         given = {"reward": cfg.trainer.reward, "max_new_tokens": rollout.max_new_tokens,
                  "max_prompt_tokens": rollout.max_prompt_tokens, "prompt_key": data.prompt_key,
                  "answer_key": data.answer_key, "prompt_template": data.prompt_template,
-                 "system_prompt": data.system_prompt, "response_prefix": data.response_prefix}
+                 "system_prompt": data.system_prompt, "response_prefix": data.response_prefix,
+                 "dtype": cfg.model.dtype}
         args.no_chat_template = args.no_chat_template or not data.apply_chat_template
     else:
         given = DEFAULTS
@@ -86,23 +90,38 @@ def resolve(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def hf_model(path: Path, scratch: Path) -> Path:
-    """``path`` itself when it is a HF directory; else the actor of the megarl checkpoint it names, exported."""
+def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
+    """``path`` itself when it is a HF directory; else the actor of the megarl checkpoint it names, exported, and
+    the dtype its run trained in (model.dtype), so that the engine runs as the in-training eval did."""
     from megarl.models.hf_io import write_hf
     from megarl.models.mcore_ckpt import META, open_mcore
 
+    trained = None
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if (path / "actor" / META).is_file():
         check_actor(path)
+        trained = trained_dtype(path)
         path = path / "actor"
     if not (path / META).is_file():
-        return path
+        return path, trained
     out = scratch / "hf"
     spec, tensors = open_mcore(path)
     write_hf(out, tensors, spec, source_dir=path)
     print(f"megarl: exported the actor of {path} for evaluation", file=sys.stderr, flush=True)
-    return out
+    return out, trained
+
+
+def trained_dtype(step_dir: Path) -> str | None:
+    """model.dtype of the run that wrote the checkpoint ``step_dir`` (its trainer.json), if it says."""
+    from megarl.errors import UserError
+
+    try:
+        config = json.loads((step_dir / "trainer.json").read_text()).get("config") or {}
+    except (OSError, ValueError, AttributeError) as err:
+        raise UserError(f"--model {step_dir}: trainer.json is unreadable ({type(err).__name__}: {err}). Fix: evaluate "
+                        "another checkpoint of the run, or pass its actor directory with --dtype.") from None
+    return config.get("model.dtype")
 
 
 def check_actor(step_dir: Path) -> None:
@@ -126,11 +145,12 @@ def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngin
     if kind == "vllm":
         from megarl.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed)
+        return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed,
+                          dtype=args.dtype)
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
-                        seed=args.seed, enable_sleep=False)
+                        seed=args.seed, enable_sleep=False, dtype=args.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         template_fields(args.prompt_template, "--prompt-template")
     reward_fn = load_reward(args.reward, "--reward")
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as scratch:
-        model = str(hf_model(Path(args.model), Path(scratch)))
+        hf_dir, trained = hf_model(Path(args.model), Path(scratch))
+        model, args.dtype = str(hf_dir), args.dtype or trained or "auto"
         tokenizer = load_tokenizer(model, "--model")
         # Tools load (and bad specs stop) before the data is read and an engine starts.
         loop = None if cfg is None or not cfg.agent.tools else AgentLoop(

@@ -37,7 +37,8 @@ def test_greedy_evaluation_equals_a_transformers_decode_scored_by_the_same_rewar
     proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", str(model_dir), "--data",
                            "recipes/tiny/echo.jsonl", "--reward", "megarl.rewards.echo:reward", "--no-chat-template",
                            "--max-new-tokens", "3", "--max-prompt-tokens", "16", "--max-prompts", "24",
-                           "--engine", "vllm", "--gpu-memory-fraction", "0.1", "--output", str(samples)],
+                           "--engine", "vllm", "--dtype", "float32", "--gpu-memory-fraction", "0.1",
+                           "--output", str(samples)],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=os.environ | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
