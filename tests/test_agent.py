@@ -245,10 +245,9 @@ def test_many_samples_in_flight_share_each_engine_call() -> None:
     params = SamplingParams(n=2, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
     outs = loop(Lookup, Echo).generate(engine, [encode("A\n"), encode("B\n"), encode("C\n")], params)
     assert [c.prompt_index for c in outs] == [0, 0, 1, 1, 2, 2]
-    # every live sample in each call; the engine pauses at the '>' that ends <tool_call> (call_end's last token)
-    assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 4, 2, 2]
+    assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 2]  # every live sample, one call per turn
     assert all(p.n == 1 for _, p in engine.calls)
-    assert [p.seed for _, p in engine.calls] == [5 + c * 1_000_003 for c in range(5)]
+    assert [p.seed for _, p in engine.calls] == [5, 5 + 1_000_003, 5 + 2_000_006]
     assert [c.stats["turns"] for c in outs if c.stats] == [3, 3, 1, 1, 2, 2]
     assert decode(outs[0].token_ids).endswith("<obs>france</obs>\n" + call("lookup", "rome")
                                               + "\n<obs>italy</obs>\ndone")
@@ -349,7 +348,7 @@ def test_a_multi_token_delimiter_pauses_the_engine_at_its_last_token() -> None:
     code) goes on in the next engine call, and the tokens are those of one uninterrupted generation."""
     text = "<tool_call>print(3 > 2)</tool_call>"
     engine = ScriptedEngine({"A": [text + " junk never generated", "so 3 > 2.<eos>"]})
-    [out] = loop(Lookup).generate(engine, [encode("A\n")], PARAMS)
+    [out] = loop(Lookup, pause_at_call_end=True).generate(engine, [encode("A\n")], PARAMS)
     assert all(p.stop_token_ids == (EOS, ord(">")) for _, p in engine.calls)
     assert decode(out.token_ids) == text + "\n<obs>unknown</obs>\nso 3 > 2."
     assert [c.token_ids[-1] for c in out_calls(engine)][:3] == [ord(">")] * 3  # <tool_call>, 3 >, </tool_call>
@@ -357,10 +356,10 @@ def test_a_multi_token_delimiter_pauses_the_engine_at_its_last_token() -> None:
     assert out.logprobs[:len(text)] == [logprob(2 + k, t) for k, t in enumerate(encode(text))]
 
 
-def test_without_the_pause_the_engine_generates_past_a_call_and_the_loop_cuts_it() -> None:
+def test_by_default_the_engine_generates_past_a_call_and_the_loop_cuts_it() -> None:
     text = "<tool_call>print(3 > 2)</tool_call>"
     engine = ScriptedEngine({"A": [text + " junk", "so 3 > 2.<eos>"]})
-    [out] = loop(Lookup, pause_at_call_end=False).generate(engine, [encode("A\n")], PARAMS)
+    [out] = loop(Lookup).generate(engine, [encode("A\n")], PARAMS)  # the default
     assert all(p.stop_token_ids == (EOS,) for _, p in engine.calls)
     assert decode(out.token_ids) == text + "\n<obs>unknown</obs>\nso 3 > 2."
     assert out.stats is not None and out.stats["wasted_tokens"] == len(" junk") and out.stats["engine_calls"] == 2

@@ -246,7 +246,7 @@ def test_a_task_only_a_tool_solves_is_learnt(tmp_path):
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS,
                         "rollout.max_new_tokens=8", 'agent.tools=[{spec: "tests.agent_task:Draw"}]',
                         'agent.call_end="="', 'agent.observation_template="{observation}"', "agent.max_turns=2",
-                        "trainer.reward=tests.agent_task:reward")
+                        "agent.tool_workers=1", "trainer.reward=tests.agent_task:reward")
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     calls_first = sum(r["agent/tool_calls"] for r in rows[:5]) / 5
