@@ -730,6 +730,15 @@ class Config:
               self.rollout.alias_weights, "be auto or false with actor.lora: the engine must hold the merged weights "
               "W + s B A, which no tensor of the actor holds, so it cannot map them",
               "set rollout.alias_weights: auto (off with LoRA), or actor.lora: null")
+        if self.actor.lora_on() and self.actor.lora.handover == "adapter":  # type: ignore[union-attr]
+            par = self.parallel
+            check(self.rollout.engine == "vllm", "actor.lora.handover", "adapter", "be merged with rollout.engine = "
+                  f"{self.rollout.engine}: megarl hands adapters to vLLM's LoRA serving only (SGLang's is not wired)",
+                  "set actor.lora.handover: merged, or rollout.engine: vllm")
+            check(par.tensor_parallel == 1 and par.pipeline_parallel == 1, "actor.lora.handover", "adapter",
+                  f"be merged with parallel.tensor_parallel = {par.tensor_parallel} and pipeline_parallel = "
+                  f"{par.pipeline_parallel}: each engine's driver writes the adapters it holds whole (TP1, PP1)",
+                  "set actor.lora.handover: merged, or parallel.tensor_parallel and pipeline_parallel to 1")
         budget = self.agent.max_total_tokens
         check(budget is None or budget <= self.rollout.max_new_tokens, "agent.max_total_tokens", budget,
               f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",

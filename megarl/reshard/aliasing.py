@@ -12,7 +12,9 @@ to trainer TP on one pipeline stage: 89-94% for Llama and Qwen) or where the act
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import pickle
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +25,7 @@ from megarl.reshard.planner import Plan, aliases, make_plan
 
 if TYPE_CHECKING:
     from megarl.config import Config
+    from megarl.rollout.group import EngineGroup
 
 AUTO_SHARE = 0.5
 """alias_weights: auto aliases when at least this share of every engine rank's bytes is the actor's memory."""
@@ -71,3 +74,18 @@ def aliased_views(plan: Plan, rank: int, src: dict[str, torch.Tensor]) -> dict[s
         flat = src[src_name].view(-1)
         out[name] = flat[offset:offset + math.prod(shapes[name])].view(shapes[name])
     return out
+
+
+def share_aliases(directory: Path, group: EngineGroup, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
+    """Every engine rank's views of the actor's tensors, packaged (CUDA IPC handles), in one file in ``directory``
+    that the engine's loader reads when it builds its model (megarl.rollout.sglang_loader.AliasingLoader); its path
+    on the group's driver, None elsewhere."""
+    wires = group.gather(kind.package(list(views.items())))
+    if wires is None:
+        return None
+    path = directory / f"engine_{group.index}.aliases"
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        pickle.dump(wires, f)
+    partial.replace(path)
+    return path

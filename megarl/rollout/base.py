@@ -160,6 +160,12 @@ class InEngineCopy(Protocol):
     def checksums(self, per_rank: list[Any]) -> None: ...
 
 
+class AdapterServing(Protocol):
+    """Engines that serve a LoRA adapter over the base weights they loaded (actor.lora.handover: adapter)."""
+
+    def load_adapter(self, path: str | Path) -> None: ...
+
+
 class FileLoading(Protocol):
     """Engines that load each engine rank's ``package``d file of engine-layout tensors."""
 

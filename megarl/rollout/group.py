@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megarl.interrupt import terminal_signals_ignored
 from megarl.reshard.handover import EngineCopy, checksum_message
 from megarl.rollout.base import (
+    AdapterServing,
     Completion,
     EngineKind,
     FileLoading,
@@ -174,6 +176,13 @@ class GroupEngine:
             self.group.barrier()  # every file is read before it goes
         finally:
             os.remove(path)
+
+    def load_adapter(self, path: str | Path | None) -> None:
+        """The engine serves the PEFT adapter its driver wrote at ``path`` (None on the other ranks)."""
+        if self.engine is not None:
+            assert path is not None
+            with self._call("hand-over"):
+                cast(AdapterServing, self.engine).load_adapter(path)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.engine is None or not prompts:

@@ -76,14 +76,14 @@ class VLLMEngine:
     def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  dtype: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
-                 **engine_args: Any) -> None:
+                 lora_rank: int | None = None, **engine_args: Any) -> None:
         """``gpu_memory_fraction``: see DEFAULT_MEMORY_FRACTION (None: 0.2 on CPU, 0.5 on GPU).
         ``max_model_len``: prompt + completion tokens per sequence (None: the model's max_position_embeddings).
         ``dtype``: "auto" is vLLM's choice: the checkpoint's, except that float32 checkpoints run in bfloat16
         (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``devices``: the GPUs
         (this node's indices) the engine's workers run on (None: the first ``tensor_parallel`` visible ones).
-        ``log_file``: where the engine's processes log (None: the console). ``engine_args`` go to ``vllm.LLM``
-        unchanged."""
+        ``log_file``: where the engine's processes log (None: the console). ``lora_rank``: serve LoRA adapters
+        of up to this rank (``load_adapter``). ``engine_args`` go to ``vllm.LLM`` unchanged."""
         # Everything the engine would reject, rejected here, before a process starts.
         self.spec = spec = load_spec(hf_dir)
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -113,11 +113,19 @@ class VLLMEngine:
         self._released: set[str] = set()
         """What the last sleep released and no wake has resumed yet: weights, cache."""
         self._closed = False
+        self._adapter: Any = None
+        """The LoRARequest every generate serves (``load_adapter``), or None."""
         args: dict[str, Any] = dict(
             model=str(hf_dir), tensor_parallel_size=tensor_parallel, dtype=dtype,
             gpu_memory_utilization=fraction, max_model_len=max_model_len, seed=seed,
             enable_sleep_mode=self._sleep_mode, skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs")
+        if lora_rank:  # vLLM sizes its LoRA buffers for one of a few ranks: the smallest that holds ours
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+            if lora_rank > ranks[-1]:
+                raise UserError(f"actor.lora.rank = {lora_rank}: vLLM serves adapters of rank <= {ranks[-1]}. Use a "
+                                "smaller rank, or actor.lora.handover: merged.")
+            args |= dict(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= lora_rank))
         env = visible_devices_env(devices)
         if current_platform.is_cpu():
             # Eager (no torch.compile): a tiny model starts in about 20 s instead of 45 s on 2 cores, and CPU
@@ -167,7 +175,7 @@ class VLLMEngine:
                                  seed=None if params.seed is None else params.seed + i * params.n)
                     for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self._adapter)
         completions = []
         for i, out in enumerate(outputs):
             for sample in sorted(out.outputs, key=lambda s: s.index):
@@ -248,6 +256,19 @@ class VLLMEngine:
         if parts and self._sleep_mode:
             self.llm.wake_up(tags=[VLLM_TAGS[p] for p in sorted(parts, reverse=True)])  # weights first
         self._released -= parts
+
+    def load_adapter(self, path: str | Path) -> None:
+        """Serve the PEFT adapter in directory ``path`` from the next ``generate`` on, in place of the last one
+        (the engine started with ``lora_rank``). vLLM reads it at that call, so the directory must stay until then."""
+        from vllm.lora.request import LoRARequest
+
+        if self._closed:
+            raise RuntimeError("load_adapter after shutdown()")
+        previous = self._adapter
+        number = 1 if previous is None else previous.lora_int_id + 1  # a new id: vLLM caches adapters by id
+        self._adapter = LoRARequest(f"megarl-{number}", number, str(path))
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
 
     def worker_rss(self) -> list[int]:
         """Resident memory (bytes) of each engine worker process, after returning freed heap to the OS."""
