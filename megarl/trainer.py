@@ -36,7 +36,6 @@ from megarl.reshard.aliasing import aliased_views, aliases_weights, share_aliase
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import LinkModel, make_plan
 from megarl.reshard.predict import describe_plan
-from megarl.reshard.verify import verify_handover
 from megarl.rewards.registry import load_reward
 from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.rollout.agent import make_rollout
@@ -220,7 +219,7 @@ class RLTrainer:
         every = self.cfg.rollout.verify_every
         if every and self._num_handovers % every == 0 and self.adapters is None:
             with self._timed("handover/verify"):
-                verify_handover(self.resharder, self.engine, self._num_handovers, self.groups.rank)
+                self.resharder.verify(self.engine, self._num_handovers)
         self._num_handovers += 1
         with self._timed("handover/release"):  # the actor's weights leave (actor.offload_weights), caches go back
             if self._weights_leave:

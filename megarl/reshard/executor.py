@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,10 @@ from megarl.kernels import Segment, extension, segment_table
 from megarl.reshard.engine_layout import matrix_shape
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.planner import Plan, Transfer, row_bytes
-from megarl.reshard.verify import expected_checksums
+from megarl.reshard.verify import check_reports, expected_checksums, mismatched
+
+if TYPE_CHECKING:
+    from megarl.rollout.group import GroupEngine
 
 
 @dataclass
@@ -290,6 +293,20 @@ class Resharder:
         """int64 [len(dst_names), 2]: what this GPU's engine rank must report after the refit of the trainer's
         current weights (megarl.reshard.verify; collective over the world)."""
         return expected_checksums(self.plan, self.rank, self._src_dict, self.group)
+
+    def verify(self, engine: GroupEngine, handover: int) -> None:
+        """rollout.verify_every: every engine rank's parameters against the actor's weights, by checksum; raises
+        HandoverMismatch naming what differs on every GPU."""
+        start = time.perf_counter()
+        bad = mismatched(self.dst_names, self.expected_checksums(), engine.checksums(len(self.dst_names)))
+        everyone: list[Any] = [bad]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, bad)
+        check_reports(handover, everyone)
+        if self.rank == 0:
+            print(f"megarl: hand-over {handover} verified: the engine's parameters match the actor's weights on "
+                  f"every GPU ({time.perf_counter() - start:.2f} s)", flush=True)
 
     def _p2p(self, bucket: _Bucket) -> list[Any]:
         ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), peer, self.group)

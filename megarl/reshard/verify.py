@@ -13,8 +13,7 @@ planner's types for annotations). The sums run in megarl._C (csrc/verify), one p
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,9 +22,7 @@ from megarl.errors import HandoverMismatch
 from megarl.kernels import extension
 
 if TYPE_CHECKING:
-    from megarl.reshard.executor import Resharder
     from megarl.reshard.planner import Plan, Transfer
-    from megarl.rollout.group import GroupEngine
 
 PRIME = 2**31 - 1
 MULTIPLIERS = (16807, 48271)
@@ -107,18 +104,3 @@ def check_reports(handover: int, mismatched_per_gpu: list[list[str]]) -> None:
             "them; the last complete checkpoint is intact. This is a bug in megarl's hand-over or in the engine: "
             "please report it with this message (rollout.verify_every: 0 skips the check).")
 
-
-def verify_handover(resharder: Resharder, engine: GroupEngine, handover: int, rank: int) -> None:
-    """rollout.verify_every: every engine rank's parameters against the actor's weights, by checksum; raises
-    HandoverMismatch naming what differs on every GPU."""
-    start = time.perf_counter()
-    names = resharder.dst_names
-    bad = mismatched(names, resharder.expected_checksums(), engine.checksums(len(names)))
-    everyone: list[Any] = [bad]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, bad)
-    check_reports(handover, everyone)
-    if rank == 0:
-        print(f"megarl: hand-over {handover} verified: the engine's parameters match the actor's weights on every GPU "
-              f"({time.perf_counter() - start:.2f} s)", flush=True)
