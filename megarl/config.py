@@ -359,12 +359,17 @@ class AgentConfig:
     """A call running longer becomes the observation "timeout after N s"."""
     tool_workers: int = 8
     """Most tool calls running at once per engine driver."""
+    tool_wait_s: float = 1.0
+    """After an engine call, how long the next one waits for the tool calls still running: those done by then go
+    in it, the rest in a later one, so a slow or hung tool (up to tool_timeout_s) holds only its own sample back.
+    Each sample's seeds are its own, so how calls group changes no sample's distribution."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_turns", "tool_workers")
         if self.max_total_tokens is not None:
             _positive(self, "max_total_tokens")
         _within(self, "tool_timeout_s", "(0, inf)", "use e.g. 30")
+        _within(self, "tool_wait_s", "[0, inf)", "use e.g. 1 (0: never wait while others can generate)")
         _nonempty(self, "call_end")
         check(self.observation_template.count("{observation}") == 1, "observation_template",
               self.observation_template, "hold {observation} exactly once", "write the tool turn around {observation}")

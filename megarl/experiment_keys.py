@@ -15,10 +15,11 @@ DEFINING = ("model.hf_path", "model.dtype", "model.moe_aux_loss_coeff", "algorit
             "critic.hf_path", "critic.optimizer.", "critic.num_ppo_epochs", "critic.mini_batch_size", "agent.")
 """Keys (and, ending in a dot, sections) of the config that define the experiment."""
 LAYOUT = ("actor.optimizer.use_distributed_optimizer", "critic.optimizer.use_distributed_optimizer",
-          "agent.tool_workers", "agent.pause_at_call_end", "actor.lora.handover")
-"""Inside a defining section, but only how it runs: the optimizer state reshards between the two layouts, the
-number of tool calls at once changes no observation, pausing at call_end changes which seeds draw a sample,
-not its distribution, and a LoRA actor's hand-over gives the engine the same policy either way."""
+          "agent.tool_workers", "agent.tool_wait_s", "agent.pause_at_call_end", "actor.lora.handover")
+"""Inside a defining section, but only how it runs: the optimizer state reshards between the two layouts; the
+number of tool calls at once, how long an engine call waits for them and pausing at call_end change which engine
+call a sample's turn is in, not the distribution it draws from; a LoRA actor's hand-over gives the engine the same
+policy either way."""
 
 
 @functools.cache

@@ -145,6 +145,7 @@ def test_agent_section_maps_yaml_one_to_one() -> None:
     ({"tools": [{"args": {}}]}, ["agent.tools[0].spec", "required"]),
     ({"observation_template": "no placeholder"}, ["agent.observation_template", "{observation} exactly once"]),
     ({"call_end": " "}, ["agent.call_end", "non-empty"]),
+    ({"tool_wait_s": -1}, ["agent.tool_wait_s", "-1"]),
     ({"max_turn": 2}, ["agent.max_turn", "did you mean `max_turns`"]),
 ])
 def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
@@ -159,7 +160,8 @@ def test_agent_settings_define_the_experiment_but_tool_workers_do_not() -> None:
     saved = build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}}).to_flat_dict()
     for change, key in [({"tools": [{"spec": "a:C"}]}, "agent.tools"), ({"tools": [{"spec": "a:B", "args": {"x": 1}}]},
                          "agent.tools"), ({"tools": [{"spec": "a:B"}], "max_turns": 2}, "agent.max_turns"),
-                        ({"tools": [{"spec": "a:B"}], "tool_workers": 2}, None)]:
+                        ({"tools": [{"spec": "a:B"}], "tool_workers": 2}, None),
+                        ({"tools": [{"spec": "a:B"}], "tool_wait_s": 0.0, "pause_at_call_end": True}, None)]:
         found = changes(saved, build_config(BASE | {"agent": change}).to_flat_dict())
         assert [k for k, _, _ in found] == ([key] if key else []), change
 
@@ -247,11 +249,46 @@ def test_many_samples_in_flight_share_each_engine_call() -> None:
     assert [c.prompt_index for c in outs] == [0, 0, 1, 1, 2, 2]
     assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 2]  # every live sample, one call per turn
     assert all(p.n == 1 for _, p in engine.calls)
-    assert [p.seed for _, p in engine.calls] == [5, 5 + 1_000_003, 5 + 2_000_006]
+    # sample k's c-th engine call samples at seed + k + c * 1_000_003, whichever samples share the call
+    stride = 1_000_003
+    assert [list(p.seeds or []) for _, p in engine.calls] == [
+        [5 + k for k in range(6)], [5 + k + stride for k in (0, 1, 4, 5)], [5 + k + 2 * stride for k in (0, 1)]]
     assert [c.stats["turns"] for c in outs if c.stats] == [3, 3, 1, 1, 2, 2]
     assert decode(outs[0].token_ids).endswith("<obs>france</obs>\n" + call("lookup", "rome")
                                               + "\n<obs>italy</obs>\ndone")
     assert decode(outs[4].token_ids) == call("echo", "hi") + "\n<obs>hi</obs>\nok"
+
+
+@pytest.mark.parametrize("wait_s", [0.1, 5.0])
+def test_a_slow_tool_holds_back_its_own_sample_only(wait_s: float) -> None:
+    """Sample A's tool takes a second, B's a moment: with agent.tool_wait_s 0.1 the engine goes on with B while
+    A's tool runs, and A follows in a call of its own; waiting 5 s, both share the second call. Each sample's
+    seeds, and so its tokens, are the same either way."""
+    engine = TimedEngine({"A": [call("lookup", "slow"), "late<eos>"], "B": [call("lookup", "paris"), "ok<eos>"]})
+    outs = loop(Lookup, tool_wait_s=wait_s).generate(engine, [encode("A\n"), encode("B\n")], PARAMS)
+    batches = [[decode(p)[0] for p in prompts] for prompts, _ in engine.calls]
+    stride = 1_000_003
+    if wait_s < 1:
+        assert batches == [["A", "B"], ["B"], ["A"]]
+        assert engine.times[1] - engine.times[0] < 0.8  # B went on before A's tool (1 s) was done
+        assert [list(p.seeds or []) for _, p in engine.calls] == [[5, 6], [6 + stride], [5 + stride]]
+    else:
+        assert batches == [["A", "B"], ["A", "B"]]
+        assert [list(p.seeds or []) for _, p in engine.calls] == [[5, 6], [5 + stride, 6 + stride]]
+    assert [decode(c.token_ids) for c in outs] == [call("lookup", "slow") + "\n<obs>unknown</obs>\nlate",
+                                                   call("lookup", "paris") + "\n<obs>france</obs>\nok"]
+
+
+class TimedEngine(ScriptedEngine):
+    """The scripted engine, noting when each call starts."""
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        super().__init__(script)
+        self.times: list[float] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        self.times.append(time.monotonic())
+        return super().generate(prompts, params)
 
 
 def test_max_turns_ends_a_sample_at_its_last_call_unrun() -> None:

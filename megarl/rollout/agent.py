@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -22,7 +24,7 @@ import torch
 from megarl.config import AgentConfig
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.tools.base import load_tool
-from megarl.tools.pool import ToolPool
+from megarl.tools.pool import ToolPool, ToolResult
 
 STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
          "cut_by_turns", "engine_calls", "wasted_tokens")
@@ -39,6 +41,8 @@ class Generator(Protocol):
 class _Sample:
     prompt_index: int
     prompt: list[int]
+    index: int
+    """k = prompt index * n + j: its place in the batch, and its seeds."""
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -46,6 +50,8 @@ class _Sample:
     finish: Literal["stop", "length"] | None = None
     turn_start: int = 0
     """Where the current turn's tokens begin in ``tokens`` (a turn may span engine calls)."""
+    call: tuple[str, str] | str | None = None
+    """The tool call its last turn ended in, (tool, call) or the error observation, until its observation."""
     routed: np.ndarray | None = None
     """MoE engines returning routing: the latest call's experts, which cover the whole sequence so far (the
     engine reports a cached prefix's experts as it routed them when it first ran those tokens)."""
@@ -70,29 +76,63 @@ class AgentLoop:
         # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
         end = encode(cfg.call_end)
         self._pause: tuple[int, ...] = (end[-1],) if cfg.pause_at_call_end or len(end) == 1 else ()
+        # The tools' event loop runs in a thread of its own: calls go on while the engine generates.
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="megarl-tools", daemon=True)
+        self._thread.start()
 
     def generate(self, engine: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
         """``params.n`` samples per prompt, grouped by prompt, as ``engine.generate`` returns them."""
-        samples = [_Sample(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
-        live, call = list(samples), 0
-        while live:
-            # One max_new_tokens per call: the most any sample may still take, within every sample's context; a
-            # sample cut short of its budget by another's context goes on in the next call.
-            limit = min(max(self.budget - len(s.tokens) for s in live),
-                        min(self.context - len(s.prompt) - len(s.tokens) for s in live))
-            seed = None if params.seed is None else params.seed + call * _SEED_STRIDE
-            turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=seed,
-                                       stop_token_ids=(*params.stop_token_ids, *self._pause))
-            outs = engine.generate([s.prompt + s.tokens for s in live], turn)
-            calls = [(s, text) for s, out in zip(live, outs, strict=True)
-                     if (text := self._take(s, out, params)) is not None]
-            self._observe(calls)
-            live, call = [s for s in live if s.finish is None], call + 1
+        samples = [_Sample(k // params.n, list(prompts[k // params.n]), index=k)
+                   for k in range(len(prompts) * params.n)]
+        ready, running = list(samples), dict[futures.Future[ToolResult], _Sample]()
+        while ready or running:
+            if ready:
+                self._call_engine(engine, ready, params)
+                for s in ready:
+                    if s.call is not None:
+                        running[self._run_tool(s.call)] = s
+                ready = [s for s in ready if s.finish is None and s.call is None]
+            if running:  # the next engine call takes the samples whose tools are done
+                done, _ = futures.wait(running, timeout=self.cfg.tool_wait_s)
+                if not done and not ready:  # the engine would idle: it waits for one at least
+                    done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: running[f].index):
+                    s = running.pop(future)
+                    self._observe(s, future.result())
+                    if s.finish is None:
+                        ready.append(s)
+                ready.sort(key=lambda s: s.index)
         return [Completion(prompt_index=s.prompt_index, token_ids=s.tokens, logprobs=s.logprobs, finish_reason=s.finish
                            or "length", policy_mask=s.mask, stats=s.stats, routed_experts=_routing(s))
                 for s in samples]
+
+    def _call_engine(self, engine: Generator, batch: list[_Sample], params: SamplingParams) -> None:
+        """One engine call of every sample in ``batch``; each gets its output and, where its turn ended in a tool
+        call, ``call``. Sample k's c-th call samples at seed + k + c * stride, whichever samples share it: its
+        first is the single-turn rollout's."""
+        # One max_new_tokens per call: the most any sample may still take, within every sample's context; a
+        # sample cut short of its budget by another's context goes on in the next call.
+        limit = min(max(self.budget - len(s.tokens) for s in batch),
+                    min(self.context - len(s.prompt) - len(s.tokens) for s in batch))
+        seeds = None if params.seed is None else [
+            params.seed + s.index + int(s.stats["engine_calls"]) * _SEED_STRIDE for s in batch]
+        turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=None, seeds=seeds,
+                                   stop_token_ids=(*params.stop_token_ids, *self._pause))
+        outs = engine.generate([s.prompt + s.tokens for s in batch], turn)
+        for s, out in zip(batch, outs, strict=True):
+            text = self._take(s, out, params)
+            s.call = None if text is None else self.parse(text)
+
+    def _run_tool(self, call: tuple[str, str] | str) -> futures.Future[ToolResult]:
+        """``call`` (a parsed call, or the error observation of one that did not parse) running on the tools'
+        loop."""
+        if isinstance(call, str):
+            done: futures.Future[ToolResult] = futures.Future()
+            done.set_result(ToolResult(observation=call, status="error", wall_s=0.0))
+            return done
+        return asyncio.run_coroutine_threadsafe(self.pool.run(*call), self._loop)
 
     def _take(self, s: _Sample, out: Completion, params: SamplingParams) -> str | None:
         """Append a call's output to ``s``; the text of its turn when that ended in a tool call to run."""
@@ -131,32 +171,21 @@ class AgentLoop:
                 low = mid + 1
         return low
 
-    def _observe(self, calls: list[tuple[_Sample, str]]) -> None:
-        """Run the turns' tool calls concurrently and append each observation's tool turn."""
-        parsed = [self.parse(text) for _, text in calls]
-
-        async def run_all() -> list[Any]:
-            return await asyncio.gather(*(self.pool.run(*p) for p in parsed if isinstance(p, tuple)))
-
-        results = iter(self._loop.run_until_complete(run_all()))
-        for (s, _), p in zip(calls, parsed, strict=True):
-            s.stats["tool_calls"] += 1
-            if isinstance(p, tuple):
-                result = next(results)
-                text, status = result.observation, result.status
-                s.stats["tool_wall_s"] += result.wall_s
-            else:
-                text, status = p, "error"
-            s.stats["tool_errors"] += status == "error"
-            s.stats["tool_timeouts"] += status == "timeout"
-            obs = self.encode(self.cfg.observation_template.replace("{observation}", text))
-            if len(s.tokens) + len(obs) >= self.budget:  # no room left for the policy to answer it
-                s.finish, s.stats["cut_by_budget"] = "length", 1.0
-                continue
-            s.extend(obs, None)
-            s.turn_start = len(s.tokens)
-            s.stats["tool_tokens"] += len(obs)
-            s.stats["turns"] += 1
+    def _observe(self, s: _Sample, result: ToolResult) -> None:
+        """Append the tool turn of ``s``'s call, or end ``s`` when it would leave no room for an answer."""
+        s.call = None
+        s.stats["tool_calls"] += 1
+        s.stats["tool_wall_s"] += result.wall_s
+        s.stats["tool_errors"] += result.status == "error"
+        s.stats["tool_timeouts"] += result.status == "timeout"
+        obs = self.encode(self.cfg.observation_template.replace("{observation}", result.observation))
+        if len(s.tokens) + len(obs) >= self.budget:  # no room left for the policy to answer it
+            s.finish, s.stats["cut_by_budget"] = "length", 1.0
+            return
+        s.extend(obs, None)
+        s.turn_start = len(s.tokens)
+        s.stats["tool_tokens"] += len(obs)
+        s.stats["turns"] += 1
 
     def parse(self, turn: str) -> tuple[str, str] | str:
         """(tool name, call) from a turn's text ending in ``call_end``, or the error observation. The call is JSON
@@ -180,6 +209,8 @@ class AgentLoop:
 
     def close(self) -> None:
         self.pool.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
         self._loop.close()
 
 

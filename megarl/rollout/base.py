@@ -31,6 +31,8 @@ class SamplingParams:
     """Generation stops after any of these tokens."""
     seed: int | None = None
     """Base sampling seed (request i uses seed + i); None = engine's own randomness."""
+    seeds: Sequence[int] | None = None
+    """One seed per prompt (n = 1), in place of seed + i: a sample keeps its seeds whatever call it is in."""
 
     def __post_init__(self) -> None:
         def integer(value: object) -> bool:
@@ -47,7 +49,9 @@ class SamplingParams:
                   ("stop_token_ids", isinstance(self.stop_token_ids, Sequence)
                    and not isinstance(self.stop_token_ids, str | bytes)
                    and all(integer(t) and t >= 0 for t in self.stop_token_ids), "a list of token ids >= 0"),
-                  ("seed", self.seed is None or integer(self.seed), "an integer or null")]
+                  ("seed", self.seed is None or integer(self.seed), "an integer or null"),
+                  ("seeds", self.seeds is None or (self.n == 1 and all(integer(x) for x in self.seeds)),
+                   "null, or integers with n = 1")]
         for name, ok, must in checks:
             if not ok:
                 raise UserError(f"sampling `{name}` = {getattr(self, name)!r} must be {must}.")
@@ -69,10 +73,19 @@ class Completion:
     """Multi-turn rollouts: the sample's turns, tool calls and the like (megarl.rollout.agent.STATS)."""
 
 
+def request_seed(params: SamplingParams, i: int) -> int | None:
+    """The seed of request i, whose j-th sample draws at it + j: ``seeds[i]``, or seed + i * n."""
+    if params.seeds is not None:
+        return params.seeds[i]
+    return None if params.seed is None else params.seed + i * params.n
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int,
                   vocab_size: int | None = None) -> None:
     """Reject, never truncate: an empty prompt, a token id outside the vocabulary, or a prompt that leaves
     no room for ``max_new_tokens`` within the engine's ``max_model_len``."""
+    if params.seeds is not None and len(params.seeds) != len(prompts):
+        raise ValueError(f"{len(params.seeds)} sampling seeds for {len(prompts)} prompts")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise UserError(f"prompt {i} is empty; every prompt needs at least one token.")

@@ -45,7 +45,15 @@ from megarl.models.routing import routing_dtype
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import apply_message, detach_message
-from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
+from megarl.rollout.base import (
+    Completion,
+    SamplingParams,
+    Wake,
+    check_prompts,
+    engine_process_env,
+    request_seed,
+    visible_devices_env,
+)
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch
 from megarl.rollout.sglang_loader import ALIASES_KEY, LOADER, AliasingLoader
@@ -150,8 +158,9 @@ class SGLangEngine:
                     "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
                     "n": 1}
         expanded = [list(p) for p in prompts for _ in range(params.n)]
-        per_request = [sampling | ({"sampling_seed": params.seed + i} if params.seed is not None else {})
-                       for i in range(len(expanded))]
+        seeds = [None if (seed := request_seed(params, i // params.n)) is None else seed + i % params.n
+                 for i in range(len(expanded))]
+        per_request = [sampling | ({"sampling_seed": seed} if seed is not None else {}) for seed in seeds]
         with self._watch.alive():
             outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True,
                                            **({"return_routed_experts": True} if self._routing else {}))

@@ -36,7 +36,15 @@ from megarl.errors import UserError
 from megarl.models.mapping import hf_shapes
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
-from megarl.rollout.base import Completion, SamplingParams, Wake, check_prompts, engine_process_env, visible_devices_env
+from megarl.rollout.base import (
+    Completion,
+    SamplingParams,
+    Wake,
+    check_prompts,
+    engine_process_env,
+    request_seed,
+    visible_devices_env,
+)
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.watchdog import Watchdog
 
@@ -172,7 +180,7 @@ class VLLMEngine:
         sampling = [VLLMSampling(n=params.n, temperature=params.temperature, top_p=params.top_p,
                                  top_k=0 if params.top_k == -1 else params.top_k, max_tokens=params.max_new_tokens,
                                  stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
-                                 seed=None if params.seed is None else params.seed + i * params.n)
+                                 seed=request_seed(params, i))
                     for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
                                     use_tqdm=False, lora_request=self._adapter)
