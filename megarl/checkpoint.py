@@ -16,6 +16,9 @@ Layout of ``checkpoint.dir``:
                               a LoRA actor's (actor.lora) adapters and their optimizer state, as rank r holds
                               them (resumable in any layout, megarl.lora.shards); the actor's weights beside them are
                               the merged W + s B A, its base weights come from model.hf_path again
+  step_000012/actor/lora/base_model.json
+                              the base model's path and the size and CRC-32 of its weight files: a resume onto
+                              other base weights is refused
   step_000012/critic/         same for the critic (PPO)
   step_000012/rank{r}.pt      this rank's RNG states
   step_000012/trainer.json    step, data position, KL controller, layout, the run's flattened config
@@ -75,6 +78,8 @@ FULL_BELOW = 64 * 2**20
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 LORA_DIR = "lora"
 """A LoRA actor's adapters and their optimizer state, one file per rank (``_save_adapters``)."""
+BASE_MODEL = "base_model.json"
+"""In LORA_DIR: the base model's path and the size and CRC-32 of its weight files, checked on resume."""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -645,10 +650,14 @@ def _save_adapters(model: MegatronModel, out: Path) -> list[Path]:
         offsets[name] = start
     path = _adapter_file(out, dist.get_rank())
     g = model.groups
+    written = [path]
+    if dist.get_rank() == 0:
+        written.append(out / LORA_DIR / BASE_MODEL)
+        written[-1].write_text(json.dumps(base_model(model.hf_dir), indent=1) + "\n")
     save_file(tensors, str(path), metadata={
         "format": FORMAT, "offsets": json.dumps(offsets), "tp_rank": str(g.tp_rank), "tp": str(g.dims.tp),
         "dp_rank": str(g.dp_rank), "lora": json.dumps(dataclasses.asdict(lora))})
-    return [path]
+    return written
 
 
 @torch.no_grad()
@@ -663,6 +672,7 @@ def _load_adapters(ckpt: Path, model: MegatronModel) -> None:
     if not files:
         raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/ is missing): it was saved without actor.lora. "
                         "Resume it without actor.lora, or set checkpoint.resume to `none`.")
+    _check_base_model(ckpt / LORA_DIR / BASE_MODEL, model.hf_dir)
     saved = _SavedAdapters(files)
     theirs = {k: saved.lora.get(k) for k in ("rank", "target_modules")}
     ours = {"rank": lora.rank, "target_modules": list(lora.target_modules)}
@@ -684,6 +694,33 @@ def _load_adapters(ckpt: Path, model: MegatronModel) -> None:
                 full = lora_shards.reshard_factor(model.spec, rule, name, state, g.tp_rank, g.dims.tp).reshape(-1)
                 live[key].copy_(full[start: start + live[key].numel()].view_as(live[key]))
     model.refresh_merged()
+
+
+def base_model(hf_dir: str | None) -> dict[str, Any]:
+    """What a LoRA actor's adapters were trained on: model.hf_path and the size and CRC-32 of its weight files."""
+    if hf_dir is None:
+        return {"path": None, "files": {}}
+    root = Path(hf_dir)
+    return {"path": str(root.resolve()), "files": manifest.describe(root, root.glob("*.safetensors"), sync=False)}
+
+
+def _check_base_model(record: Path, hf_dir: str | None) -> None:
+    """The adapters resume only onto the base weights they were trained on."""
+    if not record.is_file():  # a checkpoint written before the base was recorded
+        return
+    try:
+        saved = json.loads(record.read_text())
+        files = saved["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{record} is unreadable ({type(err).__name__}: {err}): the checkpoint is damaged. Resume "
+                        "from another step_* directory or set checkpoint.resume to `none`.") from None
+    ours = base_model(hf_dir)["files"]
+    if ours != files:
+        differ = sorted(n for n in set(ours) | set(files) if ours.get(n) != files.get(n))
+        raise UserError(f"the LoRA adapters in {record.parent.parent} were trained on the base model at "
+                        f"{saved.get('path')}, whose weight files differ from model.hf_path = {hf_dir} ({differ[:3]}: "
+                        "size or CRC-32). Adapters on another base give another policy. Set model.hf_path to the "
+                        "base they were trained on, or checkpoint.resume to `none`.")
 
 
 class _SavedAdapters:

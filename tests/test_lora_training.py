@@ -121,6 +121,24 @@ def test_a_lora_checkpoint_resumes_in_another_layout(rows, root, before, after):
     assert all(float(t.abs().max()) > 0 for k, t in states["saved"].items() if "exp_avg" in k and ".B" in k)
 
 
+def test_a_lora_checkpoint_resumes_only_onto_the_base_it_was_trained_on(rows, root, tmp_path):
+    """lora/base_model.json records model.hf_path's weight files (size, CRC-32); a resume onto other weights, as
+    a base fine-tuned further in place would be, is refused with the fix, and onto the same files it passes."""
+    from megarl.checkpoint import _check_base_model
+
+    record = root / "out" / "ckpt_tp2_pp1" / "step_000001" / "actor" / "lora" / "base_model.json"
+    saved = json.loads(record.read_text())
+    assert saved["path"] == str((root / "llama").resolve()) and list(saved["files"]) == ["model.safetensors"]
+    _check_base_model(record, str(root / "llama"))
+    other = tmp_path / "other"
+    shutil.copytree(root / "llama", other)
+    raw = bytearray((other / "model.safetensors").read_bytes())
+    raw[-1] ^= 1  # one bit of one weight
+    (other / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=r"trained on the base model at .*model.hf_path = .*other.*model.safetensors"):
+        _check_base_model(record, str(other))
+
+
 def adapter_states(actor):
     """A LoRA checkpoint's Adam state (master weights, moments) by factor, state and HF weight, in HF's layout:
     each TP shard joined from the ranges its DP ranks wrote, split factors through the base weight's mapping."""
