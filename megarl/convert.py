@@ -1,7 +1,7 @@
 """Checkpoint conversion between HuggingFace and megarl's Megatron layout.
 
   python -m megarl.convert hf-to-mcore --hf DIR --out DIR --tp N --pp M
-  python -m megarl.convert mcore-to-hf --ckpt DIR --out DIR [--peft]
+  python -m megarl.convert mcore-to-hf --ckpt DIR --out DIR [--merge | --peft]
   python -m megarl.convert gguf-to-hf --gguf FILE --out DIR [--dtype bfloat16|float32]
 
 The round trip is bit-exact: dtypes are kept and vocab padding is dropped on export. gguf-to-hf dequantises
@@ -33,9 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron TP/PP shards -> HF safetensors + config.json")
     to_hf.add_argument("--ckpt", required=True, help="megarl Megatron checkpoint directory")
     to_hf.add_argument("--out", required=True, help="new HF model directory")
-    to_hf.add_argument("--peft", action="store_true",
-                       help="a LoRA actor's checkpoint (actor.lora): write its adapters as a PEFT adapter directory "
-                            "instead of the merged weights")
+    form = to_hf.add_mutually_exclusive_group()
+    form.add_argument("--merge", action="store_true",
+                      help="the full model; a LoRA actor's (actor.lora) with its adapters merged, W + s B A (default)")
+    form.add_argument("--peft", action="store_true",
+                      help="a LoRA actor's checkpoint: its adapters alone, as a PEFT adapter directory for the base")
     from_gguf = sub.add_parser("gguf-to-hf", help="GGUF file -> HF safetensors, config.json, tokenizer")
     from_gguf.add_argument("--gguf", required=True, help="a .gguf file (any quantisation transformers reads)")
     from_gguf.add_argument("--out", required=True, help="new HF model directory")

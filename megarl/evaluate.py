@@ -1,12 +1,14 @@
 """Held-out accuracy of a model: `python -m megarl.evaluate --model DIR --data NAME_OR_PATH [options]`.
 
-DIR is a HF model directory, or a megarl training checkpoint (a run's checkpoint.dir, one of its step_N
-directories, or its actor directory), whose actor is exported to HF first. Prompts are built as training
-builds them (the same templates, system prompt and chat template); generation runs on vLLM (CPU or GPU) or
-SGLang (GPU). --config RECIPE evaluates as that recipe trains: its prompt settings, reward and token limits are
-the defaults, and with an ``agent:`` section the model calls its tools over several turns as in training (the
-same agent loop). The last line of stdout is one JSON object: accuracy, num_prompts, mean_length,
-truncated_fraction, seconds, pass@k / mean@k with --num-samples K > 1, and agent/* means with tools.
+DIR is a HF model directory, a megarl training checkpoint (a run's checkpoint.dir, one of its step_N
+directories, or its actor directory), whose actor is exported to HF first, or a PEFT adapter directory
+(``mcore-to-hf --peft``), merged by peft onto the base model its adapter_config.json names. Prompts are
+built as training builds them (the same templates, system prompt and chat template); generation runs on
+vLLM (CPU or GPU) or SGLang (GPU). --config RECIPE evaluates as that recipe trains: its prompt settings,
+reward and token limits are the defaults, and with an ``agent:`` section the model calls its tools over
+several turns as in training (the same agent loop). The last line of stdout is one JSON object: accuracy,
+num_prompts, mean_length, truncated_fraction, seconds, pass@k / mean@k with --num-samples K > 1, and agent/*
+means with tools.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +29,7 @@ from megarl.rollout.base import RolloutEngine
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megarl.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="HF model directory or megarl checkpoint")
+    parser.add_argument("--model", required=True, help="HF model directory, megarl checkpoint or PEFT adapter")
     parser.add_argument("--data", required=True, help='"gsm8k:test" (vendored) or a .jsonl / .parquet file')
     parser.add_argument("--config", type=Path, metavar="RECIPE",
                         help="evaluate as this training recipe does: its data.* prompt settings, trainer.reward, "
@@ -97,6 +100,8 @@ def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     from megarl.models.mcore_ckpt import META, open_mcore
 
     trained = None
+    if (path / "adapter_config.json").is_file():
+        return merge_adapter(path, scratch), None
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if (path / "actor" / META).is_file():
@@ -110,6 +115,35 @@ def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     write_hf(out, tensors, spec, source_dir=path)
     print(f"megarl: exported the actor of {path} for evaluation", file=sys.stderr, flush=True)
     return out, trained
+
+
+def merge_adapter(adapter: Path, scratch: Path) -> Path:
+    """A PEFT adapter directory (``mcore-to-hf --peft``) merged by peft onto the base model its
+    adapter_config.json names, as a HF directory in ``scratch``."""
+    from megarl.errors import UserError
+    from megarl.models.hf_io import TOKENIZER_FILES
+
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    except (OSError, ValueError, AttributeError) as err:
+        raise UserError(f"--model {adapter}: adapter_config.json is unreadable ({type(err).__name__}: {err}). Fix: "
+                        "export the adapter again (python -m megarl.convert mcore-to-hf --peft).") from None
+    if not (Path(base) / "config.json").is_file():
+        raise UserError(f"--model {adapter} is a PEFT adapter whose base model ({base!r}, its adapter_config.json's "
+                        "base_model_name_or_path) is not a HF directory here. Fix: set base_model_name_or_path to "
+                        "the base model's directory, or evaluate the merged export (mcore-to-hf --merge).")
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    out = scratch / "hf"
+    PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (Path(base) / name).is_file():
+            shutil.copy2(Path(base) / name, out / name)
+    print(f"megarl: merged the adapter {adapter} onto {base} for evaluation", file=sys.stderr, flush=True)
+    return out
 
 
 def trained_dtype(step_dir: Path) -> str | None:

@@ -121,6 +121,26 @@ def test_a_lora_checkpoint_resumes_in_another_layout(rows, root, before, after):
     assert all(float(t.abs().max()) > 0 for k, t in states["saved"].items() if "exp_avg" in k and ".B" in k)
 
 
+def test_the_standalone_evaluator_takes_the_peft_export_as_the_merged_one(rows, root, tmp_path):
+    """megarl.evaluate --model ADAPTER_DIR: the --peft export names its base (the checkpoint's base_model.json), and
+    peft merges it onto that base into the model that mcore-to-hf --merge writes (within float32 rounding)."""
+    from megarl.evaluate import merge_adapter
+
+    ckpt = root / "out" / "ckpt_tp1_pp2" / "step_000001" / "actor"
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "merged"), "--merge"])
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"])
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((root / "llama").resolve())
+    merged, via_peft = load_dir(tmp_path / "merged"), load_dir(merge_adapter(tmp_path / "peft", tmp_path / "scratch"))
+    assert merged.keys() - {"lm_head.weight"} == via_peft.keys() - {"lm_head.weight"}
+    assert max(float((merged[k] - via_peft[k]).abs().max()) for k in merged if k in via_peft) < 1e-6
+    assert (tmp_path / "scratch" / "hf" / "tokenizer.json").is_file() == (root / "llama" / "tokenizer.json").is_file()
+    config["base_model_name_or_path"] = str(tmp_path / "nowhere")
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="base_model_name_or_path"):
+        merge_adapter(tmp_path / "peft", tmp_path / "scratch2")
+
+
 def test_a_lora_checkpoint_resumes_only_onto_the_base_it_was_trained_on(rows, root, tmp_path):
     """lora/base_model.json records model.hf_path's weight files (size, CRC-32); a resume onto other weights, as
     a base fine-tuned further in place would be, is refused with the fix, and onto the same files it passes."""

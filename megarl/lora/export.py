@@ -51,6 +51,8 @@ def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None
                 if "/" not in name:  # not optimizer state
                     shards[name][tp_rank] = handle.get_tensor(name)
     assert lora is not None
+    if base_model is None and (ckpt / LORA_DIR / "base_model.json").is_file():  # the base it was trained on
+        base_model = json.loads((ckpt / LORA_DIR / "base_model.json").read_text()).get("path")
     write_peft(out, spec, lora, shards, tp, base_model)
 
 
