@@ -247,6 +247,14 @@ def test_memory_plan_counts_no_reference_and_the_adapters_optimizer_only():
     extra = adapters * 2 + merged_params_per_rank(spec, LoraConfig(rank=16), 2, 1) * 2
     assert update["actor weights"] == full.phases["actor_update"]["actor weights"] + extra
     assert lora.total("actor_update") < full.total("actor_update") - full.phases["actor_update"]["actor grads"]
+    # handover: adapter keeps no merged buffers (vLLM serves the adapters over its base weights)
+    sets = [*sets, "rollout.engine=vllm", "parallel.tensor_parallel=1", "actor.lora.rank=16",
+            "actor.lora.handover=adapter"]
+    adapter = plan_memory(build_config(MINIMAL, sets), spec, ParallelDims(tp=1, pp=1, dp=8), 141 * 2**30)
+    merged = plan_memory(build_config(MINIMAL, sets[:-1]), spec, ParallelDims(tp=1, pp=1, dp=8), 141 * 2**30)
+    buffers = merged_params_per_rank(spec, LoraConfig(rank=16), 1, 1) * 2
+    assert merged.phases["actor_update"]["actor weights"] - adapter.phases["actor_update"]["actor weights"] == buffers
+    assert buffers > 0
 
 
 @pytest.mark.slow
@@ -267,6 +275,15 @@ def test_tiny_grpo_recipe_trains_a_lora_actor_with_a_kl_to_its_base(tmp_path, ha
     assert (tmp_path / "step_000002" / "actor" / "lora" / "rank0000.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.glob("adapter_*")) == (
         ["adapter_000001", "adapter_000002"] if handover == "adapter" else [])
+    # The checkpoint's weights are the adapted model (made for the checkpoint where no merged buffer is kept): the
+    # --merge export is what peft makes of the --peft one.
+    from megarl.evaluate import merge_adapter
+
+    actor = tmp_path / "step_000002" / "actor"
+    convert.main(["mcore-to-hf", "--ckpt", str(actor), "--out", str(tmp_path / "merged"), "--merge"])
+    convert.main(["mcore-to-hf", "--ckpt", str(actor), "--out", str(tmp_path / "peft"), "--peft"])
+    merged, via_peft = load_dir(tmp_path / "merged"), load_dir(merge_adapter(tmp_path / "peft", tmp_path / "scratch"))
+    assert max(float((merged[k] - via_peft[k]).abs().max()) for k in merged if k in via_peft) < 1e-6
 
 
 def test_an_engine_serving_the_adapter_generates_as_one_given_the_merged_weights(tmp_path):

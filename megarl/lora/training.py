@@ -25,12 +25,14 @@ from megarl.models.spec import ModelSpec
 
 
 def install(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int) -> list[torch.nn.Parameter]:
-    """Adapters on ``chunks`` (unwrapped, weights loaded), the base frozen; the adapters' parameters."""
+    """Adapters on ``chunks`` (unwrapped, weights loaded), the base frozen; the adapters' parameters. With
+    ``handover: merged`` each adapter gets its ``merged`` buffer; ``adapter`` hands over no weights and needs none."""
     params = apply_lora(chunks, cfg, seed)
-    for base, adapter in adapted(chunks):
-        weight: torch.Tensor = base.weight  # type: ignore[assignment]
-        adapter.register_buffer("merged", torch.empty_like(weight, requires_grad=False), persistent=False)
-    refresh_merged(chunks)
+    if cfg.handover == "merged":
+        for base, adapter in adapted(chunks):
+            weight: torch.Tensor = base.weight  # type: ignore[assignment]
+            adapter.register_buffer("merged", torch.empty_like(weight, requires_grad=False), persistent=False)
+        refresh_merged(chunks)
     return params
 
 
@@ -56,15 +58,18 @@ def adapted(chunks: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, Lo
 def refresh_merged(chunks: Sequence[torch.nn.Module]) -> None:
     """W + s B A into every adapter's ``merged`` buffer (in place: the resharder keeps its address)."""
     for base, adapter in adapted(chunks):
-        merged: torch.Tensor = adapter.merged  # type: ignore[assignment]
-        torch.add(base.weight, adapter.weight_delta(), out=merged)  # type: ignore[arg-type]
+        merged: torch.Tensor | None = getattr(adapter, "merged", None)
+        if merged is not None:
+            torch.add(base.weight, adapter.weight_delta(), out=merged)  # type: ignore[arg-type]
 
 
 def handover_params(canonical: dict[str, torch.nn.Parameter], chunks: Sequence[torch.nn.Module]
                     ) -> dict[str, torch.Tensor]:
-    """``canonical`` (name -> this rank's parameter) as tensors, each adapted weight replaced by its ``merged``
-    buffer."""
-    by_weight = {id(base.weight): adapter.merged for base, adapter in adapted(chunks)}
+    """``canonical`` (name -> this rank's parameter) as tensors, each adapted weight replaced by W + s B A: its
+    ``merged`` buffer, or (handover: adapter, which keeps none) a new tensor, for a checkpoint to write."""
+    by_weight = {id(base.weight): adapter.merged if hasattr(adapter, "merged") else
+                 (base.weight + adapter.weight_delta()).detach()  # type: ignore[operator]
+                 for base, adapter in adapted(chunks)}
     return {name: by_weight.get(id(p), p.data) for name, p in canonical.items()}  # type: ignore[misc]
 
 
@@ -100,7 +105,7 @@ def _shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 def merged_params_per_rank(spec: ModelSpec, cfg: LoraConfig, tp: int, pp: int) -> int:
     """Elements of the ``merged`` buffers (the hand-over's W + s B A) on a GPU of the busiest pipeline stage."""
-    if cfg.rank == 0:
+    if cfg.rank == 0 or cfg.handover == "adapter":
         return 0
     shapes = _shapes(spec)
     return -(-spec.num_layers // pp) * sum(shapes[t][0] * shapes[t][1] // tp for t in cfg.target_modules)
