@@ -84,7 +84,7 @@ def test_rank_zero_changes_nothing(results):
 @pytest.mark.parametrize("kwargs,field,fix", [
     (dict(rank=-1), "rank", "use 0"),
     (dict(alpha=0.0), "alpha", "use 16"),
-    (dict(dropout=0.1), "dropout", "set dropout: 0.0"),
+    (dict(dropout=1.0), "dropout", "use 0.0 (off)"),
     (dict(target_modules=["qkv", "fc3"]), "target_modules", "use 'fc2'"),
     (dict(target_modules=["down_proj"]), "target_modules", "use 'fc2'"),
     (dict(target_modules=["o", "o"]), "target_modules", "list each module once"),

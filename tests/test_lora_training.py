@@ -63,6 +63,18 @@ def test_the_lora_actor_trains_only_its_adapters_and_hands_over_merged_weights(r
     assert sum(r["last"] for r in rows) == 5  # PP2's first stage scores nothing
 
 
+def test_adapter_dropout_acts_in_updates_alone_and_recompute_replays_it(rows):
+    """actor.lora.dropout 0.5 under TP2 (column layers: one mask over TP; row layers: a mask per rank)."""
+    for row in (r for r in rows if r["tp"] == 2):
+        d = row["dropout"]
+        assert d["b_vs_no_dropout"] > 1e-3  # the first step's B differs with A's input dropped out
+        assert d["grad_norms"][0] != d["grad_norms"][1]
+        # Recompute drops the same elements, and its gradient reaches the adapters at all: before the embedding's
+        # output required grad, a frozen base under Megatron's reentrant recompute gave them none (grad norm 0).
+        assert d["b_vs_recompute"] == 0.0 and d["grad_norms"][1] == d["grad_norms"][2] > 0
+        assert d["score_without_dropout"]  # scoring never drops
+
+
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp1_pp1"])
 def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter(rows, root, layout):
     """mcore-to-hf gives the merged model; --peft the adapters in HF's layout (q/k/v and gate/up split from Megatron's

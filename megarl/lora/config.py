@@ -26,7 +26,8 @@ class LoraConfig:
     """Linear layers to adapt in every transformer layer: any of qkv, o, fc1, fc2 (HF's q/k/v_proj, o_proj,
     gate/up_proj, down_proj). MoE expert layers (fc1, fc2 of a Qwen3-MoE model) are not supported yet."""
     dropout: float = 0.0
-    """Dropout on the adapters' input; only 0.0 is supported for now."""
+    """Dropout on the adapters' input x (s B A dropout(x)), in the updates only: scoring, the reference and the
+    engine see the adapters whole, as peft's eval mode does."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r, so the update's size does not shrink as r
     grows (Kalajdzievski, 2023)."""
@@ -40,8 +41,7 @@ class LoraConfig:
         check(self.rank >= 0, "rank", self.rank, "be >= 0", "use 0 (off) or a rank such as 8 or 16")
         check(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "be a finite number > 0",
               "use 16, or twice the rank")
-        check(self.dropout == 0.0, "dropout", self.dropout, "be 0.0 (adapter dropout is not implemented yet)",
-              "set dropout: 0.0")
+        check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "be in [0, 1)", "use 0.0 (off) or e.g. 0.05")
         for name in self.target_modules:
             close = [_HF_NAMES[name]] if name in _HF_NAMES else difflib.get_close_matches(name, TARGETS, n=1)
             check(name in TARGETS, "target_modules", self.target_modules,

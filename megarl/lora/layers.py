@@ -43,13 +43,17 @@ _PATHS = {"qkv": ("self_attention", "linear_qkv"), "o": ("self_attention", "line
 class LoraAdapter(torch.nn.Module):
     """One linear layer's factors A and B (this rank's shards) and the scale s; ``enabled`` False drops s B A x."""
 
-    def __init__(self, base: Any, rank: int, scaling: float, generator: torch.Generator) -> None:
+    def __init__(self, base: Any, rank: int, scaling: float, generator: torch.Generator, dropout: float = 0.0
+                 ) -> None:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, set_tensor_model_parallel_attributes
 
         super().__init__()
         self.column = isinstance(base, ColumnParallelLinear)
         self.scaling = scaling
         self.enabled = True
+        self.dropout = dropout
+        self.dropping = False
+        """Inside ``dropout_on`` (the updates' forward and backward) the input to A is dropped out."""
         self.group = base.tp_group
         self.sequence_parallel = bool(base.sequence_parallel)
         tp_rank = dist.get_rank(self.group)
@@ -74,7 +78,7 @@ class LoraAdapter(torch.nn.Module):
         """s * B A x for the base layer's input ``x``, in the base output's layout."""
         from megatron.core.tensor_parallel import mappings
 
-        h = F.linear(x, self.A)
+        h = F.linear(self._drop(x) if self.dropping and self.dropout > 0 else x, self.A)
         if self.column:
             h = (mappings.gather_from_sequence_parallel_region(h, group=self.group) if self.sequence_parallel
                  else mappings.copy_to_tensor_model_parallel_region(h, group=self.group))
@@ -82,6 +86,19 @@ class LoraAdapter(torch.nn.Module):
             h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.group) if self.sequence_parallel
                  else mappings.reduce_from_tensor_model_parallel_region(h, group=self.group))
         return self.scaling * F.linear(h, self.B)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on A's input, drawn as Megatron draws its own dropout: a column-parallel layer's input without
+        sequence parallelism is the same on every TP rank and so must its mask be (the default RNG, seeded alike
+        over TP); a row-parallel layer's input columns, and SP's sequence slices, differ by rank and get masks of
+        their own (the tracker's model-parallel RNG). Activation recompute restores both RNGs, so its replay
+        drops the same elements."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        if self.column and not self.sequence_parallel:
+            return F.dropout(x, self.dropout, training=True)
+        with get_cuda_rng_tracker().fork():
+            return F.dropout(x, self.dropout, training=True)
 
     def weight_delta(self) -> torch.Tensor:
         """s * B A for this rank's shard of the base weight."""
@@ -129,7 +146,7 @@ def apply_lora(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int = 0
         # One generator per (seed, layer, target): the same adapters whichever rank holds the layer.
         generator = torch.Generator().manual_seed((seed * 1_000_003 + layer_number) * len(TARGETS)
                                                   + TARGETS.index(target))
-        adapter = LoraAdapter(base, cfg.rank, cfg.scaling, generator)
+        adapter = LoraAdapter(base, cfg.rank, cfg.scaling, generator, cfg.dropout)
         base.lora = adapter
         base.register_forward_hook(adapter.add_delta)
         params += [adapter.A, adapter.B]
@@ -148,6 +165,19 @@ def merged_weights(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         return {f"{name}.weight": module.weight + module.lora.weight_delta()
                 for name, module in model.named_modules() if isinstance(getattr(module, "lora", None), LoraAdapter)}
+
+
+@contextmanager
+def dropout_on(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """The adapters' dropout (actor.lora.dropout) active inside the block: an update's forward and backward."""
+    adapters = list(_adapters(chunks))
+    for adapter in adapters:
+        adapter.dropping = True
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.dropping = False
 
 
 @contextmanager

@@ -28,6 +28,10 @@ def install(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int) -> li
     """Adapters on ``chunks`` (unwrapped, weights loaded), the base frozen; the adapters' parameters. With
     ``handover: merged`` each adapter gets its ``merged`` buffer; ``adapter`` hands over no weights and needs none."""
     params = apply_lora(chunks, cfg, seed)
+    for chunk in chunks:
+        embedding = getattr(unwrap(chunk), "embedding", None)
+        if embedding is not None:  # the first pipeline stage
+            embedding.register_forward_hook(_require_grad)
     if cfg.handover == "merged":
         for base, adapter in adapted(chunks):
             weight: torch.Tensor = base.weight  # type: ignore[assignment]
@@ -52,6 +56,13 @@ def adapted(chunks: Sequence[torch.nn.Module]) -> list[tuple[torch.nn.Module, Lo
     """(base linear layer, its adapter) for every adapted layer of ``chunks``."""
     return [(m, m.lora) for chunk in chunks for m in unwrap(chunk).modules()  # type: ignore[misc]
             if isinstance(getattr(m, "lora", None), LoraAdapter)]
+
+
+def _require_grad(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output as a tensor that requires grad. Activation recompute (Megatron's reentrant
+    checkpoint) runs a layer's backward only when an input requires grad; with the whole base frozen none would,
+    and the adapters inside would get no gradient at all."""
+    return output.requires_grad_(True) if not output.requires_grad else output
 
 
 @torch.no_grad()

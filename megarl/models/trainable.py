@@ -20,7 +20,7 @@ from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_bat
 from megarl.errors import check_finite
 from megarl.lora import training as lora_training
 from megarl.lora.config import LoraConfig
-from megarl.lora.layers import adapters_disabled
+from megarl.lora.layers import adapters_disabled, dropout_on
 from megarl.models import logprob_head
 from megarl.models.forward import (
     even_micro_batches,
@@ -281,10 +281,11 @@ class MegatronModel:
         self.optimizer.zero_grad()
         multi = len(self.models) > 1
         length, rows = schedule_shape(batches, thd)
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
-            model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=length,
-            micro_batch_size=rows, forward_only=False)
+        with dropout_on(self.chunks) if self.lora is not None else nullcontext():  # actor.lora.dropout
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
+                model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=length,
+                micro_batch_size=rows, forward_only=False)
         if self.replay is not None:
             self.replay.clear()
         metrics = _sum_metrics(outputs, self.groups)

@@ -145,8 +145,40 @@ def run(spec, model_dir, out_dir, seqs, gen, dims, previous) -> dict:
     second = [m.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64) for m in (actor, resumed)]
     row["resumed_step"] = [s["grad_norm"] for s in second]
     row["resumed_exact"] = same(actor.score(seqs, 64), resumed.score(seqs, 64))
+    if dims.tp > 1:  # column layers draw A's input mask from the RNG seeded alike over TP, row layers per rank
+        row["dropout"] = dropout_checks(spec, model_dir, groups, seqs, adv, weights)
     destroy_model_parallel()
     return row
+
+
+def dropout_checks(spec, model_dir, groups, seqs, adv, weights) -> dict:
+    """actor.lora.dropout: active in the update (its first step moves B unlike the same actor's without dropout),
+    never in scoring, and replayed by activation recompute (the same step with and without it)."""
+    def actor(dropout, recompute=False, seed=3):
+        opts = BuildOptions(dtype=torch.float32, recompute_activations=recompute)
+        return MegatronModel(spec, model_dir, groups, opts, OptimizerConfig(lr=1e-2, clip_grad=0.0), num_steps=2,
+                             lora=LoraConfig(rank=4, alpha=8.0, dropout=dropout), seed=seed)
+
+    def step(model):
+        model_parallel_seed(123)  # the same masks for the same draws
+
+        def loss(logits, tokens, ex):
+            logp = model.token_logprobs(logits, tokens)
+            return -(logp * ex["advantages"] * ex["weights"]).sum(), {}
+
+        return model.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64)["grad_norm"]
+
+    models = [actor(0.0), actor(0.5), actor(0.5, recompute=True)]
+    norms = [step(m) for m in models]
+    b = [[p.detach().clone() for n, p in m.adapter_params().items() if n.endswith(".B")] for m in models]
+    out = {"grad_norms": norms,
+           "b_vs_no_dropout": max(float((x - y).abs().max()) for x, y in zip(b[1], b[0], strict=True)),
+           "b_vs_recompute": max(float((x - y).abs().max()) for x, y in zip(b[1], b[2], strict=True))}
+    scores = models[1].score(seqs, 64)  # B moved: a mask in scoring would change these
+    for _, adapter in lora_training.adapted(models[1].chunks):
+        adapter.dropout = 0.0
+    out["score_without_dropout"] = same(scores, models[1].score(seqs, 64))
+    return out
 
 
 if __name__ == "__main__":
