@@ -61,6 +61,7 @@ from megarl.config import CheckpointConfig
 from megarl.errors import UserError
 from megarl.keep_best import best_step
 from megarl.lora import shards as lora_shards
+from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
 from megarl.models.hf_io import apply_umask, copy_model_files
 from megarl.models.mapping import param_rules
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
@@ -76,10 +77,6 @@ STEP_DIR = re.compile(r"step_(\d{6,})")
 FULL_BELOW = 64 * 2**20
 """A save that fails with less free space than this in checkpoint.dir failed for the lack of it."""
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-LORA_DIR = "lora"
-"""A LoRA actor's adapters and their optimizer state, one file per rank (``_save_adapters``)."""
-BASE_MODEL = "base_model.json"
-"""In LORA_DIR: the base model's path and the size and CRC-32 of its weight files, checked on resume."""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -575,11 +572,13 @@ def _load_weights(ckpt: Path, meta: dict[str, int], model: MegatronModel) -> Non
         params[name].copy_(shard)
 
 
-def _saved_state(directory: Path) -> Callable[[str], Callable[[int, str], torch.Tensor]]:
-    """of(key)(tp_rank, name): the saved state ``key`` of one TP shard of a parameter, joined from its DP ranges."""
+def _saved_state(directory: Path, files: str = "tp*_pp*_dp*.safetensors"
+                 ) -> Callable[[str], Callable[[int, str], torch.Tensor]]:
+    """of(key)(tp_rank, name): the saved state ``key`` of one TP shard of a parameter, joined from its DP ranges
+    (the ``files`` of ``directory``: the optimizer's, or a LoRA actor's rank files)."""
     ranges: dict[tuple[int, str], list[tuple[int, Any]]] = defaultdict(list)
     shapes: dict[tuple[int, str], list[int]] = {}
-    for path in sorted(directory.glob("tp*_pp*_dp*.safetensors")):
+    for path in sorted(directory.glob(files)):
         try:
             handle = safe_open(str(path), framework="pt")
             meta = handle.metadata()
@@ -643,13 +642,15 @@ def _save_adapters(model: MegatronModel, out: Path) -> list[Path]:
     params = model.adapter_params()
     tensors = {name: p.detach().cpu().contiguous() for name, p in params.items()}
     offsets = {}
-    for name, (start, live) in _slots(model, params).items():
+    g = model.groups
+    # As _save_optimizer: each DP rank its range with the distributed optimizer, else DP rank 0 the whole state.
+    slots = _slots(model, params) if _distributed(model) or g.dp_rank == 0 else {}
+    for name, (start, live) in slots.items():
         for key in STATE_KEYS:
             # a copy: in float32 the master weights are the parameters, which one file cannot hold twice
             tensors[f"{name}/{key}"] = live[key].detach().reshape(-1).cpu().clone()
-        offsets[name] = start
+        offsets[name] = [start, *params[name].shape]
     path = _adapter_file(out, dist.get_rank())
-    g = model.groups
     written = [path]
     if dist.get_rank() == 0:
         written.append(out / LORA_DIR / BASE_MODEL)
@@ -668,12 +669,12 @@ def _load_adapters(ckpt: Path, model: MegatronModel) -> None:
     lora = getattr(model, "lora", None)
     if lora is None:
         return
-    files = sorted((ckpt / LORA_DIR).glob("rank*.safetensors"))
+    files = adapter_files(ckpt)
     if not files:
         raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/ is missing): it was saved without actor.lora. "
                         "Resume it without actor.lora, or set checkpoint.resume to `none`.")
     _check_base_model(ckpt / LORA_DIR / BASE_MODEL, model.hf_dir)
-    saved = _SavedAdapters(files)
+    saved = SavedAdapters(files)
     theirs = {k: saved.lora.get(k) for k in ("rank", "target_modules")}
     ours = {"rank": lora.rank, "target_modules": list(lora.target_modules)}
     if theirs != ours:
@@ -683,15 +684,15 @@ def _load_adapters(ckpt: Path, model: MegatronModel) -> None:
     rules = {r.mcore: r for r in param_rules(model.spec, include_output=False)}
     params = model.adapter_params()
     slots = _slots(model, params)
+    state = _saved_state(ckpt / LORA_DIR, "rank*.safetensors")
     for name, p in params.items():
         rule = rules[lora_shards.base_weight(name)]
-        shards = saved.factor(name)
-        p.copy_(lora_shards.reshard_factor(model.spec, rule, name, shards, g.tp_rank, g.dims.tp))
+        p.copy_(lora_shards.reshard_factor(model.spec, rule, name, saved.factor(name), g.tp_rank, g.dims.tp))
         if name in slots:
             start, live = slots[name]
             for key in STATE_KEYS:
-                state = [t.view_as(shard) for t, shard in zip(saved.state(name, key), shards, strict=True)]
-                full = lora_shards.reshard_factor(model.spec, rule, name, state, g.tp_rank, g.dims.tp).reshape(-1)
+                shards = [state(key)(t, name) for t in range(saved.tp)]
+                full = lora_shards.reshard_factor(model.spec, rule, name, shards, g.tp_rank, g.dims.tp).reshape(-1)
                 live[key].copy_(full[start: start + live[key].numel()].view_as(live[key]))
     model.refresh_merged()
 
@@ -722,51 +723,3 @@ def _check_base_model(record: Path, hf_dir: str | None) -> None:
                         "size or CRC-32). Adapters on another base give another policy. Set model.hf_path to the "
                         "base they were trained on, or checkpoint.resume to `none`.")
 
-
-class _SavedAdapters:
-    """The adapters and optimizer state in a checkpoint's lora/rank*.safetensors, by factor and saved TP rank."""
-
-    def __init__(self, files: list[Path]) -> None:
-        self.params: dict[str, dict[int, Any]] = defaultdict(dict)
-        self.ranges: dict[tuple[str, int], list[tuple[int, Any]]] = defaultdict(list)
-        self.tp, self.lora = 1, {}
-        for path in files:
-            try:
-                handle = safe_open(str(path), framework="pt")
-                meta = handle.metadata()
-                tp_rank, offsets = int(meta["tp_rank"]), json.loads(meta["offsets"])
-                self.tp, self.lora = int(meta["tp"]), json.loads(meta["lora"])
-            except (SafetensorError, OSError, KeyError, ValueError) as err:
-                raise UserError(f"LoRA adapters `{path}` are unreadable ({err}). The checkpoint is damaged; resume "
-                                "from another step_* directory or set checkpoint.resume to `none`.") from None
-            for name in handle.keys():
-                if "/" not in name:  # a factor; its optimizer state is name/key
-                    self.params[name][tp_rank] = handle
-            for name, start in offsets.items():
-                self.ranges[name, tp_rank].append((start, handle))
-        self.files = files
-
-    def factor(self, name: str) -> list[torch.Tensor]:
-        held = self.params.get(name, {})
-        if sorted(held) != list(range(self.tp)):
-            raise UserError(f"{self.files[0].parent} lacks TP shards {sorted(set(range(self.tp)) - set(held))} of "
-                            f"the adapter {name} (of {self.tp}): the checkpoint is damaged or incomplete. Resume "
-                            "from another step_* directory or set checkpoint.resume to `none`.")
-        return [held[t].get_tensor(name) for t in range(self.tp)]
-
-    def state(self, name: str, key: str) -> list[torch.Tensor]:
-        """Optimizer state ``key`` of each TP shard of ``name``, flat, joined from the DP ranks' ranges."""
-        out = []
-        for t in range(self.tp):
-            numel = math.prod(self.params[name][t].get_slice(name).get_shape())
-            flat, covered = torch.empty(numel), torch.zeros(numel, dtype=torch.bool)
-            for start, handle in self.ranges.get((name, t), []):
-                part = handle.get_tensor(f"{name}/{key}")
-                flat[start: start + part.numel()] = part
-                covered[start: start + part.numel()] = True
-            if not bool(covered.all()):
-                raise UserError(f"{self.files[0].parent} lacks part of the optimizer state {key} of the adapter "
-                                f"{name} (TP rank {t}): the checkpoint is damaged or incomplete. Resume from "
-                                "another step_* directory or set checkpoint.resume to `none`.")
-            out.append(flat)
-        return out

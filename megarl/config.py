@@ -221,6 +221,10 @@ class ActorConfig(UpdateConfig):
         """Whether the actor trains adapters instead of its weights."""
         return self.lora is not None and self.lora.rank > 0
 
+    def adapter_handover(self) -> bool:
+        """Whether the engine serves the adapters over its base weights (actor.lora.handover: adapter)."""
+        return self.lora is not None and self.lora.rank > 0 and self.lora.handover == "adapter"
+
 
 @dataclass(kw_only=True, slots=True)
 class CriticConfig(UpdateConfig):
@@ -735,7 +739,7 @@ class Config:
               self.rollout.alias_weights, "be auto or false with actor.lora: the engine must hold the merged weights "
               "W + s B A, which no tensor of the actor holds, so it cannot map them",
               "set rollout.alias_weights: auto (off with LoRA), or actor.lora: null")
-        if self.actor.lora_on() and self.actor.lora.handover == "adapter":  # type: ignore[union-attr]
+        if self.actor.adapter_handover():
             par = self.parallel
             check(self.rollout.engine == "vllm", "actor.lora.handover", "adapter", "be merged with rollout.engine = "
                   f"{self.rollout.engine}: megarl hands adapters to vLLM's LoRA serving only (SGLang's is not wired)",

@@ -116,9 +116,7 @@ class RLTrainer:
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
-        lora = cfg.actor.lora if cfg.actor.lora_on() else None
-        self.adapters = (AdapterHandover(self.actor, self.engine, run_dir(cfg))
-                         if lora is not None and lora.handover == "adapter" else None)
+        self.adapters = AdapterHandover(self.actor, self.engine, run_dir(cfg)) if cfg.actor.adapter_handover() else None
         if self._weights_leave:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
         self._hold("handover")

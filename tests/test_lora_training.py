@@ -193,7 +193,8 @@ def adapter_states(actor):
                 name = key.split("/")[0]
                 shapes[key] = tensors[name].shape
                 full = flat.setdefault((key, tp_rank), torch.full((shapes[key].numel(),), float("nan")))
-                full[offsets[name]: offsets[name] + part.numel()] = part
+                start = offsets[name][0]  # [start, *shape]
+                full[start: start + part.numel()] = part
     out = {}
     for key, shape in shapes.items():
         name = key.split("/")[0]
@@ -316,8 +317,8 @@ def test_an_engine_serving_the_adapter_generates_as_one_given_the_merged_weights
     lora = dataclasses.asdict(LoraConfig(rank=4, alpha=8.0))
     gen = torch.Generator().manual_seed(0)
     shapes = lora_factor_shapes(spec, 4)
-    shards = {name: {0: torch.randn(shape, generator=gen) * 0.3} for name, shape in shapes.items()}
-    write_peft(tmp_path / "adapter", spec, lora, shards, tp=1)
+    factors = {name: torch.randn(shape, generator=gen) * 0.3 for name, shape in shapes.items()}
+    write_peft(tmp_path / "adapter", spec, lora, lambda name: [factors[name]])  # a TP1 actor's
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()
     merged.save_pretrained(tmp_path / "merged")
@@ -346,13 +347,13 @@ def test_an_engine_serving_the_adapter_generates_as_one_given_the_merged_weights
 
 def lora_factor_shapes(spec, rank):
     """Canonical name -> shape of every adapter factor of a TP1 actor with all four targets."""
-    from megarl.lora.export import _TARGETS
+    from megarl.lora.config import TARGET_PATHS
     from megarl.models.mapping import mcore_shape, param_rules
 
     rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
     shapes = {}
     for layer in range(spec.num_layers):
-        for module in _TARGETS.values():
+        for module in (".".join(path) for path in TARGET_PATHS.values()):
             out, inp = mcore_shape(rules[f"decoder.layers.{layer}.{module}.weight"], spec, 1, 0)
             shapes[f"decoder.layers.{layer}.{module}.lora.A"] = (rank, inp)
             shapes[f"decoder.layers.{layer}.{module}.lora.B"] = (out, rank)

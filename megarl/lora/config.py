@@ -11,6 +11,9 @@ from megarl.configio import check
 
 TARGETS = ("qkv", "o", "fc1", "fc2")
 """Megatron's fused query/key/value projection, attention output projection, fused gate/up and down projections."""
+TARGET_PATHS = {"qkv": ("self_attention", "linear_qkv"), "o": ("self_attention", "linear_proj"),
+                "fc1": ("mlp", "linear_fc1"), "fc2": ("mlp", "linear_fc2")}
+"""Where each target sits in a Megatron TransformerLayer: (submodule, linear layer)."""
 # peft's target names for the same layers, to point a user who writes them to ours.
 _HF_NAMES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "fc1", "up_proj": "fc1",
              "down_proj": "fc2"}

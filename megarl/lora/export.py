@@ -11,63 +11,47 @@ over TP as their weights' columns do (megarl.lora.shards).
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.errors import UserError
+from megarl.lora.config import TARGET_PATHS
+from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
 from megarl.lora.shards import factor_to_hf
 from megarl.models.mapping import param_rules
 from megarl.models.spec import ModelSpec, load_spec
 
-LORA_DIR = "lora"
-# Megatron target -> its linear layer in a transformer layer
-_TARGETS = {"qkv": "self_attention.linear_qkv", "o": "self_attention.linear_proj", "fc1": "mlp.linear_fc1",
-            "fc2": "mlp.linear_fc2"}
-
 
 def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None) -> None:
-    """Write the adapters of the LoRA actor checkpoint ``ckpt`` (.../step_N/actor) to ``out`` in PEFT's format."""
+    """Write the adapters of the LoRA actor checkpoint ``ckpt`` (.../step_N/actor) to ``out`` in PEFT's format, for
+    ``base_model`` (default: the base they were trained on, as the checkpoint records it)."""
     ckpt, out = Path(ckpt), Path(out)
-    files = sorted((ckpt / LORA_DIR).glob("rank*.safetensors"))
+    files = adapter_files(ckpt)
     if not files:
         raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/rank*.safetensors): it is not the actor of a run "
                         "with actor.lora. Export it without --peft (the full weights).")
-    spec = load_spec(ckpt)
-    shards: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    lora: dict[str, Any] | None = None
-    tp = 1
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata()
-            if meta.get("dp_rank") != "0":
-                continue  # one data-parallel replica holds every adapter
-            lora, tp, tp_rank = json.loads(meta["lora"]), int(meta["tp"]), int(meta["tp_rank"])
-            for name in handle.keys():
-                if "/" not in name:  # not optimizer state
-                    shards[name][tp_rank] = handle.get_tensor(name)
-    assert lora is not None
-    if base_model is None and (ckpt / LORA_DIR / "base_model.json").is_file():  # the base it was trained on
-        base_model = json.loads((ckpt / LORA_DIR / "base_model.json").read_text()).get("path")
-    write_peft(out, spec, lora, shards, tp, base_model)
+    saved = SavedAdapters(files)
+    if base_model is None and (ckpt / LORA_DIR / BASE_MODEL).is_file():
+        base_model = json.loads((ckpt / LORA_DIR / BASE_MODEL).read_text()).get("path")
+    write_peft(out, load_spec(ckpt), saved.lora, saved.factor, base_model)
 
 
-def write_peft(out: Path, spec: ModelSpec, lora: dict[str, Any], shards: dict[str, dict[int, torch.Tensor]],
-               tp: int, base_model: str | None = None) -> None:
-    """Adapters in PEFT's format in ``out`` from ``shards`` (canonical factor name -> TP rank -> its shard) of a
-    LoRA config ``lora`` (LoraConfig's fields), saved over ``tp`` TP ranks."""
+def write_peft(out: Path, spec: ModelSpec, lora: dict[str, Any], factor: Callable[[str], list[torch.Tensor]],
+               base_model: str | None = None) -> None:
+    """Adapters in PEFT's format in ``out`` of a LoRA config ``lora`` (LoraConfig's fields): ``factor(name)`` is a
+    canonical factor's shards, by TP rank."""
     rank: int = lora["rank"]
     rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(spec.num_layers):
         for target in lora["target_modules"]:
-            module = f"decoder.layers.{layer}.{_TARGETS[target]}"
+            module = f"decoder.layers.{layer}.{'.'.join(TARGET_PATHS[target])}"
             rule = rules[f"{module}.weight"]
-            a_parts, b_parts = _ordered(shards, f"{module}.lora.A", tp), _ordered(shards, f"{module}.lora.B", tp)
+            a_parts, b_parts = factor(f"{module}.lora.A"), factor(f"{module}.lora.B")
             column = target in ("qkv", "fc1")
             hf_split = factor_to_hf(spec, rule, b_parts if column else a_parts, rank)
             for hf in rule.hf:
@@ -78,17 +62,10 @@ def write_peft(out: Path, spec: ModelSpec, lora: dict[str, Any], shards: dict[st
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     names = sorted({hf.split(".")[-2] for target in lora["target_modules"]
-                    for hf in rules[f"decoder.layers.0.{_TARGETS[target]}.weight"].hf})
+                    for hf in rules[f"decoder.layers.0.{'.'.join(TARGET_PATHS[target])}.weight"].hf})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": lora["alpha"],
               "lora_dropout": lora["dropout"], "use_rslora": lora["rslora"], "bias": "none",
               "target_modules": names, "base_model_name_or_path": base_model or "", "fan_in_fan_out": False,
               "init_lora_weights": True}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _ordered(shards: dict[str, dict[int, torch.Tensor]], name: str, tp: int) -> list[torch.Tensor]:
-    parts = shards.get(name, {})
-    if sorted(parts) != list(range(tp)):
-        raise UserError(f"the checkpoint lacks TP shards of {name} (has {sorted(parts)} of {tp}): it is damaged.")
-    return [parts[t] for t in range(tp)]
 

@@ -28,8 +28,9 @@ class AdapterHandover:
             path = self.directory / f"adapter_{self._count:06d}"
             partial = path.with_name(path.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            shards = {name: {0: p.detach().cpu()} for name, p in self.actor.adapter_params().items()}
-            write_peft(partial, self.actor.spec, dataclasses.asdict(self.actor.lora), shards, tp=1)
+            params = self.actor.adapter_params()
+            write_peft(partial, self.actor.spec, dataclasses.asdict(self.actor.lora),
+                       lambda name: [params[name].detach().cpu()])
             partial.rename(path)
             self._written.append(path)
             while len(self._written) > 2:  # the engine reads the last one at its next generate

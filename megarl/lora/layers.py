@@ -32,12 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.errors import UserError
-from megarl.lora.config import TARGETS, LoraConfig
+from megarl.lora.config import TARGET_PATHS, TARGETS, LoraConfig
 from megarl.models.gpt import unwrap
-
-# Where each target sits in a Megatron TransformerLayer: (submodule, linear layer).
-_PATHS = {"qkv": ("self_attention", "linear_qkv"), "o": ("self_attention", "linear_proj"),
-          "fc1": ("mlp", "linear_fc1"), "fc2": ("mlp", "linear_fc2")}
 
 
 class LoraAdapter(torch.nn.Module):
@@ -126,7 +122,7 @@ def apply_lora(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int = 0
         assert unwrap(chunk) is chunk, "apply_lora takes the chunks before they are wrapped in DDP"
         for layer in chunk.decoder.layers:  # type: ignore[union-attr]
             for target in cfg.target_modules:
-                holder, name = _PATHS[target]
+                holder, name = TARGET_PATHS[target]
                 parent = getattr(layer, holder)
                 if holder == "mlp" and hasattr(parent, "experts"):
                     raise UserError(f"LoRA on MoE expert layers is not supported yet: actor.lora.target_modules "

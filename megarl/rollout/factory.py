@@ -31,7 +31,7 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
         log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
                                | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
-                               | ({"lora_rank": lora.rank} if (lora := cfg.actor.lora) is not None
-                                  and lora.rank > 0 and lora.handover == "adapter" else {})
+                               | ({"lora_rank": cfg.actor.lora.rank}  # type: ignore[union-attr]
+                                  if cfg.actor.adapter_handover() else {})
                                | ({"aliases": aliases} if aliases is not None else {})))
     return engine
