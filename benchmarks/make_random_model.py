@@ -1,10 +1,13 @@
 """Write a HF checkpoint of a real model's shape with random weights (no hub needed), for runs at scale.
 
   python benchmarks/make_random_model.py --preset llama3-8b --tokenizer recipes/tiny/model --out /tmp/llama8b
+      [--layers N] [--config-only]
 
 The body (hidden size, layers, heads, MLP) is the preset's; the vocabulary and the tokenizer files are
 those of --tokenizer, so that recipes with that tokenizer run on it and every generated token decodes.
 Weights are N(0, 0.02) (norms 1) in bfloat16, generated on the GPU when there is one, one shard per layer.
+--config-only writes config.json and the tokenizer alone, for engines that make up their own weights
+(SGLang's and vLLM's load_format=dummy).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, help="HF directory whose tokenizer and vocab size are used")
     parser.add_argument("--out", required=True)
     parser.add_argument("--layers", type=int, default=None, help="keep only this many layers")
+    parser.add_argument("--config-only", action="store_true", help="no weights (for load_format=dummy)")
     args = parser.parse_args()
     out, tok = Path(args.out), Path(args.tokenizer)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +51,10 @@ def main() -> None:
         return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    copy_tokenizer(tok, out)
+    if args.config_only:
+        print(f"wrote {out}: {args.preset} body config, vocab {cfg['vocab_size']}, no weights", flush=True)
+        return
     shards: list[dict[str, tuple[int, ...]]] = [{} for _ in range(cfg["num_hidden_layers"] + 1)]
     for name, shape in hf_shapes(load_spec(out)).items():  # one shard per layer, the rest in the first
         shards[int(name.split(".")[2]) + 1 if name.startswith("model.layers.") else 0][name] = shape
@@ -60,10 +68,13 @@ def main() -> None:
         total += sum(t.numel() * 2 for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": index}))
-    for f in tok.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, out / f.name)
     print(f"wrote {out}: {args.preset} body, vocab {cfg['vocab_size']}, {total / 2**30:.1f} GiB bf16", flush=True)
+
+
+def copy_tokenizer(tok: Path, out: Path) -> None:
+    for f in tok.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(f, out / f.name)
 
 
 if __name__ == "__main__":
