@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,19 @@ def engine_class(cfg: Config) -> Any:
     return SGLangEngine
 
 
+def max_batch(cfg: Config, world_size: int) -> int:
+    """The most sequences one engine generates at once in a rollout: its share of a step's prompts (the trainer
+    deals them out round-robin over the engines, one per rollout.tensor_parallel ranks) times the samples each."""
+    engines = max(1, world_size // cfg.rollout.tensor_parallel)
+    return -(-cfg.data.num_prompts_per_step // engines) * cfg.rollout.num_samples_per_prompt
+
+
 def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:
     """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory; ``aliases``: the
-    file of its parameters that map the actor's memory (rollout.alias_weights)."""
+    file of its parameters that map the actor's memory (rollout.alias_weights). An SGLang engine captures decode
+    CUDA graphs up to its rollout batch (``max_batch``; megarl.rollout.sglang.decode_graph_args)."""
     r = cfg.rollout
+    batch = {"max_batch": max_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))} if r.engine == "sglang" else {}
     log_file = run_dir(cfg) / f"engine_{index}.log"
     print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
           f"{log_file}", flush=True)
@@ -33,5 +43,5 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
                                | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
                                | ({"lora_rank": cfg.actor.lora.rank}  # type: ignore[union-attr]
                                   if cfg.actor.adapter_handover() else {})
-                               | ({"aliases": aliases} if aliases is not None else {})))
+                               | ({"aliases": aliases} if aliases is not None else {}) | batch))
     return engine

@@ -64,6 +64,25 @@ log = logging.getLogger(__name__)
 SGLANG_TAGS: dict[str, list[str] | None] = {"all": None, "weights": ["weights"], "cache": ["kv_cache", "cuda_graph"]}
 """What ``wake(what)`` resumes: SGLang's memory-saver tags (None: all of them)."""
 
+GRAPH_SHAPE_ARGS = ("cuda_graph_config", "cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_max_bs",
+                    "cuda_graph_bs")
+"""Engine arguments that set which decode batch sizes SGLang captures as CUDA graphs (they keep SGLang's say)."""
+
+
+def decode_graph_args(max_batch: int | None, tensor_parallel: int, engine_args: dict[str, Any],
+                      server_args: set[str]) -> dict[str, int]:
+    """Capture decode CUDA graphs up to ``max_batch`` (the most sequences one generate call runs at once) where
+    that is above SGLang's own limit on 80-141 GB GPUs (256 below TP 4, 512 from it): SGLang decodes larger
+    batches without graphs, 3.3x slower for SmolLM2 at 512 sequences on an H200 (benchmarks/results/h200/
+    rollout_speed). Nothing when the engine arguments set the graphs' sizes or turn them off, or when this SGLang
+    has no such argument (``server_args``: its ServerArgs fields)."""
+    floor = 512 if tensor_parallel >= 4 else 256
+    if max_batch is None or max_batch <= floor or any(k in engine_args for k in GRAPH_SHAPE_ARGS) \
+            or engine_args.get("disable_cuda_graph") or engine_args.get("disable_decode_cuda_graph"):
+        return {}
+    name = next((k for k in ("cuda_graph_max_bs_decode", "cuda_graph_max_bs") if k in server_args), None)
+    return {name: max_batch} if name else {}
+
 
 class SGLangEngine:
     """A real SGLang engine over ``tensor_parallel`` GPUs (this process drives it)."""
@@ -73,9 +92,11 @@ class SGLangEngine:
     def __init__(self, hf_dir: str, *, tensor_parallel: int = 1, gpu_memory_fraction: float = 0.7,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
-                 return_routed_experts: bool = False, aliases: Path | None = None, **engine_args: Any) -> None:
+                 return_routed_experts: bool = False, aliases: Path | None = None, max_batch: int | None = None,
+                 **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
-        visible ones); ``log_file``: where the engine's processes log (None: the console);
+        visible ones); ``log_file``: where the engine's processes log (None: the console); ``max_batch``: the most
+        sequences one rollout's generate call runs at once, which decode CUDA graphs cover (``decode_graph_args``);
         ``return_routed_experts`` (MoE): every completion carries the experts its tokens were routed to;
         ``aliases``: the file of the parameters that map the actor's memory, per engine rank (rollout.alias_weights:
         the model is built by megarl's loader, megarl.rollout.sglang_loader.AliasingLoader);
@@ -106,6 +127,7 @@ class SGLangEngine:
         from sglang.srt.server_args import ServerArgs
 
         server_args = {f.name for f in dataclasses.fields(ServerArgs)}
+        args |= decode_graph_args(max_batch, tensor_parallel, engine_args, server_args)
         if "custom_sigquit_handler" in server_args:
             args["custom_sigquit_handler"] = _failed_at_start
         if return_routed_experts:

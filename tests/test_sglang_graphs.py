@@ -1,0 +1,64 @@
+"""SGLang's decode CUDA graphs cover the rollout's batch: what megarl passes to sglang.Engine (no SGLang needed)."""
+
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+from megarl.config import load_config
+from megarl.rollout import factory
+from megarl.rollout.sglang import decode_graph_args
+
+FIELDS_0517 = {"cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph"}
+"""Some of SGLang 0.5.17's ServerArgs fields: it has no cuda_graph_max_bs (refused as an engine argument)."""
+
+
+def test_graphs_raised_to_the_rollout_batch():
+    assert decode_graph_args(512, 1, {}, FIELDS_0517) == {"cuda_graph_max_bs_decode": 512}
+    assert decode_graph_args(1024, 4, {"attention_backend": "triton"}, FIELDS_0517) == \
+        {"cuda_graph_max_bs_decode": 1024}
+    assert decode_graph_args(512, 1, {}, {"cuda_graph_max_bs"}) == {"cuda_graph_max_bs": 512}  # older SGLang
+
+
+@pytest.mark.parametrize("max_batch,tp,engine_args,fields", [
+    (None, 1, {}, FIELDS_0517),                                   # no rollout batch known (evaluation)
+    (256, 1, {}, FIELDS_0517),                                    # SGLang's own limit covers it
+    (512, 4, {}, FIELDS_0517),                                    # from TP 4 SGLang captures up to 512 itself
+    (512, 1, {"cuda_graph_max_bs_decode": 160}, FIELDS_0517),     # the user's choice stands
+    (512, 1, {"cuda_graph_bs_decode": [1, 2, 4]}, FIELDS_0517),
+    (512, 1, {"cuda_graph_config": '{"decode": {"max_bs": 64}}'}, FIELDS_0517),
+    (512, 1, {"disable_cuda_graph": True}, FIELDS_0517),          # no graphs asked for
+    (512, 1, {}, {"disable_cuda_graph"}),                         # an SGLang without the argument
+])
+def test_graphs_left_alone(max_batch, tp, engine_args, fields):
+    assert decode_graph_args(max_batch, tp, engine_args, fields) == {}
+
+
+def test_graphs_kept_when_turned_on_explicitly():
+    assert decode_graph_args(512, 1, {"disable_cuda_graph": False}, FIELDS_0517) == {"cuda_graph_max_bs_decode": 512}
+
+
+def test_rollout_batch_per_engine():
+    cfg = load_config(REPO / "recipes/smollm2_gsm8k_grpo.yaml")  # 64 prompts x 8 samples, engines of one GPU
+    assert factory.max_batch(cfg, 1) == 512
+    assert factory.max_batch(cfg, 8) == 64                        # 8 engines, 8 prompts each
+    cfg = load_config(REPO / "recipes/qwen3_30b_a3b_grpo.yaml")   # rollout.tensor_parallel 2
+    assert factory.max_batch(cfg, 8) == 16 * 8
+    assert factory.max_batch(cfg, 6) == 22 * 8                    # 3 engines: 22, 21 and 21 prompts
+
+
+def test_make_engine_passes_the_batch_to_sglang_only(monkeypatch, tmp_path: Path):
+    seen = {}
+
+    class Engine:
+        def __init__(self, hf_dir, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(factory, "engine_class", lambda cfg: Engine)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sets = [f"checkpoint.dir={tmp_path}", "rollout.engine_args.attention_backend=triton"]
+    factory.make_engine(load_config(REPO / "recipes/smollm2_gsm8k_grpo.yaml", sets), 0, [0])
+    assert seen["max_batch"] == 256 and seen["attention_backend"] == "triton"   # 32 of the 64 prompts x 8
+    seen.clear()
+    factory.make_engine(load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [f"checkpoint.dir={tmp_path}"]), 0, None)
+    assert "max_batch" not in seen                                # vLLM: not its argument
