@@ -17,6 +17,9 @@
 #              REPEATS (2); a setting gets TCFG s at most (260);
 #              DEADLINE (s since the call began, 570): a setting with less than 100 s left is skipped
 # Results: /tmp/rs/MODEL_NAME.{json,log,decode.json}, packed into $OUT/rollout_sweep.tgz after each setting.
+# As run (benchmarks/results/h200/rollout_speed): stage1 (carrying part1, g1); stage2 (part2, g2); stage3 (part3:
+# with g3 too, 66.8 MB with the 8.9 MB tree, the call was refused as over 64 MiB); FIWARM=1 stage3 stage4 wheels
+# (part4, g3, .gguf/smolcfg: SmolLM2's config and tokenizer); stage4 (g4); stage5 convert sweep (g5).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 source benchmarks/h200_common.sh
