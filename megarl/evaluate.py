@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megarl.errors import run_main
 from megarl.rollout.base import RolloutEngine
+from megarl.run.command import run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -159,8 +159,9 @@ def trained_dtype(step_dir: Path) -> str | None:
 
 
 def check_actor(step_dir: Path) -> None:
-    """The actor's files of a training checkpoint against its manifest (megarl.manifest), before they are read."""
-    from megarl import manifest
+    """The actor's files of a training checkpoint against its manifest (megarl.checkpoint.manifest), before they
+    are read."""
+    from megarl.checkpoint import manifest
     from megarl.errors import UserError
 
     try:
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts, template_fields
     from megarl.data.tokenizer import load_tokenizer
-    from megarl.evaluation import evaluate, write_samples
+    from megarl.eval.harness import evaluate, write_samples
     from megarl.rewards.registry import load_reward
     from megarl.rollout.agent import AgentLoop
     from megarl.rollout.base import SamplingParams

@@ -14,7 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
-from megarl.errors import UserError, run_main
+from megarl.errors import UserError
+from megarl.run.command import run_main
 
 WINDOW = 10
 """Steps averaged for "first" and "last"."""

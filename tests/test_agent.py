@@ -1,5 +1,5 @@
 """Multi-turn, tool-using rollouts (megarl.rollout.agent) against a scripted engine, and what the trainer makes of
-them (megarl.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by hand."""
+them (megarl.loop.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by hand."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.errors import UserError
-from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
+from megarl.loop.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
 from megarl.rollout.agent import AgentLoop, agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 
@@ -155,7 +155,7 @@ def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
 
 
 def test_agent_settings_define_the_experiment_but_tool_workers_do_not() -> None:
-    from megarl.resume_check import changes
+    from megarl.checkpoint.resume_check import changes
 
     saved = build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}}).to_flat_dict()
     for change, key in [({"tools": [{"spec": "a:C"}]}, "agent.tools"), ({"tools": [{"spec": "a:B", "args": {"x": 1}}]},

@@ -14,7 +14,7 @@ import torch
 
 from helpers import REPO
 from megarl.errors import UserError
-from megarl.evaluation import metrics
+from megarl.eval.harness import metrics
 
 
 def test_pass_at_k_and_mean_at_k_by_hand() -> None:
@@ -94,7 +94,7 @@ def test_bad_input_is_named_before_any_engine_starts(tmp_path: Path, args: list[
 def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected: str) -> None:
     from megarl.config import build_config
     from megarl.data.tokenizer import load_tokenizer
-    from megarl.eval_loop import load_eval_sets
+    from megarl.eval.in_training import load_eval_sets
 
     if dataset["path"] == "EMPTY":
         (tmp_path / "empty.jsonl").write_text("\n")
@@ -108,7 +108,7 @@ def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected:
 
 
 def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
-    from megarl import manifest
+    from megarl.checkpoint import manifest
     from megarl.evaluate import check_actor
 
     step = tmp_path / "step_000003"

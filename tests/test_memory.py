@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.memory import GIB, check_host_memory, check_memory, host_need, plan_memory
+from megarl.memory.plan import GIB, check_host_memory, check_memory, host_need, plan_memory
 from megarl.models.presets import PRESETS
 from megarl.models.spec import load_spec
-from megarl.parallel import ParallelDims
 
 REPO = Path(__file__).resolve().parent.parent
 H200 = 143771 * 2**20  # nvidia-smi's memory.total

@@ -11,8 +11,8 @@ import torch
 
 from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.config import build_config
-from megarl.rl_step import Batch, actor_loss_mask, advantages_and_returns
-from megarl.trainer import RLTrainer
+from megarl.loop.rl_step import Batch, actor_loss_mask, advantages_and_returns
+from megarl.loop.trainer import RLTrainer
 
 GROUP = 4
 

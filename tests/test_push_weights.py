@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.trainer import RLTrainer
+from megarl.loop.trainer import RLTrainer
 
 
 class Recorder:

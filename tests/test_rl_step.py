@@ -1,4 +1,4 @@
-"""The per-step RL plumbing between rollout and update (megarl.rl_step), against values worked out by hand."""
+"""The per-step RL plumbing between rollout and update (megarl.loop.rl_step), against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from megarl.algos.correction import rollout_correction
 from megarl.algos.losses import token_weights
 from megarl.config import AlgorithmConfig
 from megarl.errors import TrainingDiverged
-from megarl.rl_step import (
+from megarl.loop.rl_step import (
     Batch,
     actor_loss,
     actor_loss_mask,

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from helpers import REPO, make_hf_model
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import hf_shapes, param_rules, to_mcore_shard
 from megarl.models.spec import load_spec
-from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan

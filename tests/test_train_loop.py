@@ -18,8 +18,8 @@ from megarl import train
 from megarl.algos.kl import FixedKLController
 from megarl.config import ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from megarl.errors import UserError
-from megarl.rl_step import Batch
-from megarl.trainer import RLTrainer
+from megarl.loop.rl_step import Batch
+from megarl.loop.trainer import RLTrainer
 
 # Trainer (pi_old) minus engine (pi_rollout) log-probabilities of each response token: ratios 1.5, 0.8, 3
 # (over the cap of 2) and 0.6; swapped they would be 0.67, 1.25, 0.33, 1.67.
@@ -96,10 +96,10 @@ def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: lis
     trainer, tracker = RecordingTrainer(batch, old, algo.kl_coef), Tracker(tmp_path)
     cfg = config(algo, trainer=TrainerConfig(num_steps=steps),
                  rollout=RolloutConfig(logprob_diff_max=bound, num_samples_per_prompt=2, max_new_tokens=2))
-    from megarl.eval_loop import InTrainingEval
+    from megarl.eval.in_training import InTrainingEval
 
     no_eval = InTrainingEval(cfg, [], tmp_path, 0)
-    monkeypatch.setattr("megarl.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
+    monkeypatch.setattr("megarl.loop.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
     monkeypatch.setattr("megarl.checkpoint.stop_requested", lambda cfg, device: False)
     train.main(["--config", "unused.yaml"])
     return trainer, tracker, batch

@@ -20,7 +20,6 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megarl.interrupt import terminal_signals_ignored
 from megarl.reshard.handover import EngineCopy, checksum_message
 from megarl.rollout.base import (
     AdapterServing,
@@ -33,6 +32,7 @@ from megarl.rollout.base import (
     Wake,
 )
 from megarl.rollout.failures import engine_call
+from megarl.run.interrupt import terminal_signals_ignored
 
 
 @dataclass(frozen=True)

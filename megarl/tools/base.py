@@ -11,8 +11,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from megarl.config.imports import import_spec
 from megarl.errors import UserError
-from megarl.imports import import_spec
 
 Status = Literal["ok", "error", "timeout"]
 

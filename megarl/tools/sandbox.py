@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megarl.configio import check
+from megarl.config.yaml_io import check
 from megarl.tools.reap import MARKER, make_pids_cgroup, reap
 
 _CHILD = str(Path(__file__).with_name("sandbox_child.py"))

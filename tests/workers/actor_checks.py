@@ -36,18 +36,18 @@ from megarl.config import (  # noqa: E402
     OptimizerConfig,
     RolloutConfig,
 )
-from megarl.models.gpt import BuildOptions  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
-from megarl.rl_step import Batch, actor_loss  # noqa: E402
-from megarl.trainer import RLTrainer  # noqa: E402
+from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.loop.trainer import RLTrainer  # noqa: E402
+from megarl.models.gpt import BuildOptions  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent.parent
 TEMPERATURE = 0.7

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from megarl.config import Config
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
-from megarl.rollout.agent import agent_metrics
 
 
 class Tracker:
@@ -89,8 +88,7 @@ class Tracker:
         row = {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
                "response_length": float(batch.mask.sum(dim=1).mean()),
                "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
-               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **agent_metrics(batch.stats, batch.mask),
-               **metrics, **times, **memory}
+               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **metrics, **times, **memory}
         self.history.append(row)
         if self.rank != 0:
             return
@@ -119,11 +117,11 @@ class Tracker:
         return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
     def end_with_the_process(self) -> None:
-        """However the process ends, the mlflow run ends with it: KILLED after a signal (megarl.interrupt), FAILED
+        """However the process ends, the mlflow run ends with it: KILLED after a signal (megarl.run.interrupt), FAILED
         after an error (megarl.errors.at_failure), also another rank's, after which torchrun sends this one SIGTERM
         (the launcher's error file holds it); ``close`` gives FINISHED after the last step."""
-        from megarl import interrupt
         from megarl.errors import ERROR_FILE, at_failure
+        from megarl.run import interrupt
 
         def interrupted() -> None:
             errors = os.environ.get(ERROR_FILE)

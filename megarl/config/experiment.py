@@ -1,4 +1,4 @@
-"""The config keys that define an experiment (what a resume must not change, megarl.resume_check), apart from
+"""The config keys that define an experiment (what a resume must not change, megarl.checkpoint.resume_check), apart from
 the checks themselves so that megarl.config can validate checkpoint.allow_changes with them."""
 
 from __future__ import annotations

@@ -25,20 +25,20 @@ from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config, UpdateConfig, run_dir
 from megarl.data.batching import TokenizedPrompt
-from megarl.lora import training as lora_training
+from megarl.distributed.parallel import ParallelGroups
+from megarl.loop.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
 from megarl.lora.handover import AdapterHandover
+from megarl.lora.training import BaseModel, LoraAdapters
+from megarl.memory.offload import PARTS, Part, Residency
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
-from megarl.offload import PARTS, Part, Residency
-from megarl.parallel import ParallelGroups
 from megarl.reshard.aliasing import aliased_views, aliases_weights, share_aliases
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import LinkModel, make_plan
 from megarl.reshard.predict import describe_plan
 from megarl.rewards.registry import load_reward
-from megarl.rl_step import Batch, actor_loss, check_scores, critic_loss, shaped_scores
-from megarl.rollout.agent import make_rollout
+from megarl.rollout.agent import agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.factory import engine_class, make_engine
 from megarl.rollout.group import GroupEngine, engine_group, start_engine
@@ -69,10 +69,11 @@ class RLTrainer:
         self.actor = MegatronModel(self.spec, cfg.model.hf_path, groups, opts, cfg.actor.optimizer, steps,
                                    temperature=temperature, routing_replay=algo.routing_replay,
                                    updates_per_step=cfg.actor.optimizer_steps(rollout_batch),
-                                   lora=cfg.actor.lora, seed=cfg.trainer.seed)
-        self.reference: MegatronModel | lora_training.BaseModel | None = None
+                                   adapters=LoraAdapters(cfg.actor.lora, seed=cfg.trainer.seed)
+                                   if cfg.actor.lora is not None and cfg.actor.lora_on() else None)
+        self.reference: MegatronModel | BaseModel | None = None
         if algo.kl_coef > 0:  # a LoRA actor's reference is the actor with its adapters off: no second copy
-            self.reference = (lora_training.BaseModel(self.actor) if cfg.actor.lora_on() else
+            self.reference = (BaseModel(self.actor) if cfg.actor.lora_on() else
                               MegatronModel(self.spec, cfg.model.hf_path, groups, opts, temperature=temperature))
         self.critic = None
         if algo.name == "ppo":
@@ -176,7 +177,7 @@ class RLTrainer:
         self._parts_s[part] += time.perf_counter() - start
 
     def _hold(self, phase: str) -> None:
-        """Keep on the device only what ``phase`` uses (megarl.offload). Before the phases in which the engine
+        """Keep on the device only what ``phase`` uses (megarl.memory.offload). Before the phases in which the engine
         takes memory (its weights wake for the hand-over, its KV cache for generation), what left and what the
         last phase cached go back to the driver: in torch's cache a colocated engine could not allocate them."""
         self.residency.hold(PHASE_NEEDS[phase])
@@ -241,7 +242,8 @@ class RLTrainer:
         With algorithm.dynamic_sampling, prompts whose samples all score the same (no GRPO signal) are
         dropped and further rounds of prompts generated, up to dynamic_sampling_max_rounds; a batch still
         short of informative prompts is filled up with dropped ones, which the actor's loss leaves out
-        (Batch.informative). Every rank returns the same batch.
+        (Batch.informative). Every rank returns the same batch, and the step's sampling metrics (dynamic
+        sampling's, the agent loop's).
         """
         algo, r = self.cfg.algorithm, self.cfg.rollout
         n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
@@ -274,7 +276,8 @@ class RLTrainer:
             if num_kept < wanted:  # keep the configured batch size (mini-batches divide it): fill with no-signal groups
                 filler = Batch.concat(dropped)
                 kept.append(filler.select(range((wanted - num_kept) * n)).as_filler())
-        return Batch.concat(kept), metrics
+        batch = Batch.concat(kept)
+        return batch, metrics | agent_metrics(batch.stats, batch.mask)
 
     def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
                  ) -> Batch:
@@ -306,7 +309,7 @@ class RLTrainer:
         dist.all_gather_object(everything, done, group=self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
 
-    def score(self, batch: Batch, model: MegatronModel | lora_training.BaseModel | None) -> torch.Tensor | None:
+    def score(self, batch: Batch, model: MegatronModel | BaseModel | None) -> torch.Tensor | None:
         """Logprobs (actor/reference) or values (critic) of the batch as [N, T] on every rank; each
         data-parallel replica scores its share of the sequences."""
         if model is None:
@@ -407,7 +410,7 @@ def offloadable_parts(cfg: Config, actor_weights_stay: bool = False) -> dict[str
             "reference": weights if cfg.reference.offload_weights else set()}
 
 
-def _routing(model: MegatronModel | lora_training.BaseModel, batch: Batch, index: list[int]) -> list[Any] | None:
+def _routing(model: MegatronModel | BaseModel, batch: Batch, index: list[int]) -> list[Any] | None:
     """The engine's expert choices for the samples at ``index`` if ``model`` replays them (routing replay)."""
     if model.replay is None:
         return None

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarl.configio import check
+from megarl.config.yaml_io import check
 
 TARGETS = ("qkv", "o", "fc1", "fc2")
 """Megatron's fused query/key/value projection, attention output projection, fused gate/up and down projections."""

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import Config
+from megarl.config.experiment import allowed_changes, defines_experiment
 from megarl.errors import UserError
-from megarl.experiment_keys import allowed_changes, defines_experiment
 
 
 def experiment(flat: dict[str, Any]) -> dict[str, Any]:

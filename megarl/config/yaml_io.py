@@ -162,7 +162,7 @@ def _convert(value: object, tp: Any, path: str, nullable: bool = False) -> objec
     if tp is str and isinstance(value, str):
         return value
     if tp not in _TYPE_NAMES:
-        raise TypeError(f"config annotation {tp!r} of `{path}` is not supported by megarl.configio")
+        raise TypeError(f"config annotation {tp!r} of `{path}` is not supported by megarl.config.yaml_io")
     raise _type_error(path, value, tp, nullable)
 
 

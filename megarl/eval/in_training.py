@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megarl.checkpoint.keep_best import mark_best
 from megarl.config import Config, EvalDatasetConfig
 from megarl.data.batching import TokenizedPrompt, tokenize_prompts
 from megarl.data.prompts import load_prompts
-from megarl.evaluation import evaluate, write_samples
-from megarl.keep_best import mark_best
+from megarl.eval.harness import evaluate, write_samples
 from megarl.rewards.registry import RewardFn, load_reward
 from megarl.rollout.base import SamplingParams
 
@@ -70,7 +70,7 @@ class InTrainingEval:
         return bool(self.sets) and ((self.every > 0 and (step + 1) % self.every == 0) or step + 1 == self.num_steps)
 
     def keep_best(self, step: int, metrics: dict[str, float]) -> None:
-        """checkpoint.keep_best: step's checkpoint, when it scored best so far (megarl.keep_best)."""
+        """checkpoint.keep_best: step's checkpoint, when it scored best so far (megarl.checkpoint.keep_best)."""
         if self.best_metric is not None and self.rank == 0 and mark_best(self.out_dir, self.best_metric, step, metrics):
             print(f"megarl: step {step}'s checkpoint is the best so far on {self.best_metric} "
                   f"({metrics[self.best_metric]:.4f}); it stays outside checkpoint.keep_last", flush=True)

@@ -3,7 +3,7 @@ or ssh session closed) end a run with one line and exit code 128 + the signal; t
 the engine is shut down, and a checkpoint being written is abandoned, never left half-written.
 
 ``install()`` turns these signals into ``Interrupted`` in the main thread; ``at_interrupt`` registers what
-runs before the process exits (errors.run_main calls ``handle``).
+runs before the process exits (megarl.run.command.run_main calls ``handle``).
 """
 
 from __future__ import annotations

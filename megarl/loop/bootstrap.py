@@ -7,13 +7,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl import checkpoint, interrupt
+from megarl import checkpoint
+from megarl.checkpoint.resume_check import check_unchanged
 from megarl.config import load_config, run_dir, validate_layout
-from megarl.configio import check
+from megarl.config.yaml_io import check
 from megarl.errors import UserError
-from megarl.resume_check import check_unchanged
-from megarl.runlock import lock_run
-from megarl.tracking import Tracker, open_store
+from megarl.run import interrupt
+from megarl.run.lock import lock_run
+from megarl.run.tracking import Tracker, open_store
 
 
 def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
@@ -56,7 +57,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
     prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,
                                         d.drop_long_prompts, repr(d.train_path), d.system_prompt, d.response_prefix)
-    from megarl.eval_loop import load_eval_sets
+    from megarl.eval.in_training import load_eval_sets
 
     eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))
     return cfg, spec, dp, prompts, dropped, tokenizer, eval_sets
@@ -101,7 +102,7 @@ def setup(config_path: str, overrides: Sequence[str]
     from megarl.platform import init_platform
 
     platform = init_platform()
-    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
+    from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform, cfg.parallel.timeout_minutes)
     field = "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)"
@@ -117,7 +118,7 @@ def setup(config_path: str, overrides: Sequence[str]
         skipped = f" ({dropped} longer than rollout.max_prompt_tokens skipped)" if dropped else ""
         print(f"megarl: {len(prompts)} prompts{skipped}; TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
               flush=True)
-    from megarl.trainer import RLTrainer
+    from megarl.loop.trainer import RLTrainer
 
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
     if resume_from is not None:
@@ -141,19 +142,19 @@ def setup(config_path: str, overrides: Sequence[str]
     def decode(tokens: list[int]) -> str:
         return str(tokenizer.decode(tokens, skip_special_tokens=True))
 
-    from megarl.eval_loop import InTrainingEval
+    from megarl.eval.in_training import InTrainingEval
 
     return cfg, trainer, loader, decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
 
 
 def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus_per_node: int = 1) -> None:
-    """On GPUs: check the per-GPU memory plan and the node's host memory (megarl.memory) and resolve
+    """On GPUs: check the per-GPU memory plan and the node's host memory (megarl.memory.plan) and resolve
     rollout.gpu_memory_fraction: auto, before anything is built. Without a GPU (CPU engines) auto leaves
     the engine its own default."""
     import torch
 
-    from megarl.memory import check_host_memory, check_memory, plan_memory
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
+    from megarl.memory.plan import check_host_memory, check_memory, plan_memory
 
     if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0

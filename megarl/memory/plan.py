@@ -8,7 +8,7 @@ layer keeps per token for its backward pass, counted tensor by tensor for these 
 gated MLPs keep three times their width, unlike the 4h GeLU MLP of Korthikanti et al. 2022's 34 B per hidden
 unit; attention keeps no score matrix, since TE's and megarl's kernels are fused; with recomputation only each
 layer's input is kept); logits of one micro-batch with the float32 copies that log-probabilities and entropy
-need (with ``model.logprob_chunk_tokens``, those of one chunk of tokens). What megarl.offload moves away in a
+need (with ``model.logprob_chunk_tokens``, those of one chunk of tokens). What megarl.memory.offload moves away in a
 phase is not counted in it.
 
 The engine: SGLang fills ``rollout.gpu_memory_fraction`` of the memory free when it starts (weights
@@ -17,7 +17,7 @@ of the whole GPU. Asleep, an engine keeps its CUDA context and some buffers. Ove
 context, NCCL's buffers and the caching allocator's fragmentation, measured at 10-13 GiB over the
 trainer's tensors on one H200 and 5 GiB more on two (benchmarks/results/h200/colocation).
 
-Host memory: what megarl.offload moves away lands in pinned host buffers that are kept for reuse, so a
+Host memory: what megarl.memory.offload moves away lands in pinned host buffers that are kept for reuse, so a
 node holds every offloaded part of every local rank at once, next to each process's own memory. A node
 without room is refused before launch too (one H200 host of 128 GiB was OOM-killed that way).
 """
@@ -29,11 +29,11 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from megarl.config import Config, UpdateConfig
+from megarl.config.lora import LoraConfig
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.lora.config import LoraConfig
 from megarl.lora.training import adapter_params_per_rank, merged_params_per_rank
 from megarl.models.spec import ModelSpec
-from megarl.parallel import ParallelDims
 from megarl.reshard.aliasing import aliases_weights
 
 GIB = 2**30
@@ -206,7 +206,8 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
 
 
 def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int) -> MemoryPlan:
-    """Bytes per phase on the busiest GPU, given what megarl.offload moves away (the config's offload_* flags)."""
+    """Bytes per phase on the busiest GPU, given what megarl.memory.offload moves away (the config's offload_*
+    flags)."""
     dtype = DTYPE_BYTES[cfg.model.dtype]
     algo = cfg.algorithm
 
