@@ -63,7 +63,11 @@ def command(python: str, disk_bytes: int, init_spec: dict, *, as_root: bool, fds
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    for path in (*_ETC, *runtime_dirs(python)):
+    binds = [*_ETC, *runtime_dirs(python)]
+    # bwrap makes a bind's missing parents mode 0700, owned by the namespace's root: nobody could not reach them
+    for parent in sorted({str(p) for path in (*binds, INIT) for p in Path(path).parents if str(p) != "/"}):
+        argv += ["--perms", "0755", "--dir", parent]
+    for path in binds:
         argv += ["--ro-bind-try", path, path]
     argv += ["--ro-bind", str(Path(__file__).with_name("sandbox_init.py")), INIT,
              "--proc", "/proc", "--dev", "/dev"]
