@@ -24,6 +24,7 @@ import torch
 from megarl.config import AgentConfig
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.tools.base import load_tool
+from megarl.tools.inert import InertText
 from megarl.tools.pool import ToolPool, ToolResult
 
 STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
@@ -64,11 +65,12 @@ class _Sample:
 
 class AgentLoop:
     """Multi-turn rollouts with ``cfg``'s tools; ``encode``/``decode`` are the policy's tokenizer (no special tokens
-    added), ``context`` the engine's max_model_len and ``max_new_tokens`` the default response budget."""
+    added), ``context`` the engine's max_model_len and ``max_new_tokens`` the default response budget. ``inert``
+    makes tool output unable to spell a special token (megarl.tools.inert; make_rollout passes the tokenizer's)."""
 
     def __init__(self, cfg: AgentConfig, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 context: int, max_new_tokens: int) -> None:
-        self.cfg, self.encode, self.decode, self.context = cfg, encode, decode, context
+                 context: int, max_new_tokens: int, inert: Callable[[str], str] = str) -> None:
+        self.cfg, self.encode, self.decode, self.context, self.inert = cfg, encode, decode, context, inert
         self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
                              timeout_s=cfg.tool_timeout_s)
         self.budget = cfg.max_total_tokens or max_new_tokens
@@ -178,7 +180,7 @@ class AgentLoop:
         s.stats["tool_wall_s"] += result.wall_s
         s.stats["tool_errors"] += result.status == "error"
         s.stats["tool_timeouts"] += result.status == "timeout"
-        obs = self.encode(self.cfg.observation_template.replace("{observation}", result.observation))
+        obs = self.encode(self.cfg.observation_template.replace("{observation}", self.inert(result.observation)))
         if len(s.tokens) + len(obs) >= self.budget:  # no room left for the policy to answer it
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
             return
@@ -251,4 +253,4 @@ def make_rollout(cfg: Any, tokenizer: Any) -> SingleTurn | AgentLoop:
         return SingleTurn()
     return AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
                      lambda ids: tokenizer.decode(ids), cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                     cfg.rollout.max_new_tokens)
+                     cfg.rollout.max_new_tokens, InertText.of(tokenizer))
