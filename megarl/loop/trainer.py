@@ -117,7 +117,8 @@ class RLTrainer:
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
-        self.adapters = AdapterHandover(self.actor, self.engine, run_dir(cfg)) if cfg.actor.adapter_handover() else None
+        self.adapters = (AdapterHandover(self.actor, cfg.actor.lora, self.engine, run_dir(cfg))
+                         if cfg.actor.adapter_handover() and cfg.actor.lora is not None else None)
         if self._weights_leave:
             self.sleep_engine()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
         self._hold("handover")
