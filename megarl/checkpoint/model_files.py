@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -18,7 +19,17 @@ from megarl.models.hf_io import copy_model_files
 from megarl.models.mcore_ckpt import FORMAT, META, VERSION, read_meta, reshard, saved_shards, shard_file
 from megarl.models.optimizer_state import STATE_KEYS, flat_state, saved_state
 from megarl.models.spec import ModelSpec, load_spec
-from megarl.models.state import ModelState
+from megarl.models.state import ModelState, Stateful
+
+
+def model_states(models: Mapping[str, Stateful], prepare: Callable[[str], None] | None
+                 ) -> Iterator[tuple[str, ModelState]]:
+    """Each model's state, one at a time, after ``prepare(role)`` brought the model onto the device (its tensors
+    are read or written before the next one's turn)."""
+    for role, model in models.items():
+        if prepare is not None:
+            prepare(role)
+        yield role, model.state()
 
 
 def save_model(state: ModelState, out: Path) -> list[Path]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import manifest
-from megarl.checkpoint.model_files import load_model
+from megarl.checkpoint.model_files import load_model, model_states
 from megarl.checkpoint.paths import COMMON, LATEST, OPTIMIZER, STEP_DIR, TRAINER, checkpoints
 from megarl.errors import UserError
 from megarl.models.state import Stateful
@@ -141,10 +141,7 @@ def load(path: Path, models: Mapping[str, Stateful], prepare: Callable[[str], No
     architecture or role) is refused before anything of it is written."""
     saved = json.loads((path / TRAINER).read_text())
     layout = None
-    for role, model in models.items():
-        if prepare is not None:
-            prepare(role)
-        state = model.state()
+    for role, state in model_states(models, prepare):
         layout = layout or dataclasses.asdict(state.groups.dims)
         load_model(state, path / role)
     if saved.get("layout") == layout:

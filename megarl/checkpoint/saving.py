@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import manifest
-from megarl.checkpoint.model_files import save_model
+from megarl.checkpoint.model_files import model_states, save_model
 from megarl.checkpoint.paths import LATEST, OPTIMIZER, TRAINER, checkpoints, rotate
 from megarl.errors import UserError
 from megarl.models.hf_io import apply_umask
@@ -57,10 +57,7 @@ def save(directory: str, step: int, models: Mapping[str, Stateful], trainer_stat
     try:
         written = [tmp / f"rank{rank}.pt"]
         layout = None
-        for role, model in models.items():
-            if prepare is not None:
-                prepare(role)
-            state = model.state()
+        for role, state in model_states(models, prepare):
             layout = layout or dataclasses.asdict(state.groups.dims)
             written += save_model(state, tmp / role)
         torch.save({"rng": _rng_state()}, written[0])
