@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from megarl.rollout.base import RolloutEngine
 from megarl.run.command import run_main
 
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the engine's precision (default: the recipe's model.dtype with --config, a training "
                              "checkpoint's model.dtype, else auto: a HF directory's own, float32 in bfloat16)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", dest="engine_arg",
+                        help="an argument of the engine itself, its value read as YAML (e.g. attention_backend=triton); "
+                             "repeatable; over --config's rollout.engine_args")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="write every sample (prompt, completion, reward) here")
     args = parser.parse_args(argv)
@@ -58,6 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    args.engine_args = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"--engine-arg {item!r} is not KEY=VALUE (e.g. --engine-arg attention_backend=triton)")
+        try:
+            args.engine_args[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            parser.error(f"--engine-arg {item!r}: its value is not YAML ({' '.join(str(err).split())[:120]})")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and args.num_samples > 1:
@@ -85,6 +99,7 @@ def resolve(args: argparse.Namespace) -> Any:
                  "system_prompt": data.system_prompt, "response_prefix": data.response_prefix,
                  "dtype": cfg.model.dtype}
         args.no_chat_template = args.no_chat_template or not data.apply_chat_template
+        args.engine_args = rollout.engine_args | args.engine_args
     else:
         given = DEFAULTS
     for name, value in given.items():
@@ -181,11 +196,11 @@ def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngin
         from megarl.rollout.vllm import VLLMEngine
 
         return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed,
-                          dtype=args.dtype)
+                          dtype=args.dtype, **args.engine_args)
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
-                        seed=args.seed, enable_sleep=False, dtype=args.dtype)
+                        seed=args.seed, enable_sleep=False, dtype=args.dtype, **args.engine_args)
 
 
 def main(argv: list[str] | None = None) -> None:
