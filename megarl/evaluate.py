@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "checkpoint's model.dtype, else auto: a HF directory's own, float32 in bfloat16)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", dest="engine_arg",
-                        help="an argument of the engine itself, its value read as YAML (e.g. attention_backend=triton); "
-                             "repeatable; over --config's rollout.engine_args")
+                        help="an argument of the engine itself, its value read as YAML (e.g. "
+                             "attention_backend=triton); repeatable; over --config's rollout.engine_args")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="write every sample (prompt, completion, reward) here")
     args = parser.parse_args(argv)

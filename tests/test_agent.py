@@ -1,5 +1,6 @@
 """Multi-turn, tool-using rollouts (megarl.rollout.agent) against a scripted engine, and what the trainer makes of
-them (megarl.loop.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by hand."""
+them (megarl.loop.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by
+hand."""
 
 from __future__ import annotations
 
