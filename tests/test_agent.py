@@ -7,17 +7,22 @@ import json
 import re
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
+from megarl import trainer as trainer_module
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.errors import UserError
 from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
-from megarl.rollout.agent import AgentLoop, agent_metrics, make_rollout
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
+from megarl.rollout.base import Completion, SamplingParams, request_seed
+from megarl.rollout.group import EngineGroup
+from megarl.trainer import RLTrainer
 
 EOS = 0
 STOP = 1  # a one-token "</tool_call>" in the vocabulary of test_one_token_delimiter_stops_the_engine
@@ -249,8 +254,8 @@ def test_many_samples_in_flight_share_each_engine_call() -> None:
     assert [c.prompt_index for c in outs] == [0, 0, 1, 1, 2, 2]
     assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 2]  # every live sample, one call per turn
     assert all(p.n == 1 for _, p in engine.calls)
-    # sample k's c-th engine call samples at seed + k + c * 1_000_003, whichever samples share the call
-    stride = 1_000_003
+    # sample k's c-th engine call samples at seed + k + c * 2**40, whichever samples share the call
+    stride = 1 << 40
     assert [list(p.seeds or []) for _, p in engine.calls] == [
         [5 + k for k in range(6)], [5 + k + stride for k in (0, 1, 4, 5)], [5 + k + 2 * stride for k in (0, 1)]]
     assert [c.stats["turns"] for c in outs if c.stats] == [3, 3, 1, 1, 2, 2]
@@ -267,7 +272,7 @@ def test_a_slow_tool_holds_back_its_own_sample_only(wait_s: float) -> None:
     engine = TimedEngine({"A": [call("lookup", "slow"), "late<eos>"], "B": [call("lookup", "paris"), "ok<eos>"]})
     outs = loop(Lookup, tool_wait_s=wait_s).generate(engine, [encode("A\n"), encode("B\n")], PARAMS)
     batches = [[decode(p)[0] for p in prompts] for prompts, _ in engine.calls]
-    stride = 1_000_003
+    stride = 1 << 40
     if wait_s < 1:
         assert batches == [["A", "B"], ["B"], ["A"]]
         assert engine.times[1] - engine.times[0] < 0.8  # B went on before A's tool (1 s) was done
@@ -420,6 +425,45 @@ def test_without_tool_calls_the_rollout_is_the_single_turn_one() -> None:
     b = Batch.build([prompts[c.prompt_index] for c in single], [c.token_ids for c in single],
                     [c.logprobs for c in single], [0.0] * 6)
     assert torch.equal(a.mask, b.mask) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+
+
+class SeedEngine(ScriptedEngine):
+    """The scripted engine, noting the seed each sample of each call drew at (as vLLM and SGLang give them)."""
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        super().__init__(script)
+        self.seeds: list[list[int]] = []
+        """Per call, its samples' seeds in order."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        self.seeds.append([cast(int, request_seed(params, i)) + j
+                           for i in range(len(prompts)) for j in range(params.n)])
+        return super().generate(prompts, params)
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPatch, tools: bool) -> None:
+    """Trainer.generate_all on each of 3 engines: every sample's first call draws at rollout seed + its place in the
+    whole batch (prompt * n + j), as one engine would, and no seed repeats over the engines' calls."""
+    script = {"A": [call("echo", "x"), "a<eos>"], "B": ["b<eos>"],
+              "C": [call("echo", "y"), call("echo", "z"), "c<eos>"]}
+    prompts = [encode(k + "\n") for k in "ABCAB"]
+    params = SamplingParams(n=4, max_new_tokens=400, stop_token_ids=(EOS,), seed=7)
+    monkeypatch.setattr(trainer_module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(0, obj))
+    engines, firsts = [], []  # type: ignore[var-annotated]
+    for g in range(3):
+        engine = SeedEngine(script)
+        group = EngineGroup(index=g, num_groups=3, size=1, rank_in_group=0, members=(g,), group=None)
+        fake = SimpleNamespace(engine=SimpleNamespace(group=group, generate=engine.generate), _engine_state="awake",
+                               _rollout_loop=loop(Echo) if tools else SingleTurn(), _host_group=None,
+                               groups=SimpleNamespace(dims=SimpleNamespace(world_size=1)))
+        done = RLTrainer.generate_all(fake, prompts, params)  # type: ignore[arg-type]
+        assert sorted({c.prompt_index for c in done}) == list(range(g, 5, 3))
+        engines.append(engine)
+        firsts += zip([p * 4 + j for p in range(g, 5, 3) for j in range(4)], engine.seeds[0], strict=True)
+    assert sorted(firsts) == [(k, 7 + k) for k in range(20)]
+    seeds = [s for e in engines for call in e.seeds for s in call]
+    assert len(seeds) == len(set(seeds)) == 20 + 16 * tools, seeds  # A (twice) and C: 1 and 2 tool turns
 
 
 # ---- what the trainer makes of it ----

@@ -16,13 +16,13 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import torch
 
 from megarl.config import AgentConfig
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams, request_seed
 from megarl.tools.base import load_tool
 from megarl.tools.pool import ToolPool, ToolResult
 
@@ -30,7 +30,9 @@ STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "
          "cut_by_turns", "engine_calls", "wasted_tokens")
 """Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>."""
 
-_SEED_STRIDE = 1_000_003  # engine call c samples at seed + c * stride + request index: no seed used twice
+_SEED_STRIDE = 1 << 40
+"""A sample's engine call c samples at its first call's seed + c * stride (its first is the single-turn rollout's):
+no seed repeats while the first calls' seeds (rollout.seed + a round's offset + the sample's place) stay below it."""
 
 
 class Generator(Protocol):
@@ -110,14 +112,16 @@ class AgentLoop:
 
     def _call_engine(self, engine: Generator, batch: list[_Sample], params: SamplingParams) -> None:
         """One engine call of every sample in ``batch``; each gets its output and, where its turn ended in a tool
-        call, ``call``. Sample k's c-th call samples at seed + k + c * stride, whichever samples share it: its
-        first is the single-turn rollout's."""
+        call, ``call``. The c-th call of prompt i's j-th sample samples at request_seed(params, i) + j + c * stride,
+        whichever samples share it: its first is the single-turn rollout's."""
         # One max_new_tokens per call: the most any sample may still take, within every sample's context; a
         # sample cut short of its budget by another's context goes on in the next call.
         limit = min(max(self.budget - len(s.tokens) for s in batch),
                     min(self.context - len(s.prompt) - len(s.tokens) for s in batch))
-        seeds = None if params.seed is None else [
-            params.seed + s.index + int(s.stats["engine_calls"]) * _SEED_STRIDE for s in batch]
+        seeds = None
+        if params.seed is not None or params.seeds is not None:
+            seeds = [cast(int, request_seed(params, s.prompt_index)) + s.index % params.n
+                     + int(s.stats["engine_calls"]) * _SEED_STRIDE for s in batch]
         turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=None, seeds=seeds,
                                    stop_token_ids=(*params.stop_token_ids, *self._pause))
         outs = engine.generate([s.prompt + s.tokens for s in batch], turn)
