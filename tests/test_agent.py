@@ -3,6 +3,7 @@ them (megarl.rl_step): masks, logprobs, advantages and the actor's loss, against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -317,6 +318,19 @@ def test_token_budget_cuts_a_sample(budget: int, response: str) -> None:
     assert out.finish_reason == "length" and out.stats is not None and out.stats["cut_by_budget"] == 1
     assert out.stats["tool_calls"] == (1 if FRANCE in response else 0)
     assert engine.calls[0][1].max_new_tokens == budget
+
+
+@pytest.mark.parametrize("script,budget", [(["ab<eos>"], 3), ([FIRST, "ab<eos>"], len(FIRST) + len(FRANCE) + 3)])
+def test_an_end_on_the_last_budget_token_is_a_stop(script: list[str], budget: int) -> None:
+    """The end-of-sequence token lands on the budget's last token ("ab" + EOS): the answer is whole, "stop" as the
+    single-turn engine says for the same tokens at that max_new_tokens, not cut by the budget."""
+    engine = ScriptedEngine({"A": script})
+    [out] = loop(Lookup, max_total_tokens=budget).generate(engine, [encode("A\n")], PARAMS)
+    assert len(out.token_ids) == budget and out.token_ids[-1] == EOS
+    context = encode("A\n") + out.token_ids[:-3]  # the single-turn engine, from where the last turn starts
+    [single] = ScriptedEngine({"A": script}).generate([context], dataclasses.replace(PARAMS, max_new_tokens=3))
+    assert single.token_ids == out.token_ids[-3:] and single.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stats is not None and out.stats["cut_by_budget"] == 0
 
 
 def test_observation_that_leaves_no_room_ends_the_sample() -> None:

@@ -150,11 +150,13 @@ class AgentLoop:
             ids, logprobs = ids[:end], logprobs[:end]
         room = self.budget - len(s.tokens)
         s.extend(ids[:room], logprobs[:room])
-        if len(ids) > room or (end is None and len(s.tokens) == self.budget):
+        paused = bool(self._pause) and tuple(ids[-1:]) == self._pause and ids[-1] not in params.stop_token_ids
+        if end is None and out.finish_reason == "stop" and not paused and len(ids) <= room:
+            s.finish = "stop"  # its end-of-sequence within the budget, its last token included, as single-turn says
+        elif len(ids) > room or (end is None and len(s.tokens) == self.budget):
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
         elif end is None:  # "length" short of the budget: go on, unless nothing came (it would again, forever)
-            paused = bool(self._pause) and tuple(ids[-1:]) == self._pause and ids[-1] not in params.stop_token_ids
-            s.finish = None if paused else "stop" if out.finish_reason == "stop" else None if ids else "length"
+            s.finish = None if paused or ids else "length"
         elif s.stats["turns"] >= self.cfg.max_turns:
             s.finish, s.stats["cut_by_turns"] = "length", 1.0
         else:
