@@ -97,7 +97,7 @@ class ScriptedEngine:
 def loop(*tools: type, **kwargs: object) -> AgentLoop:
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:{t.__name__}") for t in tools],
                       observation_template=OBS, **kwargs)  # type: ignore[arg-type]
-    return AgentLoop(cfg, encode, decode, context=4096, max_new_tokens=400)
+    return AgentLoop(cfg, encode, decode, context=4096)
 
 
 def call(name: str, arguments: str) -> str:
@@ -125,7 +125,7 @@ def test_calls_parse_as_json_or_as_plain_text_for_a_single_tool() -> None:
 
 def test_bad_tool_spec_stops_at_start_up_naming_it() -> None:
     with pytest.raises(UserError, match="megarl.tools.nothere"):
-        AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096, 400)
+        AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096)
 
 
 BASE = {"model": {"hf_path": "/m"}, "rollout": {"num_samples_per_prompt": 4, "max_new_tokens": 256},
@@ -333,6 +333,24 @@ def test_an_end_on_the_last_budget_token_is_a_stop(script: list[str], budget: in
     assert out.finish_reason == "stop" and out.stats is not None and out.stats["cut_by_budget"] == 0
 
 
+@pytest.mark.parametrize("context", [4096, 2 + 16])  # 2 + 16: python -m megarl.evaluate --max-new-tokens 16
+def test_the_callers_max_new_tokens_bounds_the_response(context: int) -> None:
+    """An eval's (or --max-new-tokens') limit of 16 holds with tools, below agent.max_total_tokens: the response,
+    policy and tool tokens together, ends at 16, as the single-turn engine's would."""
+    engine = ScriptedEngine({"A": [FIRST[:6] + "x" * 300 + "<eos>"]})
+    agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS,
+                                  max_total_tokens=300), encode, decode, context=context)
+    params = dataclasses.replace(PARAMS, max_new_tokens=16)
+    [out] = agent.generate(engine, [encode("A\n")], params)
+    [single] = ScriptedEngine(engine.script).generate([encode("A\n")], params)
+    assert (out.token_ids, out.finish_reason) == (single.token_ids, "length") and len(out.token_ids) == 16
+    if context == 4096:  # with a tool turn: policy and tool tokens count
+        script = {"A": [FIRST, "y" * 300 + "<eos>"]}
+        params = dataclasses.replace(params, max_new_tokens=len(FIRST) + len(FRANCE) + 4)
+        [out] = agent.generate(ScriptedEngine(script), [encode("A\n")], params)
+        assert decode(out.token_ids) == FIRST + FRANCE + "yyyy" and out.finish_reason == "length"
+
+
 def test_observation_that_leaves_no_room_ends_the_sample() -> None:
     engine = ScriptedEngine({"A": [FIRST, "never<eos>"]})
     [out] = loop(Lookup, max_total_tokens=len(FIRST) + len(FRANCE)).generate(engine, [encode("A\n")], PARAMS)
@@ -345,7 +363,7 @@ def test_a_sample_cut_short_by_another_samples_context_goes_on_in_the_same_turn(
     engine = ScriptedEngine(script)
     prompts = [encode("A\n"), encode("B" + "b" * 30 + "\n")]
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS, max_total_tokens=40)
-    outs = AgentLoop(cfg, encode, decode, context=60, max_new_tokens=400).generate(engine, prompts, PARAMS)
+    outs = AgentLoop(cfg, encode, decode, context=60).generate(engine, prompts, PARAMS)
     assert [p.max_new_tokens for _, p in engine.calls] == [60 - 32, 40 - 28]  # B's context, then A's budget
     whole = ScriptedEngine(script).generate(prompts, PARAMS)  # one call with room for everything
     for out, ref in zip(outs, whole, strict=True):
@@ -358,8 +376,9 @@ def test_a_call_split_over_two_engine_calls_is_one_call() -> None:
     the delimiter itself split between them."""
     engine = ScriptedEngine({"A": ["rome</tool_call>", "ok<eos>"], "B" + "b" * 49: ["b<eos>"]})
     agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS), encode,
-                      decode, context=60, max_new_tokens=60)
-    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 49 + "\n")], PARAMS)
+                      decode, context=60)
+    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 49 + "\n")],
+                          dataclasses.replace(PARAMS, max_new_tokens=60))
     assert [decode(t) for t in engine.calls[1][0]] == ["A\nrome</too"]  # cut by B's context (51 + 9)
     assert decode(outs[0].token_ids) == "rome</tool_call>\n<obs>italy</obs>\nok"
     assert outs[0].stats is not None and outs[0].stats["tool_calls"] == 1 and outs[0].stats["turns"] == 2
@@ -391,7 +410,7 @@ def test_tool_errors_and_timeouts_become_observations() -> None:
 
 def test_one_token_delimiter_stops_the_engine() -> None:
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS)
-    agent = AgentLoop(cfg, lambda text: [STOP] if text == "</tool_call>" else encode(text), decode, 4096, 400)
+    agent = AgentLoop(cfg, lambda text: [STOP] if text == "</tool_call>" else encode(text), decode, 4096)
     engine = ScriptedEngine({"A": ["<tool_call>paris\u2400 junk", "ok<eos>"]})
     [out] = agent.generate(engine, [encode("A\n")], PARAMS)
     assert engine.calls[0][1].stop_token_ids == (EOS, STOP)

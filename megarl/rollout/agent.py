@@ -45,6 +45,8 @@ class _Sample:
     prompt: list[int]
     index: int
     """k = prompt index * n + j: its place in the batch, and its seeds."""
+    budget: int
+    """Most response tokens, policy and tool tokens together."""
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -66,14 +68,13 @@ class _Sample:
 
 class AgentLoop:
     """Multi-turn rollouts with ``cfg``'s tools; ``encode``/``decode`` are the policy's tokenizer (no special tokens
-    added), ``context`` the engine's max_model_len and ``max_new_tokens`` the default response budget."""
+    added), ``context`` the engine's max_model_len."""
 
     def __init__(self, cfg: AgentConfig, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 context: int, max_new_tokens: int) -> None:
+                 context: int) -> None:
         self.cfg, self.encode, self.decode, self.context = cfg, encode, decode, context
         self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
                              timeout_s=cfg.tool_timeout_s)
-        self.budget = cfg.max_total_tokens or max_new_tokens
         # The engine stops at call_end's last token: a call ends there (when the model writes call_end as the
         # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
         end = encode(cfg.call_end)
@@ -85,8 +86,11 @@ class AgentLoop:
 
     def generate(self, engine: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
-        """``params.n`` samples per prompt, grouped by prompt, as ``engine.generate`` returns them."""
-        samples = [_Sample(k // params.n, list(prompts[k // params.n]), index=k)
+        """``params.n`` samples per prompt, grouped by prompt, as ``engine.generate`` returns them. Each response,
+        policy and tool tokens together, holds at most ``params.max_new_tokens`` (the caller's limit: training's,
+        an eval's), and at most agent.max_total_tokens."""
+        budget = min(params.max_new_tokens, self.cfg.max_total_tokens or params.max_new_tokens)
+        samples = [_Sample(k // params.n, list(prompts[k // params.n]), index=k, budget=budget)
                    for k in range(len(prompts) * params.n)]
         ready, running = list(samples), dict[futures.Future[ToolResult], _Sample]()
         while ready or running:
@@ -116,7 +120,7 @@ class AgentLoop:
         whichever samples share it: its first is the single-turn rollout's."""
         # One max_new_tokens per call: the most any sample may still take, within every sample's context; a
         # sample cut short of its budget by another's context goes on in the next call.
-        limit = min(max(self.budget - len(s.tokens) for s in batch),
+        limit = min(max(s.budget - len(s.tokens) for s in batch),
                     min(self.context - len(s.prompt) - len(s.tokens) for s in batch))
         seeds = None
         if params.seed is not None or params.seeds is not None:
@@ -148,12 +152,12 @@ class AgentLoop:
         if end is not None:
             s.stats["wasted_tokens"] += len(ids) - end
             ids, logprobs = ids[:end], logprobs[:end]
-        room = self.budget - len(s.tokens)
+        room = s.budget - len(s.tokens)
         s.extend(ids[:room], logprobs[:room])
         paused = bool(self._pause) and tuple(ids[-1:]) == self._pause and ids[-1] not in params.stop_token_ids
         if end is None and out.finish_reason == "stop" and not paused and len(ids) <= room:
             s.finish = "stop"  # its end-of-sequence within the budget, its last token included, as single-turn says
-        elif len(ids) > room or (end is None and len(s.tokens) == self.budget):
+        elif len(ids) > room or (end is None and len(s.tokens) == s.budget):
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
         elif end is None:  # "length" short of the budget: go on, unless nothing came (it would again, forever)
             s.finish = None if paused or ids else "length"
@@ -185,7 +189,7 @@ class AgentLoop:
         s.stats["tool_errors"] += result.status == "error"
         s.stats["tool_timeouts"] += result.status == "timeout"
         obs = self.encode(self.cfg.observation_template.replace("{observation}", result.observation))
-        if len(s.tokens) + len(obs) >= self.budget:  # no room left for the policy to answer it
+        if len(s.tokens) + len(obs) >= s.budget:  # no room left for the policy to answer it
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
             return
         s.extend(obs, None)
@@ -256,5 +260,4 @@ def make_rollout(cfg: Any, tokenizer: Any) -> SingleTurn | AgentLoop:
     if not cfg.agent.tools:
         return SingleTurn()
     return AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                     lambda ids: tokenizer.decode(ids), cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                     cfg.rollout.max_new_tokens)
+                     lambda ids: tokenizer.decode(ids), cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
