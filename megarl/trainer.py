@@ -256,7 +256,7 @@ class RLTrainer:
             if not algo.dynamic_sampling:
                 kept.append(batch)
                 break
-            good = informative_groups(shaped_scores(batch, algo, r.max_new_tokens), n).tolist()
+            good = informative_groups(shaped_scores(batch, algo, self.cfg.response_budget()), n).tolist()
             take = [g for g, ok in enumerate(good) if ok][: wanted - num_kept]
             skip = [g for g, ok in enumerate(good) if not ok]
             num_kept += len(take)

@@ -19,7 +19,7 @@ from megarl import trainer as trainer_module
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.errors import UserError
-from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
+from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, shaped_scores
 from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams, request_seed
 from megarl.rollout.group import EngineGroup
@@ -500,6 +500,19 @@ def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPa
 
 
 # ---- what the trainer makes of it ----
+
+def test_overlong_penalty_counts_tool_tokens_against_the_budget() -> None:
+    """DAPO's penalty (budget 1024, buffer 256) measures what the budget cuts: a complete 1000-token answer loses
+    (1000 - 768) / 256 of its reward, and a sample the budget cut at 600 policy + 424 tool tokens all of it."""
+    algo = AlgorithmConfig(overlong_buffer_tokens=256)
+    batch = Batch.build([[1, 2], [1, 2]], [[3] * 1000, [3] * 600 + [4] * 424], [[0.0] * 1000, [0.0] * 1024],
+                        [1.0, 1.0], None, [None, [1] * 600 + [0] * 424])
+    assert shaped_scores(batch, algo, 1024).tolist() == pytest.approx([1 - 232 / 256, 0.0])
+    cfg = build_config(BASE | {"rollout": {"max_new_tokens": 2048},
+                               "agent": {"tools": [{"spec": f"{__name__}:Lookup"}], "max_total_tokens": 1024}})
+    assert cfg.response_budget() == 1024  # what the trainer passes
+
+
 
 def agent_batch() -> tuple[Batch, list[list[int]]]:
     """Two multi-turn samples and a single-turn one, with the hand-written policy positions of each response."""
