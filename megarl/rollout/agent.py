@@ -56,6 +56,8 @@ class _Sample:
     """Where the current turn's tokens begin in ``tokens`` (a turn may span engine calls)."""
     call: tuple[str, str] | str | None = None
     """The tool call its last turn ended in, (tool, call) or the error observation, until its observation."""
+    seed: int | None = None
+    """The seed its latest engine call sampled at: a tool call it ended in runs at it (ToolPool.run)."""
     routed: np.ndarray | None = None
     """MoE engines returning routing: the latest call's experts, which cover the whole sequence so far (the
     engine reports a cached prefix's experts as it routed them when it first ran those tokens)."""
@@ -98,7 +100,7 @@ class AgentLoop:
                 self._call_engine(engine, ready, params)
                 for s in ready:
                     if s.call is not None:
-                        running[self._run_tool(s.call)] = s
+                        running[self._run_tool(s.call, s.seed)] = s
                 ready = [s for s in ready if s.finish is None and s.call is None]
             if running:  # the next engine call takes the samples whose tools are done
                 done, _ = futures.wait(running, timeout=self.cfg.tool_wait_s)
@@ -122,10 +124,11 @@ class AgentLoop:
         # sample cut short of its budget by another's context goes on in the next call.
         limit = min(max(s.budget - len(s.tokens) for s in batch),
                     min(self.context - len(s.prompt) - len(s.tokens) for s in batch))
-        seeds = None
-        if params.seed is not None or params.seeds is not None:
-            seeds = [cast(int, request_seed(params, s.prompt_index)) + s.index % params.n
-                     + int(s.stats["engine_calls"]) * _SEED_STRIDE for s in batch]
+        seeded = params.seed is not None or params.seeds is not None
+        for s in batch:
+            s.seed = (cast(int, request_seed(params, s.prompt_index)) + s.index % params.n
+                      + int(s.stats["engine_calls"]) * _SEED_STRIDE) if seeded else None
+        seeds = [cast(int, s.seed) for s in batch] if seeded else None
         turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=None, seeds=seeds,
                                    stop_token_ids=(*params.stop_token_ids, *self._pause))
         outs = engine.generate([s.prompt + s.tokens for s in batch], turn)
@@ -133,14 +136,14 @@ class AgentLoop:
             text = self._take(s, out, params)
             s.call = None if text is None else self.parse(text)
 
-    def _run_tool(self, call: tuple[str, str] | str) -> futures.Future[ToolResult]:
+    def _run_tool(self, call: tuple[str, str] | str, seed: int | None) -> futures.Future[ToolResult]:
         """``call`` (a parsed call, or the error observation of one that did not parse) running on the tools'
-        loop."""
+        loop, at the sample's ``seed``: a tool that draws at random draws the same whenever and wherever it runs."""
         if isinstance(call, str):
             done: futures.Future[ToolResult] = futures.Future()
             done.set_result(ToolResult(observation=call, status="error", wall_s=0.0))
             return done
-        return asyncio.run_coroutine_threadsafe(self.pool.run(*call), self._loop)
+        return asyncio.run_coroutine_threadsafe(self.pool.run(*call, seed=seed), self._loop)
 
     def _take(self, s: _Sample, out: Completion, params: SamplingParams) -> str | None:
         """Append a call's output to ``s``; the text of its turn when that ended in a tool call to run."""
