@@ -3,8 +3,10 @@ them (megarl.rl_step): masks, logprobs, advantages and the actor's loss, against
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import random
 import re
 import time
 from collections.abc import Sequence
@@ -18,7 +20,10 @@ import torch
 from megarl import trainer as trainer_module
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
+from megarl.data.batching import TokenizedPrompt
+from megarl.data.prompts import PromptRecord
 from megarl.errors import UserError
+from megarl.evaluation import score
 from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, shaped_scores
 from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams, request_seed
@@ -285,6 +290,31 @@ def test_a_slow_tool_holds_back_its_own_sample_only(wait_s: float) -> None:
                                                    call("lookup", "paris") + "\n<obs>france</obs>\nok"]
 
 
+class Dice:
+    """Draws from the seed it is given, after a random pause: calls finish in any order."""
+
+    name = "dice"
+    description = "a random number"
+
+    def run(self, call: str, seed: int | None = None) -> str:
+        time.sleep(random.random() * 0.02)
+        return str(random.Random(seed).randrange(10**6) if seed is not None else random.randrange(10**6))
+
+
+@pytest.mark.parametrize("workers,wait_s", [(1, 0.0), (4, 0.0), (4, 5.0)])
+def test_a_random_tool_draws_the_same_whatever_the_timing(workers: int, wait_s: float) -> None:
+    """A tool that takes a seed gets its sample's (that of the turn that called it), so its results, and the
+    rollout, are the same however the calls overlap, finish and group into engine calls: sample k's first call
+    samples at seed + k, and its tool draws there."""
+    script = {"A": [call("dice", "") + "\n", "a<eos>"], "B": [call("dice", "") + "\n", "b<eos>"]}
+    params = SamplingParams(n=3, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
+    agent = loop(Dice, tool_workers=workers, tool_wait_s=wait_s)
+    outs = agent.generate(ScriptedEngine(script), [encode("A\n"), encode("B\n")], params)
+    agent.close()
+    drawn = [re.search(r"<obs>(\d+)</obs>", decode(c.token_ids)) for c in outs]
+    assert [int(m.group(1)) if m else None for m in drawn] == [random.Random(5 + k).randrange(10**6) for k in range(6)]
+
+
 class TimedEngine(ScriptedEngine):
     """The scripted engine, noting when each call starts."""
 
@@ -500,6 +530,49 @@ def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPa
 
 
 # ---- what the trainer makes of it ----
+
+def test_the_reward_sees_the_tool_output() -> None:
+    """The decision (docs/tools.md): the trainer's reward gets the whole response, tool turns included, so a sample
+    whose tool printed the answer before the budget cut it scores as if the policy had written it."""
+    script = {"A": [FIRST, "never answered" * 10 + "<eos>"]}
+    budget = len(FIRST) + len(FRANCE) + 3
+    outs = loop(Lookup, max_total_tokens=budget).generate(ScriptedEngine(script), [encode("A\n")], PARAMS)
+    seen: list[str] = []
+
+    def reward(texts: list[str], answers: list[str]) -> list[float]:
+        seen.extend(texts)
+        return [float(a in t) for t, a in zip(texts, answers, strict=True)]
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(num_samples_per_prompt=1, temperature=1.0, top_p=1.0, top_k=-1,
+                                                  max_new_tokens=budget, seed=0),
+                          trainer=SimpleNamespace(reward="r"), algorithm=SimpleNamespace(routing_replay=False))
+    fake = SimpleNamespace(cfg=cfg, stop_ids=(EOS,), _timed=lambda name: contextlib.nullcontext(),
+                           generate_all=lambda prompts, params: outs, reward_fn=reward)
+    batch = RLTrainer._rollout(fake, [encode("A\n")], ["france"], decode, 0, 0)  # type: ignore[arg-type]
+    assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1
+    assert seen == [FIRST + FRANCE + "nev"] and batch.scores.tolist() == [1.0]
+
+
+def test_eval_length_and_truncation_follow_trainings_conventions() -> None:
+    """On one multi-turn rollout (a sample cut by the budget after a tool turn, one stopped by max_turns, one that
+    ends), megarl.evaluation's mean_length is the training row's response_length (policy tokens) and its
+    truncated_fraction training's agent/cut_by_budget: max_turns is no truncation."""
+    script = {"A": [FIRST, "x" * 100 + "<eos>"], "B": [FIRST, FIRST, "b<eos>"], "C": [FIRST, "c<eos>"]}
+    prompts = [encode(k + "\n") for k in "ABC"]
+    outs = loop(Lookup, max_turns=2, max_total_tokens=2 * len(FIRST) + len(FRANCE) + 10).generate(
+        ScriptedEngine(script), prompts, PARAMS)
+    assert [c.finish_reason for c in outs] == ["length", "length", "stop"]
+    records = [TokenizedPrompt(record=PromptRecord(prompt=k, answer=""), tokens=p)
+               for k, p in zip("ABC", prompts, strict=True)]
+    row, _ = score(records, outs, lambda texts, answers: [0.0] * len(texts), 1, decode)
+    batch = Batch.build(prompts, [c.token_ids for c in outs], [c.logprobs for c in outs], [0.0] * 3, None,
+                        [c.policy_mask for c in outs], [c.stats for c in outs])
+    training = agent_metrics(batch.stats, batch.mask)
+    assert row["mean_length"] == pytest.approx(float(batch.mask.sum(dim=1).mean()))  # tracking's response_length
+    assert row["truncated_fraction"] == pytest.approx(training["agent/cut_by_budget"]) == pytest.approx(1 / 3)
+    assert row["agent/cut_by_turns"] == pytest.approx(training["agent/cut_by_turns"]) == pytest.approx(1 / 3)
+    assert row["agent/tool_tokens"] == pytest.approx(training["agent/tool_tokens"])
+
 
 def test_overlong_penalty_counts_tool_tokens_against_the_budget() -> None:
     """DAPO's penalty (budget 1024, buffer 256) measures what the budget cuts: a complete 1000-token answer loses
