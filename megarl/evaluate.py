@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         # Tools load (and bad specs stop) before the data is read and an engine starts.
         loop = None if cfg is None or not cfg.agent.tools else AgentLoop(
             cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False), tokenizer.decode,
-            args.max_prompt_tokens + args.max_new_tokens, args.max_new_tokens, InertText.of(tokenizer))
+            args.max_prompt_tokens + args.max_new_tokens, InertText.of(tokenizer))
         records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template, "--data")
         records = records[:args.max_prompts]
         prompts, _ = tokenize_prompts(records, tokenizer, not args.no_chat_template, args.max_prompt_tokens,

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             check_drift(drift, cfg.rollout.logprob_diff_max, step)
             advantages, returns, kl_metrics = advantages_and_returns(
                 batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
-                cfg.rollout.max_new_tokens)
+                cfg.response_budget())
             extras = {"old_logprobs": old, "advantages": advantages}
             if ref is not None:
                 extras["ref_logprobs"] = ref

@@ -75,6 +75,19 @@ def test_adapter_dropout_acts_in_updates_alone_and_recompute_replays_it(rows):
         assert d["score_without_dropout"]  # scoring never drops
 
 
+def test_each_pipeline_stage_draws_dropout_masks_of_its_own(tmp_path):
+    """Under PP2 the two stages' layers get different LoRA dropout masks (before, both stages seeded alike and the
+    second stage's layers repeated the first's masks), from both RNGs actor.lora.dropout draws from; stage 0 draws
+    what a run without PP draws."""
+    rows = run_worker("pp_dropout.py", tmp_path, 2, nproc=2)
+    (tmp_path / "one").mkdir()
+    rows += run_worker("pp_dropout.py", tmp_path / "one", 1, nproc=1)
+    first, second, alone = (next(r for r in rows if (r["pp"], r["stage"]) == key) for key in [(2, 0), (2, 1), (1, 0)])
+    for rng in ("default", "tracked"):
+        assert first[rng] != second[rng] and first[rng] == alone[rng]
+        assert 0.3 < sum(second[rng]) / len(second[rng]) < 0.7  # a dropout mask at 0.5
+
+
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp1_pp1"])
 def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter(rows, root, layout):
     """mcore-to-hf gives the merged model; --peft the adapters in HF's layout (q/k/v and gate/up split from Megatron's

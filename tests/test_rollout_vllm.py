@@ -331,7 +331,7 @@ def test_multi_turn_rollout_keeps_engine_and_trainer_logprobs_together(engine, m
     cfg = AgentConfig(tools=[ToolConfig(spec="megarl.tools.calculator:Calculator")], call_end=f"<{ids[cut]}>",
                       observation_template="{observation}")
     agent = AgentLoop(cfg, lambda text: [100 + sum(map(ord, text)) % 40, 140, 141],
-                      lambda t: "".join(f"<{i}>" for i in t), context=engine.max_model_len, max_new_tokens=40)
+                      lambda t: "".join(f"<{i}>" for i in t), context=engine.max_model_len)
     out = agent.generate(engine, PROMPTS, params)
     agent.close()
     assert out[0].token_ids[: cut + 1] == ids[: cut + 1] and out[0].policy_mask[cut + 1] == 0

@@ -79,10 +79,11 @@ class AlgorithmConfig:
     """Generation rounds per step at most with dynamic_sampling, the first included; if they find too few
     prompts with signal, the batch is filled up with dropped ones (advantage 0)."""
     overlong_buffer_tokens: int = 0
-    """DAPO soft overlong penalty: a response longer than rollout.max_new_tokens - overlong_buffer_tokens
-    loses reward linearly, overlong_penalty at the limit; 0 = off."""
+    """DAPO soft overlong penalty: a response longer than its budget (rollout.max_new_tokens; with tools
+    agent.max_total_tokens, tool tokens counted) - overlong_buffer_tokens loses reward linearly, overlong_penalty at
+    the limit; 0 = off."""
     overlong_penalty: float = 1.0
-    """Reward lost by a response that reaches rollout.max_new_tokens, with overlong_buffer_tokens > 0."""
+    """Reward lost by a response that reaches its budget, with overlong_buffer_tokens > 0."""
     routing_replay: bool = False
     """MoE models: the actor's routers use the experts the engine routed each token to (the engine returns them;
     SGLang only), in the old-logprob pass and the updates, so trainer and engine agree on expert choice. The

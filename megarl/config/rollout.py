@@ -110,7 +110,8 @@ class AgentConfig:
     """Most model turns per sample; a sample whose last turn ends in a tool call stops there, the call not run."""
     max_total_tokens: int | None = None
     """Response budget per sample, policy and tool tokens together; null = rollout.max_new_tokens, which bounds
-    it (the engine's context and the trainer's token budgets are sized by it)."""
+    it (the engine's context and the trainer's token budgets are sized by it). A smaller eval limit
+    (eval.max_new_tokens, megarl.evaluate --max-new-tokens) bounds an eval's responses the same way."""
     call_start: str = "<tool_call>"
     """Text that opens a tool call; optional in the output (a call without it runs from the start of its turn)."""
     call_end: str = "</tool_call>"

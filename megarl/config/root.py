@@ -70,8 +70,10 @@ class Config:
               algo.routing_replay, f"be false with rollout.engine = {self.rollout.engine}: only SGLang returns the "
               "experts it routed each token to (vLLM 0.32 needs its Model Runner V2, which the CPU build lacks)",
               "use rollout.engine: sglang, or routing_replay: false")
-        check(algo.overlong_buffer_tokens <= self.rollout.max_new_tokens, "algorithm.overlong_buffer_tokens",
-              algo.overlong_buffer_tokens, f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
+        budget_key = "agent.max_total_tokens" if self.agent.tools and self.agent.max_total_tokens else \
+            "rollout.max_new_tokens"
+        check(algo.overlong_buffer_tokens <= self.response_budget(), "algorithm.overlong_buffer_tokens",
+              algo.overlong_buffer_tokens, f"be <= {budget_key} = {self.response_budget()}, the response budget",
               "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
         check(not (self.actor.lora_on() and self.model.transformer_engine == "on"), "model.transformer_engine",
               self.model.transformer_engine, "be auto or off with actor.lora: the adapters hook Megatron's local "
@@ -115,6 +117,13 @@ class Config:
                 f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
                 f"raise it to at least {longest} or shorten the rollout limits",
             )
+
+    def response_budget(self) -> int:
+        """Most tokens of a training response: agent.max_total_tokens with tools (policy and tool tokens), else
+        rollout.max_new_tokens."""
+        if self.agent.tools and self.agent.max_total_tokens:
+            return self.agent.max_total_tokens
+        return self.rollout.max_new_tokens
 
     def _check_eval(self) -> None:
         """Evaluation runs on the rollout engines, whose context is max_prompt_tokens + max_new_tokens."""

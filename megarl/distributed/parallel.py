@@ -156,8 +156,13 @@ def shutdown_distributed() -> None:
 
 
 def model_parallel_seed(seed: int) -> None:
-    """Seed torch and megatron's per-TP-rank RNG tracker (dropout, init) reproducibly."""
+    """Seed torch and megatron's per-TP-rank RNG tracker (dropout, init) reproducibly. Each pipeline stage starts
+    from seed + 100 * its rank, as Megatron's own initialize does: stage 0 as without PP, and the stages' dropout
+    masks (actor.lora.dropout) their own, not copies of one another's."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if ps.model_parallel_is_initialized():
+        seed += 100 * ps.get_pipeline_model_parallel_rank()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

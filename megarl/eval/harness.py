@@ -2,8 +2,11 @@
 
 A sample is correct when its reward is positive (the bundled verifiers give 1.0 or 0.0). Per dataset:
 ``accuracy`` (mean reward over all samples, = ``mean@k``), ``pass@k`` (share of prompts with a correct sample
-among their k), ``mean_length`` (generated tokens), ``truncated_fraction`` (samples cut at max_new_tokens), and
-with tools the means of ``agent/turns``, ``agent/tool_calls``, ``agent/tool_errors`` and ``agent/tool_timeouts``.
+among their k), ``mean_length`` (the policy's tokens, as training's response_length), ``truncated_fraction``
+(samples cut by the token budget, max_new_tokens: as training's agent/cut_by_budget with tools, where a sample
+stopped by agent.max_turns is not truncated but counted in agent/cut_by_turns), and with tools the means of
+``agent/turns``, ``agent/tool_calls``, ``agent/tool_errors``, ``agent/tool_timeouts``, ``agent/tool_tokens``,
+``agent/cut_by_budget`` and ``agent/cut_by_turns``.
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ def score(prompts: Sequence[TokenizedPrompt], completions: Sequence[Completion],
     texts = [decode(c.token_ids) for c in completions]
     rewards = [float(r) for r in reward_fn(texts, [prompts[c.prompt_index].record.answer for c in completions])]
     samples = [Sample(prompt=prompts[c.prompt_index].record.prompt, completion=text, reward=reward,
-                      tokens=len(c.token_ids), truncated=c.finish_reason == "length")
+                      tokens=len(c.token_ids) if c.policy_mask is None else sum(c.policy_mask),
+                      truncated=c.finish_reason == "length" if c.stats is None else c.stats["cut_by_budget"] > 0)
                for c, text, reward in zip(completions, texts, rewards, strict=True)]
     grouped = [rewards[i * k:(i + 1) * k] for i in range(len(prompts))]
     out = metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples])
     if completions and completions[0].stats:  # multi-turn: how the tools were used
         out |= {f"agent/{key}": sum((c.stats or {})[key] for c in completions) / len(completions)
-                for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+                for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_tokens", "cut_by_budget",
+                            "cut_by_turns")}
     return out, samples
 
 

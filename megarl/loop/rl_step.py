@@ -154,9 +154,12 @@ def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
 
 
 def shaped_scores(batch: Batch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
-    """[N] outcome rewards plus DAPO's soft overlong penalty (off unless algorithm.overlong_buffer_tokens > 0)."""
-    return batch.scores + overlong_penalty(batch.mask.sum(dim=1), max_new_tokens, algo.overlong_buffer_tokens,
-                                           algo.overlong_penalty)
+    """[N] outcome rewards plus DAPO's soft overlong penalty (off unless algorithm.overlong_buffer_tokens > 0).
+
+    ``max_new_tokens`` is the response budget (Config.response_budget) and a response's length is what the budget
+    counts, tool tokens included: a multi-turn sample cut by the budget is as long as it can be."""
+    lengths = torch.tensor([len(s) - p for s, p in zip(batch.sequences, batch.prompt_lens, strict=True)])
+    return batch.scores + overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_tokens, algo.overlong_penalty)
 
 
 def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int, kl_coef: float,

@@ -259,7 +259,7 @@ class RLTrainer:
             if not algo.dynamic_sampling:
                 kept.append(batch)
                 break
-            good = informative_groups(shaped_scores(batch, algo, r.max_new_tokens), n).tolist()
+            good = informative_groups(shaped_scores(batch, algo, self.cfg.response_budget()), n).tolist()
             take = [g for g, ok in enumerate(good) if ok][: wanted - num_kept]
             skip = [g for g, ok in enumerate(good) if not ok]
             num_kept += len(take)
@@ -284,8 +284,10 @@ class RLTrainer:
                  ) -> Batch:
         """The prompts' samples, scored; every rank returns the whole batch (samples of one prompt contiguous)."""
         r = self.cfg.rollout
+        # Each round's samples take the next range of seeds (100003 apart, as runs always have, unless more).
+        stride = max(100003, len(prompts) * r.num_samples_per_prompt)
         params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * 100003,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * stride,
                                 stop_token_ids=self.stop_ids)
         with self._timed("rollout/engine"):
             rows = self.generate_all(prompts, params)
@@ -299,11 +301,9 @@ class RLTrainer:
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
-        prompts i, i + number of engines, ... at seed params.seed + i."""
-        eg = self.engine.group
+        prompts i, i + number of engines, ... (EngineGroup.share: each sample at params.seed + its place)."""
         assert self._engine_state == "awake", "push_weights() wakes the engine before every rollout"
-        mine = list(range(eg.index, len(prompts), eg.num_groups)) if eg.driver else []
-        seeded = dataclasses.replace(params, seed=None if params.seed is None else params.seed + eg.index)
+        mine, seeded = self.engine.group.share(len(prompts), params)
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
                 for c in self._rollout_loop.generate(self.engine, [prompts[i] for i in mine], seeded)]
         everything: list[Any] = [None] * self.groups.dims.world_size

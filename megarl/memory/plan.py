@@ -193,9 +193,10 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
         logit_bytes = tokens * 4
     elif chunk:
         # One chunk's logits at a time (model dtype, float32, exp, gradient; the entropy rides along), per token a
-        # few float32 statistics and the gathered output-layer input, and the weight gradient's float32 sum.
-        logit_bytes = (min(tokens, chunk) * vocab * (dtype + 4 + 4 + 4) + tokens * (h * dtype + 48)
-                       + vocab * h * 4)
+        # few float32 statistics and the gathered output-layer input, and unless LoRA freezes the weight its
+        # gradient: the float32 sum and the copy in the model's dtype it returns (none in float32).
+        weight_grad = 0 if cfg.actor.lora_on() else vocab * h * (4 + (dtype if dtype != 4 else 0))
+        logit_bytes = min(tokens, chunk) * vocab * (dtype + 4 + 4 + 4) + tokens * (h * dtype + 48) + weight_grad
     else:
         # The logits, their float32 copy and its exponent, and their gradient in the model's dtype.
         logit_bytes = tokens * vocab * ((2 + 4 + 4 + 2) + (8 if entropy else 0))

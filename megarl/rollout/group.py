@@ -10,6 +10,7 @@ ranks, so none of that touches the GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -60,6 +61,15 @@ class EngineGroup:
         here = torch.cuda.current_device()  # GPU = local rank: members of one node differ as their ranks do
         me = self.members[self.rank_in_group]
         return [here + m - me for m in self.members]
+
+    def share(self, num_prompts: int, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompts of a batch of ``num_prompts`` this engine generates (i, i + number of engines, ...; none off
+        its driver) and their sampling: prompt p's j-th sample at params.seed + p * n + j, its place in the whole
+        batch, so that no two samples of the batch share a seed, on whichever engines they run."""
+        assert params.seeds is None, "seeds follow from params.seed and the prompts' places in the batch"
+        mine = list(range(self.index, num_prompts, self.num_groups)) if self.driver else []
+        seeds = None if params.seed is None else [params.seed + p * params.n for p in mine]
+        return mine, dataclasses.replace(params, seed=None, seeds=seeds)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in engine-rank order on the driver, None elsewhere."""
