@@ -44,7 +44,7 @@ def sequences(vocab: int, n: int, prompt_len: int, response_len: int, seed: int)
 
 
 def rl_loss(actor: Any, algo: Any, logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]) -> Any:
-    """The recipe's actor loss, as RLTrainer.update_actor builds it."""
+    """The recipe's actor loss, as Learner.update_actor builds it."""
     from megarl.loop.rl_step import actor_loss
 
     entropy = actor.token_entropy(logits) if algo.entropy_coef > 0 else None

@@ -24,9 +24,9 @@ from megarl.data.batching import TokenizedPrompt
 from megarl.data.prompts import PromptRecord
 from megarl.errors import UserError
 from megarl.eval.harness import score
-from megarl.loop import trainer as trainer_module
+from megarl.loop import rollout_manager
 from megarl.loop.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, shaped_scores
-from megarl.loop.trainer import RLTrainer
+from megarl.loop.rollout_manager import RolloutManager
 from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams, request_seed
 from megarl.rollout.group import EngineGroup
@@ -513,15 +513,15 @@ def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPa
               "C": [call("echo", "y"), call("echo", "z"), "c<eos>"]}
     prompts = [encode(k + "\n") for k in "ABCAB"]
     params = SamplingParams(n=4, max_new_tokens=400, stop_token_ids=(EOS,), seed=7)
-    monkeypatch.setattr(trainer_module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(0, obj))
+    monkeypatch.setattr(rollout_manager.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(0, obj))
     engines, firsts = [], []  # type: ignore[var-annotated]
     for g in range(3):
         engine = SeedEngine(script)
         group = EngineGroup(index=g, num_groups=3, size=1, rank_in_group=0, members=(g,), group=None)
-        fake = SimpleNamespace(engine=SimpleNamespace(group=group, generate=engine.generate), _engine_state="awake",
+        fake = SimpleNamespace(engine=SimpleNamespace(group=group, generate=engine.generate), state="awake",
                                _rollout_loop=loop(Echo) if tools else SingleTurn(), _host_group=None,
                                groups=SimpleNamespace(dims=SimpleNamespace(world_size=1)))
-        done = RLTrainer.generate_all(fake, prompts, params)  # type: ignore[arg-type]
+        done = RolloutManager.generate_all(fake, prompts, params)  # type: ignore[arg-type]
         assert sorted({c.prompt_index for c in done}) == list(range(g, 5, 3))
         engines.append(engine)
         firsts += zip([p * 4 + j for p in range(g, 5, 3) for j in range(4)], engine.seeds[0], strict=True)
@@ -547,9 +547,9 @@ def test_the_reward_sees_the_tool_output() -> None:
     cfg = SimpleNamespace(rollout=SimpleNamespace(num_samples_per_prompt=1, temperature=1.0, top_p=1.0, top_k=-1,
                                                   max_new_tokens=budget, seed=0),
                           trainer=SimpleNamespace(reward="r"), algorithm=SimpleNamespace(routing_replay=False))
-    fake = SimpleNamespace(cfg=cfg, stop_ids=(EOS,), _timed=lambda name: contextlib.nullcontext(),
+    fake = SimpleNamespace(cfg=cfg, stop_ids=(EOS,), times=SimpleNamespace(timed=lambda name: contextlib.nullcontext()),
                            generate_all=lambda prompts, params: outs, reward_fn=reward)
-    batch = RLTrainer._rollout(fake, [encode("A\n")], ["france"], decode, 0, 0)  # type: ignore[arg-type]
+    batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], decode, 0, 0)  # type: ignore[arg-type]
     assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1
     assert seen == [FIRST + FRANCE + "nev"] and batch.scores.tolist() == [1.0]
 

@@ -10,7 +10,7 @@ import torch
 from megarl.config import load_config
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.loop.trainer import offloadable_parts
+from megarl.loop.learner import offloadable_parts
 from megarl.memory.plan import plan_memory
 from megarl.models.presets import PRESETS, preset_or_hf_spec
 from megarl.models.spec import load_spec

@@ -132,7 +132,7 @@ def adapter_params_per_rank(spec: ModelSpec, cfg: LoraConfig, tp: int, pp: int) 
 
 
 class BaseModel:
-    """The reference model of a LoRA actor: the actor itself, scoring with its adapters off (RLTrainer.reference)."""
+    """The reference model of a LoRA actor: the actor itself, scoring with its adapters off (Learner.reference)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
