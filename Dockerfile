@@ -11,7 +11,7 @@ ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
 # Ubuntu point release.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends \
-        python3 python3-venv python3-dev git ninja-build build-essential \
+        python3 python3-venv python3-dev git ninja-build build-essential bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv

@@ -73,6 +73,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from megarl.errors import run_main
+    from megarl.run.command import run_main
 
     run_main(main)

@@ -2,8 +2,8 @@
 
   python benchmarks/checkpoint_hash_rate.py [--model llama3-8b] [--ranks 8] [--file-gib 1] [--json OUT]
 
-CRC-32 (megarl.manifest's choice), sha256 and blake2b over the same bytes in memory, one core each; then
-megarl.manifest.crc32 of a file just written (read back from the page cache, as a save does) with 1 and 4
+CRC-32 (megarl.checkpoint.manifest's choice), sha256 and blake2b over the same bytes in memory, one core each; then
+megarl.checkpoint.manifest.crc32 of a file just written (read back from the page cache, as a save does) with 1 and 4
 threads. The checkpoint of ``--model`` holds bf16 weights (2 bytes a parameter) and the fp32 master weights and
 Adam moments (12 bytes a parameter) of the actor (a PPO run: the critic's too, about as much again); a resume's
 ranks each verify their share, so the checksum time is size / (ranks x rate) when storage delivers that much.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megarl import manifest  # noqa: E402
+from megarl.checkpoint import manifest  # noqa: E402
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import percentile, time_ms  # noqa: E402
 
-from megarl.kernels import Segment, make_segment_copy  # noqa: E402
+from megarl.reshard.kernels import Segment, make_segment_copy  # noqa: E402
 
 
 def main() -> None:

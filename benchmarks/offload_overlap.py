@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megarl.offload import Residency
+from megarl.memory.offload import Residency
 
 
 def model(gib: float) -> SimpleNamespace:

@@ -52,10 +52,10 @@ def main() -> None:
     import torch.distributed as dist
 
     from megarl.config import OptimizerConfig
+    from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
     from megarl.models.gpt import BuildOptions, layer_implementation
     from megarl.models.spec import load_spec
     from megarl.models.trainable import MegatronModel
-    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform)
     world = dist.get_world_size()

@@ -28,13 +28,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import percentile, slowest, sync, time_ms  # noqa: E402
 
-from megarl.errors import UserError, run_main  # noqa: E402
+from megarl.distributed.parallel import ParallelDims  # noqa: E402
+from megarl.errors import UserError  # noqa: E402
 from megarl.models.mapping import REPLICATED, hf_shapes, param_rules, pipeline_stage, to_hf  # noqa: E402
 from megarl.models.presets import preset_or_hf_spec  # noqa: E402
-from megarl.parallel import ParallelDims  # noqa: E402
 from megarl.reshard.engine_layout import engine_tensors  # noqa: E402
 from megarl.reshard.planner import LinkModel, Plan, make_plan  # noqa: E402
 from megarl.reshard.predict import predict_ms  # noqa: E402
+from megarl.run.command import run_main  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -80,8 +80,8 @@ def main() -> None:
 
 def tiny_checks(work: Path, result: dict) -> None:
     from helpers import make_hf_model
+    from megarl.distributed.parallel import ParallelDims
     from megarl.models.spec import load_spec
-    from megarl.parallel import ParallelDims
     from megarl.reshard.executor import Resharder, engine_tensor_allocations
     from megarl.reshard.planner import make_plan
     from megarl.rollout.base import SamplingParams
@@ -153,9 +153,9 @@ def divergence_margins(model_dir: Path, prompts: list[list[int]], got: list[list
 
 
 def big_benchmark(work: Path, result: dict, args: argparse.Namespace) -> None:
+    from megarl.distributed.parallel import ParallelDims
     from megarl.models.presets import PRESETS
     from megarl.models.spec import load_spec
-    from megarl.parallel import ParallelDims
     from megarl.reshard.executor import Resharder, engine_tensor_allocations
     from megarl.reshard.planner import make_plan
     from megarl.rollout.sglang import SGLangEngine

@@ -49,9 +49,9 @@ def main() -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
     from megarl.models.gpt import BuildOptions, build_model, layer_implementation
     from megarl.models.presets import preset_or_hf_spec
-    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform)
     world = dist.get_world_size()

@@ -11,7 +11,7 @@ own 128256-token vocabulary). Sequences are random tokens: a prompt of --prompt-
 (actor.max_tokens_per_gpu): scoring of every sample (forward only), then --steps optimizer steps of the recipe's
 actor loss over mini-batches of actor.mini_batch_size samples (the first one is a warm-up, which creates Adam's
 state). Peaks are torch.cuda.max_memory_allocated over the phase, what a run logs as memory/score_trainer_gib and
-memory/update_trainer_gib; the plan's figure is megarl.memory's trainer tensors of the actor update (actor weights,
+memory/update_trainer_gib; the plan's figure is megarl.memory.plan's trainer tensors of the actor update (actor weights,
 gradients, optimizer state and the larger of the activations and the optimizer step), with no reference model.
 """
 
@@ -44,8 +44,8 @@ def sequences(vocab: int, n: int, prompt_len: int, response_len: int, seed: int)
 
 
 def rl_loss(actor: Any, algo: Any, logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]) -> Any:
-    """The recipe's actor loss, as RLTrainer.update_actor builds it."""
-    from megarl.rl_step import actor_loss
+    """The recipe's actor loss, as Learner.update_actor builds it."""
+    from megarl.loop.rl_step import actor_loss
 
     entropy = actor.token_entropy(logits) if algo.entropy_coef > 0 else None
     return actor_loss(actor.token_logprobs(logits, tokens), ex, algo, 0.0, entropy)
@@ -71,11 +71,11 @@ def main() -> None:
     platform = init_platform()
     from megarl.algos.losses import token_weights
     from megarl.config import load_config
-    from megarl.memory import plan_memory
+    from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
+    from megarl.memory.plan import plan_memory
     from megarl.models.gpt import DTYPES, BuildOptions
     from megarl.models.presets import preset_or_hf_spec
     from megarl.models.trainable import MegatronModel
-    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform)
     groups = init_model_parallel(ParallelDims(tp=1, pp=1, dp=1))

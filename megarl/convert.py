@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from megarl.errors import run_main
 from megarl.models.hf_io import write_hf
 from megarl.models.mcore_ckpt import hf_to_mcore, open_mcore
+from megarl.run.command import run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

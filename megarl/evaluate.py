@@ -22,8 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megarl.errors import run_main
+import yaml
+
 from megarl.rollout.base import RolloutEngine
+from megarl.run.command import run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the engine's precision (default: the recipe's model.dtype with --config, a training "
                              "checkpoint's model.dtype, else auto: a HF directory's own, float32 in bfloat16)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", dest="engine_arg",
+                        help="an argument of the engine itself, its value read as YAML (e.g. "
+                             "attention_backend=triton); repeatable; over --config's rollout.engine_args")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="write every sample (prompt, completion, reward) here")
     args = parser.parse_args(argv)
@@ -58,6 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    args.engine_args = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"--engine-arg {item!r} is not KEY=VALUE (e.g. --engine-arg attention_backend=triton)")
+        try:
+            args.engine_args[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            parser.error(f"--engine-arg {item!r}: its value is not YAML ({' '.join(str(err).split())[:120]})")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and args.num_samples > 1:
@@ -85,6 +99,7 @@ def resolve(args: argparse.Namespace) -> Any:
                  "system_prompt": data.system_prompt, "response_prefix": data.response_prefix,
                  "dtype": cfg.model.dtype}
         args.no_chat_template = args.no_chat_template or not data.apply_chat_template
+        args.engine_args = rollout.engine_args | args.engine_args
     else:
         given = DEFAULTS
     for name, value in given.items():
@@ -159,8 +174,9 @@ def trained_dtype(step_dir: Path) -> str | None:
 
 
 def check_actor(step_dir: Path) -> None:
-    """The actor's files of a training checkpoint against its manifest (megarl.manifest), before they are read."""
-    from megarl import manifest
+    """The actor's files of a training checkpoint against its manifest (megarl.checkpoint.manifest), before they
+    are read."""
+    from megarl.checkpoint import manifest
     from megarl.errors import UserError
 
     try:
@@ -180,11 +196,11 @@ def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngin
         from megarl.rollout.vllm import VLLMEngine
 
         return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed,
-                          dtype=args.dtype)
+                          dtype=args.dtype, **args.engine_args)
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
-                        seed=args.seed, enable_sleep=False, dtype=args.dtype)
+                        seed=args.seed, enable_sleep=False, dtype=args.dtype, **args.engine_args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,10 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts, template_fields
     from megarl.data.tokenizer import load_tokenizer
-    from megarl.evaluation import evaluate, write_samples
+    from megarl.eval.harness import evaluate, write_samples
     from megarl.rewards.registry import load_reward
     from megarl.rollout.agent import AgentLoop
     from megarl.rollout.base import SamplingParams
+    from megarl.tools.inert import InertText
 
     if args.prompt_template is not None:
         template_fields(args.prompt_template, "--prompt-template")
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         # Tools load (and bad specs stop) before the data is read and an engine starts.
         loop = None if cfg is None or not cfg.agent.tools else AgentLoop(
             cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False), tokenizer.decode,
-            args.max_prompt_tokens + args.max_new_tokens, args.max_new_tokens)
+            args.max_prompt_tokens + args.max_new_tokens, InertText.of(tokenizer))
         records = load_prompts(args.data, args.prompt_key, args.answer_key, args.prompt_template, "--data")
         records = records[:args.max_prompts]
         prompts, _ = tokenize_prompts(records, tokenizer, not args.no_chat_template, args.max_prompt_tokens,

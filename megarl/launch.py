@@ -23,7 +23,8 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
-from megarl.errors import ERROR_FILE, UserError, run_main
+from megarl.errors import ERROR_FILE, UserError
+from megarl.run.command import run_main
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -97,7 +98,7 @@ def precheck(script_args: list[str], world: int, per_node: int) -> None:
     """For megarl/train.py: the checks every worker would make, made once, here, before any starts."""
     if not script_args[0].endswith("train.py"):
         return
-    from megarl.bootstrap import check_run
+    from megarl.loop.bootstrap import check_run
     from megarl.train import parse_args
 
     args = parse_args(script_args[1:])

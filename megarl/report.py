@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from megarl.errors import UserError, run_main
+from megarl.errors import UserError
+from megarl.run.command import run_main
 
 WINDOW = 10
 """Steps averaged for "first" and "last"."""
@@ -82,15 +86,35 @@ def eval_lines(rows: list[dict[str, float]]) -> list[str]:
 
 def plot(run_dir: Path, rows: list[dict[str, float]]) -> Path:
     """metrics.png: reward, held-out accuracy (with eval sets), logprob gap and phase times against the step;
-    written atomically."""
+    written atomically. Drawn on a Figure of its own (pyplot keeps global state), with matplotlib blind to a stand-in
+    IPython module: some images install one to satisfy an import, and matplotlib's IPython hooks fail on it."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    with _without_stand_in_ipython():
+        return _draw(run_dir, rows)
+
+
+@contextmanager
+def _without_stand_in_ipython() -> Iterator[None]:
+    ipython = sys.modules.get("IPython")
+    stand_in = ipython is not None and not isinstance(getattr(ipython, "version_info", None), tuple)
+    if stand_in:
+        del sys.modules["IPython"]
+    try:
+        yield
+    finally:
+        if stand_in:
+            sys.modules["IPython"] = ipython  # type: ignore[assignment]
+
+
+def _draw(run_dir: Path, rows: list[dict[str, float]]) -> Path:
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in rows]
     names = eval_names(rows)
-    fig, axes = plt.subplots(3 + bool(names), 1, figsize=(8, 9 + 3 * bool(names)), sharex=True)
+    fig = Figure(figsize=(8, 9 + 3 * bool(names)))
+    axes = fig.subplots(3 + bool(names), 1, sharex=True)
     axes[0].plot(steps, [r["reward_mean"] for r in rows])
     axes[0].set_ylabel("mean reward")
     if names:  # accuracy after N + 1 updates sits at step N, the initial one at step -1
@@ -110,7 +134,6 @@ def plot(run_dir: Path, rows: list[dict[str, float]]) -> Path:
     out = run_dir / "metrics.png"
     tmp = run_dir / ".metrics.png.tmp"
     fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
     tmp.replace(out)
     return out
 

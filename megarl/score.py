@@ -17,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from megarl.errors import UserError, run_main
+from megarl.errors import UserError
+from megarl.run.command import run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     platform = init_platform()
     import torch.distributed as dist
 
+    from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
     from megarl.models.forward import sequence_logprobs
     from megarl.models.gpt import DTYPES, BuildOptions, build_model, load_hf_weights
-    from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform)
     groups = init_model_parallel(ParallelDims(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep))

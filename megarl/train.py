@@ -12,7 +12,7 @@ if __package__ in (None, ""):
 
 import argparse  # noqa: E402
 
-from megarl.errors import end_finished_run, run_main  # noqa: E402
+from megarl.run.command import end_finished_run, run_main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,13 +27,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
 
-    from megarl.bootstrap import setup
+    from megarl.loop.bootstrap import setup
 
     cfg, trainer, loader, decode, tracker, evals = setup(args.config, args.set)
     from megarl import checkpoint
     from megarl.algos.correction import rollout_correction
-    from megarl.profiling import check_profile_step, profiled, trace_path
-    from megarl.rl_step import actor_loss_mask, advantages_and_returns, check_drift, critic_loss_mask, logprob_drift
+    from megarl.loop.rl_step import (
+        actor_loss_mask,
+        advantages_and_returns,
+        check_drift,
+        critic_loss_mask,
+        logprob_drift,
+    )
+    from megarl.run.profiling import check_profile_step, profiled, trace_path
 
     algo = cfg.algorithm
     check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             check_drift(drift, cfg.rollout.logprob_diff_max, step)
             advantages, returns, kl_metrics = advantages_and_returns(
                 batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
-                cfg.rollout.max_new_tokens)
+                cfg.response_budget())
             extras = {"old_logprobs": old, "advantages": advantages}
             if ref is not None:
                 extras["ref_logprobs"] = ref
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
     tracker.close()
     trainer.close()
-    from megarl.parallel import shutdown_distributed
+    from megarl.distributed.parallel import shutdown_distributed
 
     shutdown_distributed()
     if trainer.groups.rank == 0 and tracker.history:

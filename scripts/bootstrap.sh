@@ -7,6 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+# The Python tool's sandbox is bubblewrap (docs/tools.md): as root, install it where it is missing; otherwise
+# say how, since without it the tool refuses to start (it never runs model-written code unconfined by default).
+if ! command -v bwrap >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "[bootstrap] installing bubblewrap (the Python tool's sandbox)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null
+  else
+    echo "[bootstrap] bubblewrap (bwrap) is missing, so the Python tool will refuse to start: install it as root" \
+         "(apt-get install bubblewrap, or dnf install bubblewrap) and rerun; docs/tools.md says why" >&2
+  fi
+fi
 stamp=$(cat requirements.txt requirements-dev.txt setup.py pyproject.toml $(find csrc -type f | sort) | sha256sum | cut -c1-16)
 if [[ -x "$VENV/bin/python" && "$(cat "$VENV/.megarl-install" 2>/dev/null)" == "$stamp" ]] &&
    "$VENV/bin/python" -c "import megarl._C" 2>/dev/null; then

@@ -9,16 +9,17 @@ import re
 
 
 class Draw:
-    """Seeded, so that a run with one tool worker (calls in sample order) is reproducible."""
+    """Draws from the seed of the sample's turn (ToolPool.run), so that a seeded run is reproducible whatever the
+    timing and the number of tool workers; unseeded, from its own generator."""
 
     name = "draw"
     description = "a random digit"
 
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
+    def __init__(self) -> None:
+        self.rng = random.Random()
 
-    def run(self, call: str) -> str:
-        return str(self.rng.randrange(10))
+    def run(self, call: str, seed: int | None = None) -> str:
+        return str((self.rng if seed is None else random.Random(seed)).randrange(10))
 
 
 def reward(completions: list[str], answers: list[str]) -> list[float]:

@@ -1,12 +1,18 @@
 """Multi-turn, tool-using rollouts (megarl.rollout.agent) against a scripted engine, and what the trainer makes of
-them (megarl.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by hand."""
+them (megarl.loop.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by
+hand."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import random
 import re
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -14,10 +20,16 @@ import torch
 
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
+from megarl.data.batching import TokenizedPrompt
+from megarl.data.prompts import PromptRecord
 from megarl.errors import UserError
-from megarl.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns
-from megarl.rollout.agent import AgentLoop, agent_metrics, make_rollout
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.eval.harness import score
+from megarl.loop import rollout_manager
+from megarl.loop.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, shaped_scores
+from megarl.loop.rollout_manager import RolloutManager
+from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
+from megarl.rollout.base import Completion, SamplingParams, request_seed
+from megarl.rollout.group import EngineGroup
 
 EOS = 0
 STOP = 1  # a one-token "</tool_call>" in the vocabulary of test_one_token_delimiter_stops_the_engine
@@ -91,7 +103,7 @@ class ScriptedEngine:
 def loop(*tools: type, **kwargs: object) -> AgentLoop:
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:{t.__name__}") for t in tools],
                       observation_template=OBS, **kwargs)  # type: ignore[arg-type]
-    return AgentLoop(cfg, encode, decode, context=4096, max_new_tokens=400)
+    return AgentLoop(cfg, encode, decode, context=4096)
 
 
 def call(name: str, arguments: str) -> str:
@@ -119,7 +131,7 @@ def test_calls_parse_as_json_or_as_plain_text_for_a_single_tool() -> None:
 
 def test_bad_tool_spec_stops_at_start_up_naming_it() -> None:
     with pytest.raises(UserError, match="megarl.tools.nothere"):
-        AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096, 400)
+        AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096)
 
 
 BASE = {"model": {"hf_path": "/m"}, "rollout": {"num_samples_per_prompt": 4, "max_new_tokens": 256},
@@ -155,7 +167,7 @@ def test_bad_agent_values_name_the_field(agent: dict, words: list[str]) -> None:
 
 
 def test_agent_settings_define_the_experiment_but_tool_workers_do_not() -> None:
-    from megarl.resume_check import changes
+    from megarl.checkpoint.resume_check import changes
 
     saved = build_config(BASE | {"agent": {"tools": [{"spec": "a:B"}]}}).to_flat_dict()
     for change, key in [({"tools": [{"spec": "a:C"}]}, "agent.tools"), ({"tools": [{"spec": "a:B", "args": {"x": 1}}]},
@@ -249,8 +261,8 @@ def test_many_samples_in_flight_share_each_engine_call() -> None:
     assert [c.prompt_index for c in outs] == [0, 0, 1, 1, 2, 2]
     assert [len(prompts) for prompts, _ in engine.calls] == [6, 4, 2]  # every live sample, one call per turn
     assert all(p.n == 1 for _, p in engine.calls)
-    # sample k's c-th engine call samples at seed + k + c * 1_000_003, whichever samples share the call
-    stride = 1_000_003
+    # sample k's c-th engine call samples at seed + k + c * 2**40, whichever samples share the call
+    stride = 1 << 40
     assert [list(p.seeds or []) for _, p in engine.calls] == [
         [5 + k for k in range(6)], [5 + k + stride for k in (0, 1, 4, 5)], [5 + k + 2 * stride for k in (0, 1)]]
     assert [c.stats["turns"] for c in outs if c.stats] == [3, 3, 1, 1, 2, 2]
@@ -267,7 +279,7 @@ def test_a_slow_tool_holds_back_its_own_sample_only(wait_s: float) -> None:
     engine = TimedEngine({"A": [call("lookup", "slow"), "late<eos>"], "B": [call("lookup", "paris"), "ok<eos>"]})
     outs = loop(Lookup, tool_wait_s=wait_s).generate(engine, [encode("A\n"), encode("B\n")], PARAMS)
     batches = [[decode(p)[0] for p in prompts] for prompts, _ in engine.calls]
-    stride = 1_000_003
+    stride = 1 << 40
     if wait_s < 1:
         assert batches == [["A", "B"], ["B"], ["A"]]
         assert engine.times[1] - engine.times[0] < 0.8  # B went on before A's tool (1 s) was done
@@ -277,6 +289,31 @@ def test_a_slow_tool_holds_back_its_own_sample_only(wait_s: float) -> None:
         assert [list(p.seeds or []) for _, p in engine.calls] == [[5, 6], [5 + stride, 6 + stride]]
     assert [decode(c.token_ids) for c in outs] == [call("lookup", "slow") + "\n<obs>unknown</obs>\nlate",
                                                    call("lookup", "paris") + "\n<obs>france</obs>\nok"]
+
+
+class Dice:
+    """Draws from the seed it is given, after a random pause: calls finish in any order."""
+
+    name = "dice"
+    description = "a random number"
+
+    def run(self, call: str, seed: int | None = None) -> str:
+        time.sleep(random.random() * 0.02)
+        return str(random.Random(seed).randrange(10**6) if seed is not None else random.randrange(10**6))
+
+
+@pytest.mark.parametrize("workers,wait_s", [(1, 0.0), (4, 0.0), (4, 5.0)])
+def test_a_random_tool_draws_the_same_whatever_the_timing(workers: int, wait_s: float) -> None:
+    """A tool that takes a seed gets its sample's (that of the turn that called it), so its results, and the
+    rollout, are the same however the calls overlap, finish and group into engine calls: sample k's first call
+    samples at seed + k, and its tool draws there."""
+    script = {"A": [call("dice", "") + "\n", "a<eos>"], "B": [call("dice", "") + "\n", "b<eos>"]}
+    params = SamplingParams(n=3, max_new_tokens=400, stop_token_ids=(EOS,), seed=5)
+    agent = loop(Dice, tool_workers=workers, tool_wait_s=wait_s)
+    outs = agent.generate(ScriptedEngine(script), [encode("A\n"), encode("B\n")], params)
+    agent.close()
+    drawn = [re.search(r"<obs>(\d+)</obs>", decode(c.token_ids)) for c in outs]
+    assert [int(m.group(1)) if m else None for m in drawn] == [random.Random(5 + k).randrange(10**6) for k in range(6)]
 
 
 class TimedEngine(ScriptedEngine):
@@ -314,6 +351,37 @@ def test_token_budget_cuts_a_sample(budget: int, response: str) -> None:
     assert engine.calls[0][1].max_new_tokens == budget
 
 
+@pytest.mark.parametrize("script,budget", [(["ab<eos>"], 3), ([FIRST, "ab<eos>"], len(FIRST) + len(FRANCE) + 3)])
+def test_an_end_on_the_last_budget_token_is_a_stop(script: list[str], budget: int) -> None:
+    """The end-of-sequence token lands on the budget's last token ("ab" + EOS): the answer is whole, "stop" as the
+    single-turn engine says for the same tokens at that max_new_tokens, not cut by the budget."""
+    engine = ScriptedEngine({"A": script})
+    [out] = loop(Lookup, max_total_tokens=budget).generate(engine, [encode("A\n")], PARAMS)
+    assert len(out.token_ids) == budget and out.token_ids[-1] == EOS
+    context = encode("A\n") + out.token_ids[:-3]  # the single-turn engine, from where the last turn starts
+    [single] = ScriptedEngine({"A": script}).generate([context], dataclasses.replace(PARAMS, max_new_tokens=3))
+    assert single.token_ids == out.token_ids[-3:] and single.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stats is not None and out.stats["cut_by_budget"] == 0
+
+
+@pytest.mark.parametrize("context", [4096, 2 + 16])  # 2 + 16: python -m megarl.evaluate --max-new-tokens 16
+def test_the_callers_max_new_tokens_bounds_the_response(context: int) -> None:
+    """An eval's (or --max-new-tokens') limit of 16 holds with tools, below agent.max_total_tokens: the response,
+    policy and tool tokens together, ends at 16, as the single-turn engine's would."""
+    engine = ScriptedEngine({"A": [FIRST[:6] + "x" * 300 + "<eos>"]})
+    agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS,
+                                  max_total_tokens=300), encode, decode, context=context)
+    params = dataclasses.replace(PARAMS, max_new_tokens=16)
+    [out] = agent.generate(engine, [encode("A\n")], params)
+    [single] = ScriptedEngine(engine.script).generate([encode("A\n")], params)
+    assert (out.token_ids, out.finish_reason) == (single.token_ids, "length") and len(out.token_ids) == 16
+    if context == 4096:  # with a tool turn: policy and tool tokens count
+        script = {"A": [FIRST, "y" * 300 + "<eos>"]}
+        params = dataclasses.replace(params, max_new_tokens=len(FIRST) + len(FRANCE) + 4)
+        [out] = agent.generate(ScriptedEngine(script), [encode("A\n")], params)
+        assert decode(out.token_ids) == FIRST + FRANCE + "yyyy" and out.finish_reason == "length"
+
+
 def test_observation_that_leaves_no_room_ends_the_sample() -> None:
     engine = ScriptedEngine({"A": [FIRST, "never<eos>"]})
     [out] = loop(Lookup, max_total_tokens=len(FIRST) + len(FRANCE)).generate(engine, [encode("A\n")], PARAMS)
@@ -326,7 +394,7 @@ def test_a_sample_cut_short_by_another_samples_context_goes_on_in_the_same_turn(
     engine = ScriptedEngine(script)
     prompts = [encode("A\n"), encode("B" + "b" * 30 + "\n")]
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS, max_total_tokens=40)
-    outs = AgentLoop(cfg, encode, decode, context=60, max_new_tokens=400).generate(engine, prompts, PARAMS)
+    outs = AgentLoop(cfg, encode, decode, context=60).generate(engine, prompts, PARAMS)
     assert [p.max_new_tokens for _, p in engine.calls] == [60 - 32, 40 - 28]  # B's context, then A's budget
     whole = ScriptedEngine(script).generate(prompts, PARAMS)  # one call with room for everything
     for out, ref in zip(outs, whole, strict=True):
@@ -339,8 +407,9 @@ def test_a_call_split_over_two_engine_calls_is_one_call() -> None:
     the delimiter itself split between them."""
     engine = ScriptedEngine({"A": ["rome</tool_call>", "ok<eos>"], "B" + "b" * 49: ["b<eos>"]})
     agent = AgentLoop(AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS), encode,
-                      decode, context=60, max_new_tokens=60)
-    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 49 + "\n")], PARAMS)
+                      decode, context=60)
+    outs = agent.generate(engine, [encode("A\n"), encode("B" + "b" * 49 + "\n")],
+                          dataclasses.replace(PARAMS, max_new_tokens=60))
     assert [decode(t) for t in engine.calls[1][0]] == ["A\nrome</too"]  # cut by B's context (51 + 9)
     assert decode(outs[0].token_ids) == "rome</tool_call>\n<obs>italy</obs>\nok"
     assert outs[0].stats is not None and outs[0].stats["tool_calls"] == 1 and outs[0].stats["turns"] == 2
@@ -372,7 +441,7 @@ def test_tool_errors_and_timeouts_become_observations() -> None:
 
 def test_one_token_delimiter_stops_the_engine() -> None:
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS)
-    agent = AgentLoop(cfg, lambda text: [STOP] if text == "</tool_call>" else encode(text), decode, 4096, 400)
+    agent = AgentLoop(cfg, lambda text: [STOP] if text == "</tool_call>" else encode(text), decode, 4096)
     engine = ScriptedEngine({"A": ["<tool_call>paris\u2400 junk", "ok<eos>"]})
     [out] = agent.generate(engine, [encode("A\n")], PARAMS)
     assert engine.calls[0][1].stop_token_ids == (EOS, STOP)
@@ -422,7 +491,102 @@ def test_without_tool_calls_the_rollout_is_the_single_turn_one() -> None:
     assert torch.equal(a.mask, b.mask) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
 
 
+class SeedEngine(ScriptedEngine):
+    """The scripted engine, noting the seed each sample of each call drew at (as vLLM and SGLang give them)."""
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        super().__init__(script)
+        self.seeds: list[list[int]] = []
+        """Per call, its samples' seeds in order."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        self.seeds.append([cast(int, request_seed(params, i)) + j
+                           for i in range(len(prompts)) for j in range(params.n)])
+        return super().generate(prompts, params)
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPatch, tools: bool) -> None:
+    """Trainer.generate_all on each of 3 engines: every sample's first call draws at rollout seed + its place in the
+    whole batch (prompt * n + j), as one engine would, and no seed repeats over the engines' calls."""
+    script = {"A": [call("echo", "x"), "a<eos>"], "B": ["b<eos>"],
+              "C": [call("echo", "y"), call("echo", "z"), "c<eos>"]}
+    prompts = [encode(k + "\n") for k in "ABCAB"]
+    params = SamplingParams(n=4, max_new_tokens=400, stop_token_ids=(EOS,), seed=7)
+    monkeypatch.setattr(rollout_manager.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(0, obj))
+    engines, firsts = [], []  # type: ignore[var-annotated]
+    for g in range(3):
+        engine = SeedEngine(script)
+        group = EngineGroup(index=g, num_groups=3, size=1, rank_in_group=0, members=(g,), group=None)
+        fake = SimpleNamespace(engine=SimpleNamespace(group=group, generate=engine.generate), state="awake",
+                               _rollout_loop=loop(Echo) if tools else SingleTurn(), _host_group=None,
+                               groups=SimpleNamespace(dims=SimpleNamespace(world_size=1)))
+        done = RolloutManager.generate_all(fake, prompts, params)  # type: ignore[arg-type]
+        assert sorted({c.prompt_index for c in done}) == list(range(g, 5, 3))
+        engines.append(engine)
+        firsts += zip([p * 4 + j for p in range(g, 5, 3) for j in range(4)], engine.seeds[0], strict=True)
+    assert sorted(firsts) == [(k, 7 + k) for k in range(20)]
+    seeds = [s for e in engines for call in e.seeds for s in call]
+    assert len(seeds) == len(set(seeds)) == 20 + 16 * tools, seeds  # A (twice) and C: 1 and 2 tool turns
+
+
 # ---- what the trainer makes of it ----
+
+def test_the_reward_sees_the_tool_output() -> None:
+    """The decision (docs/tools.md): the trainer's reward gets the whole response, tool turns included, so a sample
+    whose tool printed the answer before the budget cut it scores as if the policy had written it."""
+    script = {"A": [FIRST, "never answered" * 10 + "<eos>"]}
+    budget = len(FIRST) + len(FRANCE) + 3
+    outs = loop(Lookup, max_total_tokens=budget).generate(ScriptedEngine(script), [encode("A\n")], PARAMS)
+    seen: list[str] = []
+
+    def reward(texts: list[str], answers: list[str]) -> list[float]:
+        seen.extend(texts)
+        return [float(a in t) for t, a in zip(texts, answers, strict=True)]
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(num_samples_per_prompt=1, temperature=1.0, top_p=1.0, top_k=-1,
+                                                  max_new_tokens=budget, seed=0),
+                          trainer=SimpleNamespace(reward="r"), algorithm=SimpleNamespace(routing_replay=False))
+    fake = SimpleNamespace(cfg=cfg, stop_ids=(EOS,), times=SimpleNamespace(timed=lambda name: contextlib.nullcontext()),
+                           generate_all=lambda prompts, params: outs, reward_fn=reward)
+    batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], decode, 0, 0)  # type: ignore[arg-type]
+    assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1
+    assert seen == [FIRST + FRANCE + "nev"] and batch.scores.tolist() == [1.0]
+
+
+def test_eval_length_and_truncation_follow_trainings_conventions() -> None:
+    """On one multi-turn rollout (a sample cut by the budget after a tool turn, one stopped by max_turns, one that
+    ends), megarl.eval.harness's mean_length is the training row's response_length (policy tokens) and its
+    truncated_fraction training's agent/cut_by_budget: max_turns is no truncation."""
+    script = {"A": [FIRST, "x" * 100 + "<eos>"], "B": [FIRST, FIRST, "b<eos>"], "C": [FIRST, "c<eos>"]}
+    prompts = [encode(k + "\n") for k in "ABC"]
+    outs = loop(Lookup, max_turns=2, max_total_tokens=2 * len(FIRST) + len(FRANCE) + 10).generate(
+        ScriptedEngine(script), prompts, PARAMS)
+    assert [c.finish_reason for c in outs] == ["length", "length", "stop"]
+    records = [TokenizedPrompt(record=PromptRecord(prompt=k, answer=""), tokens=p)
+               for k, p in zip("ABC", prompts, strict=True)]
+    row, _ = score(records, outs, lambda texts, answers: [0.0] * len(texts), 1, decode)
+    batch = Batch.build(prompts, [c.token_ids for c in outs], [c.logprobs for c in outs], [0.0] * 3, None,
+                        [c.policy_mask for c in outs], [c.stats for c in outs])
+    training = agent_metrics(batch.stats, batch.mask)
+    assert row["mean_length"] == pytest.approx(float(batch.mask.sum(dim=1).mean()))  # tracking's response_length
+    assert row["truncated_fraction"] == pytest.approx(training["agent/cut_by_budget"]) == pytest.approx(1 / 3)
+    assert row["agent/cut_by_turns"] == pytest.approx(training["agent/cut_by_turns"]) == pytest.approx(1 / 3)
+    assert row["agent/tool_tokens"] == pytest.approx(training["agent/tool_tokens"])
+
+
+def test_overlong_penalty_counts_tool_tokens_against_the_budget() -> None:
+    """DAPO's penalty (budget 1024, buffer 256) measures what the budget cuts: a complete 1000-token answer loses
+    (1000 - 768) / 256 of its reward, and a sample the budget cut at 600 policy + 424 tool tokens all of it."""
+    algo = AlgorithmConfig(overlong_buffer_tokens=256)
+    batch = Batch.build([[1, 2], [1, 2]], [[3] * 1000, [3] * 600 + [4] * 424], [[0.0] * 1000, [0.0] * 1024],
+                        [1.0, 1.0], None, [None, [1] * 600 + [0] * 424])
+    assert shaped_scores(batch, algo, 1024).tolist() == pytest.approx([1 - 232 / 256, 0.0])
+    cfg = build_config(BASE | {"rollout": {"max_new_tokens": 2048},
+                               "agent": {"tools": [{"spec": f"{__name__}:Lookup"}], "max_total_tokens": 1024}})
+    assert cfg.response_budget() == 1024  # what the trainer passes
+
+
 
 def agent_batch() -> tuple[Batch, list[list[int]]]:
     """Two multi-turn samples and a single-turn one, with the hand-written policy positions of each response."""

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from megarl.config import load_config
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.memory import plan_memory
+from megarl.loop.learner import offloadable_parts
+from megarl.memory.plan import plan_memory
 from megarl.models.presets import PRESETS, preset_or_hf_spec
 from megarl.models.spec import load_spec
-from megarl.parallel import ParallelDims
 from megarl.reshard.aliasing import aliased_shares, aliases_weights
 from megarl.reshard.planner import make_plan
 from megarl.rollout.sglang_loader import alias_parameters, check_aliases
-from megarl.trainer import offloadable_parts
 
 REPO = Path(__file__).resolve().parent.parent
 H200 = 143771 * 2**20

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from helpers import run_worker, zero_data
-from megarl import checkpoint, manifest
+from megarl import checkpoint
+from megarl.checkpoint import manifest, model_files, saving
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.parallel import ParallelDims
 
 
 @pytest.fixture
@@ -40,15 +41,17 @@ def world(tmp_path, monkeypatch):
         torch.save({"step": model.step, "scheduler": {}, "grad_scaler": None}, out / checkpoint.COMMON)
         return [out / "tp00_pp00_dp00.safetensors"]
 
-    monkeypatch.setattr(checkpoint, "_save_model", save_model)
-    monkeypatch.setattr(checkpoint, "_save_optimizer", save_optimizer)
-    monkeypatch.setattr(checkpoint, "_rng_state", lambda: {"cpu": torch.get_rng_state()})
+    monkeypatch.setattr(model_files, "_save_weights", save_model)
+    monkeypatch.setattr(model_files, "_save_optimizer", save_optimizer)
+    monkeypatch.setattr(saving, "_rng_state", lambda: {"cpu": torch.get_rng_state()})
     yield tmp_path / "ckpt"
     dist.destroy_process_group()
 
 
 def save(root: Path, step: int, keep_last: int = 5) -> Path:
-    model = types.SimpleNamespace(step=step, groups=types.SimpleNamespace(dims=ParallelDims(tp=1, pp=1, dp=1)))
+    state = types.SimpleNamespace(step=step, groups=types.SimpleNamespace(dims=ParallelDims(tp=1, pp=1, dp=1)),
+                                  optimizer=object(), parts=())
+    model = types.SimpleNamespace(state=lambda: state)
     return checkpoint.save(str(root), step, {"actor": model}, {"loader": {}}, keep_last)
 
 
@@ -154,7 +157,7 @@ def test_a_full_disk_during_a_save_is_one_paragraph_and_leaves_the_last_checkpoi
         raise FULL[writer](out)
 
     if where == "a rank's shard":
-        monkeypatch.setattr(checkpoint, "_save_optimizer", lambda model, out: full(out / "tp00_pp00_dp00.safetensors"))
+        monkeypatch.setattr(model_files, "_save_optimizer", lambda model, out: full(out / "tp00_pp00_dp00.safetensors"))
     else:
         monkeypatch.setattr(manifest, "write", lambda root, files: full(root / manifest.MANIFEST))
     with pytest.raises(UserError) as err:
@@ -202,7 +205,7 @@ def test_any_other_failure_during_a_save_is_raised_as_it_is_and_leaves_nothing_h
     def broken(model, out):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(checkpoint, "_save_optimizer", broken)
+    monkeypatch.setattr(model_files, "_save_optimizer", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         save(world, 2)
     assert not (world / ".step_000002.tmp").exists() and (world / "latest").read_text() == good.name

@@ -121,3 +121,50 @@ def test_bfloat16_gradients_keep_the_model_dtype_and_match_full_logits():
         assert row["grad_dtypes"] == ["torch.bfloat16", "torch.bfloat16"], (rank, row)
         for key in ("lp", "entropy", "loss", "grad_h", "grad_w"):
             assert row["vs_full"][key] < 1e-2 * max(1.0, row["scale"][key]), (rank, key, row)  # measured 4e-3
+
+
+def _frozen_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        """The shapes of the floating-point tensors each op makes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            self.made += [tuple(t.shape) for t in (out if isinstance(out, tuple | list) else [out])
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            return out
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=gen)
+    weight = torch.randn(LOCAL_VOCAB, HIDDEN, generator=gen) * 0.5
+    targets = torch.randint(0, 11, (TOKENS,), generator=gen)
+    g = torch.randn(TOKENS, 2, generator=gen)
+    ref = reference(hidden, weight, targets, 11, 0.7, g)
+    h = hidden.clone().requires_grad_()
+    out = chunked_logprobs(h, weight, targets, vocab_start=0, vocab_size=11, group=dist.group.WORLD,
+                           temperature=0.7, chunk_tokens=5)
+    loss = (g[:, 0] * out[:, 0] + g[:, 1] * out[:, 1]).sum()
+    with Shapes() as shapes:
+        loss.backward()
+    queue.put({"grad_h": float((h.grad.double() - ref["grad_h"]).abs().max()),
+               "weight_sized": shapes.made.count((LOCAL_VOCAB, HIDDEN))})
+    dist.destroy_process_group()
+
+
+def test_a_frozen_weight_gets_no_gradient_and_the_hidden_states_the_same():
+    """LoRA freezes the output layer: backward gives the hidden states their float64 gradient and makes no tensor
+    of the weight's shape (the float32 sum and its copy in the weight's dtype)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_frozen_worker, args=(0, 1, _free_port(), queue))
+    proc.start()
+    proc.join(timeout=120)
+    assert proc.exitcode == 0, proc.exitcode
+    row = queue.get(timeout=10)
+    assert row["grad_h"] < 1e-6 and row["weight_sized"] == 0, row

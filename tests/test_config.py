@@ -25,7 +25,7 @@ from megarl.config import (
     load_config,
     validate_layout,
 )
-from megarl.configio import field_docs
+from megarl.config.yaml_io import field_docs
 from megarl.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -552,7 +552,7 @@ def test_validate_layout_bad(
 
 def test_cli_exits_2_without_traceback(tmp_path: Path) -> None:
     bad = write(tmp_path, yaml.safe_dump(with_changes(actor={"optimizer": {"learning_rate": 1}})))
-    code = "import sys; from megarl.config import load_config; from megarl.errors import run_main; "
+    code = "import sys; from megarl.config import load_config; from megarl.run.command import run_main; "
     code += "run_main(lambda: load_config(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MEGARL_DEBUG", None)

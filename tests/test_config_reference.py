@@ -3,13 +3,13 @@
 import dataclasses
 
 from megarl.config import Config
-from megarl.config_reference import END, REFERENCE_PAGE, START, reference, updated_page
+from megarl.config.reference import END, REFERENCE_PAGE, START, reference, updated_page
 
 
 def test_docs_config_reference_is_current():
     text = REFERENCE_PAGE.read_text()
     assert START in text and END in text
-    assert updated_page(text) == text, "run `python -m megarl.config_reference --update`"
+    assert updated_page(text) == text, "run `python -m megarl.config.reference --update`"
 
 
 def test_reference_lists_every_field_with_its_docstring():

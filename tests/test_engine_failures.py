@@ -139,7 +139,7 @@ def test_a_sigterm_during_an_engine_call_on_uvloop_ends_the_run_as_an_interrupt(
     interrupt handler's exception) and the engine's scheduler, which died of it and signalled SIGQUIT; the run then
     ended as an engine failure. The interrupt now ends the call and wins over the failure it caused. A closed
     terminal's SIGHUP is an interrupt too."""
-    from megarl.interrupt import Interrupted
+    from megarl.run.interrupt import Interrupted
 
     uvloop = pytest.importorskip("uvloop")
     loop = uvloop.new_event_loop()
@@ -174,7 +174,8 @@ def test_a_sigterm_during_an_engine_call_on_uvloop_ends_the_run_as_an_interrupt(
 HANGING_START = """
 import sys, threading
 from pathlib import Path
-from megarl.errors import at_failure, run_main
+from megarl.errors import at_failure
+from megarl.run.command import run_main
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.group import EngineGroup, start_engine
 

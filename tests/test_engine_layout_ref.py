@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from helpers import TINY
+from megarl.distributed.parallel import ParallelDims
 from megarl.models.mapping import hf_shapes, param_rules, to_mcore_shard
 from megarl.models.spec import ModelSpec, load_spec
-from megarl.parallel import ParallelDims
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
 

@@ -14,7 +14,7 @@ import torch
 
 from helpers import REPO
 from megarl.errors import UserError
-from megarl.evaluation import metrics
+from megarl.eval.harness import metrics
 
 
 def test_pass_at_k_and_mean_at_k_by_hand() -> None:
@@ -94,7 +94,7 @@ def test_bad_input_is_named_before_any_engine_starts(tmp_path: Path, args: list[
 def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected: str) -> None:
     from megarl.config import build_config
     from megarl.data.tokenizer import load_tokenizer
-    from megarl.eval_loop import load_eval_sets
+    from megarl.eval.in_training import load_eval_sets
 
     if dataset["path"] == "EMPTY":
         (tmp_path / "empty.jsonl").write_text("\n")
@@ -108,7 +108,7 @@ def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected:
 
 
 def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
-    from megarl import manifest
+    from megarl.checkpoint import manifest
     from megarl.evaluate import check_actor
 
     step = tmp_path / "step_000003"
@@ -120,3 +120,29 @@ def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
     weights.write_bytes(b"\0" * 64)  # the data zeroed, the size kept
     with pytest.raises(UserError, match="step_000003 is damaged: .*tp0_pp0.safetensors has CRC-32"):
         check_actor(step)
+
+
+def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--engine-arg KEY=VALUE (YAML values) over --config's rollout.engine_args, passed to the engine as they are;
+    a malformed one is refused by name."""
+    import types
+
+    from megarl.evaluate import make_engine, parse_args, resolve
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((REPO / "recipes" / "tiny_cpu_grpo.yaml").read_text() + "\n")
+    recipe.write_text(recipe.read_text().replace("rollout:\n", "rollout:\n  engine_args: {enforce_eager: false, "
+                                                 "max_num_seqs: 4}\n", 1))
+    seen: dict = {}
+    fake = types.ModuleType("megarl.rollout.vllm")
+    fake.VLLMEngine = lambda model, **kwargs: seen.update(kwargs)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megarl.rollout.vllm", fake)
+    args = parse_args(["--model", str(REPO / "recipes/tiny/model"), "--data", "gsm8k:test", "--config", str(recipe),
+                       "--engine-arg", "enforce_eager=true", "--engine-arg", "kv_cache_dtype=fp8"])
+    resolve(args)
+    make_engine("vllm", str(REPO / "recipes/tiny/model"), args)
+    assert {k: seen[k] for k in ("enforce_eager", "max_num_seqs", "kv_cache_dtype")} == {
+        "enforce_eager": True, "max_num_seqs": 4, "kv_cache_dtype": "fp8"}
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "m", "--data", "d", "--engine-arg", "enforce_eager"])
+    assert exit_.value.code == 2

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from megarl.distributed.parallel import ParallelDims
 from megarl.models.presets import preset_or_hf_spec
-from megarl.parallel import ParallelDims
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.handover import HandoverState, apply_message, checksum_message, detach_message
 from megarl.reshard.planner import make_plan
@@ -96,7 +96,7 @@ def _flat_views(shapes):
 
 
 def _move(flat: torch.Tensor) -> torch.Tensor:
-    """What megarl.offload does to the actor's weights during rollout: the storage is freed and comes back
+    """What megarl.memory.offload does to the actor's weights during rollout: the storage is freed and comes back
     elsewhere, with the same tensors viewing it. Returns what holds the old address meanwhile."""
     storage, saved = flat.untyped_storage(), flat.clone()
     before = flat.data_ptr()

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from megarl.checkpoint import checkpoints, rotate
+from megarl.checkpoint.keep_best import best_step, mark_best
 from megarl.config import build_config
 from megarl.errors import UserError
-from megarl.keep_best import best_step, mark_best
 
 METRIC = "eval/gsm8k/accuracy"
 

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from helpers import REPO, make_hf_model
-from megarl.configio import FieldError, show
-from megarl.lora.config import LoraConfig
+from megarl.config.lora import LoraConfig
+from megarl.config.yaml_io import FieldError, show
 
 TARGET_NAMES = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "self_attention.linear_proj.weight",
                 "self_attention.linear_qkv.weight"]

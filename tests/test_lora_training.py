@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 from helpers import REPO, make_hf_model, run_worker, train_recipe
 from megarl import convert
 from megarl.config import build_config
+from megarl.config.lora import LoraConfig
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.lora.config import LoraConfig
 from megarl.lora.training import adapter_params_per_rank, merged_params_per_rank
-from megarl.memory import plan_memory
+from megarl.memory.plan import plan_memory
 from megarl.models.presets import preset_or_hf_spec
-from megarl.parallel import ParallelDims
 
 LORA_RANK = 4  # tests/workers/lora_actor.py's
 MINIMAL = {"model": {"hf_path": "/models/m"}, "rollout": {"num_samples_per_prompt": 4},
@@ -73,6 +73,19 @@ def test_adapter_dropout_acts_in_updates_alone_and_recompute_replays_it(rows):
         # output required grad, a frozen base under Megatron's reentrant recompute gave them none (grad norm 0).
         assert d["b_vs_recompute"] == 0.0 and d["grad_norms"][1] == d["grad_norms"][2] > 0
         assert d["score_without_dropout"]  # scoring never drops
+
+
+def test_each_pipeline_stage_draws_dropout_masks_of_its_own(tmp_path):
+    """Under PP2 the two stages' layers get different LoRA dropout masks (before, both stages seeded alike and the
+    second stage's layers repeated the first's masks), from both RNGs actor.lora.dropout draws from; stage 0 draws
+    what a run without PP draws."""
+    rows = run_worker("pp_dropout.py", tmp_path, 2, nproc=2)
+    (tmp_path / "one").mkdir()
+    rows += run_worker("pp_dropout.py", tmp_path / "one", 1, nproc=1)
+    first, second, alone = (next(r for r in rows if (r["pp"], r["stage"]) == key) for key in [(2, 0), (2, 1), (1, 0)])
+    for rng in ("default", "tracked"):
+        assert first[rng] != second[rng] and first[rng] == alone[rng]
+        assert 0.3 < sum(second[rng]) / len(second[rng]) < 0.7  # a dropout mask at 0.5
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp1_pp1"])
@@ -156,19 +169,19 @@ def test_the_standalone_evaluator_takes_the_peft_export_as_the_merged_one(rows, 
 def test_a_lora_checkpoint_resumes_only_onto_the_base_it_was_trained_on(rows, root, tmp_path):
     """lora/base_model.json records model.hf_path's weight files (size, CRC-32); a resume onto other weights, as
     a base fine-tuned further in place would be, is refused with the fix, and onto the same files it passes."""
-    from megarl.checkpoint import _check_base_model
+    from megarl.lora.checkpoint import check_base_model
 
     record = root / "out" / "ckpt_tp2_pp1" / "step_000001" / "actor" / "lora" / "base_model.json"
     saved = json.loads(record.read_text())
     assert saved["path"] == str((root / "llama").resolve()) and list(saved["files"]) == ["model.safetensors"]
-    _check_base_model(record, str(root / "llama"))
+    check_base_model(record, str(root / "llama"))
     other = tmp_path / "other"
     shutil.copytree(root / "llama", other)
     raw = bytearray((other / "model.safetensors").read_bytes())
     raw[-1] ^= 1  # one bit of one weight
     (other / "model.safetensors").write_bytes(bytes(raw))
     with pytest.raises(UserError, match=r"trained on the base model at .*model.hf_path = .*other.*model.safetensors"):
-        _check_base_model(record, str(other))
+        check_base_model(record, str(other))
 
 
 def adapter_states(actor):
@@ -347,7 +360,7 @@ def test_an_engine_serving_the_adapter_generates_as_one_given_the_merged_weights
 
 def lora_factor_shapes(spec, rank):
     """Canonical name -> shape of every adapter factor of a TP1 actor with all four targets."""
-    from megarl.lora.config import TARGET_PATHS
+    from megarl.config.lora import TARGET_PATHS
     from megarl.models.mapping import mcore_shape, param_rules
 
     rules = {r.mcore: r for r in param_rules(spec, include_output=False)}

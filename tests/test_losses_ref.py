@@ -1,7 +1,7 @@
 """GAE, GRPO, whitening, the actor and critic losses and the step-0 drift check against references written
 as plain float64 Python loops, on batches with uneven masks, distinct gamma and lambda, several group sizes
 and every flag that changes the arithmetic. The references never call the code under test: a sign, a
-dropped term or a swapped argument in megarl.rl_step or megarl.algos shows here as a wrong number."""
+dropped term or a swapped argument in megarl.loop.rl_step or megarl.algos shows here as a wrong number."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from megarl.algos.advantages import gae, grpo_advantages
 from megarl.algos.losses import token_weights
 from megarl.config import AlgorithmConfig
 from megarl.errors import UserError
-from megarl.rl_step import Batch, actor_loss, advantages_and_returns, check_drift, critic_loss, logprob_drift
+from megarl.loop.rl_step import Batch, actor_loss, advantages_and_returns, check_drift, critic_loss, logprob_drift
 
 Rows = list[list[float]]
 

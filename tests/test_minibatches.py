@@ -11,8 +11,8 @@ import torch
 
 from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.config import build_config
-from megarl.rl_step import Batch, actor_loss_mask, advantages_and_returns
-from megarl.trainer import RLTrainer
+from megarl.loop.learner import Learner
+from megarl.loop.rl_step import Batch, actor_loss_mask, advantages_and_returns
 
 GROUP = 4
 
@@ -32,12 +32,12 @@ class RecordingModel:
 
 
 def trainer_over(model: RecordingModel, dp_rank: int = 0, dp: int = 1, epochs: int = 1,
-                 aggregation: str = "token-mean") -> RLTrainer:
+                 aggregation: str = "token-mean") -> Learner:
     cfg = build_config({"model": {"hf_path": "m"}, "data": {"train_path": "d", "num_prompts_per_step": 8},
                         "rollout": {"num_samples_per_prompt": GROUP, "max_new_tokens": 6},
                         "actor": {"mini_batch_size": 8, "num_ppo_epochs": epochs},
                         "algorithm": {"loss_aggregation": aggregation}})
-    trainer = RLTrainer.__new__(RLTrainer)  # the update's plumbing only: no models, engines or process groups
+    trainer = Learner.__new__(Learner)  # the update's plumbing only: no models, engines or process groups
     trainer.cfg, trainer.actor = cfg, model  # type: ignore[assignment]
     trainer.groups = SimpleNamespace(dp_rank=dp_rank, dims=SimpleNamespace(dp=dp))  # type: ignore[assignment]
     trainer.residency = SimpleNamespace(hold=lambda needs: None)  # type: ignore[assignment]
@@ -56,7 +56,7 @@ def dapo_batch() -> Batch:
     return Batch.concat([informative, part(20, [0.0] * 12).as_filler()])
 
 
-def update(trainer: RLTrainer, batch: Batch, step: int) -> None:
+def update(trainer: Learner, batch: Batch, step: int) -> None:
     algo = trainer.cfg.algorithm
     advantages, _, _ = advantages_and_returns(batch, algo, GROUP, 0.0, None, batch.rollout_logprobs, None, 8)
     extras = {"old_logprobs": batch.rollout_logprobs, "advantages": advantages}

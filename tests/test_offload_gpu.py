@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.offload import Residency
+from megarl.memory.offload import Residency
 
 pytestmark = pytest.mark.gpu
 
 
 class _Model:
-    """What megarl.offload reads of a MegatronModel: chunks, models (no DDP buffers), optimizer."""
+    """What megarl.memory.offload reads of a MegatronModel: chunks, models (no DDP buffers), optimizer."""
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -7,10 +7,10 @@ from collections import defaultdict
 import pytest
 import torch
 
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.mapping import REPLICATED, param_rules
 from megarl.models.presets import preset_or_hf_spec
-from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, allocate_flat_buckets, engine_tensor_allocations
 from megarl.reshard.planner import LinkModel, engine_groups, make_plan

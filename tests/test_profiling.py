@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.errors import UserError
-from megarl.profiling import check_profile_step, profiled, trace_path
+from megarl.run.profiling import check_profile_step, profiled, trace_path
 
 
 def test_profile_step_must_be_one_the_run_does():

@@ -1,14 +1,17 @@
-"""The order of a hand-over on the trainer's side (RLTrainer.push_weights), with the engine, resharder and
+"""The order of a hand-over on the trainer's side (WeightSync.push), with the engine, resharder and
 offloading recorded: the engine only ever wakes into memory the trainer has given back to the driver, and the
 actor's weights leave only after the engine let go of them."""
 
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megarl.trainer import RLTrainer
+from megarl.loop.learner import Learner
+from megarl.loop.rollout_manager import RolloutManager
+from megarl.loop.timing import PartTimes
+from megarl.loop.trainer import RLTrainer
+from megarl.loop.weight_sync import WeightSync
 
 
 class Recorder:
@@ -24,16 +27,21 @@ class Recorder:
 
 def trainer_at_step(events, weights_leave):
     """A trainer after a training step: engine asleep, nothing attached."""
+    times = PartTimes()
+    rollout = object.__new__(RolloutManager)
+    rollout.engine, rollout.state = Recorder(events, "engine"), "asleep"
+    learner = object.__new__(Learner)
+    learner.actor = Recorder(events, "actor")  # refresh_merged: a LoRA actor's W + s B A
+    learner.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
+    sync = object.__new__(WeightSync)
+    sync.cfg = SimpleNamespace(rollout=SimpleNamespace(verify_every=0))
+    sync.times, sync.attached, sync.weights_leave, sync.num_handovers = times, False, weights_leave, 1
+    sync.resharder = Recorder(events, "resharder")
+    sync.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
+    sync.engine_tensors = None
+    sync.adapters = None  # actor.lora.handover: merged (or no LoRA)
     t = object.__new__(RLTrainer)
-    t.cfg = SimpleNamespace(rollout=SimpleNamespace(verify_every=0))
-    t._engine_state, t._attached, t._weights_leave, t._num_handovers = "asleep", False, weights_leave, 1
-    t.engine, t.resharder = Recorder(events, "engine"), Recorder(events, "resharder")
-    t.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
-    t.engine_tensors = None
-    t.adapters = None  # actor.lora.handover: merged (or no LoRA)
-    t.actor = Recorder(events, "actor")  # refresh_merged: a LoRA actor's W + s B A
-    t._parts_s = defaultdict(float)
-    t.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
+    t.rollout, t.learner, t.sync, t.times = rollout, learner, sync, times
     return t
 
 
@@ -46,10 +54,10 @@ def test_the_engine_wakes_only_into_memory_given_back_to_the_driver(monkeypatch,
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     t = trainer_at_step(events, weights_leave)
     t.push_weights()
-    assert t._engine_state == "awake"
+    assert t.rollout.state == "awake"
     # Its parts are timed for the step's metrics (handover/*_s), verification off.
     parts = ("hold", "wake_weights", "attach", "copy", "release", "wake_cache")
-    assert set(t._parts_s) == {f"handover/{p}" for p in parts}
+    assert set(t.times.seconds) == {f"handover/{p}" for p in parts}
     wakes = [i for i, e in enumerate(events) if e.startswith("engine.wake")]
     assert [events[i] for i in wakes] == ["engine.wake(weights)", "engine.wake(cache)"]
     for i in wakes:  # the last thing before every wake: the trainer's freed and cached memory went back
@@ -72,9 +80,9 @@ def test_an_adapter_handover_moves_the_adapters_alone(monkeypatch):
     events = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     t = trainer_at_step(events, weights_leave=False)
-    t.adapters = lambda: events.append("adapters")
-    t.engine.copies_in_engine = False  # vLLM, the one engine that serves megarl's adapters
+    t.sync.adapters = lambda: events.append("adapters")
+    t.rollout.engine.copies_in_engine = False  # vLLM, the one engine that serves megarl's adapters
     t.push_weights()
-    assert t._engine_state == "awake"
+    assert t.rollout.state == "awake"
     moved = [e for e in events if e.startswith(("engine.", "actor.", "resharder.", "adapters"))]
     assert moved == ["engine.wake(weights)", "adapters", "engine.wake(cache)"], events

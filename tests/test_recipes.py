@@ -28,5 +28,5 @@ def test_8b_recipes_validate_for_8_gpus(tmp_path, recipe, preset):
     assert dp == 8 // (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
     assert cfg.algorithm.kl_coef == 0.02 and cfg.algorithm.entropy_coef == 0.01
     assert cfg.rollout.gpu_memory_fraction == 0.7 and cfg.actor.dynamic_batch
-    if spec.is_moe:  # checked before launch (megarl.bootstrap): Megatron's MoE layers under TP need it
+    if spec.is_moe:  # checked before launch (megarl.loop.bootstrap): Megatron's MoE layers under TP need it
         assert cfg.parallel.sequence_parallel

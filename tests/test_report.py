@@ -36,3 +36,21 @@ def test_a_broken_plotting_library_does_not_fail_the_run(tmp_path):
                           text=True, env={"PYTHONPATH": f"{stub}:{REPO}"})
     assert proc.returncode == 0, proc.stderr
     assert "reward 0.200" in proc.stdout and "plot: not written (RuntimeError: no backend)" in proc.stdout
+
+
+def test_the_plot_is_drawn_beside_an_imported_stand_in_ipython(tmp_path):
+    """The H200 image's staging put a stand-in IPython in sys.modules (every attribute an object that cannot be
+    indexed); pyplot hooked into it and every run's plot failed with "'_Any' object is not subscriptable"."""
+    rows = [{"step": s, "reward_mean": 0.1 * s, "time/generate": 1.0} for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = ("import sys, types\n"
+            "class Any_:\n"
+            "    def __getattr__(self, name): return Any_()\n"
+            "    def __call__(self, *a, **k): return Any_()\n"
+            "ipython = types.ModuleType('IPython'); ipython.__getattr__ = lambda name: Any_()\n"
+            "sys.modules['IPython'] = ipython\n"
+            "from pathlib import Path; from megarl.report import plot, read_rows\n"
+            f"run = Path({str(tmp_path)!r}); print(plot(run, read_rows(run)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "metrics.png").stat().st_size > 1000

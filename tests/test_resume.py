@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from megarl.checkpoint.resume_check import check_unchanged
 from megarl.config import load_config
-from megarl.configio import FieldError
+from megarl.config.yaml_io import FieldError
 from megarl.errors import UserError
-from megarl.resume_check import check_unchanged
-from megarl.tracking import forget_jsonl_steps
+from megarl.run.tracking import forget_jsonl_steps
 
 REPO = Path(__file__).resolve().parents[1]
 

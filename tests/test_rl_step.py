@@ -1,4 +1,4 @@
-"""The per-step RL plumbing between rollout and update (megarl.rl_step), against values worked out by hand."""
+"""The per-step RL plumbing between rollout and update (megarl.loop.rl_step), against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from megarl.algos.correction import rollout_correction
 from megarl.algos.losses import token_weights
 from megarl.config import AlgorithmConfig
 from megarl.errors import TrainingDiverged
-from megarl.rl_step import (
+from megarl.loop.rl_step import (
     Batch,
     actor_loss,
     actor_loss_mask,
@@ -156,3 +156,22 @@ def test_rejected_sequences_leave_the_critic_loss_but_filler_groups_stay() -> No
     width = alone.mask.shape[1]
     expected = value_gradient(alone, alone.mask, returns[[0, 2], :width])
     torch.testing.assert_close(grad[[0, 2], :width], expected)
+
+
+def test_lora_dropout_enters_the_first_mini_batchs_ratio_against_the_whole_policy() -> None:
+    """The decision (docs/training.md): old logprobs are the whole policy's (it sampled the batch, and scoring never
+    drops), the update's are the dropped-out policy's, so on the first, on-policy mini-batch the ratio is
+    exp(dropped - whole) and clipping counts the tokens dropout moves out of the trust region (a hand count);
+    without dropout the ratio is 1 and nothing clips."""
+    gen = torch.Generator().manual_seed(0)
+    whole = -torch.rand(4, 6, generator=gen) * 3
+    dropped = whole + torch.randn(4, 6, generator=gen) * 0.3  # what A's dropped-out input does to the logprobs
+    adv = torch.randn(4, 6, generator=gen)
+    extras = {"old_logprobs": whole, "advantages": adv, "weights": torch.full((4, 6), 1 / 24)}
+    algo = AlgorithmConfig()
+    _, off = actor_loss(whole, extras, algo, 0.0)
+    _, on = actor_loss(dropped, extras, algo, 0.0)
+    ratio = [math.exp(d - w) for d, w in zip(dropped.flatten().tolist(), whole.flatten().tolist(), strict=True)]
+    by_hand = sum((r > 1.2 and a > 0) or (r < 0.8 and a < 0) for r, a in zip(ratio, adv.flatten().tolist(),
+                                                                             strict=True))
+    assert float(off["clipped_tokens"]) == 0 and float(on["clipped_tokens"]) == by_hand > 0

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from helpers import REPO, make_hf_model
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import hf_shapes, param_rules, to_mcore_shard
 from megarl.models.spec import load_spec
-from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.planner import make_plan
@@ -331,7 +331,7 @@ def test_multi_turn_rollout_keeps_engine_and_trainer_logprobs_together(engine, m
     cfg = AgentConfig(tools=[ToolConfig(spec="megarl.tools.calculator:Calculator")], call_end=f"<{ids[cut]}>",
                       observation_template="{observation}")
     agent = AgentLoop(cfg, lambda text: [100 + sum(map(ord, text)) % 40, 140, 141],
-                      lambda t: "".join(f"<{i}>" for i in t), context=engine.max_model_len, max_new_tokens=40)
+                      lambda t: "".join(f"<{i}>" for i in t), context=engine.max_model_len)
     out = agent.generate(engine, PROMPTS, params)
     agent.close()
     assert out[0].token_ids[: cut + 1] == ids[: cut + 1] and out[0].policy_mask[cut + 1] == 0

@@ -8,10 +8,10 @@ import torch
 
 from helpers import make_hf_model, run_worker
 from megarl.config import build_config
-from megarl.configio import FieldError
+from megarl.config.yaml_io import FieldError
 from megarl.data.batching import Layout, build_micro_batches
+from megarl.loop.rl_step import Batch
 from megarl.models.routing import LayerReplay, place_routing, routing_dtype
-from megarl.rl_step import Batch
 from megarl.rollout.sglang import decode_routed_experts
 
 MAX_ABS_DIFF = 1e-4  # float32 on CPU, as test_parity.py

@@ -11,13 +11,13 @@ import time
 import pytest
 
 from helpers import REPO
-from megarl.errors import run_main
-from megarl.runlock import LOCK_FILE, acquire
+from megarl.run.command import run_main
+from megarl.run.lock import LOCK_FILE, acquire
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from megarl.runlock import acquire
+from megarl.run.lock import acquire
 acquire(Path(sys.argv[1]))
 if len(sys.argv) > 2:  # a forked child (an engine process) lives on after its parent
     import multiprocessing

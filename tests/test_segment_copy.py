@@ -1,4 +1,4 @@
-"""megarl._C segment copies against the pure-torch reference in megarl.kernels."""
+"""megarl._C segment copies against the pure-torch reference in megarl.reshard.kernels."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from megarl import kernels
-from megarl.kernels import Segment
+from megarl.reshard import kernels
+from megarl.reshard.kernels import Segment
 
 C = kernels.extension()
 

@@ -7,9 +7,10 @@ import pytest
 
 from helpers import REPO, run_torchrun, train_recipe
 from megarl.config import load_config
-from megarl.errors import UserError, run_main
-from megarl.rl_step import Batch
-from megarl.tracking import Tracker
+from megarl.errors import UserError
+from megarl.loop.rl_step import Batch
+from megarl.run.command import run_main
+from megarl.run.tracking import Tracker
 
 pytest.importorskip("mlflow", reason="mlflow-skinny is not installed (requirements.txt)")
 from mlflow import MlflowClient  # noqa: E402
@@ -146,11 +147,12 @@ def test_train_reports_a_bad_store_before_building_anything(tmp_path):
 
 ENDING = r"""
 import errno, os, signal, sys, time
-from megarl import interrupt
+from megarl.run import interrupt
 from megarl.config import load_config
-from megarl.errors import UserError, run_main
-from megarl.rl_step import Batch
-from megarl.tracking import Tracker
+from megarl.errors import UserError
+from megarl.run.command import run_main
+from megarl.loop.rl_step import Batch
+from megarl.run.tracking import Tracker
 
 def main():
     interrupt.install()

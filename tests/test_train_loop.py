@@ -1,5 +1,5 @@
 """The RL loop's wiring, one process, no Megatron and no engine: megarl/train.py's main() runs against a trainer
-that records what it is given, and RLTrainer._optimize splits mini-batches over data-parallel ranks recorded
+that records what it is given, and Learner.optimize splits mini-batches over data-parallel ranks recorded
 one rank at a time. What is checked is what a swapped argument or a per-rank normalisation would break: the
 importance weights are pi_old / pi_rollout, step 0 refuses an engine that does not run the trainer's weights,
 and every optimizer step's token weights add up, over the DP ranks, to the aggregation of its whole mini-batch."""
@@ -18,8 +18,8 @@ from megarl import train
 from megarl.algos.kl import FixedKLController
 from megarl.config import ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from megarl.errors import UserError
-from megarl.rl_step import Batch
-from megarl.trainer import RLTrainer
+from megarl.loop.learner import Learner
+from megarl.loop.rl_step import Batch
 
 # Trainer (pi_old) minus engine (pi_rollout) log-probabilities of each response token: ratios 1.5, 0.8, 3
 # (over the cap of 2) and 0.6; swapped they would be 0.67, 1.25, 0.33, 1.67.
@@ -96,10 +96,11 @@ def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: lis
     trainer, tracker = RecordingTrainer(batch, old, algo.kl_coef), Tracker(tmp_path)
     cfg = config(algo, trainer=TrainerConfig(num_steps=steps),
                  rollout=RolloutConfig(logprob_diff_max=bound, num_samples_per_prompt=2, max_new_tokens=2))
-    from megarl.eval_loop import InTrainingEval
+    from megarl.eval.in_training import InTrainingEval
 
     no_eval = InTrainingEval(cfg, [], tmp_path, 0)
-    monkeypatch.setattr("megarl.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
+    monkeypatch.setattr("megarl.loop.bootstrap.setup",
+                        lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
     monkeypatch.setattr("megarl.checkpoint.stop_requested", lambda cfg, device: False)
     train.main(["--config", "unused.yaml"])
     return trainer, tracker, batch
@@ -159,18 +160,18 @@ class RecordingModel:
 
 def dp_steps(batch: Batch, mode: str, dp: int, mini_batch_size: int, epochs: int
              ) -> list[list[tuple[list[list[int]], list[torch.Tensor]]]]:
-    """Per DP rank, the (sequences, weights) of each optimizer step RLTrainer._optimize takes."""
+    """Per DP rank, the (sequences, weights) of each optimizer step Learner.optimize takes."""
     section = ActorConfig(mini_batch_size=mini_batch_size, num_ppo_epochs=epochs, max_tokens_per_gpu=64)
     rollout = RolloutConfig(num_samples_per_prompt=2, max_prompt_tokens=8, max_new_tokens=8)
     extras = {"advantages": torch.zeros_like(batch.mask)}
     out = []
     for rank in range(dp):
-        t = object.__new__(RLTrainer)
+        t = object.__new__(Learner)
         t.cfg = config(AlgorithmConfig(name="grpo", loss_aggregation=mode),  # type: ignore[arg-type]
                        num_prompts=len(batch.sequences) // 2, rollout=rollout, actor=section)
         t.groups = SimpleNamespace(dp_rank=rank, dims=SimpleNamespace(dp=dp))
         model = RecordingModel()
-        t._optimize(model, section, batch, extras, None, "test", 0, batch.mask)  # type: ignore[arg-type]
+        t.optimize(model, section, batch, extras, None, "test", 0, batch.mask)  # type: ignore[arg-type]
         out.append(model.steps)
     return out
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.errors import HandoverMismatch
-from megarl.kernels import extension
+from megarl.reshard.kernels import extension
 from megarl.reshard.verify import MULTIPLIERS, PRIME, check_reports, tensor_checksum
 
 INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -11,7 +11,7 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: 
     """Soft overlong punishment [N] (<= 0) for response lengths [N].
 
     Responses up to max_new_tokens - buffer_tokens get 0; longer ones lose penalty linearly over
-    the buffer, reaching -penalty at max_new_tokens (the engine never generates more). buffer 0 = off.
+    the buffer, reaching -penalty at max_new_tokens (the response budget: no response is longer). buffer 0 = off.
     """
     if buffer_tokens <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)

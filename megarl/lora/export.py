@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from megarl.config.lora import TARGET_PATHS
 from megarl.errors import UserError
-from megarl.lora.config import TARGET_PATHS
 from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
 from megarl.lora.shards import factor_to_hf
 from megarl.models.mapping import param_rules

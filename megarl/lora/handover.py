@@ -11,14 +11,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from megarl.config.lora import LoraConfig
 from megarl.lora.export import write_peft
 
 
 class AdapterHandover:
     """Hands a LoRA actor (TP1, PP1: every rank holds its adapters whole) to its group's engine."""
 
-    def __init__(self, actor: Any, engine: Any, directory: Path) -> None:
-        self.actor, self.engine, self.directory = actor, engine, directory
+    def __init__(self, actor: Any, cfg: LoraConfig, engine: Any, directory: Path) -> None:
+        self.actor, self.cfg, self.engine, self.directory = actor, cfg, engine, directory
         self._written: list[Path] = []
         self._count = 0
 
@@ -29,7 +30,7 @@ class AdapterHandover:
             partial = path.with_name(path.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
             params = self.actor.adapter_params()
-            write_peft(partial, self.actor.spec, dataclasses.asdict(self.actor.lora),
+            write_peft(partial, self.actor.spec, dataclasses.asdict(self.cfg),
                        lambda name: [params[name].detach().cpu()])
             partial.rename(path)
             self._written.append(path)

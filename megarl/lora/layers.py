@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.config.lora import TARGET_PATHS, TARGETS, LoraConfig
 from megarl.errors import UserError
-from megarl.lora.config import TARGET_PATHS, TARGETS, LoraConfig
 from megarl.models.gpt import unwrap
 
 

@@ -1,10 +1,12 @@
-"""A LoRA actor in training (actor.lora): the hooks MegatronModel and RLTrainer call, kept out of them.
+"""A LoRA actor in training (actor.lora): ``LoraAdapters`` is what MegatronModel is given as its adapters
+(megarl.models.adapters), so that the model knows no LoRA and LoRA's code stays here.
 
 - ``install``: adapters on this rank's chunks after the HF weights load and before DDP, base weights frozen, so
   that DDP's gradient buffers and the optimizer hold the adapters only; each adapter gets a ``merged`` buffer of
-  its base weight's shape (a module buffer: it leaves the device with the weights, megarl.offload).
-- ``handover_params``: what the resharder reads: the canonical parameters with every adapted weight replaced by
-  its ``merged`` buffer; ``refresh_merged`` writes W + s B A into those buffers before each hand-over.
+  its base weight's shape (a module buffer: it leaves the device with the weights, megarl.memory.offload).
+- ``merged``: what the resharder reads: the canonical parameters with every adapted weight replaced by its
+  ``merged`` buffer; ``refresh_merged`` writes W + s B A into those buffers before each hand-over.
+- ``state_part``: the adapters and their optimizer state in a checkpoint (megarl.lora.checkpoint).
 - ``adapter_params_per_rank``: the adapters' parameter count on the busiest GPU, for the memory plan.
 
 The reference policy of a LoRA actor is the actor under ``adapters_disabled`` (megarl.lora.layers): no second copy
@@ -14,14 +16,48 @@ of the weights.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from megarl.lora.config import LoraConfig
-from megarl.lora.layers import LoraAdapter, adapters_disabled, apply_lora
+from megarl.config.lora import LoraConfig
+from megarl.lora.checkpoint import AdapterState
+from megarl.lora.layers import LoraAdapter, adapters_disabled, apply_lora, dropout_on
 from megarl.models.gpt import unwrap
 from megarl.models.spec import ModelSpec
+from megarl.models.state import StatePart
+
+
+class LoraAdapters:
+    """actor.lora's adapters for one MegatronModel (megarl.models.adapters.Adapters); ``seed`` draws A's init."""
+
+    def __init__(self, cfg: LoraConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.chunks: Sequence[torch.nn.Module] = ()
+        self.offsets: Sequence[int] = ()
+
+    def install(self, chunks: Sequence[torch.nn.Module], layer_offsets: Sequence[int]) -> None:
+        self.chunks, self.offsets = chunks, layer_offsets
+        install(chunks, self.cfg, self.seed)
+
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return adapter_params(self.chunks, self.offsets)
+
+    def merged(self, canonical: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+        return handover_params(canonical, self.chunks)
+
+    def refresh_merged(self) -> None:
+        refresh_merged(self.chunks)
+
+    def disabled(self) -> AbstractContextManager[None]:
+        return adapters_disabled(self.chunks)
+
+    def dropout(self) -> AbstractContextManager[None]:
+        return dropout_on(self.chunks)
+
+    def state_part(self) -> StatePart:
+        return AdapterState(self.cfg, self.params, self.refresh_merged)
 
 
 def install(chunks: Sequence[torch.nn.Module], cfg: LoraConfig, seed: int) -> list[torch.nn.Parameter]:
@@ -96,14 +132,14 @@ def adapter_params_per_rank(spec: ModelSpec, cfg: LoraConfig, tp: int, pp: int) 
 
 
 class BaseModel:
-    """The reference model of a LoRA actor: the actor itself, scoring with its adapters off (RLTrainer.reference)."""
+    """The reference model of a LoRA actor: the actor itself, scoring with its adapters off (Learner.reference)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
         self.replay = actor.replay
 
     def score(self, *args: Any, **kwargs: Any) -> Any:
-        with adapters_disabled(self.actor.chunks):
+        with self.actor.base_model():
             return self.actor.score(*args, **kwargs)
 
 

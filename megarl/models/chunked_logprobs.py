@@ -3,10 +3,11 @@ tokens at a time, so that no [tokens x vocab] float32 tensor of the whole micro-
 
 The output layer's logits, hidden @ W.T, are made ``chunk_tokens`` rows at a time; forward keeps per token only the
 global max plus log Z and the entropy, and backward makes each chunk's logits again to form their gradient, which it
-turns into the hidden states' and the weight's at once (the weight's summed over chunks in float32). The vocabulary
-is TP-sharded as in megarl.models.logprobs (read its docstring): the softmax statistics are reduced over the TP
-group, and backward gives each rank the gradient of its own vocab slice only; the caller reduces the hidden states'
-gradient over TP, as Megatron's ColumnParallelLinear does (megarl.models.logprob_head).
+turns into the hidden states' and the weight's at once (the weight's summed over chunks in float32, then returned in
+its dtype; none for a frozen weight). The vocabulary is TP-sharded as in megarl.models.logprobs (read its docstring):
+the softmax statistics are reduced over the TP group, and backward gives each rank the gradient of its own vocab
+slice only; the caller reduces the hidden states' gradient over TP, as Megatron's ColumnParallelLinear does
+(megarl.models.logprob_head).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, safe_t, owned, shift, entropy = ctx.saved_tensors
         real = weight[: ctx.real]
         grad_hidden = torch.zeros_like(hidden)
+        # A frozen weight (LoRA's base) gets no gradient: no [V, H] float32 sum, a third fewer backward FLOPs.
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                                  device=weight.device)
+                                  device=weight.device) if ctx.needs_input_grad[1] else None
         grad = grad / ctx.temperature
         for start in range(0, hidden.shape[0] if ctx.real else 0, ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
@@ -83,8 +85,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits.scatter_add_(-1, safe_t[rows].unsqueeze(-1), g_lp * owned[rows].unsqueeze(-1))
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ real
-            grad_weight[: ctx.real] += grad_logits.t() @ hidden[rows]
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+            if grad_weight is not None:
+                grad_weight[: ctx.real] += grad_logits.t() @ hidden[rows]
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None, None, None, None, None, None)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int,

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.data.batching import Layout, MicroBatch, build_micro_batches
+from megarl.distributed.parallel import ParallelGroups
 from megarl.models import logprob_head
 from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
-from megarl.parallel import ParallelGroups
 
 
 def model_inputs(batch: MicroBatch, device: torch.device, thd: bool = False

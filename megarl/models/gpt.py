@@ -10,11 +10,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from megarl.distributed.parallel import ParallelGroups
 from megarl.models.critic import ValueHead
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import VOCAB, ParamRule, Reader, hf_shapes, param_rules, to_mcore_shard
 from megarl.models.spec import ModelSpec
-from megarl.parallel import ParallelGroups
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # TE fuses the pre-attention and pre-MLP norms into the following linear layer; canonical names are the local spec's.

@@ -17,11 +17,10 @@ import torch.distributed as dist
 
 from megarl.config import OptimizerConfig
 from megarl.data.batching import MicroBatch, build_micro_batches, plan_micro_batches
+from megarl.distributed.parallel import ParallelGroups
 from megarl.errors import check_finite
-from megarl.lora import training as lora_training
-from megarl.lora.config import LoraConfig
-from megarl.lora.layers import adapters_disabled, dropout_on
 from megarl.models import logprob_head
+from megarl.models.adapters import Adapters
 from megarl.models.forward import (
     even_micro_batches,
     forward_only,
@@ -32,9 +31,10 @@ from megarl.models.forward import (
 )
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.models.optimizer_state import OptimizerState
 from megarl.models.routing import RoutingReplay, place_routing
 from megarl.models.spec import ModelSpec
-from megarl.parallel import ParallelGroups
+from megarl.models.state import ModelState
 
 # loss_fn(output [b, L, *], tokens [b, L], extras {name: [b, L-1]}) -> (weighted loss sum, metrics)
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -53,8 +53,8 @@ class MegatronModel:
 
     def __init__(self, spec: ModelSpec, hf_dir: str | None, groups: ParallelGroups, opts: BuildOptions,
                  optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0,
-                 routing_replay: bool = False, updates_per_step: int = 1, lora: LoraConfig | None = None,
-                 seed: int = 0) -> None:
+                 routing_replay: bool = False, updates_per_step: int = 1, adapters: Adapters | None = None
+                 ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -71,10 +71,10 @@ class MegatronModel:
         self.chunks = build_model(spec, groups, opts)
         if hf_dir is not None:  # None: Megatron's random initialisation, for benchmarks of a model's shape
             load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
-        self.lora = lora if lora is not None and lora.rank > 0 else None
-        """actor.lora: adapters train, the base weights are frozen (megarl.lora.training)."""
-        if self.lora is not None:
-            lora_training.install(self.chunks, self.lora, seed)
+        self.adapters = adapters
+        """actor.lora: adapters train, the base weights are frozen (megarl.lora.training.LoraAdapters)."""
+        if adapters is not None:
+            adapters.install(self.chunks, [chunk_layer_offset(spec, groups, vp) for vp in range(len(self.chunks))])
         self.chunked = bool(opts.logprob_chunk_tokens) and not opts.critic
         """The last stage outputs [b, L, 2] (log p of the next token, entropy) instead of logits
         (megarl.models.logprob_head)."""
@@ -109,25 +109,35 @@ class MegatronModel:
         """This rank's parameters by canonical Megatron name (what the resharder reads); with LoRA the adapted
         weights are the merged W + s B A, as of the last ``refresh_merged``."""
         params = canonical_params(self.chunks, self.spec, self.groups)
-        if self.lora is not None:
-            return lora_training.handover_params(params, self.chunks)
+        if self.adapters is not None:
+            return self.adapters.merged(params)
         return {name: p.data for name, p in params.items()}
 
     def adapter_params(self) -> dict[str, torch.nn.Parameter]:
         """LoRA: this rank's adapter factors by canonical name (none without LoRA)."""
-        if self.lora is None:
-            return {}
-        offsets = [chunk_layer_offset(self.spec, self.groups, vp) for vp in range(len(self.chunks))]
-        return lora_training.adapter_params(self.chunks, offsets)
+        return {} if self.adapters is None else self.adapters.params()
 
     def refresh_merged(self) -> None:
         """LoRA: write the current W + s B A into the tensors ``named_params`` returns (before a hand-over)."""
-        if self.lora is not None:
-            lora_training.refresh_merged(self.chunks)
+        if self.adapters is not None:
+            self.adapters.refresh_merged()
 
     def base_model(self) -> AbstractContextManager[None]:
         """Inside the block the model is its base (LoRA adapters off): the reference policy of a LoRA actor."""
-        return adapters_disabled(self.chunks) if self.lora is not None else nullcontext()
+        return self.adapters.disabled() if self.adapters is not None else nullcontext()
+
+    def state(self) -> ModelState:
+        """What a checkpoint saves and restores (megarl.checkpoint): the current weights (a LoRA actor's merged
+        ones refreshed first), the optimizer's state, and the adapters' (with their optimizer state)."""
+        self.refresh_merged()
+        optimizer = None
+        if self.optimizer is not None:
+            optimizer = OptimizerState(self.optimizer, self.scheduler,
+                                       canonical_params(self.chunks, self.spec, self.groups))
+        parts = (self.adapters.state_part(),) if self.adapters is not None and optimizer else ()
+        return ModelState(spec=self.spec, groups=self.groups, hf_dir=self.hf_dir, critic=self.opts.critic,
+                          vocab_pad_multiple=self.opts.vocab_pad_multiple, weights=self.named_params(),
+                          optimizer=optimizer, parts=parts)
 
     def _micro_batches(self, sequences: Sequence[Sequence[int]], max_tokens: int | None,
                        micro_batch_size: int) -> list[MicroBatch]:
@@ -281,7 +291,7 @@ class MegatronModel:
         self.optimizer.zero_grad()
         multi = len(self.models) > 1
         length, rows = schedule_shape(batches, thd)
-        with dropout_on(self.chunks) if self.lora is not None else nullcontext():  # actor.lora.dropout
+        with self.adapters.dropout() if self.adapters is not None else nullcontext():  # actor.lora.dropout
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=[data() for _ in self.models] if multi else data(),
                 model=self.models if multi else self.models[0], num_microbatches=num_mb, seq_length=length,

@@ -14,18 +14,29 @@ from __future__ import annotations
 import math
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.spec import ModelSpec
-from megarl.parallel import ParallelDims
 from megarl.reshard.planner import Plan, aliases, make_plan
 
 if TYPE_CHECKING:
     from megarl.config import Config
-    from megarl.rollout.group import EngineGroup
+
+
+
+class Gathering(Protocol):
+    """An engine group as the aliasing needs it (megarl.rollout.group.EngineGroup): its index, and a gather of
+    one object from every engine rank onto the group's driver (None elsewhere)."""
+
+    @property
+    def index(self) -> int: ...
+
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
 
 AUTO_SHARE = 0.5
 """alias_weights: auto aliases when at least this share of every engine rank's bytes is the actor's memory."""
@@ -76,7 +87,7 @@ def aliased_views(plan: Plan, rank: int, src: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
-def share_aliases(directory: Path, group: EngineGroup, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
+def share_aliases(directory: Path, group: Gathering, kind: Any, views: dict[str, torch.Tensor]) -> Path | None:
     """Every engine rank's views of the actor's tensors, packaged (CUDA IPC handles), in one file in ``directory``
     that the engine's loader reads when it builds its model (megarl.rollout.sglang_loader.AliasingLoader); its path
     on the group's driver, None elsewhere."""

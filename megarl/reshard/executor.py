@@ -30,20 +30,25 @@ import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megarl.errors import UserError
-from megarl.kernels import Segment, extension, segment_table
 from megarl.reshard.engine_layout import matrix_shape
 from megarl.reshard.handover import EngineCopy
+from megarl.reshard.kernels import Segment, extension, segment_table
 from megarl.reshard.planner import Plan, Transfer, row_bytes
 from megarl.reshard.verify import check_reports, expected_checksums, mismatched
 
-if TYPE_CHECKING:
-    from megarl.rollout.group import GroupEngine
+
+class ReportsChecksums(Protocol):
+    """An engine rank as ``Resharder.verify`` needs it (megarl.rollout.group.GroupEngine)."""
+
+    def checksums(self, num_tensors: int) -> torch.Tensor:
+        """int64 [num_tensors, 2]: the checksums of the parameters this engine rank holds (megarl.reshard.verify)."""
+        ...
 
 
 @dataclass
@@ -240,7 +245,7 @@ class Resharder:
 
     def release(self) -> None:
         """Free the staging and landing buffers and forget every address, so that the trainer's tensors may
-        leave the device (megarl.offload) until the next ``bind``."""
+        leave the device (megarl.memory.offload) until the next ``bind``."""
         self.buckets, self.pool, self.landing, self._src, self._dst = [], None, None, [], []
         self.bound = False
 
@@ -294,7 +299,7 @@ class Resharder:
         current weights (megarl.reshard.verify; collective over the world)."""
         return expected_checksums(self.plan, self.rank, self._src_dict, self.group)
 
-    def verify(self, engine: GroupEngine, handover: int) -> None:
+    def verify(self, engine: ReportsChecksums, handover: int) -> None:
         """rollout.verify_every: every engine rank's parameters against the actor's weights, by checksum; raises
         HandoverMismatch naming what differs on every GPU."""
         start = time.perf_counter()

@@ -14,7 +14,7 @@ rollout, the engine drops its mappings first (``detach``) and the trainer attach
 Wire format: engines such as SGLang accept only ``(name, tensor)`` pairs from outside (their
 unpickler allows no other classes), so an ``EngineCopy`` travels as named tensors (``to_wire``):
 its metadata as a JSON byte tensor, its segment table, then its sources. This module runs inside the
-engine process: it imports torch, megarl.kernels and megarl.reshard.verify only.
+engine process: it imports torch, megarl.reshard.kernels and megarl.reshard.verify only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.kernels import SegmentCopy, make_segment_copy
+from megarl.reshard.kernels import SegmentCopy, make_segment_copy
 from megarl.reshard.verify import tensor_checksum
 
 PREFIX = "megarl.handover."
@@ -33,7 +33,7 @@ PREFIX = "megarl.handover."
 
 @dataclass
 class EngineCopy:
-    """One engine rank's copy: segments (megarl.kernels.Segment rows) from ``sources`` (trainer
+    """One engine rank's copy: segments (megarl.reshard.kernels.Segment rows) from ``sources`` (trainer
     tensors on its GPU) into its parameters ``dst_names`` (destination index = position in that list)."""
 
     sources: list[torch.Tensor]

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mcore_shape, param_rules, pipeline_stage
 from megarl.models.spec import ModelSpec
-from megarl.parallel import ParallelDims
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors, matrix_shape
 
 

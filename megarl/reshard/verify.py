@@ -7,7 +7,7 @@ rows, heads or columns in the wrong place, not only wrong values. Integer sums m
 independent of order, so every trainer rank adds up the slices its tensors are the origin of
 (``planner.Transfer.src_rank``, those another GPU forwards included) and one all-reduce totals them: no
 engine tensor is ever assembled on the trainer's side. This module also runs inside
-the engine process (megarl.reshard.handover): it imports torch, megarl.errors and megarl.kernels only (the
+the engine process (megarl.reshard.handover): it imports torch, megarl.errors and megarl.reshard.kernels only (the
 planner's types for annotations). The sums run in megarl._C (csrc/verify), one pass over each block of elements.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import HandoverMismatch
-from megarl.kernels import extension
+from megarl.reshard.kernels import extension
 
 if TYPE_CHECKING:
     from megarl.reshard.planner import Plan, Transfer

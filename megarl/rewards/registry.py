@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megarl.config.imports import import_spec
 from megarl.errors import UserError
-from megarl.imports import import_spec
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 """fn(completions, answers) -> one score per completion."""

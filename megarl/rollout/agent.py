@@ -16,21 +16,24 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import torch
 
 from megarl.config import AgentConfig
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams, request_seed
 from megarl.tools.base import load_tool
+from megarl.tools.inert import InertText
 from megarl.tools.pool import ToolPool, ToolResult
 
 STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
          "cut_by_turns", "engine_calls", "wasted_tokens")
 """Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>."""
 
-_SEED_STRIDE = 1_000_003  # engine call c samples at seed + c * stride + request index: no seed used twice
+_SEED_STRIDE = 1 << 40
+"""A sample's engine call c samples at its first call's seed + c * stride (its first is the single-turn rollout's):
+no seed repeats while the first calls' seeds (rollout.seed + a round's offset + the sample's place) stay below it."""
 
 
 class Generator(Protocol):
@@ -43,6 +46,8 @@ class _Sample:
     prompt: list[int]
     index: int
     """k = prompt index * n + j: its place in the batch, and its seeds."""
+    budget: int
+    """Most response tokens, policy and tool tokens together."""
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -52,6 +57,8 @@ class _Sample:
     """Where the current turn's tokens begin in ``tokens`` (a turn may span engine calls)."""
     call: tuple[str, str] | str | None = None
     """The tool call its last turn ended in, (tool, call) or the error observation, until its observation."""
+    seed: int | None = None
+    """The seed its latest engine call sampled at: a tool call it ended in runs at it (ToolPool.run)."""
     routed: np.ndarray | None = None
     """MoE engines returning routing: the latest call's experts, which cover the whole sequence so far (the
     engine reports a cached prefix's experts as it routed them when it first ran those tokens)."""
@@ -64,14 +71,14 @@ class _Sample:
 
 class AgentLoop:
     """Multi-turn rollouts with ``cfg``'s tools; ``encode``/``decode`` are the policy's tokenizer (no special tokens
-    added), ``context`` the engine's max_model_len and ``max_new_tokens`` the default response budget."""
+    added), ``context`` the engine's max_model_len. ``inert`` makes tool output unable to spell a special token
+    (megarl.tools.inert; make_rollout passes the tokenizer's)."""
 
     def __init__(self, cfg: AgentConfig, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 context: int, max_new_tokens: int) -> None:
-        self.cfg, self.encode, self.decode, self.context = cfg, encode, decode, context
+                 context: int, inert: Callable[[str], str] = str) -> None:
+        self.cfg, self.encode, self.decode, self.context, self.inert = cfg, encode, decode, context, inert
         self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
                              timeout_s=cfg.tool_timeout_s)
-        self.budget = cfg.max_total_tokens or max_new_tokens
         # The engine stops at call_end's last token: a call ends there (when the model writes call_end as the
         # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
         end = encode(cfg.call_end)
@@ -83,8 +90,11 @@ class AgentLoop:
 
     def generate(self, engine: Generator, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
-        """``params.n`` samples per prompt, grouped by prompt, as ``engine.generate`` returns them."""
-        samples = [_Sample(k // params.n, list(prompts[k // params.n]), index=k)
+        """``params.n`` samples per prompt, grouped by prompt, as ``engine.generate`` returns them. Each response,
+        policy and tool tokens together, holds at most ``params.max_new_tokens`` (the caller's limit: training's,
+        an eval's), and at most agent.max_total_tokens."""
+        budget = min(params.max_new_tokens, self.cfg.max_total_tokens or params.max_new_tokens)
+        samples = [_Sample(k // params.n, list(prompts[k // params.n]), index=k, budget=budget)
                    for k in range(len(prompts) * params.n)]
         ready, running = list(samples), dict[futures.Future[ToolResult], _Sample]()
         while ready or running:
@@ -92,7 +102,7 @@ class AgentLoop:
                 self._call_engine(engine, ready, params)
                 for s in ready:
                     if s.call is not None:
-                        running[self._run_tool(s.call)] = s
+                        running[self._run_tool(s.call, s.seed)] = s
                 ready = [s for s in ready if s.finish is None and s.call is None]
             if running:  # the next engine call takes the samples whose tools are done
                 done, _ = futures.wait(running, timeout=self.cfg.tool_wait_s)
@@ -110,14 +120,17 @@ class AgentLoop:
 
     def _call_engine(self, engine: Generator, batch: list[_Sample], params: SamplingParams) -> None:
         """One engine call of every sample in ``batch``; each gets its output and, where its turn ended in a tool
-        call, ``call``. Sample k's c-th call samples at seed + k + c * stride, whichever samples share it: its
-        first is the single-turn rollout's."""
+        call, ``call``. The c-th call of prompt i's j-th sample samples at request_seed(params, i) + j + c * stride,
+        whichever samples share it: its first is the single-turn rollout's."""
         # One max_new_tokens per call: the most any sample may still take, within every sample's context; a
         # sample cut short of its budget by another's context goes on in the next call.
-        limit = min(max(self.budget - len(s.tokens) for s in batch),
+        limit = min(max(s.budget - len(s.tokens) for s in batch),
                     min(self.context - len(s.prompt) - len(s.tokens) for s in batch))
-        seeds = None if params.seed is None else [
-            params.seed + s.index + int(s.stats["engine_calls"]) * _SEED_STRIDE for s in batch]
+        seeded = params.seed is not None or params.seeds is not None
+        for s in batch:
+            s.seed = (cast(int, request_seed(params, s.prompt_index)) + s.index % params.n
+                      + int(s.stats["engine_calls"]) * _SEED_STRIDE) if seeded else None
+        seeds = [cast(int, s.seed) for s in batch] if seeded else None
         turn = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=None, seeds=seeds,
                                    stop_token_ids=(*params.stop_token_ids, *self._pause))
         outs = engine.generate([s.prompt + s.tokens for s in batch], turn)
@@ -125,14 +138,14 @@ class AgentLoop:
             text = self._take(s, out, params)
             s.call = None if text is None else self.parse(text)
 
-    def _run_tool(self, call: tuple[str, str] | str) -> futures.Future[ToolResult]:
+    def _run_tool(self, call: tuple[str, str] | str, seed: int | None) -> futures.Future[ToolResult]:
         """``call`` (a parsed call, or the error observation of one that did not parse) running on the tools'
-        loop."""
+        loop, at the sample's ``seed``: a tool that draws at random draws the same whenever and wherever it runs."""
         if isinstance(call, str):
             done: futures.Future[ToolResult] = futures.Future()
             done.set_result(ToolResult(observation=call, status="error", wall_s=0.0))
             return done
-        return asyncio.run_coroutine_threadsafe(self.pool.run(*call), self._loop)
+        return asyncio.run_coroutine_threadsafe(self.pool.run(*call, seed=seed), self._loop)
 
     def _take(self, s: _Sample, out: Completion, params: SamplingParams) -> str | None:
         """Append a call's output to ``s``; the text of its turn when that ended in a tool call to run."""
@@ -144,13 +157,15 @@ class AgentLoop:
         if end is not None:
             s.stats["wasted_tokens"] += len(ids) - end
             ids, logprobs = ids[:end], logprobs[:end]
-        room = self.budget - len(s.tokens)
+        room = s.budget - len(s.tokens)
         s.extend(ids[:room], logprobs[:room])
-        if len(ids) > room or (end is None and len(s.tokens) == self.budget):
+        paused = bool(self._pause) and tuple(ids[-1:]) == self._pause and ids[-1] not in params.stop_token_ids
+        if end is None and out.finish_reason == "stop" and not paused and len(ids) <= room:
+            s.finish = "stop"  # its end-of-sequence within the budget, its last token included, as single-turn says
+        elif len(ids) > room or (end is None and len(s.tokens) == s.budget):
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
         elif end is None:  # "length" short of the budget: go on, unless nothing came (it would again, forever)
-            paused = bool(self._pause) and tuple(ids[-1:]) == self._pause and ids[-1] not in params.stop_token_ids
-            s.finish = None if paused else "stop" if out.finish_reason == "stop" else None if ids else "length"
+            s.finish = None if paused or ids else "length"
         elif s.stats["turns"] >= self.cfg.max_turns:
             s.finish, s.stats["cut_by_turns"] = "length", 1.0
         else:
@@ -178,8 +193,8 @@ class AgentLoop:
         s.stats["tool_wall_s"] += result.wall_s
         s.stats["tool_errors"] += result.status == "error"
         s.stats["tool_timeouts"] += result.status == "timeout"
-        obs = self.encode(self.cfg.observation_template.replace("{observation}", result.observation))
-        if len(s.tokens) + len(obs) >= self.budget:  # no room left for the policy to answer it
+        obs = self.encode(self.cfg.observation_template.replace("{observation}", self.inert(result.observation)))
+        if len(s.tokens) + len(obs) >= s.budget:  # no room left for the policy to answer it
             s.finish, s.stats["cut_by_budget"] = "length", 1.0
             return
         s.extend(obs, None)
@@ -251,4 +266,4 @@ def make_rollout(cfg: Any, tokenizer: Any) -> SingleTurn | AgentLoop:
         return SingleTurn()
     return AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
                      lambda ids: tokenizer.decode(ids), cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                     cfg.rollout.max_new_tokens)
+                     InertText.of(tokenizer))

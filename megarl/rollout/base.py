@@ -30,9 +30,10 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     """Generation stops after any of these tokens."""
     seed: int | None = None
-    """Base sampling seed (request i uses seed + i); None = engine's own randomness."""
+    """Base sampling seed (request i's j-th sample uses seed + i * n + j); None = engine's own randomness."""
     seeds: Sequence[int] | None = None
-    """One seed per prompt (n = 1), in place of seed + i: a sample keeps its seeds whatever call it is in."""
+    """One seed per prompt, in place of seed + i * n (its j-th sample uses it + j): a sample keeps its seed
+    whatever call, and whichever engine, it is in."""
 
     def __post_init__(self) -> None:
         def integer(value: object) -> bool:
@@ -50,8 +51,7 @@ class SamplingParams:
                    and not isinstance(self.stop_token_ids, str | bytes)
                    and all(integer(t) and t >= 0 for t in self.stop_token_ids), "a list of token ids >= 0"),
                   ("seed", self.seed is None or integer(self.seed), "an integer or null"),
-                  ("seeds", self.seeds is None or (self.n == 1 and all(integer(x) for x in self.seeds)),
-                   "null, or integers with n = 1")]
+                  ("seeds", self.seeds is None or all(integer(x) for x in self.seeds), "null, or integers")]
         for name, ok, must in checks:
             if not ok:
                 raise UserError(f"sampling `{name}` = {getattr(self, name)!r} must be {must}.")

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from megarl.errors import UserError, failed, report
-from megarl.interrupt import Interrupted
 from megarl.platform.device import host_memory
 from megarl.rollout.enginelog import EngineLog, console
+from megarl.run.interrupt import Interrupted
 
 
 class EngineFailed(UserError):

@@ -10,6 +10,7 @@ ranks, so none of that touches the GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,7 +21,6 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from megarl.interrupt import terminal_signals_ignored
 from megarl.reshard.handover import EngineCopy, checksum_message
 from megarl.rollout.base import (
     AdapterServing,
@@ -33,6 +33,7 @@ from megarl.rollout.base import (
     Wake,
 )
 from megarl.rollout.failures import engine_call
+from megarl.run.interrupt import terminal_signals_ignored
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,15 @@ class EngineGroup:
         here = torch.cuda.current_device()  # GPU = local rank: members of one node differ as their ranks do
         me = self.members[self.rank_in_group]
         return [here + m - me for m in self.members]
+
+    def share(self, num_prompts: int, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompts of a batch of ``num_prompts`` this engine generates (i, i + number of engines, ...; none off
+        its driver) and their sampling: prompt p's j-th sample at params.seed + p * n + j, its place in the whole
+        batch, so that no two samples of the batch share a seed, on whichever engines they run."""
+        assert params.seeds is None, "seeds follow from params.seed and the prompts' places in the batch"
+        mine = list(range(self.index, num_prompts, self.num_groups)) if self.driver else []
+        seeds = None if params.seed is None else [params.seed + p * params.n for p in mine]
+        return mine, dataclasses.replace(params, seed=None, seeds=seeds)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in engine-rank order on the driver, None elsewhere."""

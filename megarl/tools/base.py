@@ -11,8 +11,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from megarl.config.imports import import_spec
 from megarl.errors import UserError
-from megarl.imports import import_spec
 
 Status = Literal["ok", "error", "timeout"]
 
@@ -35,7 +35,10 @@ class Tool(Protocol):
     """What the prompt says it does and how to call it."""
 
     def run(self, call: str) -> str | ToolOutput | Awaitable[str | ToolOutput]:
-        """Run one call; sync tools run in the pool's threads, `async def` ones on its event loop."""
+        """Run one call; sync tools run in the pool's threads, `async def` ones on its event loop. A tool that draws
+        at random may take a keyword `seed: int` and draw from it alone: the agent loop passes the sample's seed of
+        the turn that made the call (none when sampling is unseeded), so its result is the same however calls
+        overlap in time, however many workers run them and in whatever order they finish."""
         ...
 
 

@@ -4,6 +4,7 @@ every failure turned into observation text."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import Iterable
@@ -46,15 +47,15 @@ class ToolPool:
         self._slots = asyncio.Semaphore(max_workers)
         self._threads = ThreadPoolExecutor(max_workers, thread_name_prefix="megarl-tool")
 
-    async def run(self, tool_name: str, call: str) -> ToolResult:
-        """Run one call; never raises for anything the tool does."""
+    async def run(self, tool_name: str, call: str, seed: int | None = None) -> ToolResult:
+        """Run one call; never raises for anything the tool does. ``seed`` goes to tools whose ``run`` takes one."""
         tool = self.tools.get(tool_name)
         if tool is None:
             return ToolResult(observation=f"error: no tool named {tool_name!r}; tools: {sorted(self.tools)}",
                               status="error", wall_s=0.0)
         await self._slots.acquire()
         start = time.monotonic()
-        task = asyncio.ensure_future(self._call(tool, call))
+        task = asyncio.ensure_future(self._call(tool, call, seed))
         try:
             out = await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
         except TimeoutError:
@@ -73,11 +74,13 @@ class ToolPool:
             return ToolResult(observation=out.text, status=out.status, wall_s=wall_s, metadata=out.metadata)
         return ToolResult(observation=out, status="ok", wall_s=wall_s)
 
-    async def _call(self, tool: Tool, call: str) -> str | ToolOutput:
+    async def _call(self, tool: Tool, call: str, seed: int | None) -> str | ToolOutput:
+        seeded = seed is not None and "seed" in inspect.signature(tool.run).parameters
+        run: Any = functools.partial(tool.run, call, **({"seed": seed} if seeded else {}))
         if inspect.iscoroutinefunction(tool.run):
-            out = await tool.run(call)
+            out = await run()
         else:
-            out = await asyncio.get_running_loop().run_in_executor(self._threads, tool.run, call)
+            out = await asyncio.get_running_loop().run_in_executor(self._threads, run)
         if not isinstance(out, str | ToolOutput):
             raise TypeError(f"tool {tool.name!r} returned a {type(out).__name__}, not a str or ToolOutput")
         return out

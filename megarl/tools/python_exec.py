@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from megarl.tools.base import Status, ToolOutput
-from megarl.tools.sandbox import SandboxConfig, run_python
+from megarl.tools.sandbox import SandboxConfig, require_isolation, run_python
 
 
 class PythonExecutor:
     """Runs each call as a Python script in a fresh sandbox (sandbox.py); the observation is its stdout+stderr,
-    truncated, and how it ended when not normally. Keyword arguments are SandboxConfig fields."""
+    truncated, and how it ended when not normally. Keyword arguments are SandboxConfig fields; a machine that
+    cannot isolate the code is refused here, when the trainer starts (UserError naming the fix)."""
 
     name = "python"
     description = (
@@ -20,6 +21,7 @@ class PythonExecutor:
 
     def __init__(self, **config: Any) -> None:
         self.config = SandboxConfig(**config)
+        require_isolation(self.config)
 
     def run(self, call: str) -> ToolOutput:
         result = run_python(call, self.config)

@@ -1,32 +1,44 @@
-"""Run model-written Python in a confined child process and say how it ended.
+"""Run model-written Python in a sandbox and say how it ended.
 
-Each call gets a fresh working directory, a minimal environment with a per-call marker, closed stdin, its own
-session, rlimits and, where the kernel allows, new network/PID/mount namespaces, a pids cgroup and no
-capabilities (sandbox_child.py); everything it started is killed when the call ends. See docs/tools.md for
-what holds where.
+The sandbox is bubblewrap (bwrap.py: namespaces, a minimal read-only root, tmpfs, seccomp, nobody), a cgroup per
+call where the machine has one (cgroups.py: memory, processes and CPU over the whole call) and rlimits per process
+(sandbox_init.py). A machine that cannot run it is refused when the tool is built (`require_isolation`), unless
+the user names `isolation: unsafe-none`, which runs the code as the trainer's user with rlimits only. Whatever
+the code does, the call ends with all its processes killed and nothing of it left on the host (reap.py).
+docs/tools.md says what holds where.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import selectors
-import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from megarl.configio import check
-from megarl.tools.reap import MARKER, make_pids_cgroup, reap
+from megarl.config.yaml_io import check
+from megarl.errors import UserError
+from megarl.tools import bwrap, seccomp
+from megarl.tools.cgroups import CallCgroup
+from megarl.tools.reap import MARKER, Descriptors, reap_unisolated, remove_tree
 
-_CHILD = str(Path(__file__).with_name("sandbox_child.py"))
 _SCRIPT = "main.py"
+_MEMORY_EXIT = 86
+"""sandbox_init.py's exit code after a MemoryError."""
+_CLEANUP_S = 5.0
+"""How long killing a call's processes may take before the survivors are reported."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,8 +47,13 @@ class SandboxConfig:
     """Wall-clock seconds a call may take; then everything it started is killed."""
     cpu_s: int = 10
     """CPU seconds each process of the call may use (RLIMIT_CPU)."""
+    cpus: float = 1.0
+    """CPUs the whole call may use at once (its cgroup's CPU quota, where there is one)."""
     memory_bytes: int = 1 << 30
-    """Address space of each process (RLIMIT_AS); allocations beyond it fail with MemoryError."""
+    """Memory of the whole call, its tmpfs included (its cgroup, where there is one), and address space of each
+    process (RLIMIT_AS); beyond it allocations fail with MemoryError or the kernel kills the call."""
+    disk_bytes: int = 64 << 20
+    """Size of each of the call's private tmpfs: its working directory, /tmp and /dev/shm (bwrap only)."""
     output_bytes: int = 4096
     """Bytes of stdout+stderr kept; the rest is dropped and a marker says how much."""
     file_bytes: int = 16 << 20
@@ -44,22 +61,26 @@ class SandboxConfig:
     open_files: int = 64
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     max_processes: int = 32
-    """Processes and threads of the call together (a pids cgroup as root, else RLIMIT_NPROC: see docs/tools.md)."""
+    """Processes and threads of the call together (its cgroup's pids.max, and RLIMIT_NPROC: docs/tools.md)."""
     python: str = sys.executable
     """Interpreter that runs the code, started with -I (isolated: no PYTHON* variables, no user site) and -u
     (unbuffered, so stdout and stderr interleave as written and nothing printed before a kill is lost)."""
-    kernel_isolation: bool = True
-    """Use namespaces, the pids cgroup and capability dropping where the kernel allows. False leaves rlimits,
-    the audit hook and the marker scan: the layers that hold where the kernel offers none (tests use it)."""
+    isolation: Literal["bwrap", "unsafe-none"] = "bwrap"
+    """bwrap: the sandbox of docs/tools.md; a machine that cannot run it is refused when the tool is built.
+    unsafe-none: the code runs as the trainer's user, on the host's files, with rlimits only: no protection
+    against hostile code, for code you would run yourself (a warning says so)."""
     temp_root: str | None = None
-    """Directory the per-call working directories are made in; None = the system's temporary directory."""
+    """Where unsafe-none makes the per-call working directories; None = the system's temporary directory."""
 
     def __post_init__(self) -> None:
         check(0 < self.timeout_s < math.inf, "timeout_s", self.timeout_s, "be > 0 and finite", "use e.g. 10")
-        for name, low in (("cpu_s", 1), ("memory_bytes", 64 << 20), ("output_bytes", 64), ("file_bytes", 0),
-                          ("open_files", 16), ("max_processes", 4)):
+        check(0 < self.cpus < math.inf, "cpus", self.cpus, "be > 0 and finite", "use e.g. 1")
+        for name, low in (("cpu_s", 1), ("memory_bytes", 64 << 20), ("disk_bytes", 1 << 20), ("output_bytes", 64),
+                          ("file_bytes", 0), ("open_files", 16), ("max_processes", 4)):
             value = getattr(self, name)
             check(value >= low, name, value, f"be >= {low}", f"raise `{name}` to at least {low}")
+        check(self.isolation in ("bwrap", "unsafe-none"), "isolation", self.isolation, "be bwrap or unsafe-none",
+              "use bwrap (unsafe-none only for code you trust)")
         check(os.access(self.python, os.X_OK), "python", self.python, "be an executable interpreter",
               "use sys.executable or the path of a python3 binary")
 
@@ -70,11 +91,11 @@ class SandboxResult:
     """stdout and stderr interleaved, truncated to output_bytes."""
     end: str
     """Why the call ended: "ok", "exit code N", "timeout after N s", "killed: memory limit",
-    "killed: CPU time limit", "killed by signal SIGX"."""
+    "killed: CPU time limit", "killed by signal SIGX", "sandbox failed: ..."."""
     truncated_bytes: int = 0
     """Output bytes dropped."""
     layers: dict[str, str] = field(default_factory=dict)
-    """Which isolation layers took effect (namespaces, network, files, processes, capabilities)."""
+    """What confined the call, as the host set it up (never as the call reports it)."""
     survivors: list[int] = field(default_factory=list)
     """Processes of the call still alive after killing them (should be empty; a non-empty list is a bug)."""
 
@@ -89,24 +110,179 @@ class SandboxResult:
         return "\n".join(part for part in parts if part) or "(no output)"
 
 
-def _end(status: dict, returncode: int | None, timeout_s: float, timed_out: bool) -> str:
+def require_isolation(config: SandboxConfig) -> None:
+    """Refuse (UserError: one paragraph, exit 2) a machine where the sandbox cannot run; warn for unsafe-none."""
+    if config.isolation == "unsafe-none":
+        warnings.warn("the Python tool runs with isolation: unsafe-none: model-written code runs as the trainer's "
+                      "user with rlimits only, and can read and change anything that user can. Use it only for "
+                      "code you would run yourself.", stacklevel=2)
+        return
+    problem = _isolation_problem(config.python)
+    if problem:
+        raise UserError(
+            f"The Python tool cannot isolate model-written code on this machine: {problem}. It needs bubblewrap "
+            "(bwrap) and user namespaces. Fix: install bubblewrap (as root: apt-get install bubblewrap, which "
+            "scripts/bootstrap.sh does), and allow user namespaces (sysctl user.max_user_namespaces=10000; on "
+            "Debian kernel.unprivileged_userns_clone=1; on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0). "
+            "Only for code you trust: set the tool's `isolation: unsafe-none` (agent.tools[].args).")
+
+
+@functools.cache
+def _isolation_problem(python: str) -> str | None:
+    """Why a sandboxed call cannot run here, or None: one real call, checked from inside."""
+    if not seccomp.supported():
+        return f"no seccomp filter for this machine's architecture ({os.uname().machine}; x86_64 and aarch64 are)"
+    if bwrap.executable() is None:
+        return "bwrap is not installed"
+    probe = ("import os\n"
+             "print(os.getuid(), [l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')])")
+    result = run_python(probe, SandboxConfig(python=python, timeout_s=30.0))
+    if result.end != "ok" or result.output.split() != [str(bwrap.UID), "['2']"]:
+        return f"a test call ended with {result.end!r} and printed {result.output.strip()[-300:]!r}"
+    return None
+
+
+def run_python(code: str, config: SandboxConfig) -> SandboxResult:
+    """Run `code` as a script in the sandbox; never raises for anything the code does."""
+    if config.isolation == "unsafe-none":
+        return _run_unisolated(code, config)
+    return _run_bwrap(code, config)
+
+
+def _init_spec(config: SandboxConfig, drop_to: int | None) -> dict:
+    return {"script": _SCRIPT, "uid": drop_to, "cpu_s": config.cpu_s, "memory_bytes": config.memory_bytes,
+            "file_bytes": config.file_bytes, "open_files": config.open_files, "max_processes": config.max_processes}
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run_bwrap(code: str, config: SandboxConfig) -> SandboxResult:
+    as_root = os.geteuid() == 0
+    deadline = time.monotonic() + config.timeout_s
+    cgroup = CallCgroup.create(uuid.uuid4().hex, config.memory_bytes, config.max_processes, config.cpus)
+    layers = {"sandbox": "bwrap: user, ipc, uts, pid, mount, network and cgroup namespaces; read-only /usr and "
+                         "interpreter; private /proc, minimal /dev, tmpfs workdir, /tmp and /dev/shm",
+              "seccomp": "denies namespaces, mount, ptrace, keyctl, bpf, perf_event_open and more",
+              "uid": f"{bwrap.UID} (nobody), no capabilities",
+              "limits": (cgroup.describe() if cgroup else "none per call") + " + rlimits per process"}
+    fds = Descriptors()
+    try:
+        fd = {"code": fds.own(_memfd("code", code.encode("utf-8", "surrogateescape"))),
+              "seccomp": fds.own(_memfd("seccomp", seccomp.program()))}
+        info_r, fd["info"] = fds.pipe()
+        fd["block"], block_w = fds.pipe()
+        argv = bwrap.command(config.python, config.disk_bytes, _init_spec(config, bwrap.UID if as_root else None),
+                             as_root=as_root, fds=fd)
+        try:
+            proc = subprocess.Popen(argv, pass_fds=list(fd.values()), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={"PATH": "/usr/bin:/bin"})
+        except OSError as err:
+            return SandboxResult(output="", end=f"sandbox failed: {err}", layers=layers)
+        for name in fd:  # bwrap's ends, now its own
+            fds.close(fd[name])
+        with proc:
+            start_error = ""
+            try:
+                child = _child_pid(info_r, deadline)
+                pidfd = fds.own(os.pidfd_open(child))
+                if as_root:
+                    bwrap.write_maps(child)
+                if cgroup:  # before the child forks anything: what it starts is born in the cgroup
+                    cgroup.join(proc.pid)
+                    cgroup.join(child)
+                os.write(block_w, b"1")
+                fds.close(block_w)
+                kept, dropped, timed_out = _collect(proc, deadline, config.output_bytes)
+                # bwrap's child is the PID namespace's init: every process of the call dies with it
+                _signal(signal.pidfd_send_signal, pidfd, signal.SIGKILL)
+            except (OSError, ValueError) as err:
+                start_error = f"sandbox failed: {err}"
+                kept, dropped, timed_out = _collect(proc, time.monotonic(), config.output_bytes)
+            _signal(os.killpg, proc.pid, signal.SIGKILL)
+            survivors = cgroup.kill(time.monotonic() + _CLEANUP_S) if cgroup else []
+            proc.wait()
+        end = start_error or _end(proc.returncode, timed_out, cgroup is not None and cgroup.oom_killed(),
+                                  config.timeout_s)
+    finally:
+        fds.close_all()
+        if cgroup:
+            cgroup.remove()
+    return SandboxResult(output=kept.decode("utf-8", "replace"), truncated_bytes=dropped, layers=layers, end=end,
+                         survivors=survivors)
+
+
+def _signal(send: Callable[[int, int], None], target: int, sig: int) -> None:
+    """Send `sig` unless the target is gone already."""
+    try:
+        send(target, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _child_pid(info: int, deadline: float) -> int:
+    """The pid of bwrap's child, from the JSON bwrap writes to its info fd (until EOF) before the call starts."""
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(info, selectors.EVENT_READ)
+        while True:
+            if not sel.select(max(0.0, deadline - time.monotonic())):
+                raise ValueError("bwrap did not start in time")
+            chunk = os.read(info, 4096)
+            if not chunk:
+                break
+            data += chunk
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        raise ValueError(f"bwrap exited before starting the call ({data[:200]!r})") from None
+    pid = parsed.get("child-pid") if isinstance(parsed, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        raise ValueError(f"bwrap's start-up report has no child pid: {data[:200]!r}")
+    return pid
+
+
+def _run_unisolated(code: str, config: SandboxConfig) -> SandboxResult:
+    call_id = uuid.uuid4().hex
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-", dir=config.temp_root))
+    deadline = time.monotonic() + config.timeout_s
+    try:
+        Path(workdir, _SCRIPT).write_text(code, errors="surrogateescape")
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+               MARKER: call_id}
+        init = str(Path(__file__).with_name("sandbox_init.py"))
+        proc = subprocess.Popen([config.python, "-I", "-u", init, json.dumps(_init_spec(config, None))],
+                                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        with proc:
+            kept, dropped, timed_out = _collect(proc, deadline, config.output_bytes)
+            survivors = reap_unisolated(proc.pid, call_id, time.monotonic() + _CLEANUP_S)
+            proc.wait()
+    finally:
+        remove_tree(workdir)
+    return SandboxResult(output=kept.decode("utf-8", "replace"), truncated_bytes=dropped,
+                         layers={"sandbox": "none (unsafe-none)", "limits": "rlimits per process"},
+                         end=_end(proc.returncode, timed_out, False, config.timeout_s), survivors=survivors)
+
+
+def _end(returncode: int, timed_out: bool, oom_killed: bool, timeout_s: float) -> str:
     if timed_out:
         return f"timeout after {timeout_s:g} s"
-    reason = status.get("end")
-    if reason == "memory":
+    if oom_killed or returncode == _MEMORY_EXIT:
         return "killed: memory limit"
-    if reason == "cpu":
+    # bwrap reports a signal as 128 + N; a direct child (unsafe-none) as -N
+    sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
+    if sig == signal.SIGXCPU:
         return "killed: CPU time limit"
-    if reason is not None and reason.startswith("signal "):
-        return f"killed by signal {reason.removeprefix('signal ')}"
-    code = returncode if reason is None else int(reason.removeprefix("exit "))
-    return "ok" if code == 0 else f"exit code {code}"
-
-
-def _env(workdir: str, call_id: str) -> dict[str, str]:
-    # nothing inherited: the trainer's environment holds tokens and credentials
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", MARKER: call_id}
+    try:
+        return f"killed by signal {signal.Signals(sig).name}"
+    except ValueError:  # not a signal: an ordinary exit code
+        return "ok" if returncode == 0 else f"exit code {returncode}"
 
 
 def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[bytearray, int, bool]:
@@ -118,7 +294,7 @@ def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[bytea
     os.set_blocking(out, False)
     exited = os.pidfd_open(proc.pid)
     timed_out, reading, done = False, True, False
-    with selectors.DefaultSelector() as sel:
+    with selectors.DefaultSelector() as sel, _closing(exited):
         sel.register(out, selectors.EVENT_READ)
         sel.register(exited, selectors.EVENT_READ)
         while not done:
@@ -139,57 +315,12 @@ def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[bytea
                 room = max(0, limit - len(kept))
                 kept += chunk[:room]
                 dropped += len(chunk) - min(room, len(chunk))
-    os.close(exited)
     return kept, dropped, timed_out
 
 
-def _read_status(fd: int) -> dict:
-    """The JSON lines PID 1 wrote, merged; whatever it had no time to write is missing."""
-    os.set_blocking(fd, False)
-    data = b""
-    with contextlib.suppress(BlockingIOError):
-        while chunk := os.read(fd, 65536):
-            data += chunk
-    os.close(fd)
-    status: dict = {}
-    for line in data.splitlines():
-        with contextlib.suppress(ValueError):
-            status.update(json.loads(line))
-    return status
-
-
-def run_python(code: str, config: SandboxConfig) -> SandboxResult:
-    """Run `code` as a script in the sandbox; never raises for anything the code does."""
-    call_id = uuid.uuid4().hex
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-", dir=config.temp_root))
-    cgroup = make_pids_cgroup(call_id, config.max_processes) if config.kernel_isolation else None
-    status_r, status_w = os.pipe()
+@contextlib.contextmanager
+def _closing(fd: int) -> Iterator[None]:
     try:
-        Path(workdir, _SCRIPT).write_text(code)
-        spec = {"workdir": workdir, "script": _SCRIPT, "status_fd": status_w, "cgroup": str(cgroup or ""),
-                "namespaces": config.kernel_isolation,
-                "cpu_s": config.cpu_s, "memory_bytes": config.memory_bytes, "file_bytes": config.file_bytes,
-                "open_files": config.open_files, "max_processes": config.max_processes}
-        deadline = time.monotonic() + config.timeout_s
-        proc = subprocess.Popen([config.python, "-I", "-u", _CHILD, json.dumps(spec)], cwd=workdir,
-                                env=_env(workdir, call_id), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, pass_fds=[status_w], start_new_session=True)
-        os.close(status_w)
-        status_w = -1
-        with proc:
-            kept, dropped, timed_out = _collect(proc, deadline, config.output_bytes)
-            survivors = reap(proc.pid, call_id, cgroup)
-            proc.wait()
-        status = _read_status(status_r)
-        status_r = -1
+        yield
     finally:
-        for fd in (status_r, status_w):
-            if fd >= 0:
-                os.close(fd)
-        shutil.rmtree(workdir, ignore_errors=True)
-        if cgroup is not None and cgroup.exists():  # Popen failed before reap could remove it
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
-    layers = {k: v for k, v in status.items() if k != "end"}
-    return SandboxResult(output=kept.decode("utf-8", "replace"), truncated_bytes=dropped, layers=layers,
-                         end=_end(status, proc.returncode, config.timeout_s, timed_out), survivors=survivors)
+        os.close(fd)

@@ -2,7 +2,7 @@
 
 torchrun --nproc-per-node 2 tests/workers/actor_checks.py OUT_DIR MODEL_DIR
 One launch (the megatron import is paid once) runs three cases on a tiny Llama:
-- "dp": one mini-batch of sequences of very different lengths through RLTrainer._optimize under DP2 and under
+- "dp": one mini-batch of sequences of very different lengths through Learner.optimize under DP2 and under
   DP1 (TP2): the loss, entropy and grad norm of the optimizer step must not depend on how DP splits it. The
   entropy is also computed by transformers at the sampling temperature.
 - "temperature": the actor's logprobs at T = 0.7 against transformers' log_softmax(logits / 0.7).
@@ -36,18 +36,18 @@ from megarl.config import (  # noqa: E402
     OptimizerConfig,
     RolloutConfig,
 )
-from megarl.models.gpt import BuildOptions  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
-from megarl.rl_step import Batch, actor_loss  # noqa: E402
-from megarl.trainer import RLTrainer  # noqa: E402
+from megarl.loop.learner import Learner  # noqa: E402
+from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.models.gpt import BuildOptions  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent.parent
 TEMPERATURE = 0.7
@@ -78,11 +78,11 @@ def score_all(model: MegatronModel, batch: Batch) -> torch.Tensor:
 
 def optimize(model: MegatronModel, batch: Batch, extras: dict[str, torch.Tensor], algo: AlgorithmConfig
              ) -> dict[str, float]:
-    """One optimizer step on the whole batch (one mini-batch, one epoch) as RLTrainer runs it."""
+    """One optimizer step on the whole batch (one mini-batch, one epoch) as the learner runs it."""
     n = len(batch.sequences)
     # A budget of 24 token slots: several micro-batches per rank.
     section = ActorConfig(mini_batch_size=n, num_ppo_epochs=1, max_tokens_per_gpu=24)
-    trainer = object.__new__(RLTrainer)
+    trainer = object.__new__(Learner)
     trainer.cfg = Config(model=ModelConfig(hf_path=model.hf_dir), data=DataConfig(train_path="unused.jsonl",
                                                                                   num_prompts_per_step=n // 2),
                          rollout=RolloutConfig(num_samples_per_prompt=2, max_prompt_tokens=8, max_new_tokens=16),
@@ -92,7 +92,7 @@ def optimize(model: MegatronModel, batch: Batch, extras: dict[str, torch.Tensor]
     def loss(logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]):
         return actor_loss(model.token_logprobs(logits, tokens), ex, algo, 0.1, model.token_entropy(logits))
 
-    return trainer._optimize(model, section, batch, extras, loss, "dp case", 0, batch.mask)  # type: ignore[arg-type]
+    return trainer.optimize(model, section, batch, extras, loss, "dp case", 0, batch.mask)  # type: ignore[arg-type]
 
 
 def hf_logits(model_dir: str | Path, batch: Batch) -> list[torch.Tensor]:

@@ -25,19 +25,19 @@ import torch.distributed as dist  # noqa: E402
 
 from megarl import checkpoint  # noqa: E402
 from megarl.config import OptimizerConfig  # noqa: E402
-from megarl.errors import run_main  # noqa: E402
-from megarl.models.gpt import BuildOptions  # noqa: E402
-from megarl.models.mapping import param_rules  # noqa: E402
-from megarl.models.mcore_ckpt import read_meta, reshard, saved_shards  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
+from megarl.models.gpt import BuildOptions  # noqa: E402
+from megarl.models.mapping import param_rules  # noqa: E402
+from megarl.models.mcore_ckpt import read_meta, reshard, saved_shards  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
+from megarl.run.command import run_main  # noqa: E402
 
 # (TP, PP, DP, virtual pipeline, distributed optimizer, expert parallel); the first is layout A.
 LAYOUTS = [(2, 1, 2, None, True, 1), (1, 2, 2, None, True, 1), (1, 1, 4, None, False, 1), (2, 2, 1, None, True, 1),

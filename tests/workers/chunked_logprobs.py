@@ -23,18 +23,18 @@ import torch.distributed as dist  # noqa: E402
 
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
-from megarl.models.gpt import BuildOptions, unwrap  # noqa: E402
-from megarl.models.routing import routing_dtype  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
-from megarl.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.models.gpt import BuildOptions, unwrap  # noqa: E402
+from megarl.models.routing import routing_dtype  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
 
 # (model, TP, PP, mode): "sp" = sequence parallelism, "thd" = packed rows in Megatron's THD format, "vpp" = two
 # virtual stages per PP rank (the head on the last one), "replay" = routing replay.

@@ -21,17 +21,17 @@ platform = init_platform()
 
 import torch.distributed as dist  # noqa: E402
 
-from megarl.lora.config import LoraConfig  # noqa: E402
-from megarl.lora.layers import apply_lora, merged_weights  # noqa: E402
-from megarl.models.gpt import BuildOptions, build_model, load_hf_weights  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.config.lora import LoraConfig  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
+from megarl.lora.layers import apply_lora, merged_weights  # noqa: E402
+from megarl.models.gpt import BuildOptions, build_model, load_hf_weights  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
 
 # (model, TP, PP, sequence parallel); the first layout of each model is its reference.
 RUNS = [("llama", 1, 1, False), ("llama", 2, 1, False), ("llama", 2, 1, True), ("llama", 1, 2, False),

@@ -23,19 +23,19 @@ import torch.distributed as dist  # noqa: E402
 
 from megarl import checkpoint  # noqa: E402
 from megarl.config import OptimizerConfig  # noqa: E402
-from megarl.lora import training as lora_training  # noqa: E402
-from megarl.lora.config import LoraConfig  # noqa: E402
-from megarl.models.gpt import BuildOptions, canonical_params  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.offload import PARTS, ModelResidency  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.config.lora import LoraConfig  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
+from megarl.lora import training as lora_training  # noqa: E402
+from megarl.memory.offload import PARTS, ModelResidency  # noqa: E402
+from megarl.models.gpt import BuildOptions, canonical_params  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["qkv", "o", "fc1", "fc2"])
 
@@ -69,7 +69,7 @@ def run(spec, model_dir, out_dir, seqs, gen, dims, previous) -> dict:
     base_lp = base.score(seqs, 64)
     actor = MegatronModel(spec, model_dir, groups, opts,
                           OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
-                          lora=LORA, seed=3)
+                          adapters=lora_training.LoraAdapters(LORA, seed=3))
     row: dict = {"rank": dist.get_rank(), "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "last": base_lp is not None}
     trainable = [p for c in actor.chunks for p in c.parameters() if p.requires_grad]
     row["trainable"] = sum(p.numel() for p in trainable)
@@ -132,14 +132,14 @@ def run(spec, model_dir, out_dir, seqs, gen, dims, previous) -> dict:
     saved = checkpoint.save(str(out_dir / f"ckpt_tp{dims.tp}_pp{dims.pp}"), 1, {"actor": actor}, {}, keep_last=1)
     resumed = MegatronModel(spec, model_dir, groups, opts,
                             OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
-                            lora=LORA, seed=4)
+                            adapters=lora_training.LoraAdapters(LORA, seed=4))
     checkpoint.load(saved, {"actor": resumed})
     row["resumed_adapters"] = all(torch.equal(p, q) for p, q in zip(
         resumed.adapter_params().values(), actor.adapter_params().values(), strict=True))
     if previous is not None:  # the layout before's checkpoint, resumed in this one and saved again as it holds it
         cross = MegatronModel(spec, model_dir, groups, opts,
                               OptimizerConfig(lr=1e-2, clip_grad=0.0, use_distributed_optimizer=True), num_steps=2,
-                              lora=LORA, seed=5)
+                              adapters=lora_training.LoraAdapters(LORA, seed=5))
         checkpoint.load(previous, {"actor": cross})
         checkpoint.save(str(out_dir / f"cross_tp{dims.tp}_pp{dims.pp}"), 1, {"actor": cross}, {}, keep_last=1)
     second = [m.train_step(seqs, {"advantages": adv, "weights": weights}, loss, 64) for m in (actor, resumed)]
@@ -157,7 +157,8 @@ def dropout_checks(spec, model_dir, groups, seqs, adv, weights) -> dict:
     def actor(dropout, recompute=False, seed=3):
         opts = BuildOptions(dtype=torch.float32, recompute_activations=recompute)
         return MegatronModel(spec, model_dir, groups, opts, OptimizerConfig(lr=1e-2, clip_grad=0.0), num_steps=2,
-                             lora=LoraConfig(rank=4, alpha=8.0, dropout=dropout), seed=seed)
+                             adapters=lora_training.LoraAdapters(LoraConfig(rank=4, alpha=8.0, dropout=dropout),
+                                                                 seed=seed))
 
     def step(model):
         model_parallel_seed(123)  # the same masks for the same draws

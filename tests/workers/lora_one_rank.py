@@ -17,12 +17,12 @@ platform = init_platform()
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from megarl.config.lora import LoraConfig  # noqa: E402
+from megarl.distributed.parallel import ParallelDims, init_model_parallel, model_parallel_seed  # noqa: E402
 from megarl.errors import UserError  # noqa: E402
-from megarl.lora.config import LoraConfig  # noqa: E402
 from megarl.lora.layers import LoraAdapter, adapters_disabled, apply_lora, merged_weights  # noqa: E402
 from megarl.models.gpt import BuildOptions, build_model, load_hf_weights  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
-from megarl.parallel import ParallelDims, init_model_parallel, model_parallel_seed  # noqa: E402
 
 ALL = ["qkv", "o", "fc1", "fc2"]
 

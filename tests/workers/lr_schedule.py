@@ -17,11 +17,11 @@ platform = init_platform()
 
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
+from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
+from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
-from megarl.rl_step import Batch, actor_loss  # noqa: E402
 
 
 def main() -> None:

@@ -21,10 +21,10 @@ platform = init_platform()
 import torch.distributed as dist  # noqa: E402
 
 from megarl.config import OptimizerConfig  # noqa: E402
+from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
 from megarl.models.gpt import BuildOptions, layer_implementation  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
 
 TE = os.environ.get("PACKING_TE") == "1"
 

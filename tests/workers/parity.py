@@ -19,16 +19,16 @@ platform = init_platform()
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from megarl.models.forward import forward_only, micro_batches, sequence_logprobs  # noqa: E402
-from megarl.models.gpt import BuildOptions, build_model, layer_implementation, load_hf_weights  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
+from megarl.models.forward import forward_only, micro_batches, sequence_logprobs  # noqa: E402
+from megarl.models.gpt import BuildOptions, build_model, layer_implementation, load_hf_weights  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 # MoE models also with experts split over expert-parallel ranks: (tp, pp, vpp, ep).

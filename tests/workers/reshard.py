@@ -26,15 +26,15 @@ platform = init_platform()
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
+from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
 from megarl.reshard.aliasing import aliased_views  # noqa: E402
 from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
 from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402

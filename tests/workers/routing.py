@@ -24,18 +24,18 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
-from megarl.models.gpt import BuildOptions  # noqa: E402
-from megarl.models.routing import routing_dtype  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
-from megarl.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.models.gpt import BuildOptions  # noqa: E402
+from megarl.models.routing import routing_dtype  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
 
 # (tp, pp, vpp, ep, sequence_parallel, packing): "thd" runs the rows end to end in Megatron's packed format
 SCORE_LAYOUTS = [(1, 1, None, 1, False, "auto"), (2, 1, None, 1, True, "auto"), (1, 2, None, 1, False, "auto"),

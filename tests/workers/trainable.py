@@ -24,20 +24,20 @@ import torch.distributed as dist  # noqa: E402
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
 from megarl.data.batching import plan_micro_batches  # noqa: E402
-from megarl.errors import TrainingDiverged  # noqa: E402
-from megarl.models import trainable  # noqa: E402
-from megarl.models.gpt import BuildOptions  # noqa: E402
-from megarl.models.spec import load_spec  # noqa: E402
-from megarl.models.trainable import MegatronModel  # noqa: E402
-from megarl.offload import PARTS, ModelResidency  # noqa: E402
-from megarl.parallel import (  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
     destroy_model_parallel,
     init_distributed,
     init_model_parallel,
     model_parallel_seed,
 )
-from megarl.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.errors import TrainingDiverged  # noqa: E402
+from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
+from megarl.memory.offload import PARTS, ModelResidency  # noqa: E402
+from megarl.models import trainable  # noqa: E402
+from megarl.models.gpt import BuildOptions  # noqa: E402
+from megarl.models.spec import load_spec  # noqa: E402
+from megarl.models.trainable import MegatronModel  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 MODES = ("packed", "unpacked", "fixed")

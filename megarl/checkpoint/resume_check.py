@@ -1,0 +1,63 @@
+"""A resume continues the experiment its checkpoint was saved by: the fields that define it (model, dtype,
+algorithm, reward, data, sampling, batch shape, optimizer, seeds) must equal the checkpoint's, unless
+``checkpoint.allow_changes`` lists them. The layout (parallel.*, the distributed optimizer, micro-batching,
+offloading, the engine's settings) and trainer.num_steps may change freely: the checkpoint reshards on load,
+and a longer run is the same experiment continued."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megarl.config import Config
+from megarl.config.experiment import allowed_changes, defines_experiment
+from megarl.errors import UserError
+
+
+def experiment(flat: dict[str, Any]) -> dict[str, Any]:
+    """The defining fields of a flattened config (the critic's only when it trains one), as JSON values."""
+    ppo = flat.get("algorithm.name") == "ppo"
+    return {k: json.loads(json.dumps(v)) for k, v in flat.items()
+            if defines_experiment(k, Config) and (ppo or not k.startswith("critic."))}
+
+
+def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) of each defining field that differs. A key only one side has (a
+    field added or removed by another megarl version) is not a change of the experiment."""
+    old, new = experiment(saved), experiment(current)
+    return [(k, old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
+    """Refuse to resume ``path`` under a config that defines another experiment (every rank alike)."""
+    if cfg.algorithm.name == "ppo" and not (path / "critic").is_dir():
+        raise UserError(f"checkpoint {path} holds no critic (it was saved by a grpo run), but algorithm.name = "
+                        "ppo trains one: algorithm grpo -> ppo cannot resume. Fix: set algorithm.name: grpo to "
+                        "continue that run, or checkpoint.resume: none (or another checkpoint.dir) to start a "
+                        "ppo run.")
+    saved = json.loads((path / "trainer.json").read_text()).get("config")
+    if saved is None:
+        if rank == 0:
+            print(f"megarl: {path} holds no config (saved by a megarl before resumes compared them): the "
+                  "experiment is not checked against it", flush=True)
+        return
+    allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
+    found = changes(saved, cfg.to_flat_dict())
+    refused = [(k, a, b) for k, a, b in found if k not in allowed]
+    if refused:
+        listed = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        raise UserError(f"checkpoint {path} was saved by another experiment: {listed}. A resume continues the run "
+                        "it was saved by (and its mlflow params would describe it wrongly). Fix: set these back to "
+                        "the checkpoint's values; or, to continue with the change deliberately, list them in "
+                        f"checkpoint.allow_changes (--set checkpoint.allow_changes={keys}); or set "
+                        "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
+    if found and rank == 0:
+        print(f"megarl: resuming {path} with "
+              + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in found)
+              + " (checkpoint.allow_changes); the resumed mlflow run keeps the params it started with", flush=True)

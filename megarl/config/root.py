@@ -1,0 +1,220 @@
+"""The whole recipe: `Config` of the sections, the checks across sections, and loading it from YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.data import DataConfig
+from megarl.config.eval import EvalConfig
+from megarl.config.experiment import allowed_changes, defines_experiment
+from megarl.config.model import ModelConfig, ParallelConfig
+from megarl.config.rollout import AgentConfig, RolloutConfig
+from megarl.config.run import CheckpointConfig, TrackingConfig, TrainerConfig
+from megarl.config.training import ActorConfig, CriticConfig, ReferenceConfig, UpdateConfig
+from megarl.config.yaml_io import FieldError, apply_overrides, build, check, locate, read_yaml
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig
+    """Model to train."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model training (ppo only)."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """Reference model (run when algorithm.kl_coef > 0)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine and sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm and loss."""
+    data: DataConfig
+    """Prompt dataset."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, seed, reward function."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Experiment tracking."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training (megarl.eval.in_training)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn, tool-using rollouts (megarl.rollout.agent); no tools = single-turn."""
+
+    def __post_init__(self) -> None:
+        for key in allowed_changes(self.checkpoint.allow_changes):  # the whole config knows which keys exist
+            check(defines_experiment(key, Config), "checkpoint.allow_changes", self.checkpoint.allow_changes,
+                  f"name only fields that define the experiment, which `{key}` is not (a layout or run setting, "
+                  "free to change on resume, or no field at all)", f"remove `{key}`, or fix its spelling")
+        n = self.rollout.num_samples_per_prompt
+        if self.algorithm.name == "grpo":
+            check(
+                n >= 2,
+                "rollout.num_samples_per_prompt",
+                n,
+                "be >= 2 for grpo (advantages are rewards relative to the other samples of the prompt)",
+                "set rollout.num_samples_per_prompt to 4-16, or algorithm.name: ppo",
+            )
+        algo = self.algorithm
+        check(not algo.dynamic_sampling or algo.name == "grpo", "algorithm.dynamic_sampling", algo.dynamic_sampling,
+              "be false for ppo (it selects prompts by the spread of their group's rewards, a grpo notion)",
+              "set algorithm.dynamic_sampling: false, or algorithm.name: grpo")
+        check(not algo.routing_replay or self.rollout.engine == "sglang", "algorithm.routing_replay",
+              algo.routing_replay, f"be false with rollout.engine = {self.rollout.engine}: only SGLang returns the "
+              "experts it routed each token to (vLLM 0.32 needs its Model Runner V2, which the CPU build lacks)",
+              "use rollout.engine: sglang, or routing_replay: false")
+        budget_key = "agent.max_total_tokens" if self.agent.tools and self.agent.max_total_tokens else \
+            "rollout.max_new_tokens"
+        check(algo.overlong_buffer_tokens <= self.response_budget(), "algorithm.overlong_buffer_tokens",
+              algo.overlong_buffer_tokens, f"be <= {budget_key} = {self.response_budget()}, the response budget",
+              "use a buffer of about a quarter of max_new_tokens, or 0 to disable the penalty")
+        check(not (self.actor.lora_on() and self.model.transformer_engine == "on"), "model.transformer_engine",
+              self.model.transformer_engine, "be auto or off with actor.lora: the adapters hook Megatron's local "
+              "linear layers, not Transformer Engine's", "set model.transformer_engine: auto (local layers with LoRA)")
+        check(not (self.actor.lora_on() and self.rollout.alias_weights is True), "rollout.alias_weights",
+              self.rollout.alias_weights, "be auto or false with actor.lora: the engine must hold the merged weights "
+              "W + s B A, which no tensor of the actor holds, so it cannot map them",
+              "set rollout.alias_weights: auto (off with LoRA), or actor.lora: null")
+        if self.actor.adapter_handover():
+            par = self.parallel
+            check(self.rollout.engine == "vllm", "actor.lora.handover", "adapter", "be merged with rollout.engine = "
+                  f"{self.rollout.engine}: megarl hands adapters to vLLM's LoRA serving only (SGLang's is not wired)",
+                  "set actor.lora.handover: merged, or rollout.engine: vllm")
+            check(par.tensor_parallel == 1 and par.pipeline_parallel == 1, "actor.lora.handover", "adapter",
+                  f"be merged with parallel.tensor_parallel = {par.tensor_parallel} and pipeline_parallel = "
+                  f"{par.pipeline_parallel}: each engine's driver writes the adapters it holds whole (TP1, PP1)",
+                  "set actor.lora.handover: merged, or parallel.tensor_parallel and pipeline_parallel to 1")
+        budget = self.agent.max_total_tokens
+        check(budget is None or budget <= self.rollout.max_new_tokens, "agent.max_total_tokens", budget,
+              f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",
+              "raise rollout.max_new_tokens, or use null")
+        self._check_truncation()
+        self._check_eval()
+        self._check_keep_best()
+        batch = self.data.num_prompts_per_step * n
+        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        for name, section in self.trained_sections():
+            mini = section.mini_batch_size
+            check(
+                mini is None or batch % mini == 0,
+                f"{name}.mini_batch_size",
+                mini,
+                f"divide the rollout batch {batch} "
+                "(data.num_prompts_per_step * rollout.num_samples_per_prompt)",
+                f"pick a divisor of {batch}, or null for one optimizer step per epoch",
+            )
+            check(
+                not section.dynamic_batch or section.max_tokens_per_gpu >= longest,
+                f"{name}.max_tokens_per_gpu",
+                section.max_tokens_per_gpu,
+                f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
+                f"raise it to at least {longest} or shorten the rollout limits",
+            )
+
+    def response_budget(self) -> int:
+        """Most tokens of a training response: agent.max_total_tokens with tools (policy and tool tokens), else
+        rollout.max_new_tokens."""
+        if self.agent.tools and self.agent.max_total_tokens:
+            return self.agent.max_total_tokens
+        return self.rollout.max_new_tokens
+
+    def _check_eval(self) -> None:
+        """Evaluation runs on the rollout engines, whose context is max_prompt_tokens + max_new_tokens."""
+        limit = self.rollout.max_new_tokens
+        for where, value in [("eval.max_new_tokens", self.eval.max_new_tokens)] + [
+                (f"eval.datasets[{i}].max_new_tokens", d.max_new_tokens) for i, d in enumerate(self.eval.datasets)]:
+            check(value is None or value <= limit, where, value, f"be <= rollout.max_new_tokens = {limit}: the "
+                  "engines' context holds no more", f"raise rollout.max_new_tokens, or lower {where}")
+        for i, d in enumerate(self.eval.datasets):
+            k = d.num_samples or self.eval.num_samples
+            t = self.eval.temperature if d.temperature is None else d.temperature
+            check(k == 1 or t > 0, f"eval.datasets[{i}].num_samples", k, f"be 1 at temperature {t}: greedy samples "
+                  "are all the same", "set a temperature > 0 for pass@k, or num_samples: 1")
+
+    def _check_keep_best(self) -> None:
+        best, e, c = self.checkpoint.keep_best, self.eval, self.checkpoint
+        if best is None:
+            return
+        names = [d.name for d in e.datasets]
+        parts = best.split("/")
+        check(len(parts) == 3 and parts[0] == "eval" and parts[1] in names, "checkpoint.keep_best", best,
+              f"name a held-out metric eval/<name>/<metric> of an eval dataset ({', '.join(names) or 'none given'})",
+              "write e.g. eval/<name>/accuracy, with that name under eval.datasets")
+        check(c.save_every > 0 and (e.every == 0 or c.save_every % e.every == 0), "checkpoint.save_every",
+              c.save_every, f"be a multiple of eval.every = {e.every} with checkpoint.keep_best, so that saved steps "
+              "are evaluated", f"set checkpoint.save_every to a multiple of {e.every or 1}")
+
+    def _check_truncation(self) -> None:
+        """top_p / top_k: the engine samples from the truncated distribution, the trainer scores the full one."""
+        r = self.rollout
+        for name, off in (("top_p", 1.0), ("top_k", -1)):
+            value = getattr(r, name)
+            check(value == off or r.engine == "vllm", f"rollout.{name}", value, f"be {off} with SGLang: it samples "
+                  "from the truncated distribution but returns log-probabilities of the full one (measured with "
+                  "SGLang 0.5.17 on an H200: they match the full softmax(logits / T) to 0.013 nats, while the policy "
+                  "it samples from differs by 0.10 nats per token at top_p 0.9 and 0.45 at top_k 20, "
+                  "benchmarks/results/h200/reliability), so neither the trainer, the logprob drift check nor a "
+                  "rollout correction would see the policy the samples came from",
+                  f"set rollout.{name}: {off}, and lower rollout.temperature for less varied samples")
+            check(value == off or self.algorithm.rollout_correction != "none", f"rollout.{name}", value,
+                  f"be {off} without algorithm.rollout_correction: vLLM samples from the truncated distribution and "
+                  "returns its log-probabilities, which differ from the trainer's full softmax(logits / T) by the "
+                  "log of the mass kept (0.10 nats per token at top_p 0.9), so the update would be off-policy "
+                  "uncorrected", f"set algorithm.rollout_correction: token_tis, or rollout.{name}: {off}")
+
+    def trained_sections(self) -> list[tuple[str, UpdateConfig]]:
+        """The (name, section) of each model trained by the algorithm: actor, plus critic for ppo."""
+        sections: list[tuple[str, UpdateConfig]] = [("actor", self.actor)]
+        if self.algorithm.name == "ppo":
+            sections.append(("critic", self.critic))
+        return sections
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """{"actor.optimizer.lr": 1e-06, ...}: one entry per leaf, e.g. for mlflow params."""
+        flat: dict[str, Any] = {}
+
+        def walk(node: Mapping[str, Any], prefix: str) -> None:
+            for key, value in node.items():
+                if isinstance(value, Mapping):
+                    walk(value, f"{prefix}{key}.")
+                else:
+                    flat[prefix + key] = value
+
+        walk(self.to_dict(), "")
+        return flat
+
+
+def build_config(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), origins: Mapping[str, str] | None = None
+) -> Config:
+    """Build a Config from a parsed-YAML mapping plus `dotted.key=value` overrides.
+
+    `origins` maps dotted keys to where they were written (`file line N`), for error messages.
+    """
+    located = dict(origins or {})
+    merged = apply_overrides(dict(data), overrides, located)
+    try:
+        return build(Config, merged)
+    except FieldError as err:
+        raise locate(err, located) from None
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML recipe, apply `--set` overrides, and return the checked Config."""
+    data, origins = read_yaml(path)
+    return build_config(data, overrides, origins)
+
+
+def run_dir(cfg: Config) -> Path:
+    """Where a run writes metrics, the mlflow store, checkpoints and engine logs."""
+    return Path(cfg.checkpoint.dir or "runs/latest")

@@ -1,0 +1,91 @@
+"""trainer:, checkpoint: and tracking: the run's length, seeds, checkpoints and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, within
+from megarl.config.yaml_io import check
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    num_steps: int = 100
+    """RL steps (rollout + update) to run."""
+    seed: int = 0
+    """Seed for parameter initialisation (value head) and any trainer-side randomness."""
+    reward: str = "megarl.rewards.gsm8k:reward"
+    """Reward function as "module:function"; imported when training starts."""
+    log_every: int = 1
+    """Console progress every this many steps (metrics go to tracking every step)."""
+
+    def __post_init__(self) -> None:
+        positive(self, "num_steps", "log_every")
+        check(
+            bool(IMPORT_PATH_RE.fullmatch(self.reward)),
+            "reward",
+            self.reward,
+            'be an import path "package.module:function"',
+            'write it like "megarl.rewards.gsm8k:reward"',
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory; null = no checkpoints."""
+    save_every: int = 0
+    """Save every this many steps (and at the end); 0 = never."""
+    keep_last: int = 2
+    """Checkpoints to keep; older ones are deleted after a successful save (never the one just saved, nor
+    any of a later step)."""
+    resume: str = "auto"
+    """auto = the newest checkpoint in dir that verifies against its manifest, if any (damaged ones are
+    passed over, with a line, and renamed *.damaged); none = start fresh; otherwise a checkpoint path, which
+    must verify."""
+    stop_file: str | None = None
+    """Once this file exists, training saves a checkpoint after the current step, deletes the file and
+    exits with code 0; null = STOP in dir (off without a dir). The Slurm scripts create it when Slurm
+    signals the end of the time limit or a preemption (--signal)."""
+    keep_best: str | None = None
+    """A held-out metric, e.g. eval/gsm8k/accuracy: the checkpoint of the step that scored highest on it stays
+    outside keep_last's rotation (best.json in dir names it). Needs save_every to be a multiple of eval.every,
+    so that saved steps are evaluated; null = none."""
+    allow_changes: str | None = None
+    """Fields that define the experiment (model, dtype, algorithm, reward, data, sampling, batch shape,
+    optimizer, seeds) which a resume may change from the checkpoint's values, as dotted keys separated by
+    commas, e.g. "rollout.num_samples_per_prompt, data.num_prompts_per_step"; null = none: a changed one stops
+    the resume naming each. The layout (parallel.*, the distributed optimizer) may always change."""
+
+    def __post_init__(self) -> None:
+        within(self, "save_every", "[0, inf)", "use 0 to never save")
+        check(self.stop_file is None or self.dir is not None, "stop_file", self.stop_file,
+              "come with checkpoint.dir (a stop saves a checkpoint)", "set checkpoint.dir or stop_file: null")
+        check(
+            self.save_every == 0 or self.dir is not None,
+            "dir",
+            self.dir,
+            f"be set when save_every is {self.save_every}",
+            "set checkpoint.dir or save_every: 0",
+        )
+        positive(self, "keep_last")
+        nonempty(self, "resume")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingConfig:
+    backend: Literal["mlflow", "none"] = "mlflow"
+    """Experiment tracker; none = console and metrics.jsonl only."""
+    uri: str | None = None
+    """MLflow tracking URI, e.g. sqlite:////abs/path/mlflow.db or http://host:5000; null = a SQLite store
+    mlflow.db in checkpoint.dir (runs/latest without one), beside metrics.jsonl."""
+    experiment: str = "megarl"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; null = generated."""
+
+    def __post_init__(self) -> None:
+        nonempty(self, "experiment")
+        if self.uri is not None:
+            nonempty(self, "uri")

@@ -1,0 +1,223 @@
+"""Everything train.py needs before its first step: config, process groups, models, engine, data."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from megarl import checkpoint
+from megarl.checkpoint.resume_check import check_unchanged
+from megarl.config import load_config, run_dir, validate_layout
+from megarl.config.yaml_io import check
+from megarl.errors import UserError
+from megarl.run import interrupt
+from megarl.run.lock import lock_run
+from megarl.run.tracking import Tracker, open_store
+
+
+def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
+              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any, list[Any]]:
+    """Everything that can be checked in one process before any worker starts: the config, the run
+    directory, the layout against the model's shape, the memory plan and the prompts. Returns (config,
+    model spec, data-parallel size, tokenized prompts, number skipped, tokenizer, eval sets). ``gpu_bytes``: one
+    GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context)."""
+    cfg = load_config(config_path, overrides)
+    out_dir = run_dir(cfg)
+    check_writable(out_dir, "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)")
+    from megarl.models.spec import load_spec
+    from megarl.reshard.engine_layout import check_rollout_tp
+
+    spec = load_spec(cfg.model.hf_path)
+    check_rollout_tp(spec, cfg.rollout.tensor_parallel)
+    p = cfg.parallel
+    check(not spec.is_moe or p.tensor_parallel == 1 or p.sequence_parallel, "parallel.sequence_parallel",
+          p.sequence_parallel, f"be true for an MoE model ({spec.hf_config.get('architectures')}) with "
+          f"tensor_parallel = {p.tensor_parallel}: Megatron's MoE layers train under TP only with it",
+          "set parallel.sequence_parallel: true")
+    check(not cfg.algorithm.routing_replay or spec.is_moe, "algorithm.routing_replay", True,
+          f"be false for a dense model ({spec.hf_config.get('architectures')}): it has no routers",
+          "set algorithm.routing_replay: false")
+    check(p.expert_parallel == 1 or (spec.is_moe and spec.num_experts % p.expert_parallel == 0),
+          "parallel.expert_parallel", p.expert_parallel,
+          f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
+          "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
+    dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
+    memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
+    from megarl.data.batching import tokenize_prompts
+    from megarl.data.prompts import load_prompts
+    from megarl.data.tokenizer import check_hf_config, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.hf_path)
+    if cfg.critic.hf_path:
+        check_hf_config(cfg.critic.hf_path, "critic.hf_path")
+    d = cfg.data
+    records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
+    prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,
+                                        d.drop_long_prompts, repr(d.train_path), d.system_prompt, d.response_prefix)
+    from megarl.eval.in_training import load_eval_sets
+
+    eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))
+    return cfg, spec, dp, prompts, dropped, tokenizer, eval_sets
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Generation stops at the tokenizer's EOS (the engines also stop at generation_config.json's)."""
+    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+
+
+EXPECTED_WARNINGS = (
+    r".*(Transformer Engine and Apex are|Apex is) not installed",  # torch fallbacks, by design without TE
+    r"full scope is deprecated",  # megatron-core's own default for cuda_graph_scope
+    r"`torch\.distributed\.\w+` is deprecated",  # megatron-core's calls into torch
+    r"The \.grad attribute of a Tensor that is not a leaf",  # megatron-core reads main_grad's owner
+)
+"""Warnings of libraries that say nothing to a megarl user; shown with MEGARL_WARNINGS=all."""
+
+
+def quiet_expected_warnings() -> None:
+    if os.environ.get("MEGARL_WARNINGS") == "all":
+        return
+    import warnings
+
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
+def setup(config_path: str, overrides: Sequence[str]
+          ) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any, Any]:
+    quiet_expected_warnings()
+    standalone_env()
+    interrupt.install()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    cfg, spec, dp, prompts, dropped, tokenizer, eval_sets = check_run(
+        config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
+    out_dir = run_dir(cfg)
+    from megarl.data.loader import PromptLoader
+
+    loader = PromptLoader(prompts, cfg.data.num_prompts_per_step, cfg.data.shuffle, cfg.data.seed)
+
+    from megarl.platform import init_platform
+
+    platform = init_platform()
+    from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
+
+    init_distributed(platform, cfg.parallel.timeout_minutes)
+    field = "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)"
+    lock_run(out_dir, field, platform.device)  # before anything is written there
+    p = cfg.parallel
+    groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
+                                              vpp=p.virtual_pipeline, order=p.rank_order, ep=p.expert_parallel),
+                                 p.timeout_minutes)
+    model_parallel_seed(cfg.trainer.seed)
+    if groups.rank == 0 and cfg.tracking.backend == "mlflow":
+        open_store(cfg, out_dir)  # a bad tracking.uri fails now, not after the models are built
+    if groups.rank == 0:
+        skipped = f" ({dropped} longer than rollout.max_prompt_tokens skipped)" if dropped else ""
+        print(f"megarl: {len(prompts)} prompts{skipped}; TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
+              flush=True)
+    from megarl.loop.trainer import RLTrainer
+
+    resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
+    if resume_from is not None:
+        check_unchanged(cfg, resume_from, groups.rank)
+    trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)
+    start_step, run_id = 0, None
+    if resume_from is not None:
+        trainer.sleep_engine()  # the restored state needs the memory
+        state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
+        loader.load_state_dict(state["loader"])
+        trainer.kl.load_state_dict(state["kl"])
+        trainer.push_weights()  # the engine must generate with the restored weights
+        start_step = state["step"] + 1
+        run_id = state.get("tracking", {}).get("mlflow_run_id")
+        if groups.rank == 0:
+            print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
+    tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
+    interrupt.at_interrupt(trainer.close)
+    tracker.end_with_the_process()
+
+    def decode(tokens: list[int]) -> str:
+        return str(tokenizer.decode(tokens, skip_special_tokens=True))
+
+    from megarl.eval.in_training import InTrainingEval
+
+    return cfg, trainer, loader, decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
+
+
+def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus_per_node: int = 1) -> None:
+    """On GPUs: check the per-GPU memory plan and the node's host memory (megarl.memory.plan) and resolve
+    rollout.gpu_memory_fraction: auto, before anything is built. Without a GPU (CPU engines) auto leaves
+    the engine its own default."""
+    import torch
+
+    from megarl.distributed.parallel import ParallelDims
+    from megarl.memory.plan import check_host_memory, check_memory, plan_memory
+
+    if gpu_bytes is None:
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    if not gpu_bytes:
+        if cfg.rollout.gpu_memory_fraction == "auto":
+            cfg.rollout.gpu_memory_fraction = None
+        return
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp, ep=p.expert_parallel)
+    plan = plan_memory(cfg, spec, dims, gpu_bytes)
+    check_memory(plan, cfg, dims.world_size)
+    check_host_memory(plan, cfg, gpus_per_node, host_memory_bytes())
+    cfg.rollout.gpu_memory_fraction = plan.engine_fraction
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megarl: memory plan per GPU: {plan.table()}; engine fraction "
+              f"{cfg.rollout.gpu_memory_fraction:.2f}; pinned host buffers {plan.host_bytes() / 2**30:.1f} GiB",
+              flush=True)
+
+
+def host_memory_bytes() -> int:
+    """This node's memory, or this process's cgroup limit where lower (a Slurm job runs inside one)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # cgroup v2
+                limits.append(Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max")
+            elif "memory" in controllers.split(","):
+                limits.append(Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    for limit in limits:
+        try:
+            value = limit.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            total = min(total, int(value))
+    return total
+
+
+def check_writable(directory: Path, field: str) -> None:
+    """Fail in a second, before anything is built, when the run directory cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"{field} = {str(directory)!r} cannot be written ({err.strerror or err}): metrics, "
+                        "checkpoints and the mlflow store go there. Fix: point checkpoint.dir at a writable "
+                        "directory, or fix its permissions.") from None
+
+
+def standalone_env() -> None:
+    """Without torchrun (``python megarl/train.py``), run as a world of one process."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))

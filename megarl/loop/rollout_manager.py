@@ -1,0 +1,136 @@
+"""The rollout side: the engines (started, put to sleep, woken), generation of a step's batch (dynamic sampling's
+rounds included), the agent loop's tools, and the reward."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from megarl.algos.shaping import informative_groups
+from megarl.config import Config
+from megarl.data.batching import TokenizedPrompt
+from megarl.distributed.parallel import ParallelGroups
+from megarl.loop.rl_step import Batch, check_scores, shaped_scores
+from megarl.loop.timing import PartTimes
+from megarl.rewards.registry import load_reward
+from megarl.rollout.agent import agent_metrics, make_rollout
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.factory import make_engine
+from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
+
+EngineState = Literal["asleep", "weights", "awake"]
+
+
+class RolloutManager:
+    def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...], tokenizer: Any,
+                 times: PartTimes) -> None:
+        self.cfg, self.groups, self.stop_ids, self.times = cfg, groups, stop_ids, times
+        self._rollout_loop = make_rollout(cfg, tokenizer)  # tools load and are checked before any model is built
+        self.reward_fn = load_reward(cfg.trainer.reward)
+        # Each step's samples (tokens, logprobs and, with routing replay, every token's experts: hundreds of MB at
+        # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
+        # on the GPU, next to the engine's KV cache.
+        self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.engine: GroupEngine | Any = None
+        self.state: EngineState = "awake"  # engines start awake
+
+    def start(self, group: EngineGroup, kind: Any, aliases: Path | None) -> None:
+        """Start this rank's engine group's engine (``aliases``: its parameters that map the actor's memory)."""
+        cfg = self.cfg
+        engine = start_engine(group, lambda: make_engine(cfg, group.index, group.devices(), aliases),
+                              cfg.rollout.timeout_minutes * 60)
+        self.engine = GroupEngine(group, engine, kind, timeout_s=cfg.rollout.timeout_minutes * 60)
+
+    def close(self) -> None:
+        """Stop the engine before this process ends (its processes still map the actor's memory), and the tools."""
+        self.engine.shutdown()
+        self._rollout_loop.close()
+
+    def sleep(self) -> None:
+        """Colocation: the trainer gets the engine's memory until the next hand-over wakes it."""
+        if self.state != "asleep":
+            self.engine.sleep()
+            self.state = "asleep"
+
+    def wake(self, part: Literal["weights", "cache"]) -> None:
+        """The engine's weights (for a hand-over), then its KV cache (for generation)."""
+        self.engine.wake(part)
+        self.state = "weights" if part == "weights" else "awake"
+
+    def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
+                 ) -> tuple[Batch, dict[str, float]]:
+        """One step's batch of data.num_prompts_per_step prompts' samples, then the engine sleeps.
+
+        With algorithm.dynamic_sampling, prompts whose samples all score the same (no GRPO signal) are
+        dropped and further rounds of prompts generated, up to dynamic_sampling_max_rounds; a batch still
+        short of informative prompts is filled up with dropped ones, which the actor's loss leaves out
+        (Batch.informative). Every rank returns the same batch, and the step's sampling metrics (dynamic
+        sampling's, the agent loop's).
+        """
+        algo, r = self.cfg.algorithm, self.cfg.rollout
+        n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
+        kept: list[Batch] = []
+        dropped: list[Batch] = []
+        num_kept = num_dropped = rounds = 0
+        while num_kept < wanted and rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
+            prompts = next_prompts()
+            batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], decode, step,
+                                  step * algo.dynamic_sampling_max_rounds + rounds)
+            rounds += 1
+            if not algo.dynamic_sampling:
+                kept.append(batch)
+                break
+            good = informative_groups(shaped_scores(batch, algo, self.cfg.response_budget()), n).tolist()
+            take = [g for g, ok in enumerate(good) if ok][: wanted - num_kept]
+            skip = [g for g, ok in enumerate(good) if not ok]
+            num_kept += len(take)
+            num_dropped += len(skip)
+            if take:
+                kept.append(batch.select([g * n + j for g in take for j in range(n)]))
+            if skip:
+                dropped.append(batch.select([g * n + j for g in skip for j in range(n)]))
+        with self.times.timed("rollout/sleep"):
+            self.sleep()
+        metrics: dict[str, float] = {}
+        if algo.dynamic_sampling:
+            metrics = {"sampling/rounds": float(rounds), "sampling/informative_prompts": float(num_kept),
+                       "sampling/dropped_prompts": float(num_dropped)}
+            if num_kept < wanted:  # keep the configured batch size (mini-batches divide it): fill with no-signal groups
+                filler = Batch.concat(dropped)
+                kept.append(filler.select(range((wanted - num_kept) * n)).as_filler())
+        batch = Batch.concat(kept)
+        return batch, metrics | agent_metrics(batch.stats, batch.mask)
+
+    def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
+                 ) -> Batch:
+        """The prompts' samples, scored; every rank returns the whole batch (samples of one prompt contiguous)."""
+        r = self.cfg.rollout
+        # Each round's samples take the next range of seeds (100003 apart, as runs always have, unless more).
+        stride = max(100003, len(prompts) * r.num_samples_per_prompt)
+        params = SamplingParams(n=r.num_samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed + seed_offset * stride,
+                                stop_token_ids=self.stop_ids)
+        with self.times.timed("rollout/engine"):
+            rows = self.generate_all(prompts, params)
+        with self.times.timed("rollout/reward"):
+            scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
+        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
+        routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
+        return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
+                           [c.logprobs for c in rows], scores, routing, [c.policy_mask for c in rows],
+                           [c.stats for c in rows])
+
+    def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
+        prompts i, i + number of engines, ... (EngineGroup.share: each sample at params.seed + its place)."""
+        assert self.state == "awake", "a hand-over wakes the engine before every rollout"
+        mine, seeded = self.engine.group.share(len(prompts), params)
+        done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
+                for c in self._rollout_loop.generate(self.engine, [prompts[i] for i in mine], seeded)]
+        everything: list[Any] = [None] * self.groups.dims.world_size
+        dist.all_gather_object(everything, done, group=self._host_group)
+        return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
