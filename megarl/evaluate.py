@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", dest="engine_arg",
                         help="an argument of the engine itself, its value read as YAML (e.g. "
-                             "attention_backend=triton); repeatable; over --config's rollout.engine_args")
+                             "attention_backend=triton); repeatable; over --config's rollout.engine_args, which "
+                             "apply when the engine is the recipe's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="write every sample (prompt, completion, reward) here")
     args = parser.parse_args(argv)
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    args.engine_args = {}
+    args.engine_args, args.recipe_engine = {}, None
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -99,7 +100,7 @@ def resolve(args: argparse.Namespace) -> Any:
                  "system_prompt": data.system_prompt, "response_prefix": data.response_prefix,
                  "dtype": cfg.model.dtype}
         args.no_chat_template = args.no_chat_template or not data.apply_chat_template
-        args.engine_args = rollout.engine_args | args.engine_args
+        args.recipe_engine = (rollout.engine, rollout.engine_args)
     else:
         given = DEFAULTS
     for name, value in given.items():
@@ -192,15 +193,17 @@ def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngin
     from megarl.models.spec import load_spec
 
     max_len = min(args.max_prompt_tokens + args.max_new_tokens, load_spec(model).max_position_embeddings)
+    recipe = args.recipe_engine  # a recipe's engine arguments are its engine's: SGLang's mean nothing to vLLM
+    engine_args = (recipe[1] if recipe is not None and recipe[0] == kind else {}) | args.engine_args
     if kind == "vllm":
         from megarl.rollout.vllm import VLLMEngine
 
         return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed,
-                          dtype=args.dtype, **args.engine_args)
+                          dtype=args.dtype, **engine_args)
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
-                        seed=args.seed, enable_sleep=False, dtype=args.dtype, **args.engine_args)
+                        seed=args.seed, enable_sleep=False, dtype=args.dtype, **engine_args)
 
 
 def main(argv: list[str] | None = None) -> None:

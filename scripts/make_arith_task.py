@@ -1,10 +1,13 @@
-"""The "arith" task (recipes/arith): word-free arithmetic a small instruct model is partly right on.
+"""Word-free arithmetic tasks for small instruct models, as bare-number answers that megarl.rewards.gsm8k:reward
+compares with the completion's final number. Train and test prompts never coincide.
 
-Each record asks for one of a + b, a - b (two- and three-digit) or a x b (two-digit by one-digit) and holds
-the result as a bare number, which megarl.rewards.gsm8k:reward compares with the completion's final number.
-Train and test prompts never coincide.
+- ``arith`` (recipes/arith): a + b, a - b (two- and three-digit) or a x b (two-digit by one-digit), which a 135M
+  model is partly right on in its head.
+- ``product`` (recipes/product): three-digit by three-digit products, which it cannot do in its head and can with
+  the Python tool (recipes/smollm2_product_tool_grpo.yaml).
 
-  python scripts/make_arith_task.py --out recipes/arith [--train 4000 --test 500 --seed 0]
+  python scripts/make_arith_task.py --out recipes/arith [--task arith --train 4000 --test 500 --seed 0]
+  python scripts/make_arith_task.py --out recipes/product --task product
 """
 
 from __future__ import annotations
@@ -24,17 +27,26 @@ def problem(rng: random.Random) -> tuple[str, int]:
     return (f"What is {a} + {b}?", a + b) if kind == "+" else (f"What is {a} - {b}?", a - b)
 
 
+def product(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"What is {a} * {b}?", a * b
+
+
+TASKS = {"arith": problem, "product": product}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--train", type=int, default=4000)
     parser.add_argument("--test", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", choices=sorted(TASKS), default="arith")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     seen: dict[str, int] = {}
     while len(seen) < args.train + args.test:
-        question, answer = problem(rng)
+        question, answer = TASKS[args.task](rng)
         seen.setdefault(question, answer)
     items = list(seen.items())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -124,7 +124,7 @@ def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
 
 def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--engine-arg KEY=VALUE (YAML values) over --config's rollout.engine_args, passed to the engine as they are;
-    a malformed one is refused by name."""
+    the recipe's apply to its own engine only; a malformed one is refused by name."""
     import types
 
     from megarl.evaluate import make_engine, parse_args, resolve
@@ -143,6 +143,11 @@ def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monk
     make_engine("vllm", str(REPO / "recipes/tiny/model"), args)
     assert {k: seen[k] for k in ("enforce_eager", "max_num_seqs", "kv_cache_dtype")} == {
         "enforce_eager": True, "max_num_seqs": 4, "kv_cache_dtype": "fp8"}
+    sglang = types.ModuleType("megarl.rollout.sglang")
+    sglang.SGLangEngine = lambda model, **kwargs: seen.clear() or seen.update(kwargs)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megarl.rollout.sglang", sglang)
+    make_engine("sglang", str(REPO / "recipes/tiny/model"), args)  # the recipe's engine is vLLM
+    assert "kv_cache_dtype" in seen and "max_num_seqs" not in seen
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--model", "m", "--data", "d", "--engine-arg", "enforce_eager"])
     assert exit_.value.code == 2
