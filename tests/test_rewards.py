@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,15 @@ def test_load_reward_reports_broken_modules(tmp_path: Path, monkeypatch: pytest.
         load_reward("needs_dep:fn")
     with pytest.raises(UserError, match="RuntimeError: boom"):
         load_reward("raises:fn")
+
+
+@pytest.mark.parametrize("text, value, scores", [
+    ("the result is 740 * 101.", "74740", False), ("so x = 2 + 3", "5", False), ("The answer is 12 - 4", "8", False),
+    ("so 1/2", "1/2", True), ("The answer is -7/4", "-7/4", True), ("it is 3.5", "3.5", True),
+    (r"\boxed{\frac{1}{2}}", "1/2", True)])
+def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool) -> None:
+    """Restating the question's expression ("740 * 101") must not score: math-verify parses it, and evaluating it
+    paid 4% of SmolLM2's answers on three-digit products that computed nothing."""
+    got = extract_answer(text)
+    assert (got is not None and Fraction(got) == Fraction(value)) if scores else got is None
+    assert reward([text], [value]) == [float(scores)]

@@ -30,11 +30,28 @@ def _math_verify_number(text: str) -> str | None:
     # math-verify's timeout uses SIGALRM, which Python only allows in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     for item in _math_verify_parse(text, parsing_timeout=timeout):
-        if isinstance(item, sympy.Basic) and item.is_number:
+        if isinstance(item, sympy.Basic) and item.is_number and _written_number(item):
             value = item.doit()  # "1/2" parses as an unevaluated product
             if isinstance(value, sympy.Rational | sympy.Float):
                 return str(value)
     return None
+
+
+def _written_number(item: sympy.Basic) -> bool:
+    """Whether ``item`` is a number as written (an integer, a decimal, a signed fraction p/q), not arithmetic left
+    to do: math-verify parses "the result is 740 * 101" and "2 + 3" as expressions, and evaluating them would pay a
+    response for restating the question."""
+    if item.is_Number:
+        return True
+    if not isinstance(item, sympy.Mul):
+        return False
+    numbers = [a for a in item.args if a.is_Number]
+    divisors = [a for a in item.args if isinstance(a, sympy.Pow) and a.exp == -1 and a.base.is_Integer]
+    if len(numbers) + len(divisors) != len(item.args) or len(divisors) > 1:
+        return False
+    if len(numbers) == 2 and sympy.Integer(-1) in numbers:  # "-7/4" parses as -1 * 7 * 4^-1
+        numbers.remove(sympy.Integer(-1))
+    return len(numbers) == 1 and (bool(divisors) or numbers[0] == -1)
 
 
 def extract_answer(text: str) -> str | None:
