@@ -1,5 +1,6 @@
 """Multi-turn, tool-using rollouts (megarl.rollout.agent) against a scripted engine, and what the trainer makes of
-them (megarl.loop.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by hand."""
+them (megarl.loop.rl_step): masks, logprobs, advantages and the actor's loss, against layouts and loops written by
+hand."""
 
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def test_trainer_rollout_is_the_engine_without_tools_and_the_loop_with_them() ->
     multi = make_rollout(build_config(BASE | {"agent": {"tools": [spec]}}), CharTokenizer())
     [out] = multi.generate(engine, [encode("A\n")], PARAMS)
     multi.close()
-    assert multi.pool._threads._shutdown, "close ends the tools' threads"
+    assert multi._loop.is_closed(), "close ends the tools' event loop"
     assert decode(out.token_ids).endswith("<|im_start|>tool\nitaly<|im_end|>\n<|im_start|>assistant\nit is italy")
     with pytest.raises(UserError, match="nothere"):
         make_rollout(build_config(BASE | {"agent": {"tools": [{"spec": "nothere:Tool"}]}}), CharTokenizer())

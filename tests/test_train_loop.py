@@ -99,7 +99,8 @@ def run_train_loop(monkeypatch, tmp_path, algo: AlgorithmConfig, log_ratios: lis
     from megarl.eval.in_training import InTrainingEval
 
     no_eval = InTrainingEval(cfg, [], tmp_path, 0)
-    monkeypatch.setattr("megarl.loop.bootstrap.setup", lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
+    monkeypatch.setattr("megarl.loop.bootstrap.setup",
+                        lambda config, sets: (cfg, trainer, iter(()), str, tracker, no_eval))
     monkeypatch.setattr("megarl.checkpoint.stop_requested", lambda cfg, device: False)
     train.main(["--config", "unused.yaml"])
     return trainer, tracker, batch

@@ -36,8 +36,8 @@ float rounding. The RNG states are restored only in the same layout; elsewhere t
 their fresh seeding (the RL loop draws its randomness from per-step seeds).
 """
 
-from megarl.checkpoint.resuming import find, load, verify
 from megarl.checkpoint.paths import COMMON, LATEST, OPTIMIZER, TRAINER, checkpoints, rotate
+from megarl.checkpoint.resuming import find, load, verify
 from megarl.checkpoint.saving import save
 from megarl.checkpoint.stop import acknowledge_stop, stop_file, stop_requested
 

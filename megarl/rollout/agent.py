@@ -72,7 +72,7 @@ class AgentLoop:
                  context: int, max_new_tokens: int, inert: Callable[[str], str] = str) -> None:
         self.cfg, self.encode, self.decode, self.context, self.inert = cfg, encode, decode, context, inert
         self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
-                             timeout_s=cfg.tool_timeout_s)
+                             timeout_s=cfg.tool_timeout_s, output_chars=cfg.tool_output_chars)
         self.budget = cfg.max_total_tokens or max_new_tokens
         # The engine stops at call_end's last token: a call ends there (when the model writes call_end as the
         # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
@@ -210,7 +210,6 @@ class AgentLoop:
                 f"and {self.cfg.call_end}, naming one of {names}")
 
     def close(self) -> None:
-        self.pool.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -248,7 +247,7 @@ class SingleTurn:
 
 def make_rollout(cfg: Any, tokenizer: Any) -> SingleTurn | AgentLoop:
     """The trainer's rollout: ``engine.generate`` without tools, else an AgentLoop over ``cfg.agent.tools``; its
-    ``close`` ends the tools' threads and event loop."""
+    ``close`` ends the tools' event loop (a call still running in its daemon thread is abandoned)."""
     if not cfg.agent.tools:
         return SingleTurn()
     return AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),
