@@ -57,7 +57,7 @@ class RolloutConfig:
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
     """An engine call (start-up, wake, generate, hand-over, sleep, shutdown) that takes longer stops training with
-    an error naming it (exit code 2, the mlflow run FAILED)."""
+    an error naming it (exit code 2, the mlflow run FAILED; at start-up there is no mlflow run yet)."""
     verify_every: int = 0
     """Check the hand-over every N updates (the first, then every N-th; 0 = never): every engine rank checksums its
     parameters inside the engine and the trainer compares them with checksums of its own weights; a mismatch

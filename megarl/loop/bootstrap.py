@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from megarl import checkpoint
+from megarl.checkpoint.keep_best import check_best
 from megarl.checkpoint.resume_check import check_unchanged
 from megarl.config import load_config, run_dir, validate_layout
 from megarl.config.yaml_io import check
 from megarl.errors import UserError
 from megarl.run import interrupt
 from megarl.run.lock import lock_run
-from megarl.run.tracking import Tracker, open_store
+from megarl.run.tracking import Tracker, logged, open_store
 
 
 def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
@@ -124,7 +125,7 @@ def setup(config_path: str, overrides: Sequence[str]
     if resume_from is not None:
         check_unchanged(cfg, resume_from, groups.rank)
     trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)
-    start_step, run_id = 0, None
+    start_step, run_id, unlogged = 0, None, None
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
@@ -133,9 +134,13 @@ def setup(config_path: str, overrides: Sequence[str]
         trainer.push_weights()  # the engine must generate with the restored weights
         start_step = state["step"] + 1
         run_id = state.get("tracking", {}).get("mlflow_run_id")
+        unlogged = state.get("unlogged")  # the step's row, unless the run logged it after the save
+        if unlogged is not None and logged(out_dir, state["step"], groups.rank):
+            unlogged = None
         if groups.rank == 0:
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
-    tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
+    check_best(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_best, start_step, groups.rank)
+    tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id, unlogged)
     interrupt.at_interrupt(trainer.close)
     tracker.end_with_the_process()
 
