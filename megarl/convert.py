@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+from megarl.checkpoint.part_check import check_part
 from megarl.models.hf_io import write_hf
 from megarl.models.mcore_ckpt import hf_to_mcore, open_mcore
 from megarl.run.command import run_main
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
         export_peft(args.ckpt, args.out)
     else:
+        check_part(Path(args.ckpt), "--ckpt")
         spec, tensors = open_mcore(args.ckpt)
         write_hf(args.out, tensors, spec, source_dir=args.ckpt)
     print(f"{args.command}: wrote {args.out} in {time.perf_counter() - start:.1f}s", flush=True)

@@ -96,6 +96,7 @@ def resolve(args: argparse.Namespace) -> Any:
 def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     """``path`` itself when it is a HF directory; else the actor of the megarl checkpoint it names, exported, and
     the dtype its run trained in (model.dtype), so that the engine runs as the in-training eval did."""
+    from megarl.checkpoint.part_check import check_part
     from megarl.models.hf_io import write_hf
     from megarl.models.mcore_ckpt import META, open_mcore
 
@@ -105,11 +106,11 @@ def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if (path / "actor" / META).is_file():
-        check_actor(path)
         trained = trained_dtype(path)
         path = path / "actor"
     if not (path / META).is_file():
         return path, trained
+    check_part(path, "--model")
     out = scratch / "hf"
     spec, tensors = open_mcore(path)
     write_hf(out, tensors, spec, source_dir=path)
@@ -156,21 +157,6 @@ def trained_dtype(step_dir: Path) -> str | None:
         raise UserError(f"--model {step_dir}: trainer.json is unreadable ({type(err).__name__}: {err}). Fix: evaluate "
                         "another checkpoint of the run, or pass its actor directory with --dtype.") from None
     return config.get("model.dtype")
-
-
-def check_actor(step_dir: Path) -> None:
-    """The actor's files of a training checkpoint against its manifest (megarl.checkpoint.manifest), before they
-    are read."""
-    from megarl.checkpoint import manifest
-    from megarl.errors import UserError
-
-    try:
-        files = manifest.read(step_dir)
-    except manifest.ManifestError as err:
-        raise UserError(f"--model {step_dir}: {err}. Fix: evaluate another checkpoint of the run.") from None
-    bad = manifest.problems(step_dir, files, [n for n in files if n.startswith("actor/")]) if files else []
-    if bad:
-        raise UserError(f"--model {step_dir} is damaged: {bad[0]}. Fix: evaluate another checkpoint of the run.")
 
 
 def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngine:

@@ -107,16 +107,26 @@ def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected:
     assert expected in str(err.value)
 
 
-def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_not_evaluated_or_exported(tmp_path: Path) -> None:
+    """--model RUN, RUN/step_N and the documented RUN/step_N/actor, and convert mcore-to-hf --ckpt step_N/actor,
+    all check the actor against the checkpoint's manifest (the actor form and the export used to read zeroed
+    weights as they were, exit 0); a manifest trainer.json says was written but is gone is damage too."""
+    from megarl import convert
     from megarl.checkpoint import manifest
-    from megarl.evaluate import check_actor
+    from megarl.checkpoint.part_check import check_part
 
     step = tmp_path / "step_000003"
     (step / "actor").mkdir(parents=True)
     weights = step / "actor" / "tp0_pp0.safetensors"
     weights.write_bytes(b"\1" * 64)
+    (step / "trainer.json").write_text(json.dumps({"step": 3, "manifest": manifest.VERSION}))
     manifest.write(step, manifest.describe(step, [weights]))
-    check_actor(step)  # intact
+    check_part(step / "actor", "--model")  # intact
     weights.write_bytes(b"\0" * 64)  # the data zeroed, the size kept
-    with pytest.raises(UserError, match="step_000003 is damaged: .*tp0_pp0.safetensors has CRC-32"):
-        check_actor(step)
+    with pytest.raises(UserError, match="--model .*step_000003/actor is damaged: .*tp0_pp0.safetensors has CRC-32"):
+        check_part(step / "actor", "--model")
+    with pytest.raises(UserError, match="--ckpt .*step_000003/actor is damaged"):
+        convert.main(["mcore-to-hf", "--ckpt", str(step / "actor"), "--out", str(tmp_path / "hf")])
+    (step / manifest.MANIFEST).unlink()
+    with pytest.raises(UserError, match="manifest.json is missing, though trainer.json says"):
+        check_part(step / "actor", "--model")
