@@ -90,6 +90,10 @@ def test_bad_input_is_named_before_any_engine_starts(tmp_path: Path, args: list[
     ({"path": "recipes/tiny/echo.jsonl", "reward": "megarl.rewards.nope:reward"},
      "eval.datasets[0].reward = 'megarl.rewards.nope:reward': no module named"),
     ({"path": "EMPTY"}, "holds no records"),
+    ({"path": "recipes/tiny/echo.jsonl", "answer_key": "solution"},
+     "has no key 'solution' (eval.datasets[0].answer_key); its keys are"),
+    ({"path": "recipes/tiny/echo.jsonl", "prompt_template": "{problem}"},
+     "has no key 'problem', which eval.datasets[0].prompt_template names"),
 ])
 def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected: str) -> None:
     from megarl.config import build_config

@@ -61,6 +61,14 @@ def tool_module(tmp_path, monkeypatch):
                 return call
 
         not_a_class = 3
+
+        class NeedsAFile:
+            name = "needs"
+            description = "opens a file when built"
+            def __init__(self, path="/nonexistent/words.txt"):
+                open(path)
+            def run(self, call):
+                return call
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -75,6 +83,7 @@ def tool_module(tmp_path, monkeypatch):
     ("odd_tools:NoRun", {}, ["NoRun is not a tool: it lacks run", "run(self, call: str)"]),
     ("odd_tools:Nameless", {}, ["lacks name", "non-empty `name`"]),
     ("megarl.tools.calculator:Calculator", {"precision": 3}, ["Calculator(precision=3) failed", "arguments"]),
+    ("odd_tools:NeedsAFile", {}, ["NeedsAFile() raised FileNotFoundError: [Errno 2]", "agent.tools[].args"]),
 ])
 def test_load_tool_explains_in_one_paragraph(tool_module, spec, kwargs, says):
     with pytest.raises(ValueError) as info:
