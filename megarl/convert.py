@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+from megarl.checkpoint.part_check import check_part
+from megarl.errors import UserError
 from megarl.models.hf_io import write_hf
 from megarl.models.mcore_ckpt import hf_to_mcore, open_mcore
 from megarl.run.command import run_main
@@ -26,9 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron TP/PP shards")
     to_mcore.add_argument("--hf", required=True, help="HF model directory (config.json, *.safetensors)")
     to_mcore.add_argument("--out", required=True, help="new checkpoint directory")
-    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    to_mcore.add_argument("--vocab-pad-multiple", type=int, default=128,
+    to_mcore.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    to_mcore.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    to_mcore.add_argument("--vocab-pad-multiple", type=positive_int, default=128,
                           help="pad the vocab to a multiple of this times TP (as training does)")
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron TP/PP shards -> HF safetensors + config.json")
     to_hf.add_argument("--ckpt", required=True, help="megarl Megatron checkpoint directory")
@@ -47,8 +50,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (0 used to fail deep inside the conversion)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is an existing file, not a directory. Fix: name a new directory for the "
+                        "converted model (or move that file away).")
     start = time.perf_counter()
     if args.command == "hf-to-mcore":
         hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple, log=True)
@@ -59,8 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.peft:
         from megarl.lora.export import export_peft
 
+        check_part(Path(args.ckpt), "--ckpt")
         export_peft(args.ckpt, args.out)
     else:
+        check_part(Path(args.ckpt), "--ckpt")
         spec, tensors = open_mcore(args.ckpt)
         write_hf(args.out, tensors, spec, source_dir=args.ckpt)
     print(f"{args.command}: wrote {args.out} in {time.perf_counter() - start:.1f}s", flush=True)

@@ -112,6 +112,7 @@ def resolve(args: argparse.Namespace) -> Any:
 def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     """``path`` itself when it is a HF directory; else the actor of the megarl checkpoint it names, exported, and
     the dtype its run trained in (model.dtype), so that the engine runs as the in-training eval did."""
+    from megarl.checkpoint.part_check import check_part
     from megarl.models.hf_io import write_hf
     from megarl.models.mcore_ckpt import META, open_mcore
 
@@ -121,11 +122,11 @@ def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     if (path / "actor" / META).is_file():
-        check_actor(path)
         trained = trained_dtype(path)
         path = path / "actor"
     if not (path / META).is_file():
         return path, trained
+    check_part(path, "--model")
     out = scratch / "hf"
     spec, tensors = open_mcore(path)
     write_hf(out, tensors, spec, source_dir=path)
@@ -148,6 +149,9 @@ def merge_adapter(adapter: Path, scratch: Path) -> Path:
         raise UserError(f"--model {adapter} is a PEFT adapter whose base model ({base!r}, its adapter_config.json's "
                         "base_model_name_or_path) is not a HF directory here. Fix: set base_model_name_or_path to "
                         "the base model's directory, or evaluate the merged export (mcore-to-hf --merge).")
+    from megarl.lora.export import check_export
+
+    check_export(adapter, base)
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -172,21 +176,6 @@ def trained_dtype(step_dir: Path) -> str | None:
         raise UserError(f"--model {step_dir}: trainer.json is unreadable ({type(err).__name__}: {err}). Fix: evaluate "
                         "another checkpoint of the run, or pass its actor directory with --dtype.") from None
     return config.get("model.dtype")
-
-
-def check_actor(step_dir: Path) -> None:
-    """The actor's files of a training checkpoint against its manifest (megarl.checkpoint.manifest), before they
-    are read."""
-    from megarl.checkpoint import manifest
-    from megarl.errors import UserError
-
-    try:
-        files = manifest.read(step_dir)
-    except manifest.ManifestError as err:
-        raise UserError(f"--model {step_dir}: {err}. Fix: evaluate another checkpoint of the run.") from None
-    bad = manifest.problems(step_dir, files, [n for n in files if n.startswith("actor/")]) if files else []
-    if bad:
-        raise UserError(f"--model {step_dir} is damaged: {bad[0]}. Fix: evaluate another checkpoint of the run.")
 
 
 def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngine:
@@ -250,10 +239,11 @@ def main(argv: list[str] | None = None) -> None:
             engine.shutdown()
             if loop is not None:
                 loop.close()
-    if args.output is not None:
-        write_samples(args.output, samples)
     print(json.dumps({"model": args.model, "data": args.data, "engine": kind, "num_samples": args.num_samples}
                      | result), flush=True)
+    if args.output is not None:  # after the metrics: a failed write does not lose them
+        write_samples(args.output, samples, "the metrics above are complete; free space on that disk (df -h) or "
+                      "name another --output, and evaluate again for the samples.")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> None:
 
     algo = cfg.algorithm
     check_profile_step(args.profile, tracker.start_step, cfg.trainer.num_steps)
+    if tracker.unlogged is not None:  # the run stopped in the evaluation after its checkpoint: finish that step
+        step = tracker.start_step - 1
+        with tracker.phase("eval"):  # the engines hold the checkpoint's weights, which that evaluation measures
+            held_out = evals.run(trainer, decode, f"step_{step}") if tracker.unlogged["evaluate"] else {}
+        evals.keep_best(step, held_out)
+        tracker.write(tracker.unlogged["row"] | trainer.step_metrics() | held_out)
     with tracker.phase("eval"):  # held-out accuracy of the starting weights, which the engines hold now
         held_out = evals.run(trainer, decode, "initial") if evals.before_train and tracker.start_step == 0 else {}
     for step in range(tracker.start_step, cfg.trainer.num_steps):
@@ -78,21 +84,24 @@ def main(argv: list[str] | None = None) -> None:
                 trainer.kl.update(kl_metrics["kl"], len(batch.sequences))
             every, last = cfg.checkpoint.save_every, step + 1 == cfg.trainer.num_steps
             stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
+            evaluate = evals.due(step) and not stop
+            correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
+            trained = metrics | drift | kl_metrics | sampling | correction | {"kl_coef": trainer.kl.value} | held_out
             if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
+                # The step's row goes with its checkpoint: a run stopped before the row is logged (in the
+                # evaluation below, by a signal or an error) finishes and logs it when it resumes.
                 state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
-                         "config": cfg.to_flat_dict()}  # a resume compares the experiment with it
+                         "config": cfg.to_flat_dict(),  # a resume compares the experiment with it
+                         "unlogged": {"row": tracker.row(step, batch, trained), "evaluate": evaluate}}
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
                                 prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
-            evaluate = evals.due(step) and not stop
             if not (stop or last) or evaluate:
                 with tracker.phase("reshard"):  # new weights into the engine's layout, in place
                     trainer.push_weights()
             with tracker.phase("eval"):  # the weights the engines just received, on the held-out sets
-                held_out |= evals.run(trainer, decode, f"step_{step}") if evaluate else {}
+                held_out = evals.run(trainer, decode, f"step_{step}") if evaluate else {}
             evals.keep_best(step, held_out)
-            correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
-            tracker.log(step, batch, metrics | drift | kl_metrics | sampling | correction | trainer.step_metrics()
-                        | {"kl_coef": trainer.kl.value} | held_out)
+            tracker.log(step, batch, trained | trainer.step_metrics() | held_out)
             held_out = {}
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import REPO
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.data.batching import TokenizedPrompt
@@ -134,6 +135,21 @@ def test_bad_tool_spec_stops_at_start_up_naming_it() -> None:
         AgentLoop(AgentConfig(tools=[ToolConfig(spec="megarl.tools.nothere:Tool")]), encode, decode, 4096)
 
 
+def test_a_tool_spec_error_names_its_field_and_the_flag_that_set_it(tmp_path) -> None:
+    """Before any worker starts; the flag is the one that set the tool list (an earlier --set agent.max_turns was
+    named), and a module that does not import is named by its field too."""
+    from megarl.config import load_config
+    from megarl.loop.bootstrap import check_run
+
+    recipe, tools = str(REPO / "recipes/tiny_cpu_grpo.yaml"), "agent.tools=[{spec: calculator}]"
+    with pytest.raises(UserError, match=re.escape(f"`agent.tools[0].spec` (--set {tools}) =")):
+        load_config(recipe, ["agent.max_turns=2", tools])
+    with pytest.raises(UserError, match=re.escape("agent.tools[0].spec = 'megarl.tools.nothere:Tool': no module "
+                                                  "named 'megarl.tools.nothere'")):
+        check_run(recipe, ["agent.max_turns=2", "agent.tools=[{spec: 'megarl.tools.nothere:Tool'}]",
+                           f"checkpoint.dir={tmp_path}"], world=1, ranks_per_node=None, gpu_bytes=0)
+
+
 BASE = {"model": {"hf_path": "/m"}, "rollout": {"num_samples_per_prompt": 4, "max_new_tokens": 256},
         "data": {"train_path": "gsm8k"}}
 
@@ -225,7 +241,7 @@ def test_trainer_rollout_is_the_engine_without_tools_and_the_loop_with_them() ->
     multi = make_rollout(build_config(BASE | {"agent": {"tools": [spec]}}), CharTokenizer())
     [out] = multi.generate(engine, [encode("A\n")], PARAMS)
     multi.close()
-    assert multi.pool._threads._shutdown, "close ends the tools' threads"
+    assert multi._loop.is_closed(), "close ends the tools' event loop"
     assert decode(out.token_ids).endswith("<|im_start|>tool\nitaly<|im_end|>\n<|im_start|>assistant\nit is italy")
     with pytest.raises(UserError, match="nothere"):
         make_rollout(build_config(BASE | {"agent": {"tools": [{"spec": "nothere:Tool"}]}}), CharTokenizer())

@@ -7,6 +7,7 @@ shards are small files; tests/test_checkpoint.py damages a real checkpoint end t
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import types
@@ -109,11 +110,19 @@ def test_auto_with_no_checkpoint_that_verifies_is_an_error_and_renames_nothing(w
 
 
 def test_a_checkpoint_without_a_manifest_resumes_with_a_line_saying_it_is_not_verified(world, capsys):
-    saved = save(world, 1)
-    (saved / manifest.MANIFEST).unlink()
-    assert checkpoint.find("auto", str(world)) == saved
-    assert "has no manifest.json (saved by a megarl before checksums): its files are not verified" in (
-        capsys.readouterr().out)
+    """A legacy checkpoint (trainer.json records no manifest) resumes unverified, with a line; one whose
+    trainer.json says it was saved with a manifest that is gone is damaged (its data may be zeroed too: the
+    issue's run resumed from one as "legacy" and trained a destroyed model)."""
+    older, newer = save(world, 1), save(world, 2)
+    for step_dir in (older, newer):
+        (step_dir / manifest.MANIFEST).unlink()
+    trainer = json.loads((older / "trainer.json").read_text())
+    assert trainer.pop("manifest") == manifest.VERSION
+    (older / "trainer.json").write_text(json.dumps(trainer))
+    assert checkpoint.find("auto", str(world)) == older
+    out = capsys.readouterr().out
+    assert "manifest.json is missing, though trainer.json says the checkpoint was saved with one" in out
+    assert "has no manifest.json (saved by a megarl before checksums): its files are not verified" in out
 
 
 def test_rotation_keeps_the_checkpoint_just_saved_and_the_newest_before_it(world):

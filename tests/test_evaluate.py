@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,10 @@ def test_bad_input_is_named_before_any_engine_starts(tmp_path: Path, args: list[
     ({"path": "recipes/tiny/echo.jsonl", "reward": "megarl.rewards.nope:reward"},
      "eval.datasets[0].reward = 'megarl.rewards.nope:reward': no module named"),
     ({"path": "EMPTY"}, "holds no records"),
+    ({"path": "recipes/tiny/echo.jsonl", "answer_key": "solution"},
+     "has no key 'solution' (eval.datasets[0].answer_key); its keys are"),
+    ({"path": "recipes/tiny/echo.jsonl", "prompt_template": "{problem}"},
+     "has no key 'problem', which eval.datasets[0].prompt_template names"),
 ])
 def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected: str) -> None:
     from megarl.config import build_config
@@ -107,19 +112,30 @@ def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected:
     assert expected in str(err.value)
 
 
-def test_a_damaged_checkpoint_is_not_evaluated(tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_not_evaluated_or_exported(tmp_path: Path) -> None:
+    """--model RUN, RUN/step_N and the documented RUN/step_N/actor, and convert mcore-to-hf --ckpt step_N/actor,
+    all check the actor against the checkpoint's manifest (the actor form and the export used to read zeroed
+    weights as they were, exit 0); a manifest trainer.json says was written but is gone is damage too."""
+    from megarl import convert
     from megarl.checkpoint import manifest
-    from megarl.evaluate import check_actor
+    from megarl.checkpoint.part_check import check_part
 
     step = tmp_path / "step_000003"
     (step / "actor").mkdir(parents=True)
     weights = step / "actor" / "tp0_pp0.safetensors"
     weights.write_bytes(b"\1" * 64)
+    (step / "trainer.json").write_text(json.dumps({"step": 3, "manifest": manifest.VERSION}))
     manifest.write(step, manifest.describe(step, [weights]))
-    check_actor(step)  # intact
+    check_part(step / "actor", "--model")  # intact
     weights.write_bytes(b"\0" * 64)  # the data zeroed, the size kept
-    with pytest.raises(UserError, match="step_000003 is damaged: .*tp0_pp0.safetensors has CRC-32"):
-        check_actor(step)
+    with pytest.raises(UserError, match="--model .*step_000003/actor is damaged: .*tp0_pp0.safetensors has CRC-32"):
+        check_part(step / "actor", "--model")
+    with pytest.raises(UserError, match="--ckpt .*step_000003/actor is damaged"):
+        convert.main(["mcore-to-hf", "--ckpt", str(step / "actor"), "--out", str(tmp_path / "hf")])
+    (step / manifest.MANIFEST).unlink()
+    with pytest.raises(UserError, match="manifest.json is missing, though trainer.json says"):
+        check_part(step / "actor", "--model")
+
 
 
 def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,3 +167,24 @@ def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monk
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--model", "m", "--data", "d", "--engine-arg", "enforce_eager"])
     assert exit_.value.code == 2
+
+
+def test_a_full_disk_while_samples_are_written_is_one_paragraph_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    """The kernel refuses the write part-way, as on a full disk (a 64 KiB file-size limit here: the same failure
+    after the same partial write, without a disk to fill). It gave an OSError traceback and left the .partial."""
+    out = tmp_path / "eval" / "step_3.jsonl"
+    script = textwrap.dedent(f"""
+        import resource, signal
+        from pathlib import Path
+        from megarl.eval.harness import Sample, write_samples
+        from megarl.run.command import run_main
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        samples = [Sample(prompt="p" * 500, completion="c" * 500, reward=1.0, tokens=9, truncated=False)] * 200
+        run_main(lambda: write_samples(Path({str(out)!r}), samples, "free space and resume the run."))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"writing the evaluation's samples to {out} failed (File too large); the partial file is removed. " \
+           "Fix: free space and resume the run." in proc.stderr
+    assert not out.exists() and list(out.parent.iterdir()) == []

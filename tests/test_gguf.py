@@ -124,4 +124,12 @@ def test_bad_gguf_input_is_named(tmp_path: Path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(UserError, match="transformers cannot read it"):
         gguf_to_hf(tmp_path / "junk.gguf", tmp_path / "out")
+    write_gguf(tmp_path / "tiny.gguf")
+    whole = (tmp_path / "tiny.gguf").read_bytes()
+    (tmp_path / "header.gguf").write_bytes(whole[:200])  # cut inside the metadata: a struct.error traceback before
+    with pytest.raises(UserError, match=r"header.gguf cannot be read .*the file \(200 bytes\) is truncated"):
+        gguf_to_hf(tmp_path / "header.gguf", tmp_path / "out")
+    (tmp_path / "data.gguf").write_bytes(whole[:-1000])  # cut inside the last tensor's data
+    with pytest.raises(UserError, match="data.gguf (is truncated: its tensors end at byte|cannot be read .*truncated)"):
+        gguf_to_hf(tmp_path / "data.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()

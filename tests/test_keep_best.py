@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megarl.checkpoint import checkpoints, rotate
-from megarl.checkpoint.keep_best import best_step, mark_best
+from megarl.checkpoint.keep_best import best_step, check_best, mark_best
 from megarl.config import build_config
 from megarl.errors import UserError
 
@@ -35,3 +35,54 @@ def test_keep_best_is_checked_when_the_config_loads() -> None:
         build_config(base | {"checkpoint": {"dir": "d", "save_every": 20, "keep_best": "eval/math/accuracy"}})
     with pytest.raises(UserError, match="save_every` = 15, but it must be a multiple of eval.every = 10"):
         build_config(base | {"checkpoint": {"dir": "d", "save_every": 15, "keep_best": METRIC}})
+
+
+def saved(root: Path, *steps: int) -> None:
+    for step in steps:
+        (root / f"step_{step:06d}").mkdir()
+
+
+def test_a_damaged_best_json_stops_rotation_instead_of_deleting_the_best(tmp_path: Path, capsys) -> None:
+    saved(tmp_path, 1, 2, 3)
+    assert mark_best(tmp_path, METRIC, 1, {METRIC: 0.75})
+    text = (tmp_path / "best.json").read_text()
+    (tmp_path / "best.json").write_text(text[:len(text) // 2])  # truncated
+    for act in (lambda: rotate(tmp_path, keep_last=1, saved=tmp_path / "step_000003"),
+                lambda: mark_best(tmp_path, METRIC, 3, {METRIC: 0.0625}),
+                lambda: check_best(tmp_path, METRIC, 4, 0)):
+        with pytest.raises(UserError, match="best.json is damaged .*Fix: write it again"):
+            act()
+    assert sorted(checkpoints(tmp_path)) == [1, 2, 3]  # nothing deleted
+
+
+def test_a_changed_metric_on_resume_is_refused(tmp_path: Path) -> None:
+    saved(tmp_path, 1)
+    mark_best(tmp_path, METRIC, 1, {METRIC: 0.75})
+    with pytest.raises(UserError, match="on 'eval/gsm8k/accuracy', but checkpoint.keep_best = "
+                                        "'eval/gsm8k/mean_length': values of two metrics do not compare"):
+        check_best(tmp_path, "eval/gsm8k/mean_length", 2, 0)
+    check_best(tmp_path, METRIC, 2, 0)  # the same metric: kept
+    assert best_step(tmp_path) == 1
+
+
+def test_a_best_this_run_trains_again_is_forgotten_with_a_line(tmp_path: Path, capsys) -> None:
+    """The best was the latest checkpoint, damaged: the resume falls back to step 3 and trains step 4 again, so
+    best.json's step 4 = 0.875 no longer describes step_000004 (the issue's run then scored it 0.1875)."""
+    saved(tmp_path, 3, 4)
+    mark_best(tmp_path, METRIC, 4, {METRIC: 0.875})
+    check_best(tmp_path, METRIC, 4, 0)  # resumed from step 3
+    assert "named step 4 (eval/gsm8k/accuracy = 0.875) as the best, but this run trains that step again" in \
+        capsys.readouterr().out
+    assert best_step(tmp_path) is None and (tmp_path / "best.json.stale").is_file()
+    assert mark_best(tmp_path, METRIC, 4, {METRIC: 0.1875}) and best_step(tmp_path) == 4
+
+
+def test_a_misspelled_metric_is_refused_when_the_config_loads() -> None:
+    base = {"model": {"hf_path": "m"}, "data": {"train_path": "gsm8k"},
+            "eval": {"every": 10, "num_samples": 4, "temperature": 1.0,
+                     "datasets": [{"name": "gsm8k", "path": "gsm8k:test"}]}}
+    for metric in ("accuracy", "pass@4", "mean_length"):
+        build_config(base | {"checkpoint": {"dir": "d", "save_every": 20, "keep_best": f"eval/gsm8k/{metric}"}})
+    with pytest.raises(UserError, match="name a metric eval/gsm8k has: accuracy, mean_length, truncated_fraction, "
+                                        "pass@4, mean@4"):
+        build_config(base | {"checkpoint": {"dir": "d", "save_every": 20, "keep_best": "eval/gsm8k/acuracy"}})

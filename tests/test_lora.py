@@ -100,3 +100,22 @@ def test_config_errors_name_the_field_value_and_fix(kwargs, field, fix):
 def test_scaling_is_alpha_over_r_or_over_sqrt_r():
     assert LoraConfig(rank=16, alpha=32.0).scaling == 2.0
     assert LoraConfig(rank=16, alpha=32.0, rslora=True).scaling == 8.0
+
+
+def test_a_rank_at_a_target_layers_width_is_refused_before_any_worker_starts(tmp_path):
+    """The tiny model's layers are at least 128 wide: rank 4096 (it was accepted silently) and rank 128 are no
+    longer low-rank, on all targets or on fc1 alone (128 -> 512); rank 64 passes."""
+    from megarl.loop.bootstrap import check_lora_rank, check_run
+    from megarl.models.spec import load_spec
+
+    spec = load_spec(str(REPO / "recipes/tiny/model"))
+    with pytest.raises(FieldError, match=r"actor.lora.rank` = 4096, but it must be below the narrowest width of its "
+                                         r"target layers \(128 for \['qkv', 'o', 'fc1', 'fc2'\]"):
+        check_run(str(REPO / "recipes/tiny_cpu_grpo.yaml"), ["actor.lora.rank=4096", f"checkpoint.dir={tmp_path}"],
+                  world=1, ranks_per_node=None, gpu_bytes=0)
+    with pytest.raises(FieldError, match="below the narrowest width"):
+        check_lora_rank(LoraConfig(rank=128), spec)
+    check_lora_rank(LoraConfig(rank=64), spec)
+    with pytest.raises(FieldError, match=r"128 for \['fc1'\]"):
+        check_lora_rank(LoraConfig(rank=128, target_modules=["fc1"]), spec)
+    check_lora_rank(LoraConfig(rank=0), spec)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from helpers import REPO, make_hf_model, run_worker, train_recipe
 from megarl import convert
@@ -164,6 +164,38 @@ def test_the_standalone_evaluator_takes_the_peft_export_as_the_merged_one(rows, 
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="base_model_name_or_path"):
         merge_adapter(tmp_path / "peft", tmp_path / "scratch2")
+
+
+def test_the_standalone_evaluator_refuses_a_damaged_adapter_or_another_base(rows, root, tmp_path):
+    """A --peft export records its adapter file's CRC-32 and its base's weight files: megarl.evaluate refuses it
+    merged onto a base directory whose weights were replaced (it merged onto the wrong model, exit 0), and a
+    truncated adapter file with a paragraph (it gave a traceback)."""
+    from megarl.evaluate import merge_adapter
+
+    ckpt = root / "out" / "ckpt_tp1_pp2" / "step_000001" / "actor"
+    convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "peft"), "--peft"])
+    other = tmp_path / "other_base"
+    shutil.copytree(root / "llama", other)
+    weights = sorted(other.glob("*.safetensors"))[0]
+    tensors = load_file(weights)
+    tensors = {k: v + 1 if i == 0 else v for i, (k, v) in enumerate(sorted(tensors.items()))}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(other)
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=f"was trained on the base model at .*differ from {other}"):
+        merge_adapter(tmp_path / "peft", tmp_path / "scratch")
+    shutil.copytree(root / "llama", tmp_path / "same_base")  # the same weights elsewhere: accepted
+    config["base_model_name_or_path"] = str(tmp_path / "same_base")
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    assert (merge_adapter(tmp_path / "peft", tmp_path / "scratch") / "config.json").is_file()
+    adapter = tmp_path / "peft" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[: adapter.stat().st_size // 2])
+    with pytest.raises(UserError, match=r"is damaged: .*adapter_model.safetensors has \d+ bytes, the manifest says"):
+        merge_adapter(tmp_path / "peft", tmp_path / "scratch3")
+    (tmp_path / "peft" / "megarl_export.json").unlink()  # an adapter from elsewhere: only checked to be whole
+    with pytest.raises(UserError, match="not a whole safetensors file"):
+        merge_adapter(tmp_path / "peft", tmp_path / "scratch4")
 
 
 def test_a_lora_checkpoint_resumes_only_onto_the_base_it_was_trained_on(rows, root, tmp_path):

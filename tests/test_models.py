@@ -194,6 +194,10 @@ def test_convert_cli_bad_input_exits_2_without_traceback(llama, tmp_path):
         (["hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o3"), "--pp", "3"], "--pp 3 must divide"),
         (["mcore-to-hf", "--ckpt", str(llama), "--out", str(tmp_path / "o4")], "not a megarl Megatron checkpoint"),
         (["hf-to-mcore", "--hf", str(llama), "--out", str(llama)], "exists and is not empty"),
+        (["hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o5"), "--vocab-pad-multiple", "0"],
+         "argument --vocab-pad-multiple: '0' is not a whole number of at least 1"),
+        (["hf-to-mcore", "--hf", str(llama), "--out", str(llama / "config.json")],
+         f"--out {llama / 'config.json'} is an existing file, not a directory"),
     ]
     for args, needle in cases:
         proc = convert(*args)

@@ -8,7 +8,9 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
+from megarl.config import build_config
 from megarl.errors import UserError
 from megarl.rewards import gsm8k
 from megarl.rewards.gsm8k import extract_answer, format_reward, reward
@@ -87,8 +89,28 @@ def test_format_reward() -> None:
 
 
 def test_load_reward_by_import_path() -> None:
-    assert load_reward("megarl.rewards.gsm8k:reward") is reward
-    assert load_reward("megarl.rewards.gsm8k:format_reward") is format_reward
+    assert load_reward("megarl.rewards.gsm8k:reward").__wrapped__ is reward  # type: ignore[attr-defined]
+    assert load_reward("megarl.rewards.gsm8k:format_reward").__wrapped__ is format_reward  # type: ignore[attr-defined]
+    assert load_reward("megarl.rewards.gsm8k:reward")(["#### 18"], ["18"]) == [1.0]
+
+
+def test_a_reward_that_raises_is_one_paragraph_naming_its_field(tmp_path, monkeypatch) -> None:
+    """An eval set's reward failing on some samples: a paragraph naming eval.datasets[0].reward, not a traceback."""
+    (tmp_path / "picky.py").write_text("def reward(completions, answers):\n"
+                                       "    return [float(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from megarl.eval.in_training import load_eval_sets
+
+    cfg = build_config({"model": {"hf_path": "m"}, "data": {"train_path": "gsm8k", "apply_chat_template": False},
+                        "eval": {"every": 1, "datasets": [{"name": "echo", "path": "recipes/tiny/echo.jsonl",
+                                                           "reward": "picky:reward", "max_prompts": 2}]}})
+    [eval_set] = load_eval_sets(cfg, AutoTokenizer.from_pretrained("recipes/tiny/model"), ())
+    assert eval_set.reward_fn(["1", "2"], ["", ""]) == [1.0, 2.0]
+    with pytest.raises(UserError) as info:
+        eval_set.reward_fn(["1", "two"], ["", ""])
+    message = str(info.value)
+    assert message.startswith("eval.datasets[0].reward = 'picky:reward' raised ValueError: could not convert")
+    assert "Fix:" in message and "\n" not in message
 
 
 @pytest.mark.parametrize(

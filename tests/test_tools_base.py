@@ -2,8 +2,13 @@
 promises (bounded concurrency, a free event loop, every failure or timeout as observation text)."""
 
 import asyncio
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +61,14 @@ def tool_module(tmp_path, monkeypatch):
                 return call
 
         not_a_class = 3
+
+        class NeedsAFile:
+            name = "needs"
+            description = "opens a file when built"
+            def __init__(self, path="/nonexistent/words.txt"):
+                open(path)
+            def run(self, call):
+                return call
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -70,6 +83,7 @@ def tool_module(tmp_path, monkeypatch):
     ("odd_tools:NoRun", {}, ["NoRun is not a tool: it lacks run", "run(self, call: str)"]),
     ("odd_tools:Nameless", {}, ["lacks name", "non-empty `name`"]),
     ("megarl.tools.calculator:Calculator", {"precision": 3}, ["Calculator(precision=3) failed", "arguments"]),
+    ("odd_tools:NeedsAFile", {}, ["NeedsAFile() raised FileNotFoundError: [Errno 2]", "agent.tools[].args"]),
 ])
 def test_load_tool_explains_in_one_paragraph(tool_module, spec, kwargs, says):
     with pytest.raises(ValueError) as info:
@@ -115,10 +129,7 @@ def run_calls(pool, calls):
         start = time.monotonic()
         results = await asyncio.gather(*(pool.run(name, call) for name, call in calls))
         return results, time.monotonic() - start
-    try:
-        return asyncio.run(main())
-    finally:
-        pool.close()
+    return asyncio.run(main())
 
 
 @pytest.mark.parametrize("tool", [Sleepy(), AsyncSleepy()])
@@ -142,10 +153,7 @@ def test_sync_calls_leave_the_event_loop_free():
             await asyncio.sleep(0.01)
         return ticks
 
-    try:
-        assert asyncio.run(main()) > 10
-    finally:
-        pool.close()
+    assert asyncio.run(main()) > 10
 
 
 def test_tool_failures_and_timeouts_become_observations():
@@ -161,21 +169,23 @@ def test_tool_failures_and_timeouts_become_observations():
     assert took < 0.5
 
 
-def test_a_timed_out_sync_call_keeps_its_worker_until_it_returns():
+def test_a_timed_out_sync_call_keeps_its_worker_and_later_calls_do_not_wait_for_it():
+    """A thread cannot be stopped: the overrunning call keeps its worker, and a call that finds every worker held
+    so is a timeout at once instead of waiting for a worker that may never come back."""
     pool = ToolPool([Sleepy(seconds=0.5)], max_workers=1, timeout_s=0.1)
 
     async def main():
         first = await pool.run("sleepy", "a")
-        start = time.monotonic()
         second = await pool.run("sleepy", "b")
-        return first, second, time.monotonic() - start
+        await asyncio.sleep(0.6)  # the first call's thread has returned: its worker is free again
+        third = await pool.run("sleepy", "c")
+        return first, second, third
 
-    try:
-        first, second, took = asyncio.run(main())
-    finally:
-        pool.close()
-    assert first.status == second.status == "timeout"
-    assert took > 0.35  # the second call waited for the first call's thread to end
+    first, second, third = asyncio.run(main())
+    assert (first.status, first.observation) == ("timeout", "timeout after 0.1 s")
+    assert (second.status, second.wall_s) == ("timeout", 0.0)
+    assert second.observation == "timeout: all 1 tool workers are held by calls past their 0.1 s"
+    assert third.status == "timeout" and third.wall_s > 0  # it ran (and overran) on the freed worker
 
 
 def test_the_pool_passes_on_a_tools_output_metadata():
@@ -189,3 +199,87 @@ def test_the_pool_passes_on_a_tools_output_metadata():
 def test_a_pool_refuses_two_tools_of_one_name():
     with pytest.raises(ValueError, match="two tools are named 'calculator'"):
         ToolPool([Calculator(), Calculator()])
+
+
+class Hung:
+    name = "hung"
+    description = "never returns, ignoring every deadline"
+
+    def run(self, call):
+        threading.Event().wait()
+
+
+def test_a_hung_sync_tool_never_holds_a_call_past_its_deadline():
+    """Ten calls to a tool that never returns, on two workers: each is a timeout, none waits for a worker that
+    never comes back (the issue's probe: training hung forever once the hung calls held every worker)."""
+    pool = ToolPool([Hung()], max_workers=2, timeout_s=0.2)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(pool.run("hung", str(i)) for i in range(10))), 60)
+
+    assert [r.status for r in asyncio.run(main())] == ["timeout"] * 10
+
+
+HUNG_RUN = """
+import asyncio, sys, threading
+from megarl.run.command import run_main
+from megarl.run.interrupt import install
+from megarl.tools import ToolPool
+sys.path.insert(0, {tests!r})
+from test_tools_base import Hung
+
+def main():
+    install()
+    pool = ToolPool([Hung()], max_workers=1, timeout_s=0.5)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    print(asyncio.run_coroutine_threadsafe(pool.run("hung", "x"), loop).result().status, flush=True)
+    threading.Event().wait()  # the trainer's next phase, with the hung call's thread still running
+
+run_main(main)
+"""
+
+
+def test_a_signal_ends_the_run_while_a_sync_tool_hangs(tmp_path):
+    """SIGTERM ends the process although a tool's thread never returns (it used to print "interrupted" and then
+    hang at exit, joining the executor's threads, until kill -9)."""
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_RUN.format(tests=str(Path(__file__).parent))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "timeout"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "megarl: interrupted by SIGTERM" in err, err
+
+
+class Flood:
+    name = "flood"
+    description = "returns or prints 6 MB"
+
+    def run(self, call):
+        if call == "print":
+            for _ in range(6):
+                print("x" * 2**20)
+            return "printed"
+        return "y" * 6 * 2**20
+
+
+class AsyncFlood(Flood):
+    name = "async_flood"
+
+    async def run(self, call):
+        return Flood.run(self, call)
+
+
+def test_tool_output_is_capped_in_the_observation_and_on_the_console(capfd):
+    pool = ToolPool([Flood(), AsyncFlood()], output_chars=1000)
+    results, _ = run_calls(pool, [("flood", "return"), ("async_flood", "return"), ("flood", "print"),
+                                  ("async_flood", "print")])
+    for big in results[:2]:
+        assert big.observation == "y" * 1000 + f"\n[tool output cut: {6 * 2**20 - 1000} more characters]"
+    assert [r.observation for r in results[2:]] == ["printed"] * 2
+    print("outside a call: not capped " + "z" * 2000)
+    out = capfd.readouterr().out
+    assert len(out) < 5000 and out.count("printed more than it may") == 2 and "z" * 2000 in out

@@ -63,7 +63,7 @@ class RecordingTrainer:
 
 
 class Tracker:
-    start_step, history = 0, []
+    start_step, history, unlogged = 0, [], None
 
     def __init__(self, out_dir):
         self.out_dir, self.rows = out_dir, []

@@ -368,3 +368,59 @@ def test_interrupt_ends_the_run_with_one_line(tmp_path):
     client = MlflowClient(f"sqlite:///{ckpt / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
     assert run.info.status == "KILLED"
+
+
+EVAL_STOP = """
+import os, signal
+from pathlib import Path
+from megarl.rewards.echo import reward as echo
+calls = 0
+
+def reward(completions, answers):
+    # SIGTERM to this process in step 1's evaluation, once (the marker stays for the resumed run)
+    global calls
+    calls += 1
+    marker = Path(os.environ["EVAL_STOP_MARKER"])
+    if calls == 2 and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGTERM)
+    return echo(completions, answers)
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_evaluation_loses_no_row(tmp_path):
+    """SIGTERM in step 1's evaluation, after step 1's checkpoint was saved: the resumed run evaluates step 1's
+    weights and logs its row, so the rows and their evaluations equal an uninterrupted run's (they used to
+    be steps [0, 2] with step 1's row and evaluation lost for good)."""
+    (tmp_path / "evalstop.py").write_text(EVAL_STOP)
+    sets = ["trainer.num_steps=3", "checkpoint.save_every=1", "eval.every=1", "tracking.backend=none", *SEEDS,
+            "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 8, "
+            'reward: "evalstop:reward"}]']
+    env = ({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+           | {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"})
+
+    def train(run: Path, marker: Path) -> subprocess.CompletedProcess:
+        args = [a for s in (f"checkpoint.dir={run}", *sets) for a in ("--set", s)]
+        return subprocess.run([sys.executable, "megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml", *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env=env | {"EVAL_STOP_MARKER": str(marker)})
+
+    def rows(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    (tmp_path / "never").touch()  # the uninterrupted run
+    assert train(tmp_path / "whole", tmp_path / "never").returncode == 0
+    stopped = train(tmp_path / "cut", tmp_path / "marker")
+    assert stopped.returncode == 143 and "interrupted by SIGTERM" in stopped.stderr, stopped.stderr[-3000:]
+    assert (tmp_path / "cut" / "latest").read_text().strip() == "step_000001"  # saved before the evaluation
+    resumed = train(tmp_path / "cut", tmp_path / "marker")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole, cut = rows(tmp_path / "whole"), rows(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2]
+    for a, b in zip(whole, cut, strict=True):
+        evals = sorted(k for k in a if k.startswith("eval/") and not k.endswith("/seconds"))
+        assert evals and {k: b[k] for k in evals} == {k: a[k] for k in evals}, a["step"]
+        assert b["reward_mean"] == a["reward_mean"]
+    samples = "eval/echo/step_1.jsonl"
+    assert (tmp_path / "cut" / samples).read_text() == (tmp_path / "whole" / samples).read_text()

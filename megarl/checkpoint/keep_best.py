@@ -11,19 +11,58 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
+
+from megarl.errors import UserError
 
 BEST = "best.json"
 
 
-def best_step(root: Path) -> int | None:
-    """The step of the kept best checkpoint in ``root``, if any."""
+def read_best(root: Path) -> dict[str, Any] | None:
+    """``best.json`` in ``root`` ({"metric", "value", "step"}), None without one; a damaged one is an error, as
+    rotation would delete the real best with it taken for none."""
     path = root / BEST
     if not path.is_file():
         return None
     try:
-        return int(json.loads(path.read_text())["step"])
-    except (ValueError, KeyError, TypeError):  # a damaged record keeps nothing extra, and rotation goes on
-        return None
+        best = json.loads(path.read_text())
+        if not (isinstance(best, dict) and isinstance(best.get("metric"), str) and isinstance(best.get("step"), int)
+                and isinstance(best.get("value"), int | float)):
+            raise ValueError(f"not {{metric, value, step}}: {str(best)[:80]}")
+    except ValueError as err:
+        raise UserError(f"{path} is damaged ({err}), so the best checkpoint it should name is unknown and rotation "
+                        "could delete it. Fix: write it again as {\"metric\": ..., \"value\": ..., \"step\": N} "
+                        "naming the best step_N in that directory, or delete it to keep no best.") from None
+    return best
+
+
+def best_step(root: Path) -> int | None:
+    """The step of the kept best checkpoint in ``root``, if any."""
+    best = read_best(root)
+    return None if best is None else int(best["step"])
+
+
+def check_best(root: Path, metric: str | None, start_step: int, rank: int) -> None:
+    """At start-up: ``best.json`` must be about checkpoint.keep_best's ``metric`` (values of two metrics do not
+    compare); one naming a step this run trains again (from ``start_step``: its checkpoint was damaged and passed
+    over, or the run starts anew) or a checkpoint no longer there is forgotten, with a line (rank 0 moves it to
+    best.json.stale)."""
+    best = read_best(root)
+    if best is None:
+        return
+    if metric is not None and best["metric"] != metric:
+        raise UserError(f"{root / BEST} names the best checkpoint on {best['metric']!r}, but checkpoint.keep_best = "
+                        f"{metric!r}: values of two metrics do not compare, and the best would be mislabelled or "
+                        f"deleted. Fix: set checkpoint.keep_best back to {best['metric']!r}, or move {BEST} away to "
+                        f"start a new record (step {best['step']}'s checkpoint then rotates like any other).")
+    step = best["step"]
+    if step < start_step and (root / f"step_{step:06d}").is_dir():
+        return
+    if rank == 0:
+        (root / BEST).replace(root / f"{BEST}.stale")
+        why = "this run trains that step again" if step >= start_step else "that checkpoint is gone"
+        print(f"megarl: {BEST} named step {step} ({best['metric']} = {best['value']}) as the best, but {why}; it is "
+              f"forgotten (moved to {BEST}.stale) and the best is recorded anew", flush=True)
 
 
 def mark_best(root: Path, metric: str, step: int, metrics: dict[str, float]) -> bool:
@@ -32,17 +71,13 @@ def mark_best(root: Path, metric: str, step: int, metrics: dict[str, float]) -> 
     value = metrics.get(metric)
     if value is None or not math.isfinite(value) or not (root / f"step_{step:06d}").is_dir():
         return False
-    path = root / BEST
-    try:
-        previous = json.loads(path.read_text())["value"] if path.is_file() else -math.inf
-    except (ValueError, KeyError, TypeError):
-        previous = -math.inf
-    if value <= previous:
+    best = read_best(root)
+    if best is not None and value <= best["value"]:
         return False
     partial = root / f".{BEST}.partial"
     with open(partial, "w") as f:
         json.dump({"metric": metric, "value": value, "step": step}, f)
         f.flush()
         os.fsync(f.fileno())
-    partial.replace(path)
+    partial.replace(root / BEST)
     return True

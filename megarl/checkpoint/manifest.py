@@ -17,7 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from megarl.checkpoint.paths import TRAINER
+
 MANIFEST = "manifest.json"
+VERSION = 1
+"""The manifest format; trainer.json records it too, so that a checkpoint saved with a manifest that has lost it
+reads as damaged, not as one of a megarl before manifests."""
 CHUNK = 16 * 2**20
 THREADS = 4
 
@@ -62,15 +67,23 @@ def describe(root: Path, paths: Iterable[Path], sync: bool = True) -> dict[str, 
 def write(root: Path, files: dict[str, dict[str, Any]]) -> None:
     """Write ``root``/manifest.json (inside a checkpoint's temporary directory: its rename publishes it)."""
     path = root / MANIFEST
-    path.write_text(json.dumps({"format": "megarl-manifest", "version": 1, "files": dict(sorted(files.items()))},
+    path.write_text(json.dumps({"format": "megarl-manifest", "version": VERSION, "files": dict(sorted(files.items()))},
                                  indent=1) + "\n")
     fsync_file(path)
 
 
 def read(root: Path) -> dict[str, dict[str, Any]] | None:
-    """The files the manifest lists; None if there is none (a checkpoint of a megarl before manifests)."""
+    """The files the manifest lists; None if there is none and trainer.json says none was written (a checkpoint of
+    a megarl before manifests). A manifest trainer.json says was written but is not there is a ManifestError."""
     path = root / MANIFEST
     if not path.exists():
+        try:
+            recorded = json.loads((root / TRAINER).read_text()).get("manifest")
+        except (OSError, ValueError, AttributeError):
+            recorded = None  # an unreadable trainer.json is reported as such where it is read
+        if recorded is not None:
+            raise ManifestError(f"{path} is missing, though trainer.json says the checkpoint was saved with one "
+                                f"(version {recorded}): the checkpoint is damaged, its files cannot be verified")
         return None
     try:
         data = json.loads(path.read_text())

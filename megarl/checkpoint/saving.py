@@ -62,7 +62,8 @@ def save(directory: str, step: int, models: Mapping[str, Stateful], trainer_stat
             written += save_model(state, tmp / role)
         torch.save({"rng": _rng_state()}, written[0])
         if rank == 0:
-            (tmp / TRAINER).write_text(json.dumps(trainer_state | {"step": step, "layout": layout}))
+            (tmp / TRAINER).write_text(json.dumps(trainer_state | {"step": step, "layout": layout,
+                                                                    "manifest": manifest.VERSION}))
         files = manifest.describe(tmp, [p for p in written if p.exists()])
     except Exception as err:  # noqa: BLE001 (every rank learns of it below, so that none waits for the others)
         error = err

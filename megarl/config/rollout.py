@@ -57,7 +57,7 @@ class RolloutConfig:
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
     """An engine call (start-up, wake, generate, hand-over, sleep, shutdown) that takes longer stops training with
-    an error naming it (exit code 2, the mlflow run FAILED)."""
+    an error naming it (exit code 2, the mlflow run FAILED; at start-up there is no mlflow run yet)."""
     verify_every: int = 0
     """Check the hand-over every N updates (the first, then every N-th; 0 = never): every engine rank checksums its
     parameters inside the engine and the trainer compares them with checksums of its own weights; a mismatch
@@ -126,7 +126,11 @@ class AgentConfig:
     """The tool turn appended after a call, {observation} replaced by the tool's output; the default closes the
     assistant turn, adds a ChatML tool turn and opens the next assistant turn (SmolLM2, Qwen)."""
     tool_timeout_s: float = 30.0
-    """A call running longer becomes the observation "timeout after N s"."""
+    """A call running longer becomes the observation "timeout after N s", whatever the tool does (a sync call that
+    ignores it keeps its worker until it returns; once all are held so, calls are timeouts at once)."""
+    tool_output_chars: int = 16384
+    """The most characters of a call's observation the model sees, and of what the call prints to the console;
+    the rest is cut with a note (a tool returning megabytes would make every later engine call crawl)."""
     tool_workers: int = 8
     """Most tool calls running at once per engine driver."""
     tool_wait_s: float = 1.0
@@ -135,7 +139,7 @@ class AgentConfig:
     Each sample's seeds are its own, so how calls group changes no sample's distribution."""
 
     def __post_init__(self) -> None:
-        positive(self, "max_turns", "tool_workers")
+        positive(self, "max_turns", "tool_workers", "tool_output_chars")
         if self.max_total_tokens is not None:
             positive(self, "max_total_tokens")
         within(self, "tool_timeout_s", "(0, inf)", "use e.g. 30")

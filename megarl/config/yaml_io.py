@@ -354,7 +354,9 @@ def locate(err: FieldError, origins: Mapping[str, str]) -> FieldError:
     """Attach where the offending key (or its nearest enclosing section) was set."""
     parts = err.field.split(".")
     for n in range(len(parts), 0, -1):
-        origin = origins.get(".".join(parts[:n]))
+        key = ".".join(parts[:n])
+        # an item of a list (agent.tools[0]) was set with its list (agent.tools), not with the section above it
+        origin = origins.get(key) or origins.get(re.sub(r"(\[\d+\])+$", "", key))
         if origin:
             return FieldError(err.field, err.detail, origin)
     return err

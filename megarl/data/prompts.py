@@ -123,18 +123,19 @@ def _read_parquet(path: Path, field: str) -> list[tuple[str, Any]]:
 
 def _record(row: Any, where: str, prompt_key: str, answer_key: str, template: str | None = None,
             field: str = "data.train_path") -> PromptRecord:
+    keys = _key_fields(field)
     if not isinstance(row, dict):
         raise UserError(
             f"{field} {where} is a JSON {type(row).__name__}, not an object. "
             f'Fix: write records like {{"{prompt_key}": "...", "{answer_key}": "..."}}.'
         )
     if template is not None:
-        missing = [name for name in template_fields(template, "data.prompt_template") if name not in row]
+        missing = [name for name in template_fields(template, keys["prompt_template"]) if name not in row]
         if missing:
-            raise UserError(f"{field} {where} has no key {missing[0]!r}, which data.prompt_template names; "
+            raise UserError(f"{field} {where} has no key {missing[0]!r}, which {keys['prompt_template']} names; "
                             f"its keys are {sorted(row)}. Fix: name those keys in the template.")
         row = row | {prompt_key: template.format_map(row)}
-    for key_field, key in (("data.prompt_key", prompt_key), ("data.answer_key", answer_key)):
+    for key_field, key in ((keys["prompt_key"], prompt_key), (keys["answer_key"], answer_key)):
         if key not in row:
             raise UserError(
                 f"{field} {where} has no key {key!r} ({key_field}); its keys are {sorted(row)}. "
@@ -143,17 +144,26 @@ def _record(row: Any, where: str, prompt_key: str, answer_key: str, template: st
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str):
         raise UserError(
-            f"{field} {where}: {prompt_key!r} (data.prompt_key) is a {type(prompt).__name__}, not a string. "
+            f"{field} {where}: {prompt_key!r} ({keys['prompt_key']}) is a {type(prompt).__name__}, not a string. "
             "Fix: store the prompt text under that key."
         )
     if not prompt.strip():
         raise UserError(
-            f"{field} {where}: {prompt_key!r} (data.prompt_key) is empty; the engine cannot generate from "
+            f"{field} {where}: {prompt_key!r} ({keys['prompt_key']}) is empty; the engine cannot generate from "
             "an empty prompt. Fix: remove the record or give it a prompt."
         )
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise UserError(
-            f"{field} {where}: {answer_key!r} (data.answer_key) is a {type(answer).__name__}, not a string "
+            f"{field} {where}: {answer_key!r} ({keys['answer_key']}) is a {type(answer).__name__}, not a string "
             "or number. Fix: store the reference answer as text."
         )
     return PromptRecord(prompt=prompt, answer=str(answer), source=where)
+
+
+def _key_fields(field: str) -> dict[str, str]:
+    """The settings that name the keys of the records ``field`` points at: data.train_path's are data.*, an
+    eval set's (eval.datasets[i].path) its own, the --data flag's the flags --prompt-key etc."""
+    if field.startswith("--"):
+        return {"prompt_key": "--prompt-key", "answer_key": "--answer-key", "prompt_template": "--prompt-template"}
+    section = field.rsplit(".", 1)[0]
+    return {key: f"{section}.{key}" for key in ("prompt_key", "answer_key", "prompt_template")}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.data.batching import TokenizedPrompt
+from megarl.errors import UserError
 from megarl.rewards.registry import RewardFn
 from megarl.rollout.base import Completion, SamplingParams
 
@@ -72,13 +73,19 @@ def evaluate(generate: Callable[[list[list[int]], SamplingParams], list[Completi
     return out | {"seconds": time.perf_counter() - start}, samples
 
 
-def write_samples(path: Path, samples: Sequence[Sample]) -> None:
-    """One JSON object per sample (prompt, completion, reward, tokens, truncated), written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_samples(path: Path, samples: Sequence[Sample], fix: str) -> None:
+    """One JSON object per sample (prompt, completion, reward, tokens, truncated), written atomically; a write
+    that fails (a full disk) removes its partial file and is one paragraph ending in ``fix``."""
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "w") as f:
-        for s in samples:
-            row: dict[str, Any] = {"prompt": s.prompt, "completion": s.completion, "reward": s.reward,
-                                   "tokens": s.tokens, "truncated": s.truncated}
-            f.write(json.dumps(row) + "\n")
-    partial.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "w") as f:
+            for s in samples:
+                row: dict[str, Any] = {"prompt": s.prompt, "completion": s.completion, "reward": s.reward,
+                                       "tokens": s.tokens, "truncated": s.truncated}
+                f.write(json.dumps(row) + "\n")
+        partial.replace(path)
+    except OSError as err:
+        partial.unlink(missing_ok=True)
+        raise UserError(f"writing the evaluation's samples to {path} failed ({err.strerror or err}); the partial "
+                        f"file is removed. Fix: {fix}") from None

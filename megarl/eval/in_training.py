@@ -83,5 +83,7 @@ class InTrainingEval:
             row, samples = evaluate(trainer.generate_all, s.prompts, s.reward_fn, s.params, decode)
             out |= {f"eval/{s.name}/{prefix}{key}": value for key, value in row.items() if key != "num_prompts"}
             if self.rank == 0:
-                write_samples(self.out_dir / "eval" / s.name / f"{label}.jsonl", samples)
+                write_samples(self.out_dir / "eval" / s.name / f"{label}.jsonl", samples,
+                              "free space on the run directory's disk (df -h) and resume the run: the checkpoint "
+                              "of this step is saved, and its evaluation runs again.")
         return out

@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from megarl import checkpoint
+from megarl.checkpoint.keep_best import check_best
 from megarl.checkpoint.resume_check import check_unchanged
 from megarl.config import load_config, run_dir, validate_layout
+from megarl.config.imports import import_spec
 from megarl.config.yaml_io import check
 from megarl.errors import UserError
 from megarl.run import interrupt
 from megarl.run.lock import lock_run
-from megarl.run.tracking import Tracker, open_store
+from megarl.run.tracking import Tracker, logged, open_store
 
 
 def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
@@ -43,6 +45,9 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           "parallel.expert_parallel", p.expert_parallel,
           f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
           "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
+    check_lora_rank(cfg.actor.lora, spec)
+    for i, tool in enumerate(cfg.agent.tools):  # here, not in the workers that build them
+        import_spec(tool.spec, f"agent.tools[{i}].spec = {tool.spec!r}", "Class")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
                          num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
@@ -124,7 +129,7 @@ def setup(config_path: str, overrides: Sequence[str]
     if resume_from is not None:
         check_unchanged(cfg, resume_from, groups.rank)
     trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)
-    start_step, run_id = 0, None
+    start_step, run_id, unlogged = 0, None, None
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
@@ -133,9 +138,13 @@ def setup(config_path: str, overrides: Sequence[str]
         trainer.push_weights()  # the engine must generate with the restored weights
         start_step = state["step"] + 1
         run_id = state.get("tracking", {}).get("mlflow_run_id")
+        unlogged = state.get("unlogged")  # the step's row, unless the run logged it after the save
+        if unlogged is not None and logged(out_dir, state["step"], groups.rank):
+            unlogged = None
         if groups.rank == 0:
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
-    tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id)
+    check_best(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_best, start_step, groups.rank)
+    tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id, unlogged)
     interrupt.at_interrupt(trainer.close)
     tracker.end_with_the_process()
 
@@ -145,6 +154,21 @@ def setup(config_path: str, overrides: Sequence[str]
     from megarl.eval.in_training import InTrainingEval
 
     return cfg, trainer, loader, decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
+
+
+def check_lora_rank(lora: Any, spec: Any) -> None:
+    """An adapter of rank r on a layer d_in -> d_out is low-rank only for r below both widths; at or past the
+    narrower one it is a full update stored as two (rank 4096 on 128-wide layers was accepted)."""
+    if lora is None or not lora.rank:
+        return
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    widths = {"qkv": (spec.hidden_size, q + 2 * kv), "o": (q, spec.hidden_size),
+              "fc1": (spec.hidden_size, 2 * spec.intermediate_size), "fc2": (spec.intermediate_size, spec.hidden_size)}
+    narrowest = min(min(widths[t]) for t in lora.target_modules)
+    check(lora.rank < narrowest, "actor.lora.rank", lora.rank,
+          f"be below the narrowest width of its target layers ({narrowest} for {list(lora.target_modules)} of "
+          f"{spec.hf_config.get('architectures')}): at that width an adapter is no longer low-rank",
+          f"use a rank such as 8, 16 or 64 (below {narrowest}), or train the full weights (rank: 0)")
 
 
 def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus_per_node: int = 1) -> None:

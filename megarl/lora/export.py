@@ -16,14 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megarl.checkpoint import manifest
 from megarl.config.lora import TARGET_PATHS
 from megarl.errors import UserError
+from megarl.lora.checkpoint import base_differs
 from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
 from megarl.lora.shards import factor_to_hf
 from megarl.models.mapping import param_rules
 from megarl.models.spec import ModelSpec, load_spec
+
+ADAPTER_FILE = "adapter_model.safetensors"
+EXPORT = "megarl_export.json"
+"""Beside a --peft export: the adapter file's size and CRC-32 and the base model's record (lora/base_model.json),
+so that megarl.evaluate refuses a damaged adapter, or one merged onto another base."""
+REEXPORT = "python -m megarl.convert mcore-to-hf --ckpt RUN/step_N/actor --out DIR --peft"
 
 
 def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None) -> None:
@@ -35,9 +44,42 @@ def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None
         raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/rank*.safetensors): it is not the actor of a run "
                         "with actor.lora. Export it without --peft (the full weights).")
     saved = SavedAdapters(files)
-    if base_model is None and (ckpt / LORA_DIR / BASE_MODEL).is_file():
-        base_model = json.loads((ckpt / LORA_DIR / BASE_MODEL).read_text()).get("path")
+    recorded = ckpt / LORA_DIR / BASE_MODEL
+    record = json.loads(recorded.read_text()) if recorded.is_file() else None
+    if base_model is None and record is not None:
+        base_model = record.get("path")
     write_peft(out, load_spec(ckpt), saved.lora, saved.factor, base_model)
+    adapter = manifest.describe(out, [out / ADAPTER_FILE], sync=False)
+    (out / EXPORT).write_text(json.dumps({"adapter": adapter, "base_model": record}, indent=1) + "\n")
+
+
+def check_export(adapter: Path, base: str) -> None:
+    """Refuse the PEFT adapter directory ``adapter`` (``--model``) when its adapter file is not whole, or, for a
+    megarl export, when its file or the base model at ``base`` differ from what the export recorded."""
+    flag = f"--model {adapter}"
+    if (adapter / EXPORT).is_file():
+        try:
+            record = json.loads((adapter / EXPORT).read_text())
+            files, trained_on = dict(record["adapter"]), record["base_model"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UserError(f"{flag}: {EXPORT} is unreadable ({type(err).__name__}: {err}). Fix: export the adapter "
+                            f"again ({REEXPORT}).") from None
+        bad = manifest.problems(adapter, files, files)
+        if bad:
+            raise UserError(f"{flag} is damaged: {bad[0]}. Fix: export the adapter again ({REEXPORT}).")
+        differ = base_differs(trained_on["files"], base) if trained_on and trained_on.get("files") else []
+        if differ:
+            raise UserError(f"{flag} was trained on the base model at {trained_on.get('path')}, whose weight files "
+                            f"differ from {base} (adapter_config.json's base_model_name_or_path) ({differ[:3]}: size "
+                            "or CRC-32); adapters merged onto another base give another policy. Fix: point "
+                            "base_model_name_or_path at the base they were trained on.")
+    if (adapter / ADAPTER_FILE).is_file():
+        try:
+            with safe_open(str(adapter / ADAPTER_FILE), "pt"):
+                pass  # opening checks the header and that every tensor's bytes are there
+        except Exception as err:
+            raise UserError(f"{flag}: {ADAPTER_FILE} is not a whole safetensors file ({type(err).__name__}: {err}); "
+                            "it is truncated or damaged. Fix: export or download the adapter again.") from None
 
 
 def write_peft(out: Path, spec: ModelSpec, lora: dict[str, Any], factor: Callable[[str], list[torch.Tensor]],
@@ -60,7 +102,7 @@ def write_peft(out: Path, spec: ModelSpec, lora: dict[str, Any], factor: Callabl
                 tensors[f"{prefix}.lora_A.weight"] = (a_parts[0] if column else hf_split[hf]).clone()
                 tensors[f"{prefix}.lora_B.weight"] = (hf_split[hf] if column else b_parts[0]).clone()
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
     names = sorted({hf.split(".")[-2] for target in lora["target_modules"]
                     for hf in rules[f"decoder.layers.0.{'.'.join(TARGET_PATHS[target])}.weight"].hf})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": lora["alpha"],

@@ -29,6 +29,7 @@ def _load(gguf: Path) -> tuple[Any, Any]:
         import gguf as _  # noqa: F401
     except ImportError:
         raise UserError("--gguf needs the `gguf` package. Fix: pip install -r requirements.txt.") from None
+    check_whole(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -38,6 +39,26 @@ def _load(gguf: Path) -> tuple[Any, Any]:
         raise UserError(f"--gguf {gguf}: transformers cannot read it ({' '.join(str(err).split())[:600]}). Fix: "
                         f"give a GGUF file of a {'/'.join(ARCHITECTURES)} model.") from None
     return model, tokenizer
+
+
+def check_whole(path: Path) -> None:
+    """Refuse a GGUF file cut short, in its header (the reader's struct.error) or in its tensor data (which
+    transformers reports without saying so), by the byte its last tensor ends at."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    fix = "Fix: download or convert the file again; a partial download is the usual cause."
+    try:
+        tensors = GGUFReader(path).tensors
+    except Exception as err:  # its reads run past the end, or its values are garbage
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return  # not a GGUF at all: transformers names what it is not
+        raise UserError(f"--gguf {path} cannot be read ({type(err).__name__}: {err}); the file ({size} bytes) is "
+                        f"truncated or damaged. {fix}") from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in tensors), default=0)
+    if end > size:
+        raise UserError(f"--gguf {path} is truncated: its tensors end at byte {end}, the file has {size}. {fix}")
 
 
 def hub_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from megarl.config.imports import import_spec
@@ -26,4 +27,19 @@ def load_reward(spec: str, field: str = "trainer.reward") -> RewardFn:
             f"{where}: {module.__name__}.{attr} is a {type(fn).__name__}, not a function. Fix: name a function "
             "fn(completions: list[str], answers: list[str]) -> list[float]."
         )
-    return fn
+    return _named(fn, where)
+
+
+def _named(fn: RewardFn, where: str) -> RewardFn:
+    """``fn``, with an exception it raises turned into one paragraph naming the field that set it."""
+
+    @functools.wraps(fn)
+    def reward(completions: list[str], answers: list[str]) -> list[float]:
+        try:
+            return fn(completions, answers)
+        except Exception as err:
+            raise UserError(f"{where} raised {type(err).__name__}: {err} (scoring {len(completions)} completions). "
+                            "Fix: make it return a score for every completion, e.g. 0.0 for one it cannot parse; "
+                            "MEGARL_DEBUG=1 shows the traceback.") from err
+
+    return reward

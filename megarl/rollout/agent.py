@@ -78,7 +78,7 @@ class AgentLoop:
                  context: int, inert: Callable[[str], str] = str) -> None:
         self.cfg, self.encode, self.decode, self.context, self.inert = cfg, encode, decode, context, inert
         self.pool = ToolPool([load_tool(t.spec, **t.args) for t in cfg.tools], max_workers=cfg.tool_workers,
-                             timeout_s=cfg.tool_timeout_s)
+                             timeout_s=cfg.tool_timeout_s, output_chars=cfg.tool_output_chars)
         # The engine stops at call_end's last token: a call ends there (when the model writes call_end as the
         # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
         end = encode(cfg.call_end)
@@ -223,7 +223,6 @@ class AgentLoop:
                 f"and {self.cfg.call_end}, naming one of {names}")
 
     def close(self) -> None:
-        self.pool.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -261,7 +260,7 @@ class SingleTurn:
 
 def make_rollout(cfg: Any, tokenizer: Any) -> SingleTurn | AgentLoop:
     """The trainer's rollout: ``engine.generate`` without tools, else an AgentLoop over ``cfg.agent.tools``; its
-    ``close`` ends the tools' threads and event loop."""
+    ``close`` ends the tools' event loop (a call still running in its daemon thread is abandoned)."""
     if not cfg.agent.tools:
         return SingleTurn()
     return AgentLoop(cfg.agent, lambda text: tokenizer.encode(text, add_special_tokens=False),

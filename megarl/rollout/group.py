@@ -33,7 +33,7 @@ from megarl.rollout.base import (
     Wake,
 )
 from megarl.rollout.failures import engine_call
-from megarl.run.interrupt import terminal_signals_ignored
+from megarl.run.interrupt import terminal_signals_kept_from_children
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def start_engine(group: EngineGroup, make: Callable[[], RolloutEngine], timeout_
     an engine that hangs while it starts ends the run with an error naming the phase and the deadline."""
     if not group.driver:
         return None
-    with terminal_signals_ignored(), engine_call("start-up", timeout_s):  # Ctrl-C: the trainer stops the engine
+    # Ctrl-C stops the trainer, which stops the engine
+    with terminal_signals_kept_from_children(), engine_call("start-up", timeout_s):
         return make()
 
 

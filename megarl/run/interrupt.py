@@ -8,10 +8,14 @@ runs before the process exits (megarl.run.command.run_main calls ``handle``).
 
 from __future__ import annotations
 
+import _thread
+import os
+import select
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from types import FrameType
 from typing import NoReturn
 
@@ -62,13 +66,55 @@ def handle(stop: Interrupted | KeyboardInterrupt) -> NoReturn:
 
 
 @contextmanager
-def terminal_signals_ignored() -> Iterator[None]:
-    """Processes started in the block (engine workers) ignore SIGINT and SIGHUP, which Ctrl-C and a closed
+def terminal_signals_kept_from_children() -> Iterator[None]:
+    """Processes started in the block (engine workers) never act on SIGINT and SIGHUP, which Ctrl-C and a closed
     terminal send to the whole terminal: the trainer shuts them down itself instead of each printing its own
-    traceback (and megarl.rollout.watchdog kills them if the trainer dies first)."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in TERMINAL}
+    traceback (and megarl.rollout.watchdog kills them if the trainer dies first). The trainer itself still stops.
+
+    The signals are blocked, not ignored, in the main thread while the block runs: children it starts (forked
+    or executed) inherit the blocked mask and keep the signals pending forever. Ignoring them here, as before,
+    made a Ctrl-C during the engine's start-up vanish: the run trained on to the end. The kernel hands a signal
+    the main thread blocks to another thread: one that does not block it runs Python's C handler, which marks it
+    for the main thread and writes its number to the wakeup file descriptor; if every thread blocks it, it waits
+    for ``sigtimedwait``. A thread of ours watches both and wakes the main thread with a signal of its own, so
+    the handler runs at once, whatever system call the main thread waits in. Call it from the main thread, as
+    signal handlers are."""
+    done, main = threading.Event(), threading.main_thread().ident
+    assert main is not None
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+
+    def forward() -> None:  # started below, so it inherits the blocked mask and may wait for the signals
+        while not done.is_set():
+            got = signal.sigtimedwait(TERMINAL, 0)
+            if got is not None:
+                _thread.interrupt_main(signal.Signals(got.si_signo))
+                signal.pthread_kill(main, _WAKE)
+            elif select.select([wake_r], [], [], 0.05)[0]:
+                numbers = os.read(wake_r, 512)
+                if previous_fd >= 0:  # an event loop's own wakeup descriptor: it gets them as before
+                    with suppress(OSError):
+                        os.write(previous_fd, numbers)
+                if any(n in TERMINAL for n in numbers):
+                    signal.pthread_kill(main, _WAKE)
+
+    previous_wake = signal.signal(_WAKE, lambda signum, frame: None)  # a handler, so that it ends system calls
+    previous_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL)
+    forwarder = threading.Thread(target=forward, name="megarl-terminal-signals", daemon=True)
     try:
+        forwarder.start()
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        done.set()
+        forwarder.join()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL)  # one still pending is taken here
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(_WAKE, previous_wake)
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+_WAKE = signal.SIGRTMIN + 5
+"""Sent to the main thread only by the forwarder above, to end the system call it blocks in; no one else uses it
+(glibc reserves the real-time signals below SIGRTMIN)."""

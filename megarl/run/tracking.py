@@ -31,10 +31,15 @@ from megarl.platform.device import host_memory
 class Tracker:
     """Rank 0 logs; every rank times phases (the collective calls inside keep them in step)."""
 
-    def __init__(self, cfg: Config, rank: int, out_dir: Path, start_step: int = 0, run_id: str | None = None
-                 ) -> None:
-        """``run_id``: the mlflow run to continue (a resumed training run), else a new one."""
+    def __init__(self, cfg: Config, rank: int, out_dir: Path, start_step: int = 0, run_id: str | None = None,
+                 unlogged: dict[str, Any] | None = None) -> None:
+        """``run_id``: the mlflow run to continue (a resumed training run), else a new one. ``unlogged``: what the
+        checkpoint of step start_step - 1 holds of that step when its row was not logged (a stop in the
+        evaluation after the save): {"row": the row before it, "evaluate": whether it was due}; the resumed run
+        finishes and logs it."""
         self.cfg, self.rank, self.start_step, self.out_dir = cfg, rank, start_step, out_dir
+        self.unlogged = unlogged
+        first = start_step - 1 if unlogged is not None else start_step  # the first step this run logs
         self.started = time.monotonic()
         self.times: dict[str, float] = {}
         self.memory: dict[str, float] = {}
@@ -45,13 +50,13 @@ class Tracker:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        forget_jsonl_steps(out_dir, start_step)
+        forget_jsonl_steps(out_dir, first)
         self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         from rich.console import Console
 
         self.console = Console(stderr=True, soft_wrap=True)  # one line per step in captured logs too
         if cfg.tracking.backend == "mlflow":
-            self.mlflow = start_mlflow(cfg, out_dir, run_id, start_step)
+            self.mlflow = start_mlflow(cfg, out_dir, run_id, first)
             self.run_id = self.mlflow.active_run().info.run_id
 
     def state_dict(self) -> dict[str, Any]:
@@ -80,15 +85,24 @@ class Tracker:
         key = f"time/{name}"
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
-    def log(self, step: int, batch: Any, metrics: dict[str, float]) -> None:
+    def row(self, step: int, batch: Any, metrics: dict[str, float]) -> dict[str, float]:
+        """Step ``step``'s row as it stands: the batch's statistics, ``metrics`` and the phases' times so far."""
         tokens = sum(len(s) for s in batch.sequences)
+        response_tokens = batch.mask.sum().clamp(min=1)
+        return {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
+                "response_length": float(batch.mask.sum(dim=1).mean()),
+                "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
+                "tokens_per_s": tokens / max(sum(self.times.values()), 1e-9), **metrics, **self.times}
+
+    def log(self, step: int, batch: Any, metrics: dict[str, float]) -> None:
+        self.write(self.row(step, batch, metrics))
+
+    def write(self, row: dict[str, float]) -> None:
+        """Log ``row`` (from ``row``) with the phases' times and memory peaks since the last row."""
+        step = int(row["step"])
         times, self.times = self.times, {}
         memory, self.memory = _max_over_ranks(self.memory), {}
-        response_tokens = batch.mask.sum().clamp(min=1)
-        row = {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
-               "response_length": float(batch.mask.sum(dim=1).mean()),
-               "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
-               "tokens_per_s": tokens / max(sum(times.values()), 1e-9), **metrics, **times, **memory}
+        row = row | times | memory
         self.history.append(row)
         if self.rank != 0:
             return
@@ -170,6 +184,18 @@ def open_store(cfg: Config, out_dir: Path) -> Any:
                         f"{detail}). Fix: set tracking.uri to a writable sqlite:////abs/path/mlflow.db or a reachable "
                         "http(s):// server, null for mlflow.db in checkpoint.dir, or tracking.backend: none.") from err
     return mlflow
+
+
+def logged(out_dir: Path, step: int, rank: int) -> bool:
+    """Whether metrics.jsonl holds step ``step``'s row: rank 0 reads it, every rank gets its answer."""
+    found = [False]
+    path = out_dir / "metrics.jsonl"
+    if rank == 0 and path.is_file():
+        rows, _ = read_jsonl_rows(path, [line for line in path.read_text().splitlines() if line.strip()])
+        found[0] = any(row["step"] == step for row in rows)
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def forget_jsonl_steps(out_dir: Path, start_step: int) -> None:

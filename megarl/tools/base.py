@@ -57,6 +57,9 @@ def load_tool(spec: str, **kwargs: Any) -> Tool:
         tool = cls(**kwargs)
     except TypeError as err:
         raise UserError(f"{where}: {attr}({_show(kwargs)}) failed: {err}. Fix: pass the arguments it takes.") from err
+    except Exception as err:  # the tool's own set-up failed (a file, a service, a sandbox): its words, no traceback
+        raise UserError(f"{where}: {attr}({_show(kwargs)}) raised {type(err).__name__}: {err}. Fix: what it says, "
+                        "or the tool's arguments (agent.tools[].args); MEGARL_DEBUG=1 shows the traceback.") from err
     lacking = [a for a in ("name", "description") if not (isinstance(getattr(tool, a, None), str) and getattr(tool, a))]
     if not callable(getattr(tool, "run", None)):
         lacking.append("run")

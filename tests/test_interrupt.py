@@ -1,0 +1,49 @@
+"""Signals during the engine's start-up: Ctrl-C (SIGINT) and a closed terminal (SIGHUP), sent to the whole
+process group as a terminal does, stop the trainer with its one line and exit code, while the engine processes
+it started do not act on them (the trainer shuts them down itself)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+START_UP = """
+import subprocess, sys, time
+from megarl.rollout.group import EngineGroup, start_engine
+from megarl.run.command import run_main
+from megarl.run.interrupt import install
+
+def make():  # an engine whose start-up starts a process and then takes long
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # its pipes would keep communicate() waiting
+    print(child.pid, flush=True)
+    time.sleep(120)
+
+def main():
+    install()
+    start_engine(EngineGroup(index=0, num_groups=1, size=1, rank_in_group=0, members=(0,), group=None), make, 600)
+    print("started", flush=True)
+
+run_main(main)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_a_terminal_signal_during_engine_start_up_stops_the_trainer_not_its_children(signum):
+    proc = subprocess.Popen([sys.executable, "-c", START_UP], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=os.environ | {"PYTHONPATH": str(REPO)})
+    child = int(proc.stdout.readline())
+    try:
+        os.killpg(proc.pid, signum)  # as the terminal does: the trainer and the engine's processes
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signum, err
+        assert "started" not in out and f"megarl: interrupted by {signal.Signals(signum).name}" in err, err
+        os.kill(child, 0)  # alive: the signal did not reach it
+    finally:
+        proc.kill()
+        os.kill(child, signal.SIGKILL)
