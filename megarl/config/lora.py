@@ -22,7 +22,8 @@ _HF_NAMES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "
 @dataclass(kw_only=True, slots=True)
 class LoraConfig:
     rank: int = 0
-    """Rank r of each adapter: output = W x + scaling * B A x with A [r, in], B [out, r]. 0 = no adapters."""
+    """Rank r of each adapter: output = W x + scaling * B A x with A [r, in], B [out, r]. 0 = no adapters. Must be
+    below the narrowest in or out width of the target layers (checked against the model at start-up)."""
     alpha: float = 16.0
     """Scale numerator: scaling = alpha / r (alpha / sqrt(r) with rslora)."""
     target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
