@@ -356,3 +356,29 @@ def test_informative_groups() -> None:
 
     scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.6])
     assert informative_groups(scores, 3).tolist() == [False, True, False, True]
+
+
+def test_the_decoupled_ppo_loss_of_stale_samples_by_hand() -> None:
+    """async_rl: a sample's tokens come from older weights (the behaviour policy, the engine's logprobs), the
+    trainer's old-logprob pass gives the proximal policy, and the update's ratio is to the proximal one. The loss
+    (Hilton et al. 2021; AReaL) per token is min(pi_prox / pi_behav, cap) x max(-A r, -A clip(r)), r = pi /
+    pi_prox: rollout_correction token_tis feeding policy_loss, token-mean over the response."""
+    from megarl.algos.correction import rollout_correction
+
+    behaviour = torch.tensor([[-1.2, -0.4, -2.0], [-0.3, -0.9, 0.0]], dtype=torch.float64)
+    proximal = torch.tensor([[-0.5, -0.6, -2.1], [-0.35, -0.2, 0.0]], dtype=torch.float64)
+    new = torch.tensor([[-0.3, -0.7, -1.5], [-0.4, -0.25, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-0.5, -0.5, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    algo = AlgorithmConfig(rollout_correction="token_tis", rollout_correction_cap=1.5)
+    weights, kept, _ = rollout_correction(proximal, behaviour, mask, algo)
+    loss, _ = policy_loss(new, proximal, adv, kept, clip_low=0.2, clip_high=0.28, is_weights=weights)
+    total = 0.0
+    for i, j in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
+        w = min(math.exp(proximal[i, j] - behaviour[i, j]), 1.5)
+        r = math.exp(new[i, j] - proximal[i, j])
+        a = float(adv[i, j])
+        total += w * max(-a * r, -a * min(max(r, 0.8), 1.28))
+    assert math.isclose(float(loss), total / 5, rel_tol=1e-12)
+    # Token (0, 0): the engine's weights put it at e^-1.2, the proximal at e^-0.5: w is capped at 1.5, not 2.01.
+    assert float(weights[0, 0]) == 1.5

@@ -6,9 +6,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from megarl.config.algorithm import AlgorithmConfig
+from megarl.config.async_rl import AsyncConfig
 from megarl.config.data import DataConfig
 from megarl.config.eval import EvalConfig
 from megarl.config.experiment import allowed_changes, defines_experiment
@@ -47,6 +48,11 @@ class Config:
     """Held-out evaluation during training (megarl.eval.in_training)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn, tool-using rollouts (megarl.rollout.agent); no tools = single-turn."""
+    async_rl: AsyncConfig = field(default_factory=AsyncConfig)
+    """Rollouts that overlap the updates (megarl.rollout.inflight, docs/async.md); sync by default."""
+
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {
+        "async": "the section is `async_rl` (async is a Python keyword, which no field can be named)."}
 
     def __post_init__(self) -> None:
         for key in allowed_changes(self.checkpoint.allow_changes):  # the whole config knows which keys exist
@@ -96,6 +102,7 @@ class Config:
               f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",
               "raise rollout.max_new_tokens, or use null")
         self._check_truncation()
+        self._check_async()
         self._check_eval()
         self._check_keep_best()
         batch = self.data.num_prompts_per_step * n
@@ -117,6 +124,31 @@ class Config:
                 f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
                 f"raise it to at least {longest} or shorten the rollout limits",
             )
+
+    def _check_async(self) -> None:
+        """colocated_async: what its partial rollouts support, and the correction its stale samples need."""
+        a, algo = self.async_rl, self.algorithm
+        if a.mode == "sync":
+            return
+        wanted = self.data.num_prompts_per_step
+        check(a.in_flight_prompts is None or (a.in_flight_prompts % wanted == 0 and a.in_flight_prompts <= (
+              a.max_staleness + 1) * wanted), "async_rl.in_flight_prompts", a.in_flight_prompts,
+              f"be a multiple of data.num_prompts_per_step = {wanted} and at most (max_staleness + 1) x that = "
+              f"{(a.max_staleness + 1) * wanted}: more could not finish within the staleness bound",
+              "use null (the most the bound allows)")
+        check(a.max_staleness == 0 or algo.rollout_correction != "none", "algorithm.rollout_correction", "none",
+              f"name a correction with async_rl.mode = {a.mode} and max_staleness = {a.max_staleness}: a sample "
+              "drawn by older weights needs its importance weight to the policy being trained (decoupled PPO: the "
+              "engine's logprobs are the behaviour policy, the trainer's old logprobs the proximal one)",
+              "set algorithm.rollout_correction: token_tis (or seq_geomean_tis), or async_rl.max_staleness: 0")
+        for ok, key, value, why, fix in [
+            (not self.agent.tools, "agent.tools", "[...]", "multi-turn samples do not resume from a partial turn yet",
+             "use async_rl.mode: sync with tools"),
+            (not algo.dynamic_sampling, "algorithm.dynamic_sampling", True, "its rounds are the sync loop's",
+             "set algorithm.dynamic_sampling: false, or async_rl.mode: sync"),
+            (not algo.routing_replay, "algorithm.routing_replay", True, "a resumed sample's experts are not joined "
+             "across its chunks yet", "set algorithm.routing_replay: false, or async_rl.mode: sync")]:
+            check(ok, key, value, f"be unset with async_rl.mode = {a.mode}: {why}", fix)
 
     def response_budget(self) -> int:
         """Most tokens of a training response: agent.max_total_tokens with tools (policy and tool tokens), else

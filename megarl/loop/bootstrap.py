@@ -135,6 +135,7 @@ def setup(config_path: str, overrides: Sequence[str]
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
         loader.load_state_dict(state["loader"])
         trainer.kl.load_state_dict(state["kl"])
+        trainer.rollout.load_state_dict(state.get("rollout", {}))  # samples in flight (async_rl)
         trainer.push_weights()  # the engine must generate with the restored weights
         start_step = state["step"] + 1
         run_id = state.get("tracking", {}).get("mlflow_run_id")

@@ -42,6 +42,9 @@ class Batch:
     """MoE with routing replay: each sequence's [len-1, num_layers, k] experts, as the engine routed them."""
     stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Multi-turn rollouts: per-sample [N] statistics by name (megarl.rollout.agent.STATS); empty otherwise."""
+    current: torch.Tensor | None = None
+    """async_rl: [N, T] 1.0 on the response tokens that the weights being trained sampled (the others came from
+    older ones); None = all of them (the sync loop)."""
 
     def as_filler(self) -> Batch:
         """These samples as filler: in the batch, out of the actor's loss."""
@@ -88,7 +91,8 @@ class Batch:
         return Batch(sequences, [self.prompt_lens[i] for i in index], self.mask[rows, :width],
                      self.rollout_logprobs[rows, :width], self.scores[rows], self.informative[rows],
                      None if self.routing is None else [self.routing[i] for i in index],
-                     {k: v[rows] for k, v in self.stats.items()})
+                     {k: v[rows] for k, v in self.stats.items()},
+                     None if self.current is None else self.current[rows, :width])
 
     @staticmethod
     def concat(parts: Sequence[Batch]) -> Batch:
@@ -105,7 +109,8 @@ class Batch:
                      cat("mask"), cat("rollout_logprobs"), torch.cat([p.scores for p in parts]),
                      torch.cat([p.informative for p in parts]),
                      None if any(r is None for r in routed) else [x for r in routed if r is not None for x in r],
-                     {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats})
+                     {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats},
+                     None if any(p.current is None for p in parts) else cat("current"))
 
 
 def actor_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
@@ -123,9 +128,11 @@ def critic_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, float]:
-    """Rollout engine vs trainer log-probabilities of the sampled tokens (a broken weight update shows here)."""
-    diff = (batch.rollout_logprobs - trainer_logprobs).abs() * batch.mask
-    return {"logprob_diff_mean": float(diff.sum() / batch.mask.sum().clamp(min=1)),
+    """Rollout engine vs trainer log-probabilities of the sampled tokens (a broken weight update shows here), over
+    the tokens sampled by the weights the trainer holds: older weights' tokens (async_rl) differ by the update."""
+    mask = batch.mask if batch.current is None else batch.mask * batch.current
+    diff = (batch.rollout_logprobs - trainer_logprobs).abs() * mask
+    return {"logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
             "logprob_diff_max": float(diff.max())}
 
 

@@ -1,5 +1,5 @@
 """The rollout side: the engines (started, put to sleep, woken), generation of a step's batch (dynamic sampling's
-rounds included), the agent loop's tools, and the reward."""
+rounds included, or async_rl's partial rollouts carried across steps), the agent loop's tools, and the reward."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 
 from megarl.algos.shaping import informative_groups
@@ -21,6 +22,7 @@ from megarl.rollout.agent import agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.factory import make_engine
 from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
+from megarl.rollout.inflight import InFlight
 
 EngineState = Literal["asleep", "weights", "awake"]
 
@@ -37,6 +39,11 @@ class RolloutManager:
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.engine: GroupEngine | Any = None
         self.state: EngineState = "awake"  # engines start awake
+        a, wanted = cfg.async_rl, cfg.data.num_prompts_per_step
+        self.in_flight = None if a.mode == "sync" or a.max_staleness == 0 else InFlight(
+            n=cfg.rollout.num_samples_per_prompt, budget=cfg.rollout.max_new_tokens, chunk=a.chunk_tokens,
+            max_staleness=a.max_staleness, capacity=a.in_flight_prompts or (a.max_staleness + 1) * wanted,
+            stale=a.stale, seed=cfg.rollout.seed)
 
     def start(self, group: EngineGroup, kind: Any, aliases: Path | None) -> None:
         """Start this rank's engine group's engine (``aliases``: its parameters that map the actor's memory)."""
@@ -71,6 +78,8 @@ class RolloutManager:
         (Batch.informative). Every rank returns the same batch, and the step's sampling metrics (dynamic
         sampling's, the agent loop's).
         """
+        if self.in_flight is not None:
+            return self._generate_partial(self.in_flight, next_prompts, decode, step)
         algo, r = self.cfg.algorithm, self.cfg.rollout
         n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
         kept: list[Batch] = []
@@ -104,6 +113,41 @@ class RolloutManager:
                 kept.append(filler.select(range((wanted - num_kept) * n)).as_filler())
         batch = Batch.concat(kept)
         return batch, metrics | agent_metrics(batch.stats, batch.mask)
+
+    def _generate_partial(self, pool: InFlight, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any,
+                          step: int) -> tuple[Batch, dict[str, float]]:
+        """async_rl.mode colocated_async: the first data.num_prompts_per_step groups done, generated in chunks by
+        the engines' weights of version ``step`` (and, for groups carried over, older ones); the others stay in
+        flight (megarl.rollout.inflight)."""
+        r, wanted = self.cfg.rollout, self.cfg.data.num_prompts_per_step
+        pool.expire(step)
+        while pool.room() >= wanted:
+            pool.admit([(p.tokens, p.record.answer) for p in next_prompts()], step)
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, seed=r.seed, stop_token_ids=self.stop_ids)
+        with self.times.timed("rollout/engine"):
+            rounds = pool.fill(self.generate_all, params, wanted, step)
+        taken = pool.take(wanted)
+        with self.times.timed("rollout/sleep"):
+            self.sleep()
+        samples = [(g, s) for g in taken for s in g.samples]
+        with self.times.timed("rollout/reward"):
+            scores = self.reward_fn([decode(s.tokens) for _, s in samples], [g.answer for g, _ in samples])
+        check_scores(scores, len(samples), self.cfg.trainer.reward, step)
+        batch = Batch.build([g.prompt for g, _ in samples], [s.tokens for _, s in samples],
+                            [s.logprobs for _, s in samples], scores)
+        batch.current = batch.stack({i: torch.tensor([0.0] * (len(g.prompt) - 1) + [float(v == step)
+                                                                                 for v in s.versions])
+                                     for i, (g, s) in enumerate(samples)})
+        return batch, pool.metrics(taken, step) | {"async/rounds": float(rounds)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side: the samples in flight (async_rl)."""
+        return {} if self.in_flight is None else {"in_flight": self.in_flight.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.in_flight is not None and "in_flight" in state:
+            self.in_flight.load_state_dict(state["in_flight"])
 
     def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
                  ) -> Batch:

@@ -65,9 +65,11 @@ class EngineGroup:
     def share(self, num_prompts: int, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """The prompts of a batch of ``num_prompts`` this engine generates (i, i + number of engines, ...; none off
         its driver) and their sampling: prompt p's j-th sample at params.seed + p * n + j, its place in the whole
-        batch, so that no two samples of the batch share a seed, on whichever engines they run."""
-        assert params.seeds is None, "seeds follow from params.seed and the prompts' places in the batch"
+        batch, so that no two samples of the batch share a seed, on whichever engines they run; or at
+        params.seeds[p] + j where the caller seeds each prompt."""
         mine = list(range(self.index, num_prompts, self.num_groups)) if self.driver else []
+        if params.seeds is not None:  # each prompt's own (partial rollouts: megarl.rollout.inflight)
+            return mine, dataclasses.replace(params, seeds=[params.seeds[p] for p in mine])
         seeds = None if params.seed is None else [params.seed + p * params.n for p in mine]
         return mine, dataclasses.replace(params, seed=None, seeds=seeds)
 

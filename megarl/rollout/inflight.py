@@ -1,0 +1,180 @@
+"""Partial rollouts across weight versions (async_rl.mode: colocated_async): the prompt groups in flight, their
+samples' tokens, logprobs and the weight version that sampled each token.
+
+A round asks the engines for at most ``chunk`` more tokens of every unfinished sample: the request is the prompt
+and the sample's tokens so far, with the budget it has left, so a sample cut at a chunk's end goes on where it
+stopped, under whatever weights the engines hold by then. Every hand-over flushes the engines' prefix caches
+(megarl.rollout.sglang, megarl.rollout.vllm), so a resumed prefix is prefilled again by the new weights: no KV
+computed by older weights is read. A step's batch is the first ``wanted`` groups (in admission order) whose
+samples are all done; the others stay in flight. Before a round, a group whose oldest token is more than
+``max_staleness`` versions older than the engines' weights is dropped or restarted from its prompt
+("regenerate"); so a batch trained by version v holds no token older than v - max_staleness.
+
+Admission follows AReaL's capacity rule: at most (max_staleness + 1) batches' worth of groups in flight, so that
+what is admitted can be consumed before it goes stale. The pool is plain data (``state_dict``): a checkpoint
+holds it, and a resume goes on with exactly the samples an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.rollout.base import Completion, SamplingParams
+
+Generate = Callable[[list[list[int]], SamplingParams], list[Completion]]
+"""An engine's (or all engines') generate: ``params.n`` completions per prompt, in prompt order."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Partial:
+    """One sample in flight."""
+
+    seed: int | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The weight version (updates the engine's weights had had) that sampled each token."""
+    done: bool = False
+    truncated: bool = False
+    """Stopped by the budget, not by a stop token."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Group:
+    """A prompt's samples; ``uid`` orders groups by admission."""
+
+    uid: int
+    prompt: list[int]
+    answer: str
+    admitted: int
+    """The version the group was admitted (or regenerated) under."""
+    samples: list[Partial]
+
+    def done(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    def oldest(self) -> int | None:
+        """The version of its oldest token; None before its first."""
+        return min((s.versions[0] for s in self.samples if s.versions), default=None)
+
+
+class InFlight:
+    """The pool: ``admit`` prompts, ``fill`` a batch of whole groups over rounds of chunks, ``take`` it."""
+
+    def __init__(self, *, n: int, budget: int, chunk: int, max_staleness: int, capacity: int,
+                 stale: Literal["drop", "regenerate"], seed: int | None) -> None:
+        self.n, self.budget, self.chunk, self.max_staleness = n, budget, chunk, max_staleness
+        self.capacity, self.stale, self.seed = capacity, stale, seed
+        self.groups: list[Group] = []
+        self.next_uid = 0
+        self.dropped = 0
+        """Groups dropped as stale since the last ``metrics``."""
+        self.regenerated = 0
+
+    def room(self) -> int:
+        """Groups that may be admitted now."""
+        return max(0, self.capacity - len(self.groups))
+
+    def admit(self, prompts: Sequence[tuple[Sequence[int], str]], version: int) -> None:
+        """New groups of (prompt tokens, reference answer), their samples seeded by their place in the run."""
+        for prompt, answer in prompts:
+            uid = self.next_uid
+            self.next_uid += 1
+            self.groups.append(Group(uid=uid, prompt=list(prompt), answer=answer, admitted=version,
+                                     samples=self._fresh(uid, 0)))
+
+    def _fresh(self, uid: int, attempt: int) -> list[Partial]:
+        base = None if self.seed is None else self.seed + (uid * self.n + attempt * 7919) * 1009
+        return [Partial(seed=None if base is None else base + j) for j in range(self.n)]
+
+    def expire(self, version: int) -> None:
+        """Drop, or restart from the prompt, the groups whose oldest token is past max_staleness at ``version``."""
+        keep = []
+        for g in self.groups:
+            oldest = g.oldest()
+            if oldest is None or version - oldest <= self.max_staleness:
+                keep.append(g)
+            elif self.stale == "drop":
+                self.dropped += 1
+            else:
+                self.regenerated += 1
+                keep.append(dataclasses.replace(g, admitted=version, samples=self._fresh(g.uid, version + 1)))
+        self.groups = keep
+
+    def ready(self) -> int:
+        return sum(g.done() for g in self.groups)
+
+    def round(self, generate: Generate, params: SamplingParams, version: int) -> int:
+        """One chunk of every unfinished sample under the weights of ``version``; returns the tokens generated.
+        ``params``: the run's sampling (its n, seed and max_new_tokens are the pool's to set)."""
+        todo = [(g, s) for g in self.groups for s in g.samples if not s.done]
+        by_budget: dict[int, list[tuple[Group, Partial]]] = {}
+        for g, s in todo:
+            by_budget.setdefault(min(self.chunk, self.budget - len(s.tokens)), []).append((g, s))
+        made = 0
+        for limit, items in sorted(by_budget.items()):
+            seeds = None if params.seed is None else [self._chunk_seed(s) for _, s in items]
+            call = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=None, seeds=seeds)
+            out = generate([g.prompt + s.tokens for g, s in items], call)
+            assert len(out) == len(items), "one completion per request"
+            for c in out:
+                g, s = items[c.prompt_index]
+                s.tokens += c.token_ids
+                s.logprobs += c.logprobs
+                s.versions += [version] * len(c.token_ids)
+                made += len(c.token_ids)
+                if c.finish_reason == "stop" or len(s.tokens) >= self.budget:
+                    s.done, s.truncated = True, c.finish_reason != "stop"
+        return made
+
+    def _chunk_seed(self, s: Partial) -> int:
+        """A sample's seed for its next chunk: its own, moved on by the tokens it has (no chunk replays another's
+        random stream)."""
+        assert s.seed is not None
+        return (s.seed + 104729 * len(s.tokens)) % 2**31
+
+    def fill(self, generate: Generate, params: SamplingParams, wanted: int, version: int,
+             until_all: bool = False) -> int:
+        """Rounds until ``wanted`` groups are done (every group, ``until_all``); returns the rounds run."""
+        rounds = 0
+        while (self.ready() < len(self.groups)) if until_all else (self.ready() < wanted):
+            if not any(not s.done for g in self.groups for s in g.samples):
+                raise RuntimeError(f"{self.ready()} groups done, {wanted} wanted, none in flight: admit more first")
+            self.round(generate, params, version)
+            rounds += 1
+        return rounds
+
+    def take(self, wanted: int) -> list[Group]:
+        """The first ``wanted`` done groups in admission order, out of the pool."""
+        taken = [g for g in self.groups if g.done()][:wanted]
+        assert len(taken) == wanted, f"{len(taken)} groups done, {wanted} wanted"
+        uids = {g.uid for g in taken}
+        self.groups = [g for g in self.groups if g.uid not in uids]
+        return taken
+
+    def metrics(self, taken: Sequence[Group], version: int) -> dict[str, float]:
+        """async/*: the taken samples' staleness (versions behind ``version``, the weights that train them) at
+        their oldest token, mean and max; versions a sample spans; the share of samples spanning several; the
+        groups dropped or regenerated as stale since the last call; and what stays in flight."""
+        samples = [s for g in taken for s in g.samples]
+        lag = [version - min(s.versions) for s in samples if s.versions]
+        spans = [len(set(s.versions)) for s in samples if s.versions]
+        out = {"async/staleness_mean": sum(lag) / max(len(lag), 1), "async/staleness_max": float(max(lag, default=0)),
+               "async/versions_per_sample": sum(spans) / max(len(spans), 1),
+               "async/mixed_version_share": sum(x > 1 for x in spans) / max(len(spans), 1),
+               "async/dropped_stale": float(self.dropped), "async/regenerated_stale": float(self.regenerated),
+               "async/in_flight_prompts": float(len(self.groups)),
+               "async/in_flight_tokens": float(sum(len(s.tokens) for g in self.groups for s in g.samples))}
+        self.dropped = self.regenerated = 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"groups": [dataclasses.asdict(g) for g in self.groups], "next_uid": self.next_uid,
+                "dropped": self.dropped, "regenerated": self.regenerated}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.groups = [Group(**{**g, "samples": [Partial(**s) for s in g["samples"]]}) for g in state["groups"]]
+        self.next_uid, self.dropped, self.regenerated = state["next_uid"], state["dropped"], state["regenerated"]
