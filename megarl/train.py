@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
             if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
                 # The step's row goes with its checkpoint: a run stopped before the row is logged (in the
                 # evaluation below, by a signal or an error) finishes and logs it when it resumes.
-                state = {"loader": loader.state_dict(), "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
-                         "rollout": trainer.rollout.state_dict(),  # partial samples in flight (async_rl)
+                state = trainer.rollout.snapshot(loader) | {  # the data cursor and the samples in flight
+                         "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
                          "config": cfg.to_flat_dict(),  # a resume compares the experiment with it
                          "unlogged": {"row": tracker.row(step, batch, trained), "evaluate": evaluate}}
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,

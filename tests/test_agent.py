@@ -537,7 +537,7 @@ def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPa
         fake = SimpleNamespace(engine=SimpleNamespace(group=group, generate=engine.generate), state="awake",
                                _rollout_loop=loop(Echo) if tools else SingleTurn(), _host_group=None,
                                groups=SimpleNamespace(dims=SimpleNamespace(world_size=1)))
-        done = RolloutManager.generate_all(fake, prompts, params)  # type: ignore[arg-type]
+        done = RolloutManager._generate_all(fake, prompts, params)  # type: ignore[arg-type]
         assert sorted({c.prompt_index for c in done}) == list(range(g, 5, 3))
         engines.append(engine)
         firsts += zip([p * 4 + j for p in range(g, 5, 3) for j in range(4)], engine.seeds[0], strict=True)

@@ -1,16 +1,22 @@
-"""async_rl's pool of partial rollouts (megarl.rollout.inflight) against a scripted engine whose samples stop at
-random lengths, as real ones do: the staleness bound holds for every sample of every batch, no prompt is trained
-twice or lost, and a pool saved mid-run and loaded again goes on exactly as the uninterrupted one."""
+"""async_rl's pool of partial rollouts (megarl.rollout.inflight) and separate's generation thread
+(megarl.rollout.producer) against a scripted engine whose samples stop at random lengths and whose calls take
+random times, as real ones do: the staleness bound holds for every sample of every batch, no prompt is trained
+twice or lost, a push never overlaps a round, a hung or failed engine is a named error, and a pool saved mid-run
+and loaded again goes on exactly as the uninterrupted one."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import pytest
 
+from megarl.errors import UserError
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.inflight import InFlight
+from megarl.rollout.producer import Producer
 
 
 class ScriptedEngine:
@@ -44,7 +50,7 @@ def run(pool: InFlight, engine: ScriptedEngine, steps: range, wanted: int, promp
     params = SamplingParams(temperature=1.0, seed=5)
     for step in steps:
         pool.expire(step)
-        while pool.room() >= wanted:
+        while pool.room(step) >= wanted:
             pool.admit([(prompts[i], str(i)) for i in range(cursor[0], cursor[0] + wanted)], step)
             cursor[0] += wanted
         pool.fill(engine.generate, params, wanted, step)
@@ -58,7 +64,7 @@ def test_no_batch_holds_a_token_older_than_the_bound_and_no_prompt_is_trained_tw
     staleness, wanted, n = rng.choice([1, 2, 3]), rng.choice([2, 4]), rng.choice([2, 4])
     stale = rng.choice(["drop", "regenerate"])
     prompts = [[7] * rng.randint(1, 9) for _ in range(400)]
-    pool = InFlight(n=n, budget=40, chunk=rng.choice([3, 8]), max_staleness=staleness,
+    pool = InFlight(n=n, budget=40, chunk=rng.choice([3, 8]), max_staleness=staleness, batch=wanted,
                     capacity=(staleness + 1) * wanted, stale=stale, seed=11)
     cursor = [0]
     taken = run(pool, ScriptedEngine(stop=rng.choice([0.02, 0.1])), range(20), wanted, prompts, cursor)
@@ -83,7 +89,7 @@ def test_a_pool_saved_mid_run_goes_on_as_the_uninterrupted_one():
     prompts = [[3] * (1 + i % 7) for i in range(200)]
 
     def make() -> InFlight:
-        return InFlight(n=4, budget=30, chunk=4, max_staleness=2, capacity=12, stale="regenerate", seed=3)
+        return InFlight(n=4, budget=30, chunk=4, max_staleness=2, batch=4, capacity=12, stale="regenerate", seed=3)
 
     whole, cursor = make(), [0]
     expected = run(whole, ScriptedEngine(stop=0.05), range(10), 4, prompts, cursor)
@@ -103,7 +109,7 @@ def test_a_pool_saved_mid_run_goes_on_as_the_uninterrupted_one():
 
 
 def test_metrics_count_staleness_versions_and_what_stays_in_flight():
-    pool = InFlight(n=2, budget=10, chunk=4, max_staleness=2, capacity=4, stale="drop", seed=0)
+    pool = InFlight(n=2, budget=10, chunk=4, max_staleness=2, batch=1, capacity=4, stale="drop", seed=0)
     pool.admit([([1], "a"), ([2], "b")], version=0)
     pool.groups[0].samples[0].tokens, pool.groups[0].samples[0].versions = [5, 6, 7], [0, 0, 1]
     pool.groups[0].samples[1].tokens, pool.groups[0].samples[1].versions = [5], [2]
@@ -117,3 +123,75 @@ def test_metrics_count_staleness_versions_and_what_stays_in_flight():
     assert m["async/staleness_mean"] == 1.5 and m["async/staleness_max"] == 2
     assert m["async/versions_per_sample"] == 1.5 and m["async/mixed_version_share"] == 0.5
     assert m["async/dropped_stale"] == 0 and m["async/in_flight_prompts"] == 1 and m["async/in_flight_tokens"] == 4
+
+
+class SlowEngine(ScriptedEngine):
+    """The scripted engine, taking a random while per call, that fails the test if a weight push overlaps a call."""
+
+    def __init__(self, stop: float, seed: int) -> None:
+        super().__init__(stop)
+        self.rng, self.pushing = random.Random(seed), False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        assert not self.pushing, "a round ran during a weight push"
+        time.sleep(self.rng.uniform(0, 0.004))
+        out = super().generate(prompts, params)
+        assert not self.pushing, "a weight push began during a round"
+        return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_separate_generation_keeps_the_bound_whatever_the_timing(seed):
+    """async_rl separate: the producer thread generates while the 'learner' sleeps a random while per step; a
+    push pauses it between rounds. Timing decides how stale each batch is, never beyond the bound."""
+    rng = random.Random(seed)
+    staleness, wanted = rng.choice([1, 2]), 3
+    pool = InFlight(n=2, budget=12, chunk=rng.choice([2, 5]), max_staleness=staleness, batch=wanted,
+                    capacity=(staleness + 1) * wanted, stale=rng.choice(["drop", "regenerate"]), seed=1)
+    engine, cursor = SlowEngine(stop=0.1, seed=seed), [0]
+
+    def admit(version: int) -> None:
+        while pool.room(version) >= wanted:
+            pool.admit([([5] * (1 + (cursor[0] + i) % 4), str(cursor[0] + i)) for i in range(wanted)], version)
+            cursor[0] += wanted
+
+    producer = Producer(pool, engine.generate, SamplingParams(seed=3), admit, timeout_s=30)
+    producer.start(0)
+    trained: list[int] = []
+    try:
+        for step in range(25):
+            groups = producer.take(wanted, step)
+            assert all(step - s.versions[0] <= staleness for g in groups for s in g.samples)
+            trained += [int(g.answer) for g in groups]
+            time.sleep(rng.uniform(0, 0.01))  # the update
+            with producer.paused("the weight push"):
+                engine.pushing = True
+                time.sleep(0.001)
+                engine.pushing = False
+                producer.version += 1
+    finally:
+        producer.close()
+    assert producer.error is None
+    assert len(trained) == len(set(trained)) == 25 * wanted
+
+
+def test_a_hung_or_failed_engine_round_is_a_named_error_not_a_hang():
+    release = threading.Event()
+
+    def hung(prompts, params):
+        release.wait(10)
+        raise RuntimeError("engine process died")
+
+    pool = InFlight(n=1, budget=4, chunk=4, max_staleness=1, batch=1, capacity=2, stale="drop", seed=None)
+    producer = Producer(pool, hung, SamplingParams(), lambda v: pool.admit([([1], "a")], v) if not pool.groups
+                        else None, timeout_s=0.3)
+    producer.start(0)
+    time.sleep(0.1)
+    with pytest.raises(UserError, match=r"the weight push: the engine's round in progress did not end in 0.3 s"):
+        with producer.paused("the weight push"):
+            pass
+    release.set()  # the engine's call now fails: the next wait names its error
+    time.sleep(0.1)
+    with pytest.raises(RuntimeError, match="engine process died"):
+        producer.take(1, 0)
+    producer.close()

@@ -249,3 +249,18 @@ def test_plan_matches_the_update_peaks_of_the_chunked_and_full_paths(tmp_path, n
             assert row["update_peak_gib"] < planned < 1.3 * row["update_peak_gib"], row
         else:
             assert planned == pytest.approx(row["update_peak_gib"], rel=0.1), (planned, row)
+
+
+def test_separate_generation_keeps_the_engine_in_every_phase(tmp_path):
+    """async_rl separate: the engine never sleeps, so the update and the hand-over plan it awake beside the trainer
+    (the sync plan has only what a sleeping engine keeps)."""
+    spec = llama8b_body(tmp_path, layers=8)
+    dims = ParallelDims(tp=2, pp=1, dp=1)
+    _, sync = plan_for("recipes/qwen3_8b_grpo.yaml", spec, dims, "rollout.gpu_memory_fraction=0.3")
+    _, separate = plan_for("recipes/qwen3_8b_grpo.yaml", spec, dims, "rollout.gpu_memory_fraction=0.3",
+                             "async_rl.mode=separate", "algorithm.rollout_correction=token_tis")
+    awake = separate.phases["generate"]["engine awake"]
+    assert awake > 0.25 * H200
+    for phase in ("actor_update", "handover"):
+        assert separate.phases[phase]["engine awake"] == awake and "engines asleep" not in separate.phases[phase]
+        assert separate.total(phase) - sync.total(phase) > 0.2 * H200

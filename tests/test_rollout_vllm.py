@@ -355,7 +355,8 @@ def test_a_greedy_partial_rollout_resumed_chunk_by_chunk_equals_the_whole_one(en
     from megarl.rollout.inflight import InFlight
 
     whole = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=23))
-    pool = InFlight(n=1, budget=23, chunk=5, max_staleness=1, capacity=len(PROMPTS), stale="drop", seed=None)
+    pool = InFlight(n=1, budget=23, chunk=5, max_staleness=1, batch=len(PROMPTS), capacity=len(PROMPTS), stale="drop",
+                    seed=None)
     pool.admit([(p, "") for p in PROMPTS], version=0)
     rounds = pool.fill(engine.generate, SamplingParams(temperature=0), wanted=len(PROMPTS), version=0)
     assert rounds == -(-max(len(c.token_ids) for c in whole) // 5)  # a round per chunk of the longest

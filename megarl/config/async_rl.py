@@ -12,12 +12,13 @@ from megarl.config.yaml_io import check
 
 @dataclass(kw_only=True, slots=True)
 class AsyncConfig:
-    mode: Literal["sync", "colocated_async"] = "sync"
+    mode: Literal["sync", "colocated_async", "separate"] = "sync"
     """sync: every step generates its batch with the weights it trains, and waits for its slowest sample.
     colocated_async: the engines keep more prompts in flight than a batch needs and generate in chunks of
     chunk_tokens; once enough whole groups are done, the batch trains, and the unfinished samples keep their
-    tokens, logprobs and weight versions and continue under the next weights (partial rollouts). Engines on GPUs
-    of their own (verl's fully async, AReaL) are not here yet."""
+    tokens, logprobs and weight versions and continue under the next weights (partial rollouts). separate: the
+    engine never sleeps and generates while the learner trains, pausing between chunks only for a weight push
+    (one process for now: the engine shares the trainer's device, with a memory fraction of its own)."""
     max_staleness: int = 1
     """Most weight versions a sample's oldest token may lag the weights its batch trains (0 = the sync loop's
     batches). A group past it is dropped or generated again (stale)."""

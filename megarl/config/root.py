@@ -141,6 +141,12 @@ class Config:
               "drawn by older weights needs its importance weight to the policy being trained (decoupled PPO: the "
               "engine's logprobs are the behaviour policy, the trainer's old logprobs the proximal one)",
               "set algorithm.rollout_correction: token_tis (or seq_geomean_tis), or async_rl.max_staleness: 0")
+        check(a.mode != "separate" or self.rollout.alias_weights is not True, "rollout.alias_weights", True,
+              "be auto or false with async_rl.mode = separate: the engine generates while the learner updates, so "
+              "it must hold its own copy of the weights", "set rollout.alias_weights: auto (off in this mode)")
+        check(a.mode != "separate" or a.max_staleness >= 1, "async_rl.max_staleness", a.max_staleness,
+              "be >= 1 with async_rl.mode = separate: the engine generates with the weights of the step before",
+              "set async_rl.max_staleness: 1 (one-step-off) or more")
         for ok, key, value, why, fix in [
             (not self.agent.tools, "agent.tools", "[...]", "multi-turn samples do not resume from a partial turn yet",
              "use async_rl.mode: sync with tools"),

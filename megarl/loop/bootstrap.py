@@ -46,6 +46,9 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
           "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
     check_lora_rank(cfg.actor.lora, spec)
+    check(cfg.async_rl.mode != "separate" or world == 1, "async_rl.mode", "separate",
+          f"run on one process for now (the world has {world}): its generation thread drives the engine beside "
+          "the learner's collectives", "use async_rl.mode: colocated_async on several GPUs")
     for i, tool in enumerate(cfg.agent.tools):  # here, not in the workers that build them
         import_spec(tool.spec, f"agent.tools[{i}].spec = {tool.spec!r}", "Class")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from megarl.algos.shaping import informative_groups
 from megarl.config import Config
 from megarl.data.batching import TokenizedPrompt
 from megarl.distributed.parallel import ParallelGroups
+from megarl.loop.partial_rollouts import PartialRollouts
 from megarl.loop.rl_step import Batch, check_scores, shaped_scores
 from megarl.loop.timing import PartTimes
 from megarl.rewards.registry import load_reward
@@ -22,7 +24,7 @@ from megarl.rollout.agent import agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.factory import make_engine
 from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
-from megarl.rollout.inflight import InFlight
+from megarl.rollout.inflight import Group
 
 EngineState = Literal["asleep", "weights", "awake"]
 
@@ -39,11 +41,10 @@ class RolloutManager:
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.engine: GroupEngine | Any = None
         self.state: EngineState = "awake"  # engines start awake
-        a, wanted = cfg.async_rl, cfg.data.num_prompts_per_step
-        self.in_flight = None if a.mode == "sync" or a.max_staleness == 0 else InFlight(
-            n=cfg.rollout.num_samples_per_prompt, budget=cfg.rollout.max_new_tokens, chunk=a.chunk_tokens,
-            max_staleness=a.max_staleness, capacity=a.in_flight_prompts or (a.max_staleness + 1) * wanted,
-            stale=a.stale, seed=cfg.rollout.seed)
+        a = cfg.async_rl
+        self.partial = None if a.mode == "sync" or a.max_staleness == 0 else PartialRollouts(cfg, stop_ids, times)
+        self.separate = a.mode == "separate"
+        """The engine never sleeps: it generates while the learner trains."""
 
     def start(self, group: EngineGroup, kind: Any, aliases: Path | None) -> None:
         """Start this rank's engine group's engine (``aliases``: its parameters that map the actor's memory)."""
@@ -54,12 +55,14 @@ class RolloutManager:
 
     def close(self) -> None:
         """Stop the engine before this process ends (its processes still map the actor's memory), and the tools."""
+        if self.partial is not None:
+            self.partial.close()
         self.engine.shutdown()
         self._rollout_loop.close()
 
     def sleep(self) -> None:
         """Colocation: the trainer gets the engine's memory until the next hand-over wakes it."""
-        if self.state != "asleep":
+        if self.state != "asleep" and not self.separate:
             self.engine.sleep()
             self.state = "asleep"
 
@@ -78,8 +81,12 @@ class RolloutManager:
         (Batch.informative). Every rank returns the same batch, and the step's sampling metrics (dynamic
         sampling's, the agent loop's).
         """
-        if self.in_flight is not None:
-            return self._generate_partial(self.in_flight, next_prompts, decode, step)
+        if self.partial is not None:
+            taken, pool_metrics = self.partial.take(self._generate_here if self.separate else self._generate_all,
+                                                    next_prompts, step)
+            with self.times.timed("rollout/sleep"):
+                self.sleep()
+            return self._scored(taken, decode, step), pool_metrics
         algo, r = self.cfg.algorithm, self.cfg.rollout
         n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
         kept: list[Batch] = []
@@ -114,22 +121,8 @@ class RolloutManager:
         batch = Batch.concat(kept)
         return batch, metrics | agent_metrics(batch.stats, batch.mask)
 
-    def _generate_partial(self, pool: InFlight, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any,
-                          step: int) -> tuple[Batch, dict[str, float]]:
-        """async_rl.mode colocated_async: the first data.num_prompts_per_step groups done, generated in chunks by
-        the engines' weights of version ``step`` (and, for groups carried over, older ones); the others stay in
-        flight (megarl.rollout.inflight)."""
-        r, wanted = self.cfg.rollout, self.cfg.data.num_prompts_per_step
-        pool.expire(step)
-        while pool.room() >= wanted:
-            pool.admit([(p.tokens, p.record.answer) for p in next_prompts()], step)
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, seed=r.seed, stop_token_ids=self.stop_ids)
-        with self.times.timed("rollout/engine"):
-            rounds = pool.fill(self.generate_all, params, wanted, step)
-        taken = pool.take(wanted)
-        with self.times.timed("rollout/sleep"):
-            self.sleep()
+    def _scored(self, taken: list[Group], decode: Any, step: int) -> Batch:
+        """async_rl: the batch of the groups a step takes, scored, with the tokens of older weights marked."""
         samples = [(g, s) for g in taken for s in g.samples]
         with self.times.timed("rollout/reward"):
             scores = self.reward_fn([decode(s.tokens) for _, s in samples], [g.answer for g, _ in samples])
@@ -139,15 +132,29 @@ class RolloutManager:
         batch.current = batch.stack({i: torch.tensor([0.0] * (len(g.prompt) - 1) + [float(v == step)
                                                                                  for v in s.versions])
                                      for i, (g, s) in enumerate(samples)})
-        return batch, pool.metrics(taken, step) | {"async/rounds": float(rounds)}
+        return batch
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the rollout side: the samples in flight (async_rl)."""
-        return {} if self.in_flight is None else {"in_flight": self.in_flight.state_dict()}
+    def _generate_here(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """generate_all on a world of one process, without its collective: separate's thread calls it beside the
+        learner's collectives."""
+        assert self.groups.dims.world_size == 1, "async_rl.mode separate runs on one process"
+        _, seeded = self.engine.group.share(len(prompts), params)
+        return sorted(self._rollout_loop.generate(self.engine, prompts, seeded), key=lambda c: c.prompt_index)
+
+    def pushing(self) -> Any:
+        """Around a weight push (separate: generation pauses between chunks for it)."""
+        return self.partial.pushing() if self.partial is not None else nullcontext()
+
+    def snapshot(self, loader: Any) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side, read together: the data loader's cursor and the samples in
+        flight (async_rl)."""
+        with self.partial.consistent() if self.partial is not None else nullcontext():
+            return {"loader": loader.state_dict(),
+                    "rollout": {} if self.partial is None else {"in_flight": self.partial.state_dict()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.in_flight is not None and "in_flight" in state:
-            self.in_flight.load_state_dict(state["in_flight"])
+        if self.partial is not None and "in_flight" in state:
+            self.partial.load_state_dict(state["in_flight"])
 
     def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
                  ) -> Batch:
@@ -170,7 +177,13 @@ class RolloutManager:
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
-        prompts i, i + number of engines, ... (EngineGroup.share: each sample at params.seed + its place)."""
+        prompts i, i + number of engines, ... (EngineGroup.share: each sample at params.seed + its place). With
+        async_rl separate, the generation thread pauses meanwhile (an evaluation's calls)."""
+        producer = None if self.partial is None else self.partial.producer
+        with producer.paused("the evaluation") if producer is not None else nullcontext():
+            return self._generate_all(prompts, params)
+
+    def _generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         assert self.state == "awake", "a hand-over wakes the engine before every rollout"
         mine, seeded = self.engine.group.share(len(prompts), params)
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])

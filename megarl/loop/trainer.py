@@ -88,14 +88,16 @@ class RLTrainer:
         return self.learner.update_critic(batch, extras, step, mask)
 
     def push_weights(self) -> None:
-        self.sync.push(self.learner, self.rollout)
+        with self.rollout.pushing():
+            self.sync.push(self.learner, self.rollout)
 
     def trained_models(self) -> dict[str, MegatronModel]:
         return self.learner.trained_models()
 
     def hold_for_checkpoint(self, role: str) -> None:
         """Before a checkpoint reads or writes ``role`` (the engine asleep): its whole state on the device."""
-        assert self.rollout.state == "asleep", "checkpoints are written and read while the engine sleeps"
+        assert self.rollout.state == "asleep" or self.rollout.separate, \
+            "checkpoints are written and read while the engine sleeps (async_rl separate: it never does)"
         self.learner.hold_for_checkpoint(role)
 
     def step_metrics(self) -> dict[str, float]:

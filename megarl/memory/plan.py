@@ -276,7 +276,15 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     te = cfg.model.transformer_engine
     masked = te == "off" or (te == "auto" and (importlib.util.find_spec("transformer_engine") is None
                                               or cfg.actor.lora_on()))  # LoRA adapts the local layers only
-    asleep = {"engines asleep": ENGINE_ASLEEP}  # engines never share a GPU: engine g spans its group's GPUs
+    # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
+    at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
+    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start)
+    if cfg.rollout.engine == "sglang":
+        engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
+    else:
+        engine = int(plan.engine_fraction * gpu_bytes)
+    # Engines never share a GPU (engine g spans its group's GPUs); async_rl separate's never sleeps.
+    asleep = {"engine awake": engine} if cfg.async_rl.mode == "separate" else {"engines asleep": ENGINE_ASLEEP}
     # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
     plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
         "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, entropy,
@@ -285,16 +293,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
             "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, False, logits=False,
                                                                   segment_mask=masked), critic.step_scratch)}) | asleep
-    # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
-    at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
-    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start)
-    if cfg.rollout.engine == "sglang":
-        engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
-    else:
-        engine = int(plan.engine_fraction * gpu_bytes)
     # The hand-over: the engine's weights awake (its KV cache not yet), next to the actor's.
-    plan.phases["handover"] = with_overhead(resident("handover"), "handover") | {
-        "engine weights": int(engine_rank * (1 - aliased)), "engines asleep": ENGINE_ASLEEP}
+    plan.phases["handover"] = with_overhead(resident("handover"), "handover") | ({"engine awake": engine} if
+        cfg.async_rl.mode == "separate" else {"engine weights": int(engine_rank * (1 - aliased)),
+                                              "engines asleep": ENGINE_ASLEEP})
     plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
     # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
     held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "generate")]

@@ -56,8 +56,10 @@ def aliases_weights(cfg: Config, spec: ModelSpec, dims: ParallelDims, plan: Plan
     rollout.alias_weights does not apply; rollout.alias_weights: true where too little can alias is an error.
     ``plan``: the run's hand-over plan (None: one data-parallel replica's, which every replica repeats)."""
     mode, r = cfg.rollout.alias_weights, cfg.rollout.tensor_parallel
-    if mode is False or cfg.rollout.engine != "sglang" or cfg.actor.lora_on():
-        return 0.0  # a LoRA actor hands over merged weights W + s B A, which no tensor of the actor holds
+    if mode is False or cfg.rollout.engine != "sglang" or cfg.actor.lora_on() or cfg.async_rl.mode == "separate":
+        # A LoRA actor hands over merged weights W + s B A, which no tensor of the actor holds; an engine that
+        # generates while the learner updates must not read the weights being updated.
+        return 0.0
     if plan is None and (dims.tp * dims.pp) % r == 0:
         plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=1), r, element_size=1,
                          vocab_pad_multiple=cfg.model.vocab_pad_multiple)

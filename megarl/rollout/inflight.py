@@ -10,8 +10,9 @@ samples are all done; the others stay in flight. Before a round, a group whose o
 ``max_staleness`` versions older than the engines' weights is dropped or restarted from its prompt
 ("regenerate"); so a batch trained by version v holds no token older than v - max_staleness.
 
-Admission follows AReaL's capacity rule: at most (max_staleness + 1) batches' worth of groups in flight, so that
-what is admitted can be consumed before it goes stale. The pool is plain data (``state_dict``): a checkpoint
+Admission follows AReaL's capacity rule: a group is admitted under version v only if the groups taken so far and
+in flight, with it, fit in the batches of steps up to v + max_staleness, so that it can be trained before it goes
+stale (and at most ``capacity`` groups are in flight). The pool is plain data (``state_dict``): a checkpoint
 holds it, and a resume goes on with exactly the samples an uninterrupted run would have.
 """
 
@@ -64,19 +65,23 @@ class Group:
 class InFlight:
     """The pool: ``admit`` prompts, ``fill`` a batch of whole groups over rounds of chunks, ``take`` it."""
 
-    def __init__(self, *, n: int, budget: int, chunk: int, max_staleness: int, capacity: int,
+    def __init__(self, *, n: int, budget: int, chunk: int, max_staleness: int, batch: int, capacity: int,
                  stale: Literal["drop", "regenerate"], seed: int | None) -> None:
+        """``batch``: the groups a step takes; ``capacity``: the most in flight at once."""
         self.n, self.budget, self.chunk, self.max_staleness = n, budget, chunk, max_staleness
-        self.capacity, self.stale, self.seed = capacity, stale, seed
+        self.batch, self.capacity, self.stale, self.seed = batch, capacity, stale, seed
         self.groups: list[Group] = []
         self.next_uid = 0
+        self.taken = 0
+        """Groups taken for training so far."""
         self.dropped = 0
         """Groups dropped as stale since the last ``metrics``."""
         self.regenerated = 0
 
-    def room(self) -> int:
-        """Groups that may be admitted now."""
-        return max(0, self.capacity - len(self.groups))
+    def room(self, version: int) -> int:
+        """Groups that may be admitted under the weights of ``version``."""
+        return max(0, min(self.capacity, (version + self.max_staleness + 1) * self.batch - self.taken)
+                   - len(self.groups))
 
     def admit(self, prompts: Sequence[tuple[Sequence[int], str]], version: int) -> None:
         """New groups of (prompt tokens, reference answer), their samples seeded by their place in the run."""
@@ -153,6 +158,7 @@ class InFlight:
         assert len(taken) == wanted, f"{len(taken)} groups done, {wanted} wanted"
         uids = {g.uid for g in taken}
         self.groups = [g for g in self.groups if g.uid not in uids]
+        self.taken += len(taken)
         return taken
 
     def metrics(self, taken: Sequence[Group], version: int) -> dict[str, float]:
@@ -173,8 +179,9 @@ class InFlight:
 
     def state_dict(self) -> dict[str, Any]:
         return {"groups": [dataclasses.asdict(g) for g in self.groups], "next_uid": self.next_uid,
-                "dropped": self.dropped, "regenerated": self.regenerated}
+                "taken": self.taken, "dropped": self.dropped, "regenerated": self.regenerated}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.groups = [Group(**{**g, "samples": [Partial(**s) for s in g["samples"]]}) for g in state["groups"]]
-        self.next_uid, self.dropped, self.regenerated = state["next_uid"], state["dropped"], state["regenerated"]
+        self.next_uid, self.taken = state["next_uid"], state["taken"]
+        self.dropped, self.regenerated = state["dropped"], state["regenerated"]

@@ -1,0 +1,75 @@
+"""async_rl's rollout side, between the pool of samples in flight (megarl.rollout.inflight) and the loop: which
+groups a step trains, generated in the step (colocated_async) or by a thread that runs while the learner trains
+(separate, megarl.rollout.producer). docs/async.md has the modes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from megarl.config import Config
+from megarl.data.batching import TokenizedPrompt
+from megarl.loop.timing import PartTimes
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.inflight import Generate, Group, InFlight
+from megarl.rollout.producer import Producer
+
+
+class PartialRollouts:
+    def __init__(self, cfg: Config, stop_ids: tuple[int, ...], times: PartTimes) -> None:
+        a, r, wanted = cfg.async_rl, cfg.rollout, cfg.data.num_prompts_per_step
+        self.separate, self.wanted, self.times, self.timeout_s = a.mode == "separate", wanted, times, \
+            r.timeout_minutes * 60
+        self.pool = InFlight(n=r.num_samples_per_prompt, budget=r.max_new_tokens, chunk=a.chunk_tokens,
+                             max_staleness=a.max_staleness, batch=wanted,
+                             capacity=a.in_flight_prompts or (a.max_staleness + 1) * wanted, stale=a.stale, seed=r.seed)
+        self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                     max_new_tokens=r.max_new_tokens, seed=r.seed, stop_token_ids=stop_ids)
+        self.producer: Producer | None = None
+
+    def take(self, generate: Generate, next_prompts: Callable[[], list[TokenizedPrompt]], step: int
+             ) -> tuple[list[Group], dict[str, float]]:
+        """The groups step ``step`` trains (the engines hold the weights of version ``step``), and async/*."""
+        def admit(version: int) -> None:
+            while self.pool.room(version) >= self.wanted:
+                self.pool.admit([(p.tokens, p.record.answer) for p in next_prompts()], version)
+
+        if self.separate:
+            if self.producer is None:  # the first step (or the first after a resume) starts the generation
+                self.producer = Producer(self.pool, generate, self.params, admit, self.timeout_s)
+                self.producer.start(step)
+            with self.times.timed("rollout/wait"):
+                taken = self.producer.take(self.wanted, step)
+            with self.producer.paused("the step's metrics"):
+                return taken, self.pool.metrics(taken, step)
+        self.pool.expire(step)
+        admit(step)
+        with self.times.timed("rollout/engine"):
+            rounds = self.pool.fill(generate, self.params, self.wanted, step)
+        taken = self.pool.take(self.wanted)
+        return taken, self.pool.metrics(taken, step) | {"async/rounds": float(rounds)}
+
+    @contextmanager
+    def pushing(self) -> Iterator[None]:
+        """Around a weight push: separate's generation pauses between chunks, and goes on with the new version."""
+        if self.producer is None:
+            yield
+            return
+        with self.producer.paused("the weight push"):
+            yield
+            self.producer.version += 1
+
+    def consistent(self) -> Any:
+        """Where the pool and the data loader must be read together (a checkpoint): generation paused."""
+        return self.producer.paused("the checkpoint") if self.producer is not None else nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.pool.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pool.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
