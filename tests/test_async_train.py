@@ -49,9 +49,9 @@ def test_separate_generation_learns_the_tiny_task_one_step_off(tmp_path):
     assert sum(r["async/dropped_stale"] for r in rows) == 0  # the capacity rule admits only what stays fresh
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    # Measured at seeds 0: see docs/async.md; a gain of 0.15 is below every measured one (timing moves the
-    # trajectory: how many tokens of a sample the newer weights write).
-    assert last > first + 0.15, (first, last)
+    # Measured at seeds 0: 0.030 -> 0.229 (every batch one version old; sync: 0.020 -> 0.400). Timing moves the
+    # trajectory (how many tokens of a sample the newer weights write), so the margin is wider than sync's.
+    assert last > first + 0.1, (first, last)
 
 
 def rows_of(run) -> dict[int, dict]:
