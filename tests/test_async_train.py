@@ -39,19 +39,22 @@ def test_colocated_async_learns_the_tiny_task_within_the_staleness_bound(tmp_pat
 
 @pytest.mark.slow
 def test_separate_generation_learns_the_tiny_task_one_step_off(tmp_path):
-    """The engine generates in a thread of its own while the learner trains; each push pauses it between chunks.
-    Timing decides how many of a sample's tokens the newer weights write, never past the bound of one version."""
+    """The engine generates in a thread of its own while the learner trains; each push pauses it between rounds.
+    A round per sample (chunk_tokens = max_new_tokens) makes the run independent of timing: the admission rule
+    admits the same groups under each version however the thread and the learner interleave, and no sample
+    spans two versions. Measured: two runs, one of them beside a CI run, gave identical rows."""
     steps = 120
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS, *ASYNC,
-                        "async_rl.mode=separate", "tracking.backend=none", "checkpoint.save_every=0")
+                        "async_rl.mode=separate", "async_rl.chunk_tokens=2", "tracking.backend=none",
+                        "checkpoint.save_every=0")
     assert [r["step"] for r in rows] == list(range(steps))
-    assert all(r["async/staleness_max"] <= 1 for r in rows) and rows[-1]["async/staleness_mean"] > 0
-    assert sum(r["async/dropped_stale"] for r in rows) == 0  # the capacity rule admits only what stays fresh
+    assert [r["async/staleness_max"] for r in rows] == [0.0] + [1.0] * (steps - 1)  # one-step-off, exactly
+    assert all(r["async/mixed_version_share"] == 0 and r["async/dropped_stale"] == 0 for r in rows)
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    # Measured at seeds 0: 0.030 -> 0.229 (every batch one version old; sync: 0.020 -> 0.400). Timing moves the
-    # trajectory (how many tokens of a sample the newer weights write), so the margin is wider than sync's.
-    assert last > first + 0.1, (first, last)
+    # Measured at seeds 0, 1, 2: see docs/async.md. Every batch is one version old, at the recipe's lr of 3e-3:
+    # it learns at a third of the sync loop's rate (0.020 -> 0.400).
+    assert last > first + 0.05, (first, last)
 
 
 def rows_of(run) -> dict[int, dict]:

@@ -64,7 +64,10 @@ def test_tiny_grpo_lr_follows_the_cosine_over_the_whole_run_and_resumes_with_it(
     assert state["scheduler"]["num_steps"] == 12 and state["scheduler"]["lr_decay_steps"] == 24
     state["scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 6}
     torch.save(state, common)
-    (resumed / "step_000002" / "manifest.json").unlink()  # such a checkpoint predates manifests, too
+    (resumed / "step_000002" / "manifest.json").unlink()  # such a checkpoint predates manifests, too,
+    trainer_json = resumed / "step_000002" / "trainer.json"  # and trainer.json's record of one
+    trainer_json.write_text(json.dumps({k: v for k, v in json.loads(trainer_json.read_text()).items()
+                                        if k not in ("manifest", "unlogged")}))
     b = train(resumed)
     assert sorted(b) == [3, 4, 5]
     for step in (3, 4, 5):  # the schedule, Adam's state and the data continue as in the uninterrupted run

@@ -63,16 +63,18 @@ def command(python: str, disk_bytes: int, init_spec: dict, *, as_root: bool, fds
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    for mode, point in (("1777", "/tmp"), ("1777", "/dev/shm"), ("0777", WORKDIR)):
+        argv += ["--perms", mode, "--size", str(disk_bytes), "--tmpfs", point]
+    # After the tmpfs: an interpreter under /tmp (a virtual environment made by mktemp) is bound over the call's
+    # own /tmp, not hidden by it.
     binds = [*_ETC, *runtime_dirs(python)]
     # bwrap makes a bind's missing parents mode 0700, owned by the namespace's root: nobody could not reach them
     for parent in sorted({str(p) for path in (*binds, INIT) for p in Path(path).parents if str(p) != "/"}):
         argv += ["--perms", "0755", "--dir", parent]
     for path in binds:
         argv += ["--ro-bind-try", path, path]
-    argv += ["--ro-bind", str(Path(__file__).with_name("sandbox_init.py")), INIT,
-             "--proc", "/proc", "--dev", "/dev"]
-    for mode, point in (("1777", "/tmp"), ("1777", "/dev/shm"), ("0777", WORKDIR)):
-        argv += ["--perms", mode, "--size", str(disk_bytes), "--tmpfs", point]
+    argv += ["--ro-bind", str(Path(__file__).with_name("sandbox_init.py")), INIT]
     argv += ["--perms", "0644", "--file", str(fds["code"]), f"{WORKDIR}/{init_spec['script']}", "--chdir", WORKDIR,
              "--clearenv"]
     for key, value in _ENV.items():
