@@ -29,7 +29,7 @@ def trainer_at_step(events, weights_leave):
     """A trainer after a training step: engine asleep, nothing attached."""
     times = PartTimes()
     rollout = object.__new__(RolloutManager)
-    rollout.engine, rollout.state = Recorder(events, "engine"), "asleep"
+    rollout.engine, rollout.state, rollout.partial, rollout.separate = Recorder(events, "engine"), "asleep", None, False
     learner = object.__new__(Learner)
     learner.actor = Recorder(events, "actor")  # refresh_merged: a LoRA actor's W + s B A
     learner.residency = SimpleNamespace(hold=lambda needs: events.append(f"hold({sorted(needs)})"))
