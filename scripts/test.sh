@@ -9,7 +9,7 @@ export PATH="$(cd "$VENV/bin" && pwd):$PATH"  # hadolint and torchrun from the v
 "$VENV/bin/ruff" check megarl tests benchmarks setup.py
 "$VENV/bin/mypy" megarl
 set +e
-"$VENV/bin/python" -m pytest -q "$@"
+"$VENV/bin/python" -m pytest -q --durations=40 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

@@ -3,6 +3,7 @@ it. Every test asserts that the attack was contained and that nothing of the cal
 by a tag in its command line), no cgroup, no file on the host."""
 
 import asyncio
+import gc
 import os
 import socket
 import threading
@@ -255,15 +256,19 @@ def test_forged_status_lines_change_nothing_the_host_reports():
 def test_descriptors_are_closed_once_however_calls_end(tmp_path):
     sentinel = tmp_path / "sentinel"
     sentinel.write_text("mine")
-    before = sorted(os.listdir("/proc/self/fd"))
+    gc.collect()  # an earlier test's file object, collected mid-test, would close a number of its own
+    held = [os.open(sentinel, os.O_RDONLY) for _ in range(16)]  # numbers a double close would hit
+    busy = tmp_path / "busy"
+    busy.write_text("theirs")
+    before = set(os.listdir("/proc/self/fd"))
     codes = ["print(1)", "import os; os._exit(3)", "while True: pass", "import os\nwhile True: os.fork()",
              "import time; time.sleep(10)"]
     errors = []
 
     def hammer():  # another thread of the trainer, opening and using descriptors all the while
         for _ in range(200):
-            with open(sentinel) as f:
-                if f.read() != "mine":
+            with open(busy) as f:  # a reused number shows as this file in `held`
+                if f.read() != "theirs":
                     errors.append("read garbage")
             time.sleep(0.002)
 
@@ -280,4 +285,9 @@ def test_descriptors_are_closed_once_however_calls_end(tmp_path):
         other.join()
     assert errors == [] and [r.status for r in results] == ["ok", "error", "error", "error", "timeout"]
     time.sleep(0.1)
-    assert sorted(os.listdir("/proc/self/fd")) == before
+    try:
+        assert set(os.listdir("/proc/self/fd")) - before == set(), "a call left a descriptor open"
+        assert all(os.pread(fd, 4, 0) == b"mine" for fd in held), "a call closed a descriptor it did not own"
+    finally:
+        for fd in held:
+            os.close(fd)
