@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megarl.errors import UserError
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, SamplingParams, request_budget
 from megarl.rollout.inflight import InFlight
 from megarl.rollout.producer import Producer
 
@@ -24,22 +24,33 @@ class ScriptedEngine:
     draw, and the sample stops at each token with probability ``stop``."""
 
     def __init__(self, stop: float) -> None:
-        self.stop, self.calls = stop, 0
+        self.stop, self.calls, self.aborted = stop, 0, 0
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, enough=None) -> list[Completion]:
+        """With ``enough``: generate_until, every request a token per engine step, the rest aborted when it says."""
         self.calls += 1
         out = []
         for i, prompt in enumerate(prompts):
             seed = params.seeds[i] if params.seeds is not None else 0
             rng = random.Random(hash((seed, tuple(prompt))))
             tokens, finish = [], "length"
-            while len(tokens) < params.max_new_tokens:
+            while len(tokens) < request_budget(params, i):
                 tokens.append(len(prompt) + len(tokens))
                 if rng.random() < self.stop:
                     finish = "stop"
                     break
             out.append(Completion(prompt_index=i, token_ids=tokens, logprobs=[-rng.random() for _ in tokens],
                                   finish_reason=finish))
+        if enough is None:
+            return out
+        finished: list[int] = []
+        for t in range(1, max((len(c.token_ids) for c in out), default=0) + 1):
+            finished += [c.prompt_index for c in out if len(c.token_ids) == t]
+            if len(finished) < len(out) and enough(finished):
+                self.aborted += sum(len(c.token_ids) > t for c in out)
+                return [c if len(c.token_ids) <= t else
+                        Completion(prompt_index=c.prompt_index, token_ids=c.token_ids[:t], logprobs=c.logprobs[:t],
+                                   finish_reason="abort") for c in out]
         return out
 
 
@@ -64,10 +75,13 @@ def test_no_batch_holds_a_token_older_than_the_bound_and_no_prompt_is_trained_tw
     staleness, wanted, n = rng.choice([1, 2, 3]), rng.choice([2, 4]), rng.choice([2, 4])
     stale = rng.choice(["drop", "regenerate"])
     prompts = [[7] * rng.randint(1, 9) for _ in range(400)]
-    pool = InFlight(n=n, budget=40, chunk=rng.choice([3, 8]), max_staleness=staleness, batch=wanted,
+    chunk = rng.choice([3, 8, None])  # None: the engine aborts the unfinished samples once a batch is done
+    pool = InFlight(n=n, budget=40, chunk=chunk, max_staleness=staleness, batch=wanted,
                     capacity=(staleness + 1) * wanted, stale=stale, seed=11)
     cursor = [0]
-    taken = run(pool, ScriptedEngine(stop=rng.choice([0.02, 0.1])), range(20), wanted, prompts, cursor)
+    engine = ScriptedEngine(stop=rng.choice([0.02, 0.1]))
+    taken = run(pool, engine, range(20), wanted, prompts, cursor)
+    assert chunk is not None or engine.stop < 0.1 or engine.aborted > 0  # at 0.02, most samples run to the budget
     trained = [int(g.answer) for _, groups in taken for g in groups]
     assert len(trained) == len(set(trained)) == 20 * wanted
     dropped = pool.metrics([], 20)["async/dropped_stale"]
@@ -132,21 +146,25 @@ class SlowEngine(ScriptedEngine):
         super().__init__(stop)
         self.rng, self.pushing = random.Random(seed), False
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, enough=None) -> list[Completion]:
         assert not self.pushing, "a round ran during a weight push"
         time.sleep(self.rng.uniform(0, 0.004))
-        out = super().generate(prompts, params)
+        if enough is not None:  # an engine step takes a while, and a pause is asked for meanwhile
+            def slow(finished):
+                time.sleep(self.rng.uniform(0, 0.0005))
+                return enough(finished)
+        out = super().generate(prompts, params, None if enough is None else slow)
         assert not self.pushing, "a weight push began during a round"
         return out
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(9))
 def test_separate_generation_keeps_the_bound_whatever_the_timing(seed):
     """async_rl separate: the producer thread generates while the 'learner' sleeps a random while per step; a
     push pauses it between rounds. Timing decides how stale each batch is, never beyond the bound."""
     rng = random.Random(seed)
     staleness, wanted = rng.choice([1, 2]), 3
-    pool = InFlight(n=2, budget=12, chunk=rng.choice([2, 5]), max_staleness=staleness, batch=wanted,
+    pool = InFlight(n=2, budget=12, chunk=rng.choice([2, 5, None]), max_staleness=staleness, batch=wanted,
                     capacity=(staleness + 1) * wanted, stale=rng.choice(["drop", "regenerate"]), seed=1)
     engine, cursor = SlowEngine(stop=0.1, seed=seed), [0]
 
@@ -195,3 +213,18 @@ def test_a_hung_or_failed_engine_round_is_a_named_error_not_a_hang():
     with pytest.raises(RuntimeError, match="engine process died"):
         producer.take(1, 0)
     producer.close()
+
+
+def test_async_layouts_the_run_cannot_serve_are_refused_before_any_worker(tmp_path):
+    from helpers import REPO
+    from megarl.config.yaml_io import FieldError
+    from megarl.loop.bootstrap import check_run
+
+    recipe, common = str(REPO / "recipes/tiny_cpu_grpo.yaml"), [f"checkpoint.dir={tmp_path}",
+                                                                 "algorithm.rollout_correction=token_tis"]
+    aborting = [*common, "async_rl.mode=colocated_async", "async_rl.chunk_tokens=null"]
+    with pytest.raises(FieldError, match=r"async_rl.chunk_tokens` = null, but it must be set with 2 engines"):
+        check_run(recipe, aborting, world=2, ranks_per_node=None, gpu_bytes=0)
+    with pytest.raises(FieldError, match=r'async_rl.mode` = "separate", but it must run on one process'):
+        check_run(recipe, [*common, "async_rl.mode=separate"], world=2, ranks_per_node=None, gpu_bytes=0)
+    assert check_run(recipe, aborting, world=1, ranks_per_node=None, gpu_bytes=0)[0].async_rl.chunk_tokens is None

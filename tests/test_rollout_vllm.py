@@ -368,3 +368,27 @@ def test_a_greedy_partial_rollout_resumed_chunk_by_chunk_equals_the_whole_one(en
     assert worst < 1e-4, worst
     assert all(s.versions == [0] * len(s.tokens) and s.done and s.truncated == (c.finish_reason == "length")
                for s, c in zip(cut, whole, strict=True))
+
+
+@pytest.mark.slow
+def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
+    """async_rl.chunk_tokens null: the engine's own abort. generate_until stops once the shortest sample is done;
+    the others come back cut, and resumed from prompt + their tokens with the budget they have left they end as
+    the uncut ones (greedy, same weights). With nothing to stop it, it samples as generate does (seeded)."""
+    budgets = [23, 14, 4]
+    whole = engine.generate(PROMPTS, SamplingParams(temperature=0, budgets=budgets))
+    cut = engine.generate_until(PROMPTS, SamplingParams(temperature=0, budgets=budgets), lambda done: len(done) >= 1)
+    assert engine.llm.llm_engine.get_num_unfinished_requests() == 0  # the aborted requests left the engine
+    assert cut[2].finish_reason == whole[2].finish_reason and cut[2].token_ids == whole[2].token_ids
+    aborted = [i for i, c in enumerate(cut) if c.finish_reason == "abort"]
+    assert aborted and all(0 < len(cut[i].token_ids) < len(whole[i].token_ids) for i in aborted)
+    more = engine.generate_until([PROMPTS[i] + cut[i].token_ids for i in aborted],
+                                 SamplingParams(temperature=0, budgets=[budgets[i] - len(cut[i].token_ids)
+                                                                        for i in aborted]), lambda done: False)
+    for i, m in zip(aborted, more, strict=True):
+        assert cut[i].token_ids + m.token_ids == whole[i].token_ids and m.finish_reason == whole[i].finish_reason
+        worst = max(abs(a - b) for a, b in zip(cut[i].logprobs + m.logprobs, whole[i].logprobs, strict=True))
+        assert worst < 1e-4, worst
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seeds=[5, 900, 31])
+    assert [c.token_ids for c in engine.generate_until(PROMPTS, seeded, lambda done: False)] == \
+           [c.token_ids for c in engine.generate(PROMPTS, seeded)]

@@ -26,9 +26,11 @@ class AsyncConfig:
     """Prompts in flight at once, in whole steps' worth (a multiple of data.num_prompts_per_step); null = as many
     as the staleness bound lets finish in time, (max_staleness + 1) x data.num_prompts_per_step (AReaL's
     capacity rule)."""
-    chunk_tokens: int = 128
-    """colocated_async: tokens a sample generates per engine call; between calls the loop checks whether a batch
-    is done. Smaller cuts the wait for the slowest samples finer and prefills each prefix more often."""
+    chunk_tokens: int | None = 128
+    """Tokens a sample generates per engine call; between calls the loop checks whether a batch is done, and a
+    weight push (separate) waits for the call. Smaller cuts the wait for the slowest samples finer and prefills
+    each prefix more often. null: no chunks; the engine generates every sample to its budget and aborts the
+    unfinished ones as soon as a batch is done or a push is due (rollout.engine vllm, with one engine)."""
     stale: Literal["drop", "regenerate"] = "drop"
     """A group past max_staleness: drop it (its prompt is not trained on; counted in async/dropped_stale), or
     regenerate it from its prompt with the current weights."""

@@ -49,6 +49,11 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     check(cfg.async_rl.mode != "separate" or world == 1, "async_rl.mode", "separate",
           f"run on one process for now (the world has {world}): its generation thread drives the engine beside "
           "the learner's collectives", "use async_rl.mode: colocated_async on several GPUs")
+    engines = world // cfg.rollout.tensor_parallel
+    check(cfg.async_rl.mode == "sync" or cfg.async_rl.chunk_tokens is not None or engines == 1,
+          "async_rl.chunk_tokens", None, f"be set with {engines} engines (world {world} / rollout.tensor_parallel "
+          f"{cfg.rollout.tensor_parallel}): an engine that aborts sees only its own requests finish, so no engine "
+          "could tell when the batch is done", "set async_rl.chunk_tokens: 128, or run one engine")
     for i, tool in enumerate(cfg.agent.tools):  # here, not in the workers that build them
         import_spec(tool.spec, f"agent.tools[{i}].spec = {tool.spec!r}", "Class")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,

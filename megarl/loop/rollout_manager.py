@@ -21,7 +21,7 @@ from megarl.loop.rl_step import Batch, check_scores, shaped_scores
 from megarl.loop.timing import PartTimes
 from megarl.rewards.registry import load_reward
 from megarl.rollout.agent import agent_metrics, make_rollout
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, Enough, SamplingParams
 from megarl.rollout.factory import make_engine
 from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
 from megarl.rollout.inflight import Group
@@ -134,11 +134,14 @@ class RolloutManager:
                                      for i, (g, s) in enumerate(samples)})
         return batch
 
-    def _generate_here(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_here(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None
+                       ) -> list[Completion]:
         """generate_all on a world of one process, without its collective: separate's thread calls it beside the
         learner's collectives."""
         assert self.groups.dims.world_size == 1, "async_rl.mode separate runs on one process"
         _, seeded = self.engine.group.share(len(prompts), params)
+        if enough is not None:  # async_rl.chunk_tokens null: the engine aborts (single-turn only)
+            return self.engine.generate_until(prompts, seeded, enough)
         return sorted(self._rollout_loop.generate(self.engine, prompts, seeded), key=lambda c: c.prompt_index)
 
     def pushing(self) -> Any:
@@ -183,11 +186,17 @@ class RolloutManager:
         with producer.paused("the evaluation") if producer is not None else nullcontext():
             return self._generate_all(prompts, params)
 
-    def _generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate_all(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None
+                      ) -> list[Completion]:
+        """``enough``: the engine aborts (async_rl.chunk_tokens null), which needs one engine in the world: its
+        driver alone sees which requests are done (megarl.loop.bootstrap)."""
         assert self.state == "awake", "a hand-over wakes the engine before every rollout"
         mine, seeded = self.engine.group.share(len(prompts), params)
-        done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index])
-                for c in self._rollout_loop.generate(self.engine, [prompts[i] for i in mine], seeded)]
+        assert enough is None or self.engine.group.num_groups == 1, "generate_until runs on one engine"
+        mine_prompts = [prompts[i] for i in mine]
+        made = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
+                else self.engine.generate_until(mine_prompts, seeded, enough))
+        done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in made]
         everything: list[Any] = [None] * self.groups.dims.world_size
         dist.all_gather_object(everything, done, group=self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt

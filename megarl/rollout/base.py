@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,9 @@ class SamplingParams:
     seeds: Sequence[int] | None = None
     """One seed per prompt, in place of seed + i * n (its j-th sample uses it + j): a sample keeps its seed
     whatever call, and whichever engine, it is in."""
+    budgets: Sequence[int] | None = None
+    """One max_new_tokens per prompt, in place of max_new_tokens: partial rollouts resume each sample with the
+    tokens it has left."""
 
     def __post_init__(self) -> None:
         def integer(value: object) -> bool:
@@ -51,7 +54,9 @@ class SamplingParams:
                    and not isinstance(self.stop_token_ids, str | bytes)
                    and all(integer(t) and t >= 0 for t in self.stop_token_ids), "a list of token ids >= 0"),
                   ("seed", self.seed is None or integer(self.seed), "an integer or null"),
-                  ("seeds", self.seeds is None or all(integer(x) for x in self.seeds), "null, or integers")]
+                  ("seeds", self.seeds is None or all(integer(x) for x in self.seeds), "null, or integers"),
+                  ("budgets", self.budgets is None or all(integer(x) and x >= 1 for x in self.budgets),
+                   "null, or integers >= 1")]
         for name, ok, must in checks:
             if not ok:
                 raise UserError(f"sampling `{name}` = {getattr(self, name)!r} must be {must}.")
@@ -63,7 +68,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     """The engine's log-probability of each generated token."""
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
+    """abort: ``generate_until`` stopped the sample before either; it holds the tokens it had (Aborting)."""
     routed_experts: np.ndarray | None = None
     """MoE engines started with ``return_routed_experts``: [len(prompt) + len(token_ids) - 1, num_layers, k],
     the experts every layer routed each token it ran to (the last sampled token never runs)."""
@@ -80,21 +86,28 @@ def request_seed(params: SamplingParams, i: int) -> int | None:
     return None if params.seed is None else params.seed + i * params.n
 
 
+def request_budget(params: SamplingParams, i: int) -> int:
+    """Most new tokens of request i: ``budgets[i]``, or max_new_tokens."""
+    return params.max_new_tokens if params.budgets is None else params.budgets[i]
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams, max_model_len: int,
                   vocab_size: int | None = None) -> None:
     """Reject, never truncate: an empty prompt, a token id outside the vocabulary, or a prompt that leaves
     no room for ``max_new_tokens`` within the engine's ``max_model_len``."""
     if params.seeds is not None and len(params.seeds) != len(prompts):
         raise ValueError(f"{len(params.seeds)} sampling seeds for {len(prompts)} prompts")
+    if params.budgets is not None and len(params.budgets) != len(prompts):
+        raise ValueError(f"{len(params.budgets)} token budgets for {len(prompts)} prompts")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise UserError(f"prompt {i} is empty; every prompt needs at least one token.")
         if vocab_size is not None and not 0 <= min(prompt) <= max(prompt) < vocab_size:
             raise UserError(f"prompt {i} holds token ids outside [0, {vocab_size}) (min {min(prompt)}, max "
                             f"{max(prompt)}); it was tokenized for another model.")
-        if len(prompt) + params.max_new_tokens > max_model_len:
+        if len(prompt) + request_budget(params, i) > max_model_len:
             raise UserError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
-                            f"{params.max_new_tokens} it exceeds the engine's limit of {max_model_len} "
+                            f"{request_budget(params, i)} it exceeds the engine's limit of {max_model_len} "
                             "tokens. Raise the limit or shorten the prompts (rollout.max_prompt_tokens, "
                             "data.drop_long_prompts).")
 
@@ -146,6 +159,20 @@ class RolloutEngine(Protocol):
         the trainer frees its copy), or the KV cache (and what else generation needs) after them."""
 
     def shutdown(self) -> None: ...
+
+
+Enough = Callable[[Sequence[int]], bool]
+"""Given the requests finished so far (their indices, in the order they finished), whether to stop the rest."""
+
+
+class Aborting(Protocol):
+    """An engine that stops generating where its caller says (async_rl.chunk_tokens: null; vLLM so far)."""
+
+    def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams, enough: Enough
+                       ) -> list[Completion]:
+        """One sample per prompt (``params.n`` = 1), as ``generate`` gives them, while ``enough(finished)``, asked
+        after every engine step, is false; then the engine aborts the rest, which come back with finish_reason
+        "abort" and the tokens and logprobs they had by then."""
 
 
 class EngineKind(Protocol):

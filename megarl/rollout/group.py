@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from megarl.reshard.handover import EngineCopy, checksum_message
 from megarl.rollout.base import (
+    Aborting,
     AdapterServing,
     Completion,
     EngineKind,
+    Enough,
     FileLoading,
     InEngineCopy,
     RolloutEngine,
@@ -68,10 +70,11 @@ class EngineGroup:
         batch, so that no two samples of the batch share a seed, on whichever engines they run; or at
         params.seeds[p] + j where the caller seeds each prompt."""
         mine = list(range(self.index, num_prompts, self.num_groups)) if self.driver else []
+        budgets = None if params.budgets is None else [params.budgets[p] for p in mine]
         if params.seeds is not None:  # each prompt's own (partial rollouts: megarl.rollout.inflight)
-            return mine, dataclasses.replace(params, seeds=[params.seeds[p] for p in mine])
+            return mine, dataclasses.replace(params, seeds=[params.seeds[p] for p in mine], budgets=budgets)
         seeds = None if params.seed is None else [params.seed + p * params.n for p in mine]
-        return mine, dataclasses.replace(params, seed=None, seeds=seeds)
+        return mine, dataclasses.replace(params, seed=None, seeds=seeds, budgets=budgets)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in engine-rank order on the driver, None elsewhere."""
@@ -202,6 +205,12 @@ class GroupEngine:
             return []
         with self._call("generate"):
             return self.engine.generate(prompts, params)
+
+    def generate_until(self, prompts: list[list[int]], params: SamplingParams, enough: Enough) -> list[Completion]:
+        if self.engine is None or not prompts:
+            return []
+        with self._call("generate"):
+            return cast(Aborting, self.engine).generate_until(prompts, params, enough)
 
     def sleep(self) -> None:
         if self.engine is not None:

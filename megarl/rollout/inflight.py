@@ -3,7 +3,9 @@ samples' tokens, logprobs and the weight version that sampled each token.
 
 A round asks the engines for at most ``chunk`` more tokens of every unfinished sample: the request is the prompt
 and the sample's tokens so far, with the budget it has left, so a sample cut at a chunk's end goes on where it
-stopped, under whatever weights the engines hold by then. Every hand-over flushes the engines' prefix caches
+stopped, under whatever weights the engines hold by then. Without chunks (``chunk`` None), a round runs every
+unfinished sample to its budget until the caller has enough groups done, and the engine aborts the rest
+(megarl.rollout.base.Aborting), which resume the same way. Every hand-over flushes the engines' prefix caches
 (megarl.rollout.sglang, megarl.rollout.vllm), so a resumed prefix is prefilled again by the new weights: no KV
 computed by older weights is read. A step's batch is the first ``wanted`` groups (in admission order) whose
 samples are all done; the others stay in flight. Before a round, a group whose oldest token is more than
@@ -19,14 +21,20 @@ holds it, and a resume goes on with exactly the samples an uninterrupted run wou
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, Enough, SamplingParams
 
-Generate = Callable[[list[list[int]], SamplingParams], list[Completion]]
-"""An engine's (or all engines') generate: ``params.n`` completions per prompt, in prompt order."""
+
+class Generate(Protocol):
+    """An engine's (or all engines') generate: ``params.n`` completions per prompt, in prompt order; with
+    ``enough``, the engine's ``generate_until`` (megarl.rollout.base.Aborting)."""
+
+    def __call__(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None, /
+                 ) -> list[Completion]: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,7 +73,7 @@ class Group:
 class InFlight:
     """The pool: ``admit`` prompts, ``fill`` a batch of whole groups over rounds of chunks, ``take`` it."""
 
-    def __init__(self, *, n: int, budget: int, chunk: int, max_staleness: int, batch: int, capacity: int,
+    def __init__(self, *, n: int, budget: int, chunk: int | None, max_staleness: int, batch: int, capacity: int,
                  stale: Literal["drop", "regenerate"], seed: int | None) -> None:
         """``batch``: the groups a step takes; ``capacity``: the most in flight at once."""
         self.n, self.budget, self.chunk, self.max_staleness = n, budget, chunk, max_staleness
@@ -112,28 +120,58 @@ class InFlight:
     def ready(self) -> int:
         return sum(g.done() for g in self.groups)
 
-    def round(self, generate: Generate, params: SamplingParams, version: int) -> int:
-        """One chunk of every unfinished sample under the weights of ``version``; returns the tokens generated.
-        ``params``: the run's sampling (its n, seed and max_new_tokens are the pool's to set)."""
+    def round(self, generate: Generate, params: SamplingParams, version: int,
+              stop: Callable[[int], bool] = lambda ready: False) -> int:
+        """Every unfinished sample goes on under the weights of ``version``: by a chunk (``chunk`` tokens), or
+        (``chunk`` None) until ``stop(groups done)``, asked after every engine step, says so and the engine aborts
+        the rest. Returns the tokens generated. ``params``: the run's sampling (its n, seed and budget are the
+        pool's to set)."""
         todo = [(g, s) for g in self.groups for s in g.samples if not s.done]
+        if self.chunk is None:
+            return self._call(generate, params, todo, None, version, self._enough(todo, stop))
         by_budget: dict[int, list[tuple[Group, Partial]]] = {}
         for g, s in todo:
             by_budget.setdefault(min(self.chunk, self.budget - len(s.tokens)), []).append((g, s))
+        return sum(self._call(generate, params, items, limit, version, None)
+                   for limit, items in sorted(by_budget.items()))
+
+    def _call(self, generate: Generate, params: SamplingParams, items: list[tuple[Group, Partial]],
+              limit: int | None, version: int, enough: Enough | None) -> int:
+        """One engine call for ``items``, each resumed from its prompt and tokens with ``limit`` more tokens at
+        most (None: the rest of its budget); their new tokens joined to them."""
+        seeds = None if params.seed is None else [self._chunk_seed(s) for _, s in items]
+        left = [self.budget - len(s.tokens) for _, s in items]
+        call = dataclasses.replace(params, n=1, max_new_tokens=self.budget if limit is None else limit, seed=None,
+                                   seeds=seeds, budgets=left if limit is None else None)
+        prompts = [g.prompt + s.tokens for g, s in items]
+        out = generate(prompts, call) if enough is None else generate(prompts, call, enough)
+        assert len(out) == len(items), "one completion per request"
         made = 0
-        for limit, items in sorted(by_budget.items()):
-            seeds = None if params.seed is None else [self._chunk_seed(s) for _, s in items]
-            call = dataclasses.replace(params, n=1, max_new_tokens=limit, seed=None, seeds=seeds)
-            out = generate([g.prompt + s.tokens for g, s in items], call)
-            assert len(out) == len(items), "one completion per request"
-            for c in out:
-                g, s = items[c.prompt_index]
-                s.tokens += c.token_ids
-                s.logprobs += c.logprobs
-                s.versions += [version] * len(c.token_ids)
-                made += len(c.token_ids)
-                if c.finish_reason == "stop" or len(s.tokens) >= self.budget:
-                    s.done, s.truncated = True, c.finish_reason != "stop"
+        for c in out:
+            g, s = items[c.prompt_index]
+            s.tokens += c.token_ids
+            s.logprobs += c.logprobs
+            s.versions += [version] * len(c.token_ids)
+            made += len(c.token_ids)
+            if c.finish_reason == "stop" or len(s.tokens) >= self.budget:
+                s.done, s.truncated = True, c.finish_reason != "stop"
         return made
+
+    def _enough(self, items: list[tuple[Group, Partial]], stop: Callable[[int], bool]) -> Enough:
+        """``stop`` asked of the groups done, counting the requests of ``items`` finished in the call so far."""
+        left = Counter(g.uid for g, _ in items)
+        ready, seen = self.ready(), 0
+
+        def enough(finished: Sequence[int]) -> bool:
+            nonlocal ready, seen
+            for k in finished[seen:]:
+                uid = items[k][0].uid
+                left[uid] -= 1
+                ready += left[uid] == 0
+            seen = len(finished)
+            return stop(ready)
+
+        return enough
 
     def _chunk_seed(self, s: Partial) -> int:
         """A sample's seed for its next chunk: its own, moved on by the tokens it has (no chunk replays another's
@@ -144,11 +182,11 @@ class InFlight:
     def fill(self, generate: Generate, params: SamplingParams, wanted: int, version: int,
              until_all: bool = False) -> int:
         """Rounds until ``wanted`` groups are done (every group, ``until_all``); returns the rounds run."""
-        rounds = 0
-        while (self.ready() < len(self.groups)) if until_all else (self.ready() < wanted):
+        rounds, goal = 0, len(self.groups) if until_all else wanted
+        while self.ready() < goal:
             if not any(not s.done for g in self.groups for s in g.samples):
                 raise RuntimeError(f"{self.ready()} groups done, {wanted} wanted, none in flight: admit more first")
-            self.round(generate, params, version)
+            self.round(generate, params, version, stop=lambda ready: ready >= goal)
             rounds += 1
         return rounds
 

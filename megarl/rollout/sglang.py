@@ -51,6 +51,7 @@ from megarl.rollout.base import (
     Wake,
     check_prompts,
     engine_process_env,
+    request_budget,
     request_seed,
     visible_devices_env,
 )
@@ -177,12 +178,12 @@ class SGLangEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, params, self.max_model_len, self.vocab_size)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
-                    "n": 1}
+                    "stop_token_ids": list(params.stop_token_ids), "n": 1}
         expanded = [list(p) for p in prompts for _ in range(params.n)]
         seeds = [None if (seed := request_seed(params, i // params.n)) is None else seed + i % params.n
                  for i in range(len(expanded))]
-        per_request = [sampling | ({"sampling_seed": seed} if seed is not None else {}) for seed in seeds]
+        per_request = [sampling | {"max_new_tokens": request_budget(params, i // params.n)}
+                       | ({"sampling_seed": seed} if seed is not None else {}) for i, seed in enumerate(seeds)]
         with self._watch.alive():
             outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True,
                                            **({"return_routed_experts": True} if self._routing else {}))

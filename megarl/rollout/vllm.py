@@ -38,10 +38,12 @@ from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.engine_layout import check_rollout_tp, engine_tensors
 from megarl.rollout.base import (
     Completion,
+    Enough,
     SamplingParams,
     Wake,
     check_prompts,
     engine_process_env,
+    request_budget,
     request_seed,
     visible_devices_env,
 )
@@ -74,6 +76,11 @@ def engine_rank_layout(spec: ModelSpec, tensor_parallel: int, rank: int) -> dict
     pieces = {t.name: [[p.hf, p.dim, p.start, p.stop, p.offset] for p in t.pieces]
               for t in engine_tensors(spec, tensor_parallel, rank)}
     return {"hf_shapes": {k: list(v) for k, v in hf_shapes(spec).items()}, "pieces": pieces}
+
+
+def _logprobs(ids: list[int], entries: Any) -> list[float]:
+    """The sampled tokens' logprobs out of vLLM's one {token id: Logprob} per generated token (logprobs=0)."""
+    return [float(entry[t].logprob) for t, entry in zip(ids, entries, strict=True)]
 
 
 class VLLMEngine:
@@ -121,6 +128,8 @@ class VLLMEngine:
         self._released: set[str] = set()
         """What the last sleep released and no wake has resumed yet: weights, cache."""
         self._closed = False
+        self._requests = 0
+        """generate_until's requests so far: each gets an id of its own."""
         self._adapter: Any = None
         """The LoRARequest every generate serves (``load_adapter``), or None."""
         args: dict[str, Any] = dict(
@@ -172,29 +181,77 @@ class VLLMEngine:
         ``params.stop_token_ids`` and at the model's EOS (generation_config.json), as in SGLang."""
         self._check_awake("generate")
         check_prompts(prompts, params, self.max_model_len, self.spec.vocab_size)
-        from vllm import SamplingParams as VLLMSampling
         from vllm import TokensPrompt
 
-        # vLLM gives the j-th sample of a request seed + j, so request i starting at seed + i*n makes
-        # sample j of prompt i use seed + i*n + j: the base protocol's "request i uses seed + i".
-        sampling = [VLLMSampling(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                 top_k=0 if params.top_k == -1 else params.top_k, max_tokens=params.max_new_tokens,
-                                 stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
-                                 seed=request_seed(params, i))
-                    for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
-                                    use_tqdm=False, lora_request=self._adapter)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    self._sampling(params, len(prompts)), use_tqdm=False, lora_request=self._adapter)
         completions = []
         for i, out in enumerate(outputs):
             for sample in sorted(out.outputs, key=lambda s: s.index):
                 if sample.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a sample of prompt {i} with {sample.finish_reason!r}")
                 ids = list(sample.token_ids)
-                entries: Any = sample.logprobs  # one {token id: Logprob} per generated token (logprobs=0)
-                completions.append(Completion(
-                    prompt_index=i, token_ids=ids, finish_reason="stop" if sample.finish_reason == "stop" else "length",
-                    logprobs=[float(entry[t].logprob) for t, entry in zip(ids, entries, strict=True)]))
+                completions.append(Completion(prompt_index=i, token_ids=ids, logprobs=_logprobs(ids, sample.logprobs),
+                                              finish_reason="stop" if sample.finish_reason == "stop" else "length"))
         return completions
+
+    def _sampling(self, params: SamplingParams, num_prompts: int, **extra: Any) -> list[Any]:
+        from vllm import SamplingParams as VLLMSampling
+
+        # vLLM gives the j-th sample of a request seed + j, so request i starting at seed + i*n makes
+        # sample j of prompt i use seed + i*n + j: the base protocol's "request i uses seed + i".
+        return [VLLMSampling(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                             top_k=0 if params.top_k == -1 else params.top_k, max_tokens=request_budget(params, i),
+                             stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False,
+                             seed=request_seed(params, i), **extra)
+                for i in range(num_prompts)]
+
+    def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams, enough: Enough
+                       ) -> list[Completion]:
+        """``Aborting``: the requests go to vLLM's engine one by one and come back a step's tokens at a time
+        (DELTA outputs); once ``enough`` says so, the unfinished ones are aborted in the engine, which frees
+        their KV blocks at once. Tokens the engine made after the last step read are dropped with them."""
+        self._check_awake("generate")
+        check_prompts(prompts, params, self.max_model_len, self.spec.vocab_size)
+        if params.n != 1:
+            raise ValueError(f"generate_until samples once per prompt (n = {params.n})")
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        out = [Completion(prompt_index=i, token_ids=[], logprobs=[], finish_reason="abort")
+               for i in range(len(prompts))]
+        first, self._requests = self._requests, self._requests + len(prompts)
+        index = {f"megarl-{first + i}": i for i in range(len(prompts))}
+        finished: list[int] = []
+        try:
+            for (rid, i), sampling in zip(index.items(), self._sampling(params, len(prompts),
+                                                                       output_kind=RequestOutputKind.DELTA),
+                                          strict=True):
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompts[i])), sampling,
+                                   lora_request=self._adapter)
+            while len(finished) < len(prompts):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM dropped {len(prompts) - len(finished)} requests unfinished")
+                step: Any
+                for step in engine.step():  # RequestOutput: one sample (n = 1), its tokens since the last step
+                    c, sample = out[index[step.request_id]], step.outputs[0]
+                    ids = list(sample.token_ids)
+                    c.token_ids += ids
+                    c.logprobs += _logprobs(ids, sample.logprobs)
+                    if step.finished:
+                        if sample.finish_reason not in ("stop", "length"):
+                            raise RuntimeError(f"vLLM finished prompt {c.prompt_index}'s sample with "
+                                               f"{sample.finish_reason!r}")
+                        c.finish_reason = "stop" if sample.finish_reason == "stop" else "length"
+                        finished.append(c.prompt_index)
+                if len(finished) < len(prompts) and enough(finished):
+                    break
+        finally:  # stopped, interrupted or failed: nothing of this call stays in the engine
+            rest = [rid for rid, i in index.items() if out[i].finish_reason == "abort"]
+            if rest:
+                engine.abort_request(rest)
+        return out
 
     def _check_layout(self, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
         expected = self._layouts[rank]
