@@ -94,7 +94,7 @@ def resolve(args: argparse.Namespace) -> Any:
 
         cfg = load_config(args.config, [f"model.hf_path={args.model}"])
         data, rollout = cfg.data, cfg.rollout
-        given = {"reward": cfg.trainer.reward, "max_new_tokens": rollout.max_new_tokens,
+        given: dict[str, object] = {"reward": cfg.trainer.reward, "max_new_tokens": rollout.max_new_tokens,
                  "max_prompt_tokens": rollout.max_prompt_tokens, "prompt_key": data.prompt_key,
                  "answer_key": data.answer_key, "prompt_template": data.prompt_template,
                  "system_prompt": data.system_prompt, "response_prefix": data.response_prefix,
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts, template_fields
     from megarl.data.tokenizer import load_tokenizer
+    from megarl.errors import UserError
     from megarl.eval.harness import evaluate, write_samples
     from megarl.rewards.registry import load_reward
     from megarl.rollout.agent import AgentLoop
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.prompt_template is not None:
         template_fields(args.prompt_template, "--prompt-template")
+    if args.reward is None:
+        raise UserError(f"--config {args.config} has no trainer.reward (on-policy distillation alone): name the "
+                        "reward that scores this evaluation with --reward, e.g. --reward megarl.rewards.gsm8k:reward.")
     reward_fn = load_reward(args.reward, "--reward")
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as scratch:
         hf_dir, trained = hf_model(Path(args.model), Path(scratch))

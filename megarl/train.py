@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, trainer, loader, decode, tracker, evals = setup(args.config, args.set)
     from megarl import checkpoint
     from megarl.algos.correction import rollout_correction
+    from megarl.algos.distill import reverse_kl_advantages
     from megarl.loop.rl_step import (
         actor_loss_mask,
         advantages_and_returns,
@@ -61,11 +62,17 @@ def main(argv: list[str] | None = None) -> None:
                 ref = trainer.score(batch, trainer.reference)
             with tracker.phase("critic"):  # values here, plus the critic's update below
                 values = trainer.score(batch, trainer.critic)
+            with tracker.phase("teacher"):  # on-policy distillation: the teacher's logprobs of the same tokens
+                teacher = trainer.score(batch, trainer.teacher)
             drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
             check_drift(drift, cfg.rollout.logprob_diff_max, step)
             advantages, returns, kl_metrics = advantages_and_returns(
                 batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
                 cfg.response_budget())
+            distill: dict[str, float] = {}
+            if teacher is not None:  # each token's reverse KL to the teacher, a negative advantage of its own
+                distilled, distill = reverse_kl_advantages(old, teacher, batch.mask, cfg.distill.coef)
+                advantages = advantages + distilled
             extras = {"old_logprobs": old, "advantages": advantages}
             if ref is not None:
                 extras["ref_logprobs"] = ref
@@ -86,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             stop = checkpoint.stop_requested(cfg.checkpoint, trainer.groups.device)  # Slurm: time limit, preemption
             evaluate = evals.due(step) and not stop
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
-            trained = metrics | drift | kl_metrics | sampling | correction | {"kl_coef": trainer.kl.value} | held_out
+            trained = (metrics | drift | kl_metrics | distill | sampling | correction | {"kl_coef": trainer.kl.value}
+                       | held_out)
             if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
                 # The step's row goes with its checkpoint: a run stopped before the row is logged (in the
                 # evaluation below, by a signal or an error) finishes and logs it when it resumes.

@@ -7,14 +7,15 @@ set. Checks that need the world size or the model's shape live in `validate_layo
 `__post_init__` errors name fields relative to their own section; `yaml_io.build` prefixes the path
 (`lr` -> `actor.optimizer.lr`), so construct configs through `load_config`/`build_config` for full paths.
 
-One module per group of sections (model, training, rollout, algorithm, data, run, eval, lora, async_rl); `root` holds
-`Config`, `layout` the checks against the world size, `yaml_io` the mapping of YAML onto dataclasses,
-`reference` the generated docs/configuration.md, `experiment` the keys a resume must not change.
+One module per group of sections (model, training, rollout, algorithm, data, run, eval, lora, async_rl, distill);
+`root` holds `Config`, `layout` the checks against the world size, `yaml_io` the mapping of YAML onto
+dataclasses, `reference` the generated docs/configuration.md, `experiment` the keys a resume must not change.
 """
 
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.async_rl import AsyncConfig
 from megarl.config.data import DataConfig
+from megarl.config.distill import DistillConfig
 from megarl.config.eval import EvalConfig, EvalDatasetConfig
 from megarl.config.layout import validate_layout
 from megarl.config.lora import LoraConfig
@@ -26,7 +27,8 @@ from megarl.config.training import ActorConfig, CriticConfig, OptimizerConfig, R
 
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "CriticConfig",
-    "DataConfig", "EvalConfig", "EvalDatasetConfig", "LoraConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
-    "ReferenceConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig", "ToolConfig", "UpdateConfig",
+    "DataConfig", "DistillConfig", "EvalConfig", "EvalDatasetConfig", "LoraConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelConfig", "ReferenceConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig", "ToolConfig",
+    "UpdateConfig",
     "build_config", "load_config", "run_dir", "validate_layout",
 ]

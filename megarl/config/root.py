@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from megarl.config.algorithm import AlgorithmConfig
 from megarl.config.async_rl import AsyncConfig
 from megarl.config.data import DataConfig
+from megarl.config.distill import DistillConfig
 from megarl.config.eval import EvalConfig
 from megarl.config.experiment import allowed_changes, defines_experiment
 from megarl.config.model import ModelConfig, ParallelConfig
@@ -50,6 +51,8 @@ class Config:
     """Multi-turn, tool-using rollouts (megarl.rollout.agent); no tools = single-turn."""
     async_rl: AsyncConfig = field(default_factory=AsyncConfig)
     """Rollouts that overlap the updates (megarl.rollout.inflight, docs/async.md); sync by default."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (docs/algorithms.md); off by default."""
 
     REFUSED_KEYS: ClassVar[dict[str, str]] = {
         "async": "the section is `async_rl` (async is a Python keyword, which no field can be named)."}
@@ -103,6 +106,13 @@ class Config:
               "raise rollout.max_new_tokens, or use null")
         self._check_truncation()
         self._check_async()
+        check(self.trainer.reward is not None or self.distill.teacher is not None, "trainer.reward", None,
+              "name a reward function unless distill.teacher is set: without either, no sample has a signal",
+              'write it like "megarl.rewards.gsm8k:reward", or set distill.teacher')
+        for i, d in enumerate(self.eval.datasets):
+            check(d.reward is not None or self.trainer.reward is not None, f"eval.datasets[{i}].reward", None,
+                  "name a reward function when trainer.reward is null: held-out accuracy needs one",
+                  'write it like "megarl.rewards.gsm8k:reward"')
         self._check_eval()
         self._check_keep_best()
         batch = self.data.num_prompts_per_step * n

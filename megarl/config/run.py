@@ -15,15 +15,16 @@ class TrainerConfig:
     """RL steps (rollout + update) to run."""
     seed: int = 0
     """Seed for parameter initialisation (value head) and any trainer-side randomness."""
-    reward: str = "megarl.rewards.gsm8k:reward"
-    """Reward function as "module:function"; imported when training starts."""
+    reward: str | None = "megarl.rewards.gsm8k:reward"
+    """Reward function as "module:function"; imported when training starts. null = no task reward (on-policy
+    distillation alone: distill.teacher)."""
     log_every: int = 1
     """Console progress every this many steps (metrics go to tracking every step)."""
 
     def __post_init__(self) -> None:
         positive(self, "num_steps", "log_every")
         check(
-            bool(IMPORT_PATH_RE.fullmatch(self.reward)),
+            self.reward is None or bool(IMPORT_PATH_RE.fullmatch(self.reward)),
             "reward",
             self.reward,
             'be an import path "package.module:function"',

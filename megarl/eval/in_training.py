@@ -48,7 +48,7 @@ def _load(cfg: Config, d: EvalDatasetConfig, where: str, tokenizer: Any, stop: t
     prompts, _ = tokenize_prompts(records, tokenizer, data.apply_chat_template, cfg.rollout.max_prompt_tokens,
                                   source=repr(d.path), system_prompt=d.system_prompt or data.system_prompt,
                                   response_prefix=d.response_prefix or data.response_prefix, field=f"{where}.path")
-    reward_fn = load_reward(d.reward or cfg.trainer.reward, f"{where}.reward")
+    reward_fn = load_reward(d.reward or str(cfg.trainer.reward), f"{where}.reward")  # one is set (Config)
     params = SamplingParams(n=d.num_samples or e.num_samples,
                             temperature=e.temperature if d.temperature is None else d.temperature,
                             max_new_tokens=d.max_new_tokens or e.max_new_tokens or cfg.rollout.max_new_tokens,

@@ -64,6 +64,17 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     from megarl.data.tokenizer import check_hf_config, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.hf_path)
+    if cfg.distill.teacher is not None:
+        from megarl.models.teacher import check_teacher
+
+        teacher = check_teacher(cfg.distill.teacher, cfg.model.hf_path, tokenizer, spec)
+        try:
+            validate_layout(cfg, world, num_layers=teacher.num_layers, num_attention_heads=teacher.num_attention_heads,
+                            num_kv_heads=teacher.num_kv_heads, vocab_size=teacher.vocab_size,
+                            ranks_per_node=ranks_per_node)
+        except UserError as err:
+            raise UserError(f"distill.teacher = {cfg.distill.teacher!r} does not fit the trainer's layout: {err}") \
+                from None
     if cfg.critic.hf_path:
         check_hf_config(cfg.critic.hf_path, "critic.hf_path")
     d = cfg.data

@@ -1,5 +1,5 @@
-"""The learner: the actor, the critic and the reference, what each holds on the device in each phase, scoring a
-batch, and the clipped updates of its epochs x mini-batches."""
+"""The learner: the actor, the critic, the reference and a distillation teacher, what each holds on the device in
+each phase, scoring a batch, and the clipped updates of its epochs x mini-batches."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from megarl.loop.rl_step import Batch, actor_loss, critic_loss
 from megarl.lora.training import BaseModel, LoraAdapters
 from megarl.memory.offload import PARTS, Part, Residency
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import ModelSpec, load_spec
 from megarl.models.trainable import MegatronModel
 
 
@@ -43,6 +43,10 @@ class Learner:
         if algo.kl_coef > 0:  # a LoRA actor's reference is the actor with its adapters off: no second copy
             self.reference = (BaseModel(self.actor) if cfg.actor.lora_on() else
                               MegatronModel(spec, cfg.model.hf_path, groups, opts, temperature=temperature))
+        self.teacher = None  # on-policy distillation: frozen, in the trainer's layout, at the sampling temperature
+        if cfg.distill.teacher is not None:
+            self.teacher = MegatronModel(load_spec(cfg.distill.teacher), cfg.distill.teacher, groups, opts,
+                                         temperature=temperature)
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)
@@ -59,7 +63,8 @@ class Learner:
         """Decide what may leave the device (``actor_weights_stay``: the engine maps the actor's weights) and keep
         only what generation needs."""
         reference = {"reference": self.reference} if isinstance(self.reference, MegatronModel) else {}
-        self.residency = Residency(self.trained_models() | reference,
+        teacher = {"teacher": self.teacher} if self.teacher is not None else {}
+        self.residency = Residency(self.trained_models() | reference | teacher,
                                    offloadable_parts(self.cfg, actor_weights_stay=actor_weights_stay))
         self.hold("generate")
 
@@ -92,8 +97,8 @@ class Learner:
         data-parallel replica scores its share of the sequences."""
         if model is None:
             return None
-        self.hold("values" if model is self.critic else "score" if not isinstance(model, MegatronModel)
-                  or model is self.actor else "reference")
+        self.hold("values" if model is self.critic else "teacher" if model is self.teacher
+                  else "score" if not isinstance(model, MegatronModel) or model is self.actor else "reference")
         section = self.cfg.critic if model is self.critic else self.cfg.actor
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
@@ -168,6 +173,7 @@ PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
     "score": {"actor": {"weights"}},
     "reference": {"actor": {"weights"}, "reference": {"weights"}},
     "values": {"actor": {"weights"}, "critic": {"weights"}},
+    "teacher": {"actor": {"weights"}, "teacher": {"weights"}},
     "actor_update": {"actor": {"weights", "grads", "optimizer"}},
     "critic_update": {"actor": {"weights"}, "critic": {"weights", "grads", "optimizer"}},
 }
@@ -185,7 +191,8 @@ def offloadable_parts(cfg: Config, actor_weights_stay: bool = False) -> dict[str
             | (weights if cfg.actor.offload_weights and not actor_weights_stay else set()),
             "critic": grads | (optimizer if cfg.critic.offload_optimizer else set())
             | (weights if cfg.critic.offload_weights else set()),
-            "reference": weights if cfg.reference.offload_weights else set()}
+            "reference": weights if cfg.reference.offload_weights else set(),
+            "teacher": weights if cfg.distill.offload_weights else set()}
 
 
 def _routing(model: MegatronModel | BaseModel, batch: Batch, index: list[int]) -> list[Any] | None:

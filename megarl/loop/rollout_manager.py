@@ -29,12 +29,17 @@ from megarl.rollout.inflight import Group
 EngineState = Literal["asleep", "weights", "awake"]
 
 
+def no_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """trainer.reward null (on-policy distillation alone): no task signal."""
+    return [0.0] * len(completions)
+
+
 class RolloutManager:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...], tokenizer: Any,
                  times: PartTimes) -> None:
         self.cfg, self.groups, self.stop_ids, self.times = cfg, groups, stop_ids, times
         self._rollout_loop = make_rollout(cfg, tokenizer)  # tools load and are checked before any model is built
-        self.reward_fn = load_reward(cfg.trainer.reward)
+        self.reward_fn = load_reward(cfg.trainer.reward) if cfg.trainer.reward is not None else no_reward
         # Each step's samples (tokens, logprobs and, with routing replay, every token's experts: hundreds of MB at
         # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
         # on the GPU, next to the engine's KV cache.
@@ -126,7 +131,7 @@ class RolloutManager:
         samples = [(g, s) for g in taken for s in g.samples]
         with self.times.timed("rollout/reward"):
             scores = self.reward_fn([decode(s.tokens) for _, s in samples], [g.answer for g, _ in samples])
-        check_scores(scores, len(samples), self.cfg.trainer.reward, step)
+        check_scores(scores, len(samples), str(self.cfg.trainer.reward), step)
         batch = Batch.build([g.prompt for g, _ in samples], [s.tokens for _, s in samples],
                             [s.logprobs for _, s in samples], scores)
         batch.current = batch.stack({i: torch.tensor([0.0] * (len(g.prompt) - 1) + [float(v == step)
@@ -172,7 +177,7 @@ class RolloutManager:
             rows = self.generate_all(prompts, params)
         with self.times.timed("rollout/reward"):
             scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
-        check_scores(scores, len(rows), self.cfg.trainer.reward, step)
+        check_scores(scores, len(rows), str(self.cfg.trainer.reward), step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
                            [c.logprobs for c in rows], scores, routing, [c.policy_mask for c in rows],

@@ -60,6 +60,10 @@ class RLTrainer:
         return self.learner.critic
 
     @property
+    def teacher(self) -> MegatronModel | None:
+        return self.learner.teacher
+
+    @property
     def kl(self) -> Any:
         return self.learner.kl
 

@@ -33,7 +33,7 @@ from megarl.config.lora import LoraConfig
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.lora.training import adapter_params_per_rank, merged_params_per_rank
-from megarl.models.spec import ModelSpec
+from megarl.models.spec import ModelSpec, load_spec
 from megarl.reshard.aliasing import aliases_weights
 
 GIB = 2**30
@@ -225,6 +225,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     critic = state(True, True, cfg.critic) if algo.name == "ppo" else None
     # A LoRA actor's reference is the actor with its adapters off: no weights of its own.
     reference = state(False, False, None) if algo.kl_coef > 0 and not cfg.actor.lora_on() else None
+    teacher_spec = load_spec(cfg.distill.teacher) if cfg.distill.teacher is not None else None
+    teacher = None if teacher_spec is None else model_state(
+        busiest_stage_params(teacher_spec, dims, cfg.model.vocab_pad_multiple), dtype, False, dims.dp, False,
+        stage_expert_params(teacher_spec, dims), dims.ep)
 
     def resident(phase: str, started: bool = True) -> dict[str, int]:
         """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
@@ -246,6 +250,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
                 parts["critic optimizer"] = critic_opt
         if reference is not None and (phase == "reference" or not cfg.reference.offload_weights):
             parts["reference weights"] = reference.weights
+        if teacher is not None and (phase == "teacher" or not cfg.distill.offload_weights):
+            parts["teacher weights"] = teacher.weights
         return parts
 
     # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
@@ -298,8 +304,12 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         cfg.async_rl.mode == "separate" else {"engine weights": int(engine_rank * (1 - aliased)),
                                               "engines asleep": ENGINE_ASLEEP})
     plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
+    if teacher_spec is not None:  # a larger teacher's scoring can be the peak: bounded by a training micro-batch's
+        plan.phases["teacher"] = with_overhead(resident("teacher") | {"scoring activations (bound)": activation_bytes(
+            teacher_spec, cfg, cfg.actor, dims, False, segment_mask=masked)}) | asleep
     # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
-    held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "generate")]
+    held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "teacher",
+                                          "generate")]
     plan.host = {k: v for parts in held for k, v in parts.items()
                  if not k.endswith("grads") and any(k not in other for other in held)}
     return plan
@@ -330,7 +340,8 @@ def check_host_memory(plan: MemoryPlan, cfg: Config, gpus_per_node: int, host_by
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(plan.host.items(), key=lambda kv: -kv[1]))
     flags = {"actor optimizer": "actor.offload_optimizer", "actor weights": "actor.offload_weights",
              "critic optimizer": "critic.offload_optimizer",
-             "critic weights": "critic.offload_weights", "reference weights": "reference.offload_weights"}
+             "critic weights": "critic.offload_weights", "reference weights": "reference.offload_weights",
+             "teacher weights": "distill.offload_weights"}
     keep = [f"{flags[k]}: false" for k in sorted(plan.host, key=lambda k: -plan.host[k]) if k in flags]
     raise UserError(f"this config does not fit its node's host memory: offloading needs {need / GIB:.1f} GiB "
                     f"on a node of {gpus_per_node} GPUs ({plan.host_bytes() / GIB:.1f} GiB of pinned buffers per "
@@ -352,9 +363,9 @@ def check_memory(plan: MemoryPlan, cfg: Config, num_gpus: int) -> None:
     if "generate" in over:
         ways.append("lower rollout.gpu_memory_fraction (or set it to auto)")
     if not (cfg.actor.offload_optimizer and cfg.actor.offload_weights and cfg.critic.offload_weights
-            and cfg.critic.offload_optimizer and cfg.reference.offload_weights):
+            and cfg.critic.offload_optimizer and cfg.reference.offload_weights and cfg.distill.offload_weights):
         ways.append("enable offloading (actor.offload_optimizer, actor.offload_weights, critic.offload_weights, "
-                    "critic.offload_optimizer, reference.offload_weights)")
+                    "critic.offload_optimizer, reference.offload_weights, distill.offload_weights)")
     if any(phase.endswith("update") for phase in over):
         ways.append("lower actor/critic.max_tokens_per_gpu")
         if not cfg.model.recompute_activations:
