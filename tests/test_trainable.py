@@ -13,10 +13,33 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+def hf_logprobs(model_dir, sequences: list[list[int]], temperature: float) -> list[float]:
+    """transformers' log-probabilities of every next token of every sequence, at ``temperature``, end to end."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    out: list[float] = []
+    with torch.no_grad():
+        for seq in sequences:
+            logits = model(torch.tensor([seq])).logits[0, :-1].double() / temperature
+            out += logits.log_softmax(-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+    return out
+
+
 @pytest.mark.slow
 def test_actor_update_is_layout_and_packing_invariant(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
-    everything = run_worker("trainable.py", tmp_path, model)
+    # A distillation teacher: another architecture, twice as wide, with the student's vocabulary.
+    teacher = make_hf_model(tmp_path / "teacher", "qwen2", seed=3, vocab_size=200, hidden_size=128,
+                            intermediate_size=256, num_attention_heads=8, num_key_value_heads=4)
+    everything = run_worker("trainable.py", tmp_path, model, teacher)
+    taught = {(r["tp"], r["pp"]): r for r in everything if r["mode"] == "teacher"}
+    assert set(taught) == {(1, 1), (2, 1), (1, 2), (2, 2)}
+    expected = hf_logprobs(teacher, taught[1, 1]["sequences"], temperature=0.8)
+    for layout, row in taught.items():  # transformers in float64 from float32 weights: the same in every layout
+        assert max_diff(row["logprobs"], expected) < 1e-5, layout
+    everything = [r for r in everything if r["mode"] != "teacher"]
     # A NaN in the loss stops every rank before the optimizer step touches the weights.
     stopped = [r for r in everything if r["mode"] == "nan"]
     assert len(stopped) == 4 and all("step 5, actor" in r["error"] and "loss = nan" in r["error"] for r in stopped)

@@ -1,10 +1,11 @@
 """Multi-rank worker for test_trainable.py: one GRPO actor update in several TP/PP/DP layouts,
 with sequences packed into shared rows and without (one padded row each).
 
-torchrun --nproc-per-node 4 tests/workers/trainable.py OUT_DIR MODEL_DIR
+torchrun --nproc-per-node 4 tests/workers/trainable.py OUT_DIR MODEL_DIR [TEACHER_DIR]
 The same batch, advantages and global token weights in every layout; each layout reports the
 logprobs before the update, the summed loss, grad norm, padding fraction and the updated model's
-logprobs, which must match the single-replica run and, packed, the unpacked one.
+logprobs, which must match the single-replica run and, packed, the unpacked one. With TEACHER_DIR, each layout's
+packed run also scores the batch with that model, frozen (a distillation teacher of another shape).
 """
 
 import contextlib
@@ -49,6 +50,7 @@ def unpacked(*args, **kwargs):
 
 def main() -> None:
     out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
+    teacher_dir = sys.argv[3] if len(sys.argv) > 3 else None
     init_distributed(platform)
     world = dist.get_world_size()
     spec = load_spec(model_dir)
@@ -123,6 +125,13 @@ def main() -> None:
                     assert residency.onload(PARTS) == freed - grads  # gradients come back as zeros, not copied
                 metrics = actor.train_step([batch.sequences[i] for i in mine], rows, loss, train_budget, 2)
             after = actor.score(batch.sequences, score_budget, 2)
+            taught = None
+            if teacher_dir and mode == "packed":  # a distillation teacher of another shape, frozen beside the actor
+                teacher = MegatronModel(load_spec(teacher_dir), teacher_dir, groups, opts, temperature=0.8)
+                taught = teacher.score(batch.sequences, score_budget, 2)
+        if taught is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
+            results.append({"tp": tp, "pp": pp, "mode": "teacher", "sequences": batch.sequences,
+                            "logprobs": torch.cat(taught).tolist()})
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
             results.append({"tp": tp, "pp": pp, "dp": dims.dp, "mode": mode, "loss": metrics["loss"],
                             "grad_norm": metrics["grad_norm"], "entropy": metrics["entropy"],
