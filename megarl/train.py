@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             if teacher is not None:  # each token's reverse KL to the teacher, a negative advantage of its own
                 distilled, distill = reverse_kl_advantages(old, teacher, batch.mask, cfg.distill.coef)
                 advantages = advantages + distilled
+                distill["distill/top1_agreement"] = trainer.top1_agreement(batch)
             extras = {"old_logprobs": old, "advantages": advantages}
             if ref is not None:
                 extras["ref_logprobs"] = ref

@@ -1,6 +1,7 @@
-"""Chunked log-probabilities and entropy from the output layer's input equal a float64 reference written out plainly
-and today's full-logits path (megarl.models.logprobs), in value, loss and the gradients of the hidden states and the
-weight, at a temperature, with padded vocab rows, over one and two TP ranks, with chunks that do not divide the tokens.
+"""Chunked log-probabilities, entropy and most likely token from the output layer's input equal a float64 reference
+written out plainly and today's full-logits path (megarl.models.logprobs), in value, loss and the gradients of the
+hidden states and the weight, at a temperature, with padded vocab rows, over one and two TP ranks, with chunks that do
+not divide the tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.models.chunked_logprobs import chunked_logprobs
-from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_top1
 
 TOKENS, HIDDEN, LOCAL_VOCAB = 13, 16, 12
 
@@ -64,12 +65,16 @@ def _worker(rank: int, world: int, port: int, vocab_size: int, temperature: floa
     chunked, full = run(True), run(False)
     with torch.no_grad():
         scored = chunked_logprobs(hidden.to(dtype), weight[rows].to(dtype), targets, chunk_tokens=chunk, **kw)
+        top1 = vocab_parallel_top1(hidden.to(dtype) @ weight[rows].to(dtype).t(), vocab_start=start,
+                                   vocab_size=vocab_size, group=group)
+    best = (hidden.double() @ weight.double().t())[:, :vocab_size].argmax(-1)  # the most likely token, float64
     ref["grad_w"] = ref["grad_w"][rows]
     queue.put((rank, {
         "vs_float64": {k: (chunked[k].double() - ref[k]).abs().max().item() for k in ref},
         "vs_full": {k: (chunked[k].float() - full[k].float()).abs().max().item() for k in ref},
         "grad_dtypes": [str(chunked["grad_h"].dtype), str(chunked["grad_w"].dtype)],
         "no_grad": (scored[:, 0] - chunked["lp"]).abs().max().item(),
+        "top1": [scored[:, 2].long().tolist(), top1.tolist(), best.tolist()],
         "finite": all(bool(t.isfinite().all()) for t in chunked.values()),
         "scale": {k: ref[k].abs().max().item() for k in ref},
     }))
@@ -107,6 +112,8 @@ def test_chunked_logprobs_match_float64_and_full_logits(world, vocab_size, tempe
     for rank, row in results.items():
         assert row["finite"], (rank, row)
         assert row["no_grad"] == 0, (rank, row)
+        chunked_top1, full_top1, best = row["top1"]
+        assert chunked_top1 == full_top1 == best, (rank, row["top1"])
         for key in ("lp", "entropy", "loss", "grad_h", "grad_w"):
             assert row["vs_float64"][key] < 1e-6 * max(1.0, row["scale"][key]), (rank, key, row)
             assert row["vs_full"][key] < 1e-6 * max(1.0, row["scale"][key]), (rank, key, row)

@@ -57,6 +57,8 @@ class Learner:
             print(f"megarl: {'Transformer Engine' if use_te else 'local'} layers "
                   f"({layer_implementation(self.actor.chunks)})", flush=True)
         self.kl = make_kl_controller(algo)
+        self.top1: dict[str, torch.Tensor] = {}
+        """Distillation: the most likely token at every position of the batch last scored, [N, T], by role."""
         self.residency: Residency | Any = None
 
     def place(self, actor_weights_stay: bool) -> None:
@@ -102,9 +104,21 @@ class Learner:
         section = self.cfg.critic if model is self.critic else self.cfg.actor
         g = self.groups
         mine = list(range(g.dp_rank, len(batch.sequences), g.dims.dp))
+        role = "actor" if model is self.actor else "teacher" if model is self.teacher else None
+        top1 = self.teacher is not None and role is not None  # distillation: whose most likely token agrees
         rows = model.score([batch.sequences[i] for i in mine], *_batching(section),
-                           routing=_routing(model, batch, mine))
+                           routing=_routing(model, batch, mine), **({"top1": True} if top1 else {}))
+        if top1 and role is not None:
+            self.top1[role] = self._share_rows(dict(zip(mine, [r[:, 1] for r in rows], strict=True))
+                                               if rows is not None else None, batch)
+            rows = None if rows is None else [r[:, 0] for r in rows]
         return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
+
+    def top1_agreement(self, batch: Batch) -> float:
+        """Distillation: the share of the batch's policy tokens at which the actor's most likely next token is the
+        teacher's (both scored on this batch)."""
+        same = (self.top1["actor"] == self.top1["teacher"]).float() * batch.mask
+        return float(same.sum() / batch.mask.sum().clamp(min=1))
 
     def optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
                  loss: Any, where: str, step: int, mask: torch.Tensor) -> dict[str, float]:

@@ -83,6 +83,9 @@ class RLTrainer:
     def score(self, batch: Batch, model: MegatronModel | BaseModel | None) -> torch.Tensor | None:
         return self.learner.score(batch, model)
 
+    def top1_agreement(self, batch: Batch) -> float:
+        return self.learner.top1_agreement(batch)
+
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
                      ) -> dict[str, float]:
         return self.learner.update_actor(batch, extras, step, mask)

@@ -1,13 +1,13 @@
-"""Tempered log-probabilities of target tokens and entropy straight from the output layer's input, a chunk of
-tokens at a time, so that no [tokens x vocab] float32 tensor of the whole micro-batch ever exists.
+"""Tempered log-probabilities of target tokens and entropy straight from the output layer's input, a chunk of tokens at
+a time, so that no [tokens x vocab] float32 tensor of the whole micro-batch ever exists.
 
 The output layer's logits, hidden @ W.T, are made ``chunk_tokens`` rows at a time; forward keeps per token only the
-global max plus log Z and the entropy, and backward makes each chunk's logits again to form their gradient, which it
-turns into the hidden states' and the weight's at once (the weight's summed over chunks in float32, then returned in
-its dtype; none for a frozen weight). The vocabulary is TP-sharded as in megarl.models.logprobs (read its docstring):
-the softmax statistics are reduced over the TP group, and backward gives each rank the gradient of its own vocab
-slice only; the caller reduces the hidden states' gradient over TP, as Megatron's ColumnParallelLinear does
-(megarl.models.logprob_head).
+global max plus log Z and the entropy (and returns the most likely token beside them), and backward makes each
+chunk's logits again to form their gradient, which it turns into the hidden states' and the weight's at once (the
+weight's summed over chunks in float32, then returned in its dtype; none for a frozen weight). The vocabulary is
+TP-sharded as in megarl.models.logprobs (read its docstring): the softmax statistics are reduced over the TP group,
+and backward gives each rank the gradient of its own vocab slice only; the caller reduces the hidden states'
+gradient over TP, as Megatron's ColumnParallelLinear does (megarl.models.logprob_head).
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         safe_t = torch.where(owned, local_t, torch.zeros_like(local_t))
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         row_max = torch.full((hidden.shape[0],), float("-inf"), dtype=dtype, device=hidden.device)
-        out = torch.zeros(hidden.shape[0], 2, dtype=dtype, device=hidden.device)
+        out = torch.zeros(hidden.shape[0], 3, dtype=dtype, device=hidden.device)
         log_z = torch.zeros_like(row_max)
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            sums = torch.zeros(3, len(row_max[rows]), dtype=dtype, device=hidden.device)
+            sums = torch.zeros(4, len(row_max[rows]), dtype=dtype, device=hidden.device)
             # A shard of padding only keeps a max of -inf and zero sums; the global max is finite.
             scaled = _logits(hidden[rows], real, temperature) if real.shape[0] else None
             if scaled is not None:
-                row_max[rows] = scaled.max(dim=-1).values
+                local_max, local_top = scaled.max(dim=-1)
+                row_max[rows] = local_max
             dist.all_reduce(row_max[rows], op=dist.ReduceOp.MAX, group=group)
             if scaled is not None:
                 scaled.sub_(row_max[rows].unsqueeze(-1))
@@ -54,12 +55,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 picked = scaled.gather(-1, safe_t[rows].unsqueeze(-1)).squeeze(-1)
                 sums[0], sums[2] = exp.sum(dim=-1), (exp * scaled).sum(dim=-1)
                 sums[1] = torch.where(owned[rows], picked, torch.zeros_like(picked))
+                # The most likely token, id + 1 from the shard that holds the global max, 0 from the others (an
+                # exact tie across shards would add two ids: a float tie between different rows of weights).
+                sums[3] = torch.where(local_max == row_max[rows], (local_top + vocab_start + 1).to(dtype), 0.0)
                 del scaled, exp
-            dist.all_reduce(sums, group=group)  # sum of exp, target's shifted logit, sum of exp * shifted logit
-            sum_exp, target, weighted = sums
+            # Sum of exp, target's shifted logit, sum of exp * shifted logit, top-1 token + 1.
+            dist.all_reduce(sums, group=group)
+            sum_exp, target, weighted, top = sums
             log_z[rows] = sum_exp.log()
             out[rows, 0] = target - log_z[rows]
             out[rows, 1] = log_z[rows] - weighted / sum_exp  # H = log Z - sum_j p_j s_j
+            out[rows, 2] = top - 1
         # Kept per token: what each chunk's logits need to become probabilities again (a no-grad call drops them).
         ctx.save_for_backward(hidden, weight, safe_t, owned, row_max + log_z, out[:, 1].clone())
         ctx.real, ctx.temperature, ctx.chunk_tokens = real.shape[0], temperature, chunk_tokens
@@ -94,8 +100,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, vocab_start: int,
                      vocab_size: int, group: dist.ProcessGroup, temperature: float = 1.0,
                      chunk_tokens: int = 1024) -> torch.Tensor:
-    """[N, 2]: log p(targets) and the entropy of softmax(hidden @ weight.T / temperature) over the full
-    (TP-sharded) vocab, in at least float32.
+    """[N, 3]: log p(targets), the entropy of softmax(hidden @ weight.T / temperature) over the full (TP-sharded)
+    vocab, in at least float32, and the most likely token (its id as a float; no gradient).
 
     hidden: [N, H] the output layer's input (every token of the micro-batch, sequence-parallel shards gathered);
     weight: [V_local, H] this rank's slice of the padded vocab, starting at ``vocab_start``; targets: [N] int64 in

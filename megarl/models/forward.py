@@ -75,7 +75,7 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
     """Run micro-batches of [B, S] token rows through the pipeline without grad (``thd``: in Megatron's packed
     format, ``model_inputs``).
 
-    ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, [B, S, 2] from a
+    ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, [B, S, 3] from a
     chunked head (megarl.models.logprob_head), or
     [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
     order on the last pipeline stage, None elsewhere. With pipeline parallelism all micro-batches

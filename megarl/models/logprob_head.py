@@ -2,14 +2,15 @@
 (``model.logprob_chunk_tokens`` > 0): its forward is swapped for megarl.models.chunked_logprobs.
 
 The swap keeps the layer and its weight (or the tied embedding's, which GPTModel passes as ``weight=``) where
-Megatron expects them, so checkpoints, the resharder and DDP see the usual parameter, used through ordinary
-autograd inside the layer's call: DDP's hook adds its gradient to ``main_grad`` like any other, and
-finalize_model_grads all-reduces a tied weight's over the first and last stage as usual. The hidden states
-reach the layer as ColumnParallelLinear's input does, and their gradient leaves as its input gradient does:
-all-reduced over TP, or reduce-scattered along the sequence under sequence parallelism.
+Megatron expects them, so checkpoints, the resharder and DDP see the usual parameter, used through ordinary autograd
+inside the layer's call: DDP's hook adds its gradient to ``main_grad`` like any other, and finalize_model_grads
+all-reduces a tied weight's over the first and last stage as usual. The hidden states reach the layer as
+ColumnParallelLinear's input does, and their gradient leaves as its input gradient does: all-reduced over TP, or
+reduce-scattered along the sequence under sequence parallelism.
 
-GPTModel returns the layer's [s, b, 2] output as [b, s, 2]: (log p of the next token, entropy) at every position,
-the last position's log p meaningless (nothing follows it). Each forward needs its tokens first (``aim``).
+GPTModel returns the layer's [s, b, 3] output as [b, s, 3]: (log p of the next token, entropy, the most likely
+token) at every position, the last position's log p meaningless (nothing follows it). Each forward needs its tokens
+first (``aim``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class LogprobHead:
         out = chunked_logprobs(hidden.reshape(s * b, h), layer.weight if weight is None else weight,
                                targets.reshape(-1), vocab_start=self.vocab_start, vocab_size=self.vocab_size,
                                group=self.group, temperature=self.temperature, chunk_tokens=self.chunk_tokens)
-        return out.view(s, b, 2), None
+        return out.view(s, b, 3), None
 
 
 def install(chunks: list[torch.nn.Module], **head: Any) -> None:

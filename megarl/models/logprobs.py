@@ -111,3 +111,20 @@ def vocab_parallel_entropy(logits: torch.Tensor, *, vocab_start: int, vocab_size
     """
     assert temperature > 0, "greedy decoding has no distribution to take the entropy of"
     return _VocabParallelEntropy.apply(logits, vocab_start, vocab_size, temperature, group)
+
+
+def vocab_parallel_top1(logits: torch.Tensor, *, vocab_start: int, vocab_size: int, group: dist.ProcessGroup
+                        ) -> torch.Tensor:
+    """The most likely token over the full (TP-sharded) vocab, int64 [...]; ties go to the smallest id.
+
+    logits: [..., V_local] as in ``vocab_parallel_logprobs``; padded columns are excluded."""
+    real = logits[..., : max(0, min(logits.shape[-1], vocab_size - vocab_start))].float()
+    local_max = real.max(dim=-1).values if real.shape[-1] else logits.new_full(logits.shape[:-1], float("-inf"))
+    row_max = local_max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    none = torch.iinfo(torch.int64).max
+    mine = (real == row_max.unsqueeze(-1)).int().argmax(dim=-1) + vocab_start if real.shape[-1] else None
+    top = torch.where(local_max == row_max, mine, none) if mine is not None else torch.full_like(
+        row_max, none, dtype=torch.int64)
+    dist.all_reduce(top, op=dist.ReduceOp.MIN, group=group)
+    return top

@@ -30,7 +30,7 @@ from megarl.models.forward import (
     schedule_shape,
 )
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights
-from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_top1
 from megarl.models.optimizer_state import OptimizerState
 from megarl.models.routing import RoutingReplay, place_routing
 from megarl.models.spec import ModelSpec
@@ -76,7 +76,7 @@ class MegatronModel:
         if adapters is not None:
             adapters.install(self.chunks, [chunk_layer_offset(spec, groups, vp) for vp in range(len(self.chunks))])
         self.chunked = bool(opts.logprob_chunk_tokens) and not opts.critic
-        """The last stage outputs [b, L, 2] (log p of the next token, entropy) instead of logits
+        """The last stage outputs [b, L, 3] (log p of the next token, entropy, the most likely token) instead of logits
         (megarl.models.logprob_head)."""
         if self.chunked:
             logprob_head.install(self.chunks, vocab_start=self._vocab_start(), vocab_size=spec.vocab_size,
@@ -156,7 +156,7 @@ class MegatronModel:
         return self.groups.tp_rank * padded // self.groups.dims.tp
 
     def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, L, V_local] logits (or the chunked head's [b, L, 2]), [b, L] tokens -> [b, L-1] log p(token_t | prefix)
+        """[b, L, V_local] logits (or the chunked head's [b, L, 3]), [b, L] tokens -> [b, L-1] log p(token_t | prefix)
         at the sampling temperature."""
         if self.chunked:
             return logits[:, :-1, 0]
@@ -165,13 +165,20 @@ class MegatronModel:
                                        temperature=self.temperature)
 
     def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """[b, L, V_local] (or [b, L, 2]) -> [b, L-1] entropy of the full-vocab distribution at the sampling
+        """[b, L, V_local] (or [b, L, 3]) -> [b, L-1] entropy of the full-vocab distribution at the sampling
         temperature."""
         if self.chunked:
             return logits[:, :-1, 1]
         return vocab_parallel_entropy(logits[:, :-1], vocab_start=self._vocab_start(),
                                       vocab_size=self.spec.vocab_size, group=self.groups.tp_group,
                                       temperature=self.temperature)
+
+    def token_top1(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b, L, V_local] (or [b, L, 3]) -> [b, L-1] the most likely next token, int64."""
+        if self.chunked:
+            return logits[:, :-1, 2].long()
+        return vocab_parallel_top1(logits[:, :-1], vocab_start=self._vocab_start(), vocab_size=self.spec.vocab_size,
+                                   group=self.groups.tp_group)
 
     def _preparing(self, routing: Sequence[np.ndarray] | None, counting: bool
                    ) -> Callable[[torch.nn.Module, MicroBatch], None] | None:
@@ -219,8 +226,9 @@ class MegatronModel:
 
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], max_tokens: int | None, micro_batch_size: int = 1,
-              routing: Sequence[np.ndarray] | None = None) -> list[torch.Tensor] | None:
-        """Per-sequence [len-1] logprobs (policy/reference) or [len-1] values (critic), last stage only.
+              routing: Sequence[np.ndarray] | None = None, top1: bool = False) -> list[torch.Tensor] | None:
+        """Per-sequence [len-1] logprobs (policy/reference) or [len-1] values (critic), last stage only; with
+        ``top1``, [len-1, 2]: the logprobs and the most likely token at each position (as a float).
 
         Values are those of the positions that predict tokens 1..len-1, aligned like logprobs. ``routing``:
         each sequence's [len-1, num_layers, k] expert choices, with routing replay.
@@ -231,7 +239,10 @@ class MegatronModel:
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
                 return output[:, :-1, 0].float().cpu()
-            return self.token_logprobs(output, tokens).cpu()
+            logprobs = self.token_logprobs(output, tokens)
+            if top1:
+                return torch.stack([logprobs.float(), self.token_top1(output).float()], dim=-1).cpu()
+            return logprobs.cpu()
 
         outputs = forward_only(self.chunks, self.groups, batches, keep, prepare, thd=self.packing == "thd")
         if self.replay is not None:
