@@ -70,11 +70,14 @@ def main(argv: list[str] | None = None) -> None:
                 batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
                 cfg.response_budget())
             distill: dict[str, float] = {}
-            if teacher is not None:  # each token's reverse KL to the teacher, a negative advantage of its own
+            if teacher is not None:  # each token's reverse KL to the teacher: its own negative advantage (or a loss)
                 distilled, distill = reverse_kl_advantages(old, teacher, batch.mask, cfg.distill.coef)
-                advantages = advantages + distilled
                 distill["distill/top1_agreement"] = trainer.top1_agreement(batch)
+                if cfg.distill.form == "advantage":
+                    advantages = advantages + distilled
             extras = {"old_logprobs": old, "advantages": advantages}
+            if teacher is not None and cfg.distill.form == "loss":
+                extras["teacher_logprobs"] = teacher
             if ref is not None:
                 extras["ref_logprobs"] = ref
             # Importance weights pi_old / pi_rollout (truncated, or rejecting sequences): the engine's sampler is

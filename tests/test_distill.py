@@ -41,6 +41,28 @@ def test_reverse_kl_is_each_tokens_own_negative_advantage_and_its_gradient_is_th
     assert float(loss) == pytest.approx(float(-(weights * expected).sum()), abs=1e-6)
 
 
+def test_the_loss_form_has_the_advantage_forms_gradient_on_policy():
+    """distill.form loss: coef x 0.5 (log pi_s - log pi_t)^2 per token, whose gradient coef (log pi_s - log pi_t) is
+    the advantage form's at ratio 1 (float32, 1e-6); its value is the k2 estimate, weighted."""
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = -torch.rand(3, 5, generator=gen) * 3, -torch.rand(3, 5, generator=gen) * 3
+    mask = (torch.rand(3, 5, generator=gen) > 0.3).float()
+    weights = mask / mask.sum()
+    adv, _ = reverse_kl_advantages(student, teacher, mask, coef=0.7)
+    grads = []
+    for extras, distill_coef in (({"advantages": adv}, 0.0),
+                                 ({"advantages": torch.zeros_like(adv), "teacher_logprobs": teacher}, 0.7)):
+        logp = student.clone().requires_grad_(True)
+        loss, metrics = actor_loss(logp, {"old_logprobs": student, "weights": weights, **extras}, AlgorithmConfig(),
+                                   kl_coef=0.0, distill_coef=distill_coef)
+        loss.backward()
+        grads.append(logp.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=0)
+    assert torch.allclose(grads[1], 0.7 * (student - teacher) * weights, atol=1e-6, rtol=0)
+    assert float(metrics["distill_loss"]) == pytest.approx(float((0.5 * (student - teacher) ** 2 * weights).sum()),
+                                                           abs=1e-6)
+
+
 def _teacher_with(tmp_path, edit) -> str:
     out = tmp_path / "teacher"
     shutil.copytree(TEACHER, out)

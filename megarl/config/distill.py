@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megarl.config.checks import within
 
@@ -14,9 +15,13 @@ class DistillConfig:
     """HF directory of the teacher: a larger model, or another architecture with the student's tokenizer. Built
     frozen in the trainer's TP/PP layout; null = no distillation."""
     coef: float = 1.0
-    """Weight of the per-token reverse KL, log pi_student - log pi_teacher of each sampled token, as a negative
+    """Weight of the per-token reverse KL, log pi_student - log pi_teacher of each sampled token: a negative
     advantage of that token alone (discount 0), added to the task reward's advantages (none with trainer.reward:
-    null)."""
+    null), or a loss term's coefficient (form)."""
+    form: Literal["advantage", "loss"] = "advantage"
+    """advantage: the reverse KL is each token's negative advantage, through the clipped surrogate and the rollout
+    correction. loss: coef x the k2 estimate, 0.5 (log pi_student - log pi_teacher)^2 per token, is a loss term
+    beside the policy loss, unclipped; on policy its gradient is the advantage form's."""
     offload_weights: bool = True
     """Move the teacher's weights to host memory outside the phase that scores with them."""
 

@@ -143,14 +143,16 @@ class Learner:
 
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
                      ) -> dict[str, float]:
-        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs][, is_weights] as [N, T];
+        """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs][, is_weights][, teacher_logprobs]
+        as [N, T];
         ``mask`` [N, T]: the response tokens the loss counts (rl_step.actor_loss_mask)."""
         algo, actor = self.cfg.algorithm, self.actor
         entropy_on = algo.entropy_coef > 0
 
         def loss(logits: torch.Tensor, tokens: torch.Tensor, ex: dict[str, torch.Tensor]) -> Any:
             logp = actor.token_logprobs(logits, tokens)
-            return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None)
+            return actor_loss(logp, ex, algo, self.kl.value, actor.token_entropy(logits) if entropy_on else None,
+                              self.cfg.distill.coef)
 
         self.hold("actor_update")
         metrics = self.optimize(actor, self.cfg.actor, batch, extras, loss, f"step {step}, actor", step, mask)

@@ -201,11 +201,14 @@ def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int,
 
 
 def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: AlgorithmConfig, kl_coef: float,
-               entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               entropy: torch.Tensor | None = None, distill_coef: float = 0.0
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted PPO/GRPO actor loss of one micro-batch.
 
-    extras: old_logprobs, advantages, weights[, ref_logprobs][, is_weights] as [b, L-1]. Metrics are sums
-    over micro-batches and ranks: the weighted losses, and clipped_tokens / num_tokens (counts).
+    extras: old_logprobs, advantages, weights[, ref_logprobs][, is_weights][, teacher_logprobs] as [b, L-1].
+    With teacher_logprobs (distill.form: loss), distill_coef x the k2 estimate of the reverse KL to the teacher is
+    added. Metrics are sums over micro-batches and ranks: the weighted losses, and clipped_tokens / num_tokens
+    (counts).
     """
     w = extras["weights"]
     loss, _ = policy_loss(logprobs, extras["old_logprobs"], extras["advantages"], w, algo.clip_ratio_low,
@@ -221,6 +224,10 @@ def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: Al
         kl_loss = aggregate(kl_estimate(logprobs, extras["ref_logprobs"], algo.kl_estimator), w, "weighted")
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
+    if "teacher_logprobs" in extras:
+        distill_loss = aggregate(kl_estimate(logprobs, extras["teacher_logprobs"], "k2"), w, "weighted")
+        loss = loss + distill_coef * distill_loss
+        metrics["distill_loss"] = distill_loss.detach()
     if entropy is not None:
         ent = aggregate(entropy, w, "weighted")
         loss = loss - algo.entropy_coef * ent
