@@ -16,6 +16,12 @@ from megarl.rollout.inflight import Generate, Group, InFlight
 from megarl.rollout.producer import Producer
 
 
+def carries_samples(cfg: Config) -> bool:
+    """Whether samples may outlive their step. max_staleness 0 may not: the sync loop's rollout runs unchanged,
+    so its batches are the sync loop's, bit for bit."""
+    return cfg.async_rl.mode != "sync" and cfg.async_rl.max_staleness > 0
+
+
 class PartialRollouts:
     def __init__(self, cfg: Config, stop_ids: tuple[int, ...], times: PartTimes) -> None:
         a, r, wanted = cfg.async_rl, cfg.rollout, cfg.data.num_prompts_per_step

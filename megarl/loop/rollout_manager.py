@@ -16,7 +16,7 @@ from megarl.algos.shaping import informative_groups
 from megarl.config import Config
 from megarl.data.batching import TokenizedPrompt
 from megarl.distributed.parallel import ParallelGroups
-from megarl.loop.partial_rollouts import PartialRollouts
+from megarl.loop.partial_rollouts import PartialRollouts, carries_samples
 from megarl.loop.rl_step import Batch, check_scores, shaped_scores
 from megarl.loop.timing import PartTimes
 from megarl.rewards.registry import load_reward
@@ -46,9 +46,8 @@ class RolloutManager:
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.engine: GroupEngine | Any = None
         self.state: EngineState = "awake"  # engines start awake
-        a = cfg.async_rl
-        self.partial = None if a.mode == "sync" or a.max_staleness == 0 else PartialRollouts(cfg, stop_ids, times)
-        self.separate = a.mode == "separate"
+        self.partial = PartialRollouts(cfg, stop_ids, times) if carries_samples(cfg) else None
+        self.separate = cfg.async_rl.mode == "separate"
         """The engine never sleeps: it generates while the learner trains."""
 
     def start(self, group: EngineGroup, kind: Any, aliases: Path | None) -> None:
