@@ -32,7 +32,7 @@ class RecordingTrainer:
     def __init__(self, batch: Batch, old: torch.Tensor, kl_coef: float) -> None:
         self.batch, self.old = batch, old
         self.ref = (old - 0.25) * batch.mask
-        self.actor, self.reference, self.critic = object(), object() if kl_coef else None, None
+        self.actor, self.reference, self.critic, self.teacher = object(), object() if kl_coef else None, None, None
         self.kl = FixedKLController(kl_coef)
         self.groups = SimpleNamespace(rank=0, device=torch.device("cpu"))
         self.updates: list[dict[str, torch.Tensor]] = []
