@@ -47,6 +47,21 @@ def test_rollout_batch_per_engine():
     assert factory.max_batch(cfg, 6) == 22 * 8                    # 3 engines: 22, 21 and 21 prompts
 
 
+def test_rollout_batch_counts_the_prompts_in_flight():
+    """async_rl keeps (max_staleness + 1) steps of prompts in one generate call: graphs for a step's alone would
+    leave half of the decode batch without them."""
+    recipe = REPO / "recipes/smollm2_gsm8k_grpo.yaml"
+    correction = "algorithm.rollout_correction=token_tis"
+    cfg = load_config(recipe, ["async_rl.mode=colocated_async", correction])
+    assert factory.max_batch(cfg, 1) == 2 * 64 * 8
+    cfg = load_config(recipe, ["async_rl.mode=colocated_async", "async_rl.max_staleness=3", correction])
+    assert factory.max_batch(cfg, 2) == 4 * 32 * 8
+    cfg = load_config(recipe, ["async_rl.mode=separate", "async_rl.in_flight_prompts=128", correction])
+    assert factory.max_batch(cfg, 1) == 128 * 8
+    cfg = load_config(recipe, ["async_rl.mode=colocated_async", "async_rl.max_staleness=0"])
+    assert factory.max_batch(cfg, 1) == 64 * 8                    # the sync loop's rollout
+
+
 def test_make_engine_passes_the_batch_to_sglang_only(monkeypatch, tmp_path: Path):
     seen = {}
 

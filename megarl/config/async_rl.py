@@ -35,6 +35,13 @@ class AsyncConfig:
     """A group past max_staleness: drop it (its prompt is not trained on; counted in async/dropped_stale), or
     regenerate it from its prompt with the current weights."""
 
+    def prompts_in_flight(self, per_step: int) -> int:
+        """Prompts the engines hold at once when a step takes ``per_step``: in_flight_prompts, or AReaL's capacity
+        (max_staleness + 1 steps' worth); one step's when samples never outlive their step (sync, staleness 0)."""
+        if self.mode == "sync" or self.max_staleness == 0:
+            return per_step
+        return self.in_flight_prompts or (self.max_staleness + 1) * per_step
+
     def __post_init__(self) -> None:
         within(self, "max_staleness", "[0, inf)", "use 1 (one-step-off) to 4 (with a rollout correction)")
         within(self, "chunk_tokens", "[1, inf)", "use 64-256")

