@@ -1,6 +1,10 @@
 """Held-out accuracy curves of training runs, with a two-proportion test of the first against the best eval.
 
   python benchmarks/learning_curve.py NAME=RUN/metrics.jsonl [NAME=...] --png OUT.png [--json OUT.json]
+      [--samples-per-step K] [--reach SET=ACC]
+
+With --samples-per-step the x axis is samples consumed (steps x K) instead of steps; --reach reports, per run, the
+first eval at or above ACC on SET (the samples, or steps, it took).
 
 Reads the eval rows megarl writes into metrics.jsonl (``eval/<set>/initial/accuracy`` before the first step,
 ``eval/<set>/accuracy`` after a step) and each set's size from ``--n SET=N``. The test is the pooled two-sided
@@ -51,7 +55,12 @@ def main() -> None:
     parser.add_argument("--n", action="append", default=[], help="SET=N: prompts in an eval set")
     parser.add_argument("--png", type=Path, required=True)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--samples-per-step", type=int, help="x axis in samples consumed: steps x this")
+    parser.add_argument("--reach", help="SET=ACC: the first eval of each run at or above ACC on SET")
     args = parser.parse_args()
+    scale = args.samples_per_step or 1
+    reach_set, reach_acc = (args.reach.split("=", 1)[0], float(args.reach.split("=", 1)[1])) if args.reach \
+        else (None, 0.0)
     sizes = {k: int(v) for k, v in (item.split("=", 1) for item in args.n)}
     runs = {name: Path(path) for name, path in (item.split("=", 1) for item in args.runs)}
     report: dict[str, dict] = {}
@@ -62,6 +71,8 @@ def main() -> None:
             entry = {"curve": points, "first": first, "best": best, "last": points[-1][1]}
             if eval_set in sizes:
                 entry |= {"n": sizes[eval_set], "p_first_vs_best": two_proportion_p(first, best, sizes[eval_set])}
+            if eval_set == reach_set:
+                entry["reached"] = next((trained * scale for trained, acc in points if acc >= reach_acc), None)
             report[name]["sets"][eval_set] = entry
     print(json.dumps(report, indent=1))
     if args.json:
@@ -76,8 +87,12 @@ def main() -> None:
         for name, entry in report.items():
             if eval_set in entry["sets"]:
                 steps, acc = zip(*entry["sets"][eval_set]["curve"], strict=True)
-                ax.plot(steps, acc, marker="o", label=name)
-        ax.set(title=f"held-out {eval_set}, greedy", xlabel="RL steps trained", ylabel="accuracy", ylim=(0, 1))
+                ax.plot([s * scale for s in steps], acc, marker="o", label=name)
+        if eval_set == reach_set:
+            ax.axhline(reach_acc, color="grey", linestyle=":", linewidth=1)
+        top = max(acc for r in report.values() if eval_set in r["sets"] for _, acc in r["sets"][eval_set]["curve"])
+        ax.set(title=f"held-out {eval_set}, greedy", ylabel="accuracy", ylim=(0, min(1.0, 1.2 * top + 0.02)),
+               xlabel="samples consumed" if args.samples_per_step else "RL steps trained")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

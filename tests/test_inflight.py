@@ -242,3 +242,20 @@ def test_max_staleness_0_runs_the_sync_loops_rollout_itself():
 
     assert not carries_samples(cfg()) and not carries_samples(cfg(mode="colocated_async", max_staleness=0))
     assert carries_samples(cfg(mode="colocated_async")) and carries_samples(cfg(mode="separate", max_staleness=2))
+
+
+def test_chunks_without_the_radix_cache_are_named_at_start_up():
+    """Chunked rounds with SGLang's radix cache off prefill every prefix again (3x the engine's time per token on
+    GSM8K on an H200): start-up says so; not for the sync loop, vLLM, the engine's abort or the cache on."""
+    from helpers import REPO
+    from megarl.config import load_config
+    from megarl.loop.partial_rollouts import prefill_note
+
+    recipe = REPO / "recipes/smollm2_gsm8k_grpo.yaml"  # SGLang, disable_radix_cache: true
+    chunked = ["async_rl.mode=colocated_async", "algorithm.rollout_correction=token_tis"]
+    note = prefill_note(load_config(recipe, chunked))
+    assert note is not None and "disable_radix_cache" in note and "async_rl.chunk_tokens" in note
+    assert prefill_note(load_config(recipe)) is None
+    assert prefill_note(load_config(recipe, [*chunked, "rollout.engine_args.disable_radix_cache=false"])) is None
+    assert prefill_note(load_config(recipe, [*chunked, "rollout.engine=vllm", "rollout.engine_args={}"])) is None
+    assert prefill_note(load_config(recipe, [*chunked, "async_rl.max_staleness=0"])) is None

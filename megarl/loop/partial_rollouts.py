@@ -22,6 +22,18 @@ def carries_samples(cfg: Config) -> bool:
     return cfg.async_rl.mode != "sync" and cfg.async_rl.max_staleness > 0
 
 
+def prefill_note(cfg: Config) -> str | None:
+    """What to say at start-up when chunked rounds meet SGLang's radix cache turned off: every round then prefills
+    each sample's prompt and tokens so far again (measured on an H200: 3x the engine's time per token on GSM8K,
+    benchmarks/results/h200/async_opd). The cache is flushed at every hand-over, so it never serves older KV."""
+    if not carries_samples(cfg) or cfg.async_rl.chunk_tokens is None or cfg.rollout.engine != "sglang" \
+            or not cfg.rollout.engine_args.get("disable_radix_cache"):
+        return None
+    return ("megarl: note: async_rl.chunk_tokens with rollout.engine_args.disable_radix_cache = true: every round "
+            "prefills each unfinished sample's prompt and tokens so far again. Remove disable_radix_cache (the "
+            "cache is flushed at every weight hand-over).")
+
+
 class PartialRollouts:
     def __init__(self, cfg: Config, stop_ids: tuple[int, ...], times: PartTimes) -> None:
         a, r, wanted = cfg.async_rl, cfg.rollout, cfg.data.num_prompts_per_step
