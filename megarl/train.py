@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 # evaluation below, by a signal or an error) finishes and logs it when it resumes.
                 state = trainer.rollout.snapshot(loader) | {  # the data cursor and the samples in flight
                          "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
-                         "config": cfg.to_flat_dict(),  # a resume compares the experiment with it
+                         "config": cfg.to_flat_dict(), "teacher": trainer.teacher_files,  # a resume compares them
                          "unlogged": {"row": tracker.row(step, batch, trained), "evaluate": evaluate}}
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
                                 prepare=trainer.hold_for_checkpoint)  # while the engine sleeps

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,35 @@ def _teacher_with(tmp_path, edit) -> str:
     shutil.copytree(TEACHER, out)
     edit(out)
     return str(out)
+
+
+def _flip_a_weight_byte(model: str) -> None:
+    path = sorted(Path(model).glob("*.safetensors"))[0]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def test_a_resume_finds_its_teacher_by_its_weights_not_its_path(tmp_path):
+    """The checkpoint records the teacher's weight files (sizes, CRC-32s): other weights at the same path are
+    another experiment, refused naming distill.teacher unless checkpoint.allow_changes lists it."""
+    from megarl.checkpoint import manifest
+    from megarl.checkpoint.resume_check import check_unchanged
+    from megarl.config import load_config
+
+    teacher = _teacher_with(tmp_path, lambda out: None)
+    sets = [f"checkpoint.dir={tmp_path / 'run'}", f"distill.teacher={teacher}"]
+    cfg = load_config(REPO / "recipes/tiny_cpu_grpo.yaml", sets)
+    step = tmp_path / "run" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "trainer.json").write_text(json.dumps({"config": cfg.to_flat_dict(),
+                                                   "teacher": manifest.weight_files(teacher)}))
+    check_unchanged(cfg, step, 0)
+    _flip_a_weight_byte(teacher)
+    with pytest.raises(UserError, match=r"learned from the teacher at .*differ from distill.teacher = .*'model.safetensors'.*allow_changes=distill.teacher"):
+        check_unchanged(cfg, step, 0)
+    allowed = load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [*sets, "checkpoint.allow_changes=distill.teacher"])
+    check_unchanged(allowed, step, 0)
 
 
 def _check(teacher: str, tmp_path, *more: str):
@@ -135,9 +165,12 @@ def test_a_student_learns_the_echo_task_from_the_teacher_alone(tmp_path):
     """The teacher: the tiny model after 300 GRPO steps on echo (scripts/make_tiny_teacher.sh; 0.68 reward at
     temperature 1). The student: the tiny model, with no reward at all. Measured at seed 0: held-out echo accuracy
     0.006 -> 0.105 in 60 steps, reverse KL per token 7.6 -> 2.3, top-1 agreement with the teacher 0.01 -> 0.55."""
-    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, "trainer.num_steps=60", f"distill.teacher={TEACHER}",
-                        "trainer.reward=null", "eval.before_train=true", "eval.every=60", "eval.temperature=1.0",
-                        "eval.num_samples=4", "tracking.backend=none", "checkpoint.save_every=0",
+    teacher = _teacher_with(tmp_path, lambda out: None)
+    run = tmp_path / "run"
+    sets = ["trainer.num_steps=60", f"distill.teacher={teacher}", "trainer.reward=null", "eval.before_train=true",
+            "eval.every=60", "eval.temperature=1.0", "eval.num_samples=4", "tracking.backend=none",
+            "checkpoint.save_every=60"]
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", run, *sets,
                         'eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, reward: '
                         '"megarl.rewards.echo:reward", max_prompts: 128}]')
     assert all(r["reward_mean"] == 0 for r in rows)  # nothing but the teacher
@@ -148,3 +181,13 @@ def test_a_student_learns_the_echo_task_from_the_teacher_alone(tmp_path):
     assert last < first / 2, (first, last)
     agree = [sum(r["distill/top1_agreement"] for r in part) / 5 for part in (rows[:5], rows[-5:])]
     assert agree[1] > agree[0] + 0.2, agree
+    # The checkpoint knows its teacher by its weights: the same path holding other weights is refused at a resume.
+    from megarl.checkpoint.resume_check import check_unchanged
+    from megarl.config import load_config
+
+    step = run / "step_000059"
+    cfg = load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [f"checkpoint.dir={run}", *sets[:-1]])
+    check_unchanged(cfg, step, 0)
+    _flip_a_weight_byte(teacher)
+    with pytest.raises(UserError, match=r"distill.teacher = .*'model.safetensors'.*allow_changes=distill.teacher"):
+        check_unchanged(cfg, step, 0)

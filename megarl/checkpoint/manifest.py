@@ -64,6 +64,20 @@ def describe(root: Path, paths: Iterable[Path], sync: bool = True) -> dict[str, 
         return dict(pool.map(entry, sorted(paths)))
 
 
+def weight_files(hf_dir: str) -> dict[str, Any]:
+    """What an HF model directory's weights are: its resolved path and the size and CRC-32 of each safetensors file
+    (what LoRA adapters were trained on, which teacher a distillation run learned from)."""
+    root = Path(hf_dir)
+    return {"path": str(root.resolve()), "files": describe(root, root.glob("*.safetensors"), sync=False)}
+
+
+def files_differ(files: dict[str, Any], hf_dir: str) -> list[str]:
+    """The safetensors files of ``hf_dir`` whose size or CRC-32 differ from ``files`` (a weight_files record),
+    or that only one side has, sorted."""
+    ours = weight_files(hf_dir)["files"]
+    return sorted(n for n in set(ours) | set(files) if ours.get(n) != files.get(n))
+
+
 def write(root: Path, files: dict[str, dict[str, Any]]) -> None:
     """Write ``root``/manifest.json (inside a checkpoint's temporary directory: its rename publishes it)."""
     path = root / MANIFEST

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megarl.checkpoint import manifest
 from megarl.config import Config
 from megarl.config.experiment import allowed_changes, defines_experiment
 from megarl.errors import UserError
@@ -40,13 +41,15 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
                         "ppo trains one: algorithm grpo -> ppo cannot resume. Fix: set algorithm.name: grpo to "
                         "continue that run, or checkpoint.resume: none (or another checkpoint.dir) to start a "
                         "ppo run.")
-    saved = json.loads((path / "trainer.json").read_text()).get("config")
+    state = json.loads((path / "trainer.json").read_text())
+    allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
+    check_teacher_unchanged(cfg, state.get("teacher"), path, allowed)
+    saved = state.get("config")
     if saved is None:
         if rank == 0:
             print(f"megarl: {path} holds no config (saved by a megarl before resumes compared them): the "
                   "experiment is not checked against it", flush=True)
         return
-    allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
     found = changes(saved, cfg.to_flat_dict())
     refused = [(k, a, b) for k, a, b in found if k not in allowed]
     if refused:
@@ -61,3 +64,17 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
         print(f"megarl: resuming {path} with "
               + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in found)
               + " (checkpoint.allow_changes); the resumed mlflow run keeps the params it started with", flush=True)
+
+
+def check_teacher_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str]) -> None:
+    """A distillation run resumes only with the teacher it learned from: its weight files (size and CRC-32) as the
+    checkpoint recorded them, wherever they now live (the same path may hold another teacher)."""
+    if cfg.distill.teacher is None or not saved or "distill.teacher" in allowed:
+        return
+    differ = manifest.files_differ(saved["files"], cfg.distill.teacher)
+    if differ:
+        raise UserError(f"checkpoint {path} learned from the teacher at {saved.get('path')}, whose weight files "
+                        f"differ from distill.teacher = {cfg.distill.teacher} ({differ[:3]}: size or CRC-32). "
+                        "Another teacher is another experiment. Fix: point distill.teacher at the teacher the run "
+                        "started with; or, to continue with this one deliberately, --set "
+                        "checkpoint.allow_changes=distill.teacher; or checkpoint.resume: none to start a new run.")

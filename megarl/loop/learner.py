@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megarl.algos.kl import make_kl_controller
 from megarl.algos.losses import token_weights
 from megarl.algos.minibatches import mean_metrics, mini_batches
+from megarl.checkpoint import manifest
 from megarl.config import Config, UpdateConfig
 from megarl.distributed.parallel import ParallelGroups
 from megarl.loop.rl_step import Batch, actor_loss, critic_loss
@@ -44,9 +45,12 @@ class Learner:
             self.reference = (BaseModel(self.actor) if cfg.actor.lora_on() else
                               MegatronModel(spec, cfg.model.hf_path, groups, opts, temperature=temperature))
         self.teacher = None  # on-policy distillation: frozen, in the trainer's layout, at the sampling temperature
+        self.teacher_files: dict[str, Any] | None = None  # its weights' record, which checkpoints keep (rank 0)
         if cfg.distill.teacher is not None:
             self.teacher = MegatronModel(load_spec(cfg.distill.teacher), cfg.distill.teacher, groups, opts,
                                          temperature=temperature)
+            if groups.rank == 0:
+                self.teacher_files = manifest.weight_files(cfg.distill.teacher)
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)

@@ -64,6 +64,11 @@ class RLTrainer:
         return self.learner.teacher
 
     @property
+    def teacher_files(self) -> dict[str, Any] | None:
+        """The distillation teacher's weight files (path, sizes, CRC-32s), which a resume must find unchanged."""
+        return self.learner.teacher_files
+
+    @property
     def kl(self) -> Any:
         return self.learner.kl
 

@@ -89,10 +89,7 @@ class AdapterState:
 
 def base_model(hf_dir: str | None) -> dict[str, Any]:
     """What a LoRA actor's adapters were trained on: model.hf_path and the size and CRC-32 of its weight files."""
-    if hf_dir is None:
-        return {"path": None, "files": {}}
-    root = Path(hf_dir)
-    return {"path": str(root.resolve()), "files": manifest.describe(root, root.glob("*.safetensors"), sync=False)}
+    return {"path": None, "files": {}} if hf_dir is None else manifest.weight_files(hf_dir)
 
 
 def check_base_model(record: Path, hf_dir: str | None) -> None:
@@ -105,15 +102,9 @@ def check_base_model(record: Path, hf_dir: str | None) -> None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{record} is unreadable ({type(err).__name__}: {err}): the checkpoint is damaged. Resume "
                         "from another step_* directory or set checkpoint.resume to `none`.") from None
-    differ = base_differs(files, hf_dir)
+    differ = manifest.files_differ(files, hf_dir) if hf_dir is not None else sorted(files)
     if differ:
         raise UserError(f"the LoRA adapters in {record.parent.parent} were trained on the base model at "
                         f"{saved.get('path')}, whose weight files differ from model.hf_path = {hf_dir} ({differ[:3]}: "
                         "size or CRC-32). Adapters on another base give another policy. Set model.hf_path to the "
                         "base they were trained on, or checkpoint.resume to `none`.")
-
-
-def base_differs(files: dict[str, Any], hf_dir: str | None) -> list[str]:
-    """The weight files of ``hf_dir`` whose size or CRC-32 differ from ``files`` (base_model's record), sorted."""
-    ours = base_model(hf_dir)["files"]
-    return sorted(n for n in set(ours) | set(files) if ours.get(n) != files.get(n))

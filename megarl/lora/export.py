@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 from megarl.checkpoint import manifest
 from megarl.config.lora import TARGET_PATHS
 from megarl.errors import UserError
-from megarl.lora.checkpoint import base_differs
 from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
 from megarl.lora.shards import factor_to_hf
 from megarl.models.mapping import param_rules
@@ -67,7 +66,7 @@ def check_export(adapter: Path, base: str) -> None:
         bad = manifest.problems(adapter, files, files)
         if bad:
             raise UserError(f"{flag} is damaged: {bad[0]}. Fix: export the adapter again ({REEXPORT}).")
-        differ = base_differs(trained_on["files"], base) if trained_on and trained_on.get("files") else []
+        differ = manifest.files_differ(trained_on["files"], base) if trained_on and trained_on.get("files") else []
         if differ:
             raise UserError(f"{flag} was trained on the base model at {trained_on.get('path')}, whose weight files "
                             f"differ from {base} (adapter_config.json's base_model_name_or_path) ({differ[:3]}: size "
