@@ -199,7 +199,9 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
     turn is the digits of its output. The trainer sees the policy mask: its logprobs of the policy's tokens are the
     engine's, the critic trains on them, and the agent metrics are logged with every step. The held-out eval runs
     the same agent loop, and so does the standalone evaluator given the recipe: on the starting weights, at the same
-    seed, both give the same samples. (GRPO with tools: test_a_task_only_a_tool_solves_is_learnt.)"""
+    seed, both give the same samples. A distillation teacher scores the same multi-turn PPO batches (its reverse KL
+    on the policy's tokens only; the objective's masking: tests/test_distill.py). (GRPO with tools:
+    test_a_task_only_a_tool_solves_is_learnt.)"""
     import yaml
 
     recipe = yaml.safe_load((REPO / "recipes/tiny_cpu_ppo.yaml").read_text())
@@ -210,6 +212,7 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
     path.write_text(yaml.safe_dump(recipe))
     steps, run = 3, tmp_path / "run"
     rows = train_recipe(str(path), run, f"trainer.num_steps={steps}", "eval.before_train=true", "eval.every=0",
+                        f"distill.teacher={REPO / 'recipes/tiny/teacher'}", "distill.coef=0.1",
                         "eval.temperature=1.0",  # the random model calls the tool only when it samples
                         "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 16, "
                         'reward: "megarl.rewards.echo:reward"}]')
@@ -221,6 +224,7 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
         assert 0 <= r["agent/tool_errors"] <= r["agent/tool_calls"] and r["agent/tool_timeouts"] == 0
         assert r["response_length"] + r["agent/tool_tokens"] <= 8  # policy and tool tokens within the budget
         assert math.isfinite(r["critic/value_loss"]), r
+        assert math.isfinite(r["distill/reverse_kl"]) and 0 <= r["distill/top1_agreement"] <= 1, r
     assert rows[0]["eval/echo/initial/agent/tool_calls"] > 0
     samples = tmp_path / "standalone.jsonl"
     proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", "recipes/tiny/model", "--data",
