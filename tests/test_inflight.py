@@ -69,6 +69,46 @@ def run(pool: InFlight, engine: ScriptedEngine, steps: range, wanted: int, promp
     return taken
 
 
+class LengthEngine:
+    """A request's sample is ``lengths[prompt[0]]`` tokens long in all: a slow group among fast ones."""
+
+    def __init__(self, lengths: dict[int, int]) -> None:
+        self.lengths = lengths
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, enough=None) -> list[Completion]:
+        out = []
+        for i, prompt in enumerate(prompts):
+            left = self.lengths[prompt[0]] - (len(prompt) - 1)
+            made = min(left, request_budget(params, i))
+            out.append(Completion(prompt_index=i, token_ids=[1] * made, logprobs=[-0.5] * made,
+                                  finish_reason="stop" if made == left else "length"))
+        finished: list[int] = []
+        for t in range(1, max(len(c.token_ids) for c in out) + 1 if enough else 0):
+            finished += [c.prompt_index for c in out if len(c.token_ids) == t]
+            if len(finished) < len(out) and enough(finished):  # the engine aborts the rest after step t
+                return [c if len(c.token_ids) <= t else Completion(
+                    prompt_index=c.prompt_index, token_ids=c.token_ids[:t], logprobs=c.logprobs[:t],
+                    finish_reason="abort") for c in out]
+        return out
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+def test_a_group_about_to_go_stale_is_waited_for_not_dropped(chunk):
+    """Group 0 needs 30 tokens, every other group 2. Step 0 takes two fast groups; at step 1 group 0's oldest token
+    is one version old and would be past max_staleness 1 at step 2: step 1 waits for it and trains it, instead of
+    taking a fresh fast group and dropping it a step later."""
+    pool = InFlight(n=2, budget=40, chunk=chunk, max_staleness=1, batch=2, capacity=4, stale="drop", seed=3)
+    engine = LengthEngine({100: 30} | {100 + k: 2 for k in range(1, 40)})
+    prompts = [[100 + k] for k in range(40)]
+    taken = run(pool, engine, range(4), 2, prompts, [0])
+    assert [int(g.answer) for g in taken[0][1]] == [1, 2]
+    assert 0 in [int(g.answer) for g in taken[1][1]]
+    slow = next(g for g in taken[1][1] if g.answer == "0")
+    assert {v for s in slow.samples for v in s.versions} == {0, 1} and all(len(s.tokens) == 30 for s in slow.samples)
+    assert pool.metrics([], 4)["async/dropped_stale"] == 0
+    assert [int(g.answer) for _, groups in taken for g in groups] == [1, 2, 0, 3, 4, 5, 6, 7]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_no_batch_holds_a_token_older_than_the_bound_and_no_prompt_is_trained_twice(seed):
     rng = random.Random(seed)

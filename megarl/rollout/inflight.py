@@ -7,8 +7,10 @@ stopped, under whatever weights the engines hold by then. Without chunks (``chun
 unfinished sample to its budget until the caller has enough groups done, and the engine aborts the rest
 (megarl.rollout.base.Aborting), which resume the same way. Every hand-over flushes the engines' prefix caches
 (megarl.rollout.sglang, megarl.rollout.vllm), so a resumed prefix is prefilled again by the new weights: no KV
-computed by older weights is read. A step's batch is the first ``wanted`` groups (in admission order) whose
-samples are all done; the others stay in flight. Before a round, a group whose oldest token is more than
+computed by older weights is read. A step's batch is ``wanted`` groups whose samples are all done, oldest token
+first (then in admission order); the others stay in flight. A step waits for the groups that would be past
+``max_staleness`` at the next one (the oldest batch of them), and takes them: colocated_async drops a group only
+when more than a batch of them go stale at once. Before a round, a group whose oldest token is more than
 ``max_staleness`` versions older than the engines' weights is dropped or restarted from its prompt
 ("regenerate"); so a batch trained by version v holds no token older than v - max_staleness.
 
@@ -70,6 +72,12 @@ class Group:
         return min((s.versions[0] for s in self.samples if s.versions), default=None)
 
 
+def _age(g: Group) -> tuple[int, int]:
+    """Oldest token first, then admission order (a group with no token yet last)."""
+    oldest = g.oldest()
+    return (oldest if oldest is not None else 1 << 62, g.uid)
+
+
 class InFlight:
     """The pool: ``admit`` prompts, ``fill`` a batch of whole groups over rounds of chunks, ``take`` it."""
 
@@ -120,15 +128,21 @@ class InFlight:
     def ready(self) -> int:
         return sum(g.done() for g in self.groups)
 
+    def urgent(self, version: int, wanted: int) -> frozenset[int]:
+        """The groups (uids) past max_staleness at ``version`` + 1 unless a batch of ``version`` takes them: the
+        ``wanted`` oldest of them, which the batch can hold."""
+        late = [g for g in self.groups if (o := g.oldest()) is not None and version - o >= self.max_staleness]
+        return frozenset(g.uid for g in sorted(late, key=_age)[:wanted])
+
     def round(self, generate: Generate, params: SamplingParams, version: int,
-              stop: Callable[[int], bool] = lambda ready: False) -> int:
+              stop: Callable[[int], bool] = lambda ready: False, must: frozenset[int] = frozenset()) -> int:
         """Every unfinished sample goes on under the weights of ``version``: by a chunk (``chunk`` tokens), or
-        (``chunk`` None) until ``stop(groups done)``, asked after every engine step, says so and the engine aborts
-        the rest. Returns the tokens generated. ``params``: the run's sampling (its n, seed and budget are the
-        pool's to set)."""
+        (``chunk`` None) until ``stop(groups done)`` says so, asked after every engine step once the groups in
+        ``must`` are done, and the engine aborts the rest. Returns the tokens generated. ``params``: the run's
+        sampling (its n, seed and budget are the pool's to set)."""
         todo = [(g, s) for g in self.groups for s in g.samples if not s.done]
         if self.chunk is None:
-            return self._call(generate, params, todo, None, version, self._enough(todo, stop))
+            return self._call(generate, params, todo, None, version, self._enough(todo, stop, must))
         by_budget: dict[int, list[tuple[Group, Partial]]] = {}
         for g, s in todo:
             by_budget.setdefault(min(self.chunk, self.budget - len(s.tokens)), []).append((g, s))
@@ -157,19 +171,22 @@ class InFlight:
                 s.done, s.truncated = True, c.finish_reason != "stop"
         return made
 
-    def _enough(self, items: list[tuple[Group, Partial]], stop: Callable[[int], bool]) -> Enough:
-        """``stop`` asked of the groups done, counting the requests of ``items`` finished in the call so far."""
+    def _enough(self, items: list[tuple[Group, Partial]], stop: Callable[[int], bool], must: frozenset[int]
+                ) -> Enough:
+        """``stop`` asked of the groups done, counting the requests of ``items`` finished in the call so far, once
+        every group in ``must`` is done."""
         left = Counter(g.uid for g, _ in items)
-        ready, seen = self.ready(), 0
+        ready, seen, waiting = self.ready(), 0, len(must & set(left))
 
         def enough(finished: Sequence[int]) -> bool:
-            nonlocal ready, seen
+            nonlocal ready, seen, waiting
             for k in finished[seen:]:
                 uid = items[k][0].uid
                 left[uid] -= 1
                 ready += left[uid] == 0
+                waiting -= left[uid] == 0 and uid in must
             seen = len(finished)
-            return stop(ready)
+            return waiting == 0 and stop(ready)
 
         return enough
 
@@ -181,18 +198,20 @@ class InFlight:
 
     def fill(self, generate: Generate, params: SamplingParams, wanted: int, version: int,
              until_all: bool = False) -> int:
-        """Rounds until ``wanted`` groups are done (every group, ``until_all``); returns the rounds run."""
+        """Rounds until ``wanted`` groups are done, among them every group that would be stale at the next version
+        (every group, ``until_all``); returns the rounds run."""
         rounds, goal = 0, len(self.groups) if until_all else wanted
-        while self.ready() < goal:
+        must = frozenset() if until_all else self.urgent(version, wanted)
+        while self.ready() < goal or any(not g.done() for g in self.groups if g.uid in must):
             if not any(not s.done for g in self.groups for s in g.samples):
                 raise RuntimeError(f"{self.ready()} groups done, {wanted} wanted, none in flight: admit more first")
-            self.round(generate, params, version, stop=lambda ready: ready >= goal)
+            self.round(generate, params, version, stop=lambda ready: ready >= goal, must=must)
             rounds += 1
         return rounds
 
     def take(self, wanted: int) -> list[Group]:
-        """The first ``wanted`` done groups in admission order, out of the pool."""
-        taken = [g for g in self.groups if g.done()][:wanted]
+        """``wanted`` done groups, oldest token first, then in admission order, out of the pool."""
+        taken = sorted((g for g in self.groups if g.done()), key=_age)[:wanted]
         assert len(taken) == wanted, f"{len(taken)} groups done, {wanted} wanted"
         uids = {g.uid for g in taken}
         self.groups = [g for g in self.groups if g.uid not in uids]
