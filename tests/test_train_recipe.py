@@ -78,6 +78,7 @@ def check_eval_rows(rows: list[dict], run: Path, evaluated: list[int]) -> None:
 
 @pytest.mark.slow
 def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
+    """KL-PPO with a critic learns the echo task, and its run is tracked in mlflow as in metrics.jsonl."""
     steps = 50
     rows = train_recipe("recipes/tiny_cpu_ppo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS)
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
@@ -87,6 +88,21 @@ def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
     # by 0.56; the slowest by 0.04).
     assert last > first + 0.2, (first, last)
     assert all(r["critic/grad_norm"] > 0 for r in rows) and "kl" in rows[-1]
+    # The recipe tracks with mlflow: every metric the tracking issue asks for, the flattened config as params and
+    # every step's metrics in the SQLite store beside metrics.jsonl (tracking.uri null), equal to its rows.
+    from test_tracking import REQUIRED, assert_store_matches, only_run
+
+    from megarl.config import load_config
+
+    assert set(REQUIRED) <= set(rows[0]), set(REQUIRED) - set(rows[0])
+    client, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = load_config(REPO / "recipes/tiny_cpu_ppo.yaml", [f"checkpoint.dir={tmp_path}",
+                                                           f"trainer.num_steps={steps}", *SEEDS])
+    params = run.data.params
+    assert params == {k: str(v) for k, v in cfg.to_flat_dict().items()}
+    assert params["trainer.num_steps"] == str(steps) and params["actor.optimizer.lr"] == "0.003"
+    assert params["algorithm.name"] == "ppo" and params["checkpoint.dir"] == str(tmp_path)
+    assert_store_matches(client, run, rows)
 
 
 def tiny_qwen3(path: Path) -> Path:
