@@ -39,8 +39,10 @@ class RandomLengths:
                     break
             out.append(Completion(prompt_index=i, token_ids=tokens, logprobs=[-1.0] * len(tokens),
                                   finish_reason=finish))
+        if enough is None:
+            return out
         finished: list[int] = []
-        for t in range(1, max(len(c.token_ids) for c in out) + 1 if enough else 0):
+        for t in range(1, max(len(c.token_ids) for c in out) + 1):
             finished += [c.prompt_index for c in out if len(c.token_ids) == t]
             if len(finished) < len(out) and enough(finished):
                 return [c if len(c.token_ids) <= t else Completion(
