@@ -16,6 +16,8 @@
 #   async     the same with async_rl.mode colocated_async (chunks of $CHUNK tokens, max_staleness 1, token_tis)
 #   opd       the base model distilled from that teacher with no reward (recipes/smollm2_arith_opd.yaml)
 #   gsm8k_sync, gsm8k_async   $GSM8K_STEPS steps of the GSM8K recipe itself, sync and colocated_async
+#   async_radix, gsm8k_async_radix   colocated_async with SGLang's radix cache on (the recipe turns it off)
+#   separate, gsm8k_separate   async_rl.mode separate (the engine resident beside the trainer), radix cache on
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:?set PART}
@@ -44,6 +46,9 @@ ARITH=(--set data.train_path=recipes/arith/train.jsonl --set rollout.max_new_tok
        --set eval.every="$EVAL_EVERY" --set 'eval.datasets=[{name: arith, path: recipes/arith/test.jsonl}]')
 ASYNC=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens="$CHUNK"
        --set algorithm.rollout_correction=token_tis)
+RADIX=(--set rollout.engine_args.disable_radix_cache=false)
+SEPARATE=(--set async_rl.mode=separate --set async_rl.chunk_tokens="$CHUNK" --set algorithm.rollout_correction=token_tis
+          "${RADIX[@]}")
 
 all_runs() {
   mkdir -p /tmp/runs
@@ -54,14 +59,20 @@ all_runs() {
           --set checkpoint.save_every="$STEPS"
         last=$(ls -d /tmp/runs/sync/step_*/actor | sort | tail -1)
         python3 -m megarl.convert mcore-to-hf --ckpt "$last" --out /tmp/teacher 2>&1 | tail -2 ;;
-      async)
-        learn async recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${ASYNC[@]}" --set trainer.num_steps="$STEPS" \
+      async|async_radix|separate)
+        sets=("${ASYNC[@]}")
+        [[ $run == async_radix ]] && sets+=("${RADIX[@]}")
+        [[ $run == separate ]] && sets=("${SEPARATE[@]}")
+        learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every=0 ;;
       opd)
         learn opd recipes/smollm2_arith_opd.yaml --set distill.teacher=/tmp/teacher --set rollout.max_new_tokens=256 \
           --set eval.every="$EVAL_EVERY" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
-      gsm8k_sync|gsm8k_async)
-        sets=(); [[ $run == gsm8k_async ]] && sets=("${ASYNC[@]}")
+      gsm8k_*)
+        case $run in
+          gsm8k_async) sets=("${ASYNC[@]}") ;; gsm8k_async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
+          gsm8k_separate) sets=("${SEPARATE[@]}") ;; *) sets=() ;;
+        esac
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
           --set eval.before_train=false --set eval.every=0 --set checkpoint.save_every=0 ;;
     esac
