@@ -392,3 +392,43 @@ def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
     seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seeds=[5, 900, 31])
     assert [c.token_ids for c in engine.generate_until(PROMPTS, seeded, lambda done: False)] == \
            [c.token_ids for c in engine.generate(PROMPTS, seeded)]
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_during_an_abortable_call_is_an_error_not_a_hang(models):
+    """The engine core process is killed while generate_until runs (from its ``enough``, between two engine
+    steps): vLLM would leave the call waiting for the core's output for ever (the run would end only at
+    rollout.timeout_minutes, naming a hang); the call raises at once, and the next call too."""
+    import re
+    import threading
+    import time
+
+    import psutil
+
+    eng = VLLMEngine(models[0], dtype="float32", max_model_len=128, seed=0)
+    try:
+        def kill(done):
+            for child in psutil.Process().children(recursive=True):
+                if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM"):
+                    child.kill()
+            return False
+
+        raised: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                eng.generate_until(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=40), kill)
+            except BaseException as err:  # noqa: BLE001 (what the call raised is the test's subject)
+                raised.append(err)
+
+        start = time.monotonic()
+        caller = threading.Thread(target=call, daemon=True)  # a regression hangs this thread, not the suite
+        caller.start()
+        caller.join(120)
+        assert not caller.is_alive(), "generate_until still waits for a dead engine core"
+        assert raised and re.search("EngineCore|engine core", str(raised[0])), raised
+        assert time.monotonic() - start < 60
+        with pytest.raises(Exception, match="EngineCore|engine core|dead"):
+            eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=4))
+    finally:
+        eng.shutdown()

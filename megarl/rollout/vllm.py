@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
+from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +166,7 @@ class VLLMEngine:
                             f"gpu_memory_fraction={fraction}): {' '.join(str(err).split())[:1500]} Engine log: "
                             f"{engine_log.summary()[-1500:]}") from None
         self._watchdog.started()
+        _raise_on_core_death(self.llm, lambda: self._closed)
         self.max_model_len: int = self.llm.llm_engine.model_config.max_model_len
         self._hf_layouts = [engine_rank_layout(spec, tensor_parallel, r) for r in range(tensor_parallel)]
         self._layouts = [{t.name: t.shape for t in engine_tensors(spec, tensor_parallel, r)}
@@ -346,3 +349,26 @@ class VLLMEngine:
                 self.llm.llm_engine.engine_core.shutdown()
             finally:
                 self._watchdog.stop()
+
+
+def _raise_on_core_death(llm: Any, closing: Any) -> None:
+    """vLLM's client notices its engine core process exit (an out-of-memory kill, a crash) and marks the engine
+    dead, but a call already waiting for the core's output waits on forever (vLLM 0.32: the output thread stops
+    without a word), until rollout.timeout_minutes ends the run with the wrong cause. Wake that call with the
+    exit instead: an error in the client's output queue is raised by the waiting step, as vLLM's EngineDeadError.
+    ``closing()``: whether this process ended the engine itself (then nothing is raised). Without these client
+    internals (another vLLM), the deadline remains."""
+    client: Any = getattr(llm.llm_engine, "engine_core", None)
+    outputs = getattr(client, "outputs_queue", None)
+    procs = getattr(getattr(getattr(client, "resources", None), "engine_manager", None), "processes", None)
+    if client is None or outputs is None or not procs:
+        return
+
+    def watch() -> None:
+        connection.wait([p.sentinel for p in procs])
+        if not closing():
+            client.resources.engine_dead = True
+            codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in procs if p.exitcode is not None)
+            outputs.put_nowait(RuntimeError(f"vLLM's engine core process ended ({codes})"))
+
+    threading.Thread(target=watch, name="megarl-vllm-core-watch", daemon=True).start()
