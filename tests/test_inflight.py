@@ -19,6 +19,19 @@ from megarl.rollout.inflight import InFlight
 from megarl.rollout.producer import Producer
 
 
+def cut_at_enough(out: list[Completion], enough) -> list[Completion]:
+    """generate_until's abort over whole completions: every request makes a token per engine step, and once
+    ``enough(finished so far)`` says so, the unfinished ones come back cut there (finish_reason "abort")."""
+    finished: list[int] = []
+    for t in range(1, max((len(c.token_ids) for c in out), default=0) + 1):
+        finished += [c.prompt_index for c in out if len(c.token_ids) == t]
+        if len(finished) < len(out) and enough(finished):
+            return [c if len(c.token_ids) <= t else
+                    Completion(prompt_index=c.prompt_index, token_ids=c.token_ids[:t], logprobs=c.logprobs[:t],
+                               finish_reason="abort") for c in out]
+    return out
+
+
 class ScriptedEngine:
     """Each request's tokens depend only on its seed and its prompt: a token is the running count, its logprob a
     draw, and the sample stops at each token with probability ``stop``."""
@@ -43,15 +56,9 @@ class ScriptedEngine:
                                   finish_reason=finish))
         if enough is None:
             return out
-        finished: list[int] = []
-        for t in range(1, max((len(c.token_ids) for c in out), default=0) + 1):
-            finished += [c.prompt_index for c in out if len(c.token_ids) == t]
-            if len(finished) < len(out) and enough(finished):
-                self.aborted += sum(len(c.token_ids) > t for c in out)
-                return [c if len(c.token_ids) <= t else
-                        Completion(prompt_index=c.prompt_index, token_ids=c.token_ids[:t], logprobs=c.logprobs[:t],
-                                   finish_reason="abort") for c in out]
-        return out
+        cut = cut_at_enough(out, enough)
+        self.aborted += sum(len(a.token_ids) > len(b.token_ids) for a, b in zip(out, cut, strict=True))
+        return cut
 
 
 def run(pool: InFlight, engine: ScriptedEngine, steps: range, wanted: int, prompts: list[list[int]],
@@ -82,14 +89,7 @@ class LengthEngine:
             made = min(left, request_budget(params, i))
             out.append(Completion(prompt_index=i, token_ids=[1] * made, logprobs=[-0.5] * made,
                                   finish_reason="stop" if made == left else "length"))
-        finished: list[int] = []
-        for t in range(1, max(len(c.token_ids) for c in out) + 1 if enough else 0):
-            finished += [c.prompt_index for c in out if len(c.token_ids) == t]
-            if len(finished) < len(out) and enough(finished):  # the engine aborts the rest after step t
-                return [c if len(c.token_ids) <= t else Completion(
-                    prompt_index=c.prompt_index, token_ids=c.token_ids[:t], logprobs=c.logprobs[:t],
-                    finish_reason="abort") for c in out]
-        return out
+        return out if enough is None else cut_at_enough(out, enough)
 
 
 @pytest.mark.parametrize("chunk", [3, None])
