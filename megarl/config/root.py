@@ -154,9 +154,6 @@ class Config:
         check(a.mode != "separate" or self.rollout.alias_weights is not True, "rollout.alias_weights", True,
               "be auto or false with async_rl.mode = separate: the engine generates while the learner updates, so "
               "it must hold its own copy of the weights", "set rollout.alias_weights: auto (off in this mode)")
-        check(a.chunk_tokens is not None or self.rollout.engine == "vllm", "async_rl.chunk_tokens", None,
-              "be set with rollout.engine = sglang: only the vLLM adapter aborts requests mid-generation so far",
-              "set async_rl.chunk_tokens: 128, or rollout.engine: vllm")
         check(a.mode != "separate" or a.max_staleness >= 1, "async_rl.max_staleness", a.max_staleness,
               "be >= 1 with async_rl.mode = separate: the engine generates with the weights of the step before",
               "set async_rl.max_staleness: 1 (one-step-off) or more")

@@ -27,15 +27,17 @@ clean interrupt.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import base64
 import dataclasses
 import json
 import logging
 import signal
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -47,6 +49,7 @@ from megarl.reshard.engine_layout import check_rollout_tp
 from megarl.reshard.handover import apply_message, detach_message
 from megarl.rollout.base import (
     Completion,
+    Enough,
     SamplingParams,
     Wake,
     check_prompts,
@@ -177,29 +180,86 @@ class SGLangEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         check_prompts(prompts, params, self.max_model_len, self.vocab_size)
+        expanded = [list(p) for p in prompts for _ in range(params.n)]
+        with self._watch.alive():
+            outputs = self.engine.generate(input_ids=expanded, sampling_params=self._requests(params, len(expanded)),
+                                           return_logprob=True, **self._routing_arg())
+        return [self._completion(out, i // params.n, len(expanded[i])) for i, out in enumerate(outputs)]
+
+    def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams, enough: Enough
+                       ) -> list[Completion]:
+        """``Aborting``: one request per prompt on the engine's event loop; ``enough`` is asked whenever requests
+        finish, and once it says so the rest are aborted in the scheduler (a running one decodes one more token,
+        which it keeps). An aborted request answers with every token and logprob it had (non-streaming)."""
+        check_prompts(prompts, params, self.max_model_len, self.vocab_size)
+        if params.n != 1:
+            raise ValueError(f"generate_until samples once per prompt (n = {params.n})")
+        # SGLang aborts every request whose id *starts with* the one named: ids of one length never collide.
+        rids = [uuid.uuid4().hex for _ in prompts]
+        manager = self.engine.tokenizer_manager
+        outputs: list[dict | None] = [None] * len(prompts)
+
+        async def run() -> None:
+            calls = {asyncio.ensure_future(self.engine.async_generate(
+                input_ids=list(p), sampling_params=request, return_logprob=True, rid=rid, **self._routing_arg())): i
+                for i, (p, request, rid) in enumerate(zip(prompts, self._requests(params, len(prompts)), rids,
+                                                          strict=True))}
+            pending, finished = set(calls), []
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for call in sorted(done, key=calls.__getitem__):
+                    outputs[calls[call]] = call.result()
+                    if (call.result()["meta_info"].get("finish_reason") or {}).get("type") != "abort":
+                        finished.append(calls[call])
+                if pending and enough(finished):
+                    for call in pending:
+                        manager.abort_request(rid=rids[calls[call]])
+                    await asyncio.wait(pending)
+                    for call in pending:
+                        outputs[calls[call]] = call.result()
+                    return
+
+        with self._watch.alive():
+            try:
+                self.engine.loop.run_until_complete(run())
+            finally:  # stopped, interrupted or failed: nothing of this call stays in the engine
+                for rid, out in zip(rids, outputs, strict=True):
+                    if out is None:
+                        manager.abort_request(rid=rid)
+        return [self._completion(out, i, len(prompts[i]), abortable=True)
+                for i, out in enumerate(cast(list[dict], outputs))]
+
+    def _requests(self, params: SamplingParams, count: int) -> list[dict[str, Any]]:
+        """SGLang's sampling parameters of ``count`` requests, ``params.n`` per prompt in prompt order: a request
+        samples once (n = 1), with its prompt's budget and seed (sample j of a prompt seeded + j)."""
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                     "stop_token_ids": list(params.stop_token_ids), "n": 1}
-        expanded = [list(p) for p in prompts for _ in range(params.n)]
-        seeds = [None if (seed := request_seed(params, i // params.n)) is None else seed + i % params.n
-                 for i in range(len(expanded))]
-        per_request = [sampling | {"max_new_tokens": request_budget(params, i // params.n)}
-                       | ({"sampling_seed": seed} if seed is not None else {}) for i, seed in enumerate(seeds)]
-        with self._watch.alive():
-            outputs = self.engine.generate(input_ids=expanded, sampling_params=per_request, return_logprob=True,
-                                           **({"return_routed_experts": True} if self._routing else {}))
-        completions = []
-        for i, out in enumerate(outputs):
-            meta = out["meta_info"]
-            finish = meta.get("finish_reason") or {}
-            tokens = list(out["output_ids"])
-            completions.append(Completion(
-                prompt_index=i // params.n,
-                token_ids=tokens,
-                logprobs=[float(entry[0]) for entry in meta["output_token_logprobs"]],
-                finish_reason="length" if finish.get("type") == "length" else "stop",
-                routed_experts=None if self._routing is None else decode_routed_experts(
-                    meta.get("routed_experts"), len(expanded[i]) + len(tokens) - 1, *self._routing)))
-        return completions
+        requests = []
+        for i in range(count):
+            prompt, sample = divmod(i, params.n)
+            seed = request_seed(params, prompt)
+            requests.append(sampling | {"max_new_tokens": request_budget(params, prompt)}
+                            | ({"sampling_seed": seed + sample} if seed is not None else {}))
+        return requests
+
+    def _routing_arg(self) -> dict[str, bool]:
+        return {"return_routed_experts": True} if self._routing else {}
+
+    def _completion(self, out: dict, prompt_index: int, prompt_len: int, abortable: bool = False) -> Completion:
+        meta = out["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type")
+        tokens = list(out["output_ids"])
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"SGLang returned {len(tokens)} tokens but {len(logprobs)} logprobs for prompt "
+                               f"{prompt_index} (finish reason {finish!r})")
+        reason: Literal["stop", "length", "abort"] = \
+            "length" if finish == "length" else "abort" if abortable and finish == "abort" else "stop"
+        if finish == "abort" and reason != "abort":
+            raise RuntimeError(f"SGLang aborted prompt {prompt_index}'s request: {meta.get('finish_reason')}")
+        return Completion(prompt_index=prompt_index, token_ids=tokens, logprobs=logprobs, finish_reason=reason,
+                          routed_experts=None if self._routing is None else decode_routed_experts(
+                              meta.get("routed_experts"), prompt_len + len(tokens) - 1, *self._routing))
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """Engine-layout tensors of this GPU's engine rank (tensor_parallel == 1 in one process)."""

@@ -1,0 +1,116 @@
+"""SGLang's own abort (async_rl.chunk_tokens: null) on a GPU: generate_until stops where the caller says, the
+aborted requests leave the engine with the tokens and logprobs they had, and a sample resumed from them ends as
+the uncut one. The model: MEGARL_TEST_HF_MODEL (a Hugging Face directory; benchmarks/h200_async_opd.sh passes
+SmolLM2-135M-Instruct), else a tiny random Llama. float32 and the triton attention backend, so that greedy
+decoding does not flip between a prefilled prefix and a decoded one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import make_hf_model
+from megarl.rollout.base import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[3, 17, 42, 8, 120, 11], [100, 5, 9, 77, 31, 2, 54], [64, 64, 1, 19]]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    pytest.importorskip("sglang")
+    from megarl.rollout.sglang import SGLangEngine
+
+    model = os.environ.get("MEGARL_TEST_HF_MODEL") or str(make_hf_model(tmp_path_factory.mktemp("m"), "llama"))
+    eng = SGLangEngine(model, gpu_memory_fraction=0.3, enable_sleep=False, max_model_len=256, dtype="float32",
+                       attention_backend="triton", sampling_backend="pytorch", grammar_backend="none",
+                       log_file=tmp_path_factory.mktemp("log") / "engine.log")
+    yield eng
+    eng.shutdown()
+
+
+def left_in_engine(eng) -> int:
+    """Requests the engine still tracks, once the scheduler's answers to the aborts have arrived."""
+    manager = eng.engine.tokenizer_manager
+    for _ in range(50):
+        if not manager.rid_to_state:
+            break
+        eng.engine.loop.run_until_complete(asyncio.sleep(0.1))
+    return len(manager.rid_to_state)
+
+
+def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
+    budgets = [60, 40, 5]
+    whole = engine.generate(PROMPTS, SamplingParams(temperature=0, budgets=budgets))
+    assert [len(c.token_ids) for c in whole][2] <= 5 and all(c.finish_reason != "abort" for c in whole)
+    cut = engine.generate_until(PROMPTS, SamplingParams(temperature=0, budgets=budgets), lambda done: len(done) >= 1)
+    assert left_in_engine(engine) == 0  # the aborted requests left the engine
+    assert cut[2].token_ids == whole[2].token_ids and cut[2].finish_reason == whole[2].finish_reason
+    aborted = [i for i, c in enumerate(cut) if c.finish_reason == "abort"]
+    assert aborted, [c.finish_reason for c in cut]
+    assert all(len(cut[i].token_ids) < len(whole[i].token_ids) for i in aborted)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in cut)
+    more = engine.generate_until([PROMPTS[i] + cut[i].token_ids for i in aborted],
+                                 SamplingParams(temperature=0, budgets=[budgets[i] - len(cut[i].token_ids)
+                                                                        for i in aborted]), lambda done: False)
+    for i, m in zip(aborted, more, strict=True):
+        assert cut[i].token_ids + m.token_ids == whole[i].token_ids and m.finish_reason == whole[i].finish_reason
+        worst = max(abs(a - b) for a, b in zip(cut[i].logprobs + m.logprobs, whole[i].logprobs, strict=True))
+        assert worst < 1e-3, worst
+
+
+def test_with_nothing_to_stop_it_the_call_samples_as_generate_does(engine):
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seeds=[5, 900, 31])
+    assert [c.token_ids for c in engine.generate_until(PROMPTS, seeded, lambda done: False)] == \
+           [c.token_ids for c in engine.generate(PROMPTS, seeded)]
+
+
+def test_requests_still_waiting_when_it_stops_come_back_empty(engine):
+    """More requests than the engine admits in one batch: those still queued are aborted before any token."""
+    many = [PROMPTS[i % 3] + [i % 200] for i in range(600)]
+    cut = engine.generate_until(many, SamplingParams(temperature=1.0, max_new_tokens=200, seed=3),
+                                lambda done: len(done) >= 1)
+    assert left_in_engine(engine) == 0
+    assert sum(c.finish_reason != "abort" for c in cut) >= 1
+    assert all(len(c.logprobs) == len(c.token_ids) for c in cut)
+
+
+def test_an_engine_that_dies_during_an_abortable_call_is_an_error_not_a_hang(tmp_path):
+    """The scheduler is killed from ``enough`` (between two finishes): SGLang's subprocess watchdog signals this
+    process, and the call raises naming the engine instead of waiting for ever (an alarm guards the test against
+    that). Its own engine: this one is gone afterwards."""
+    pytest.importorskip("sglang")
+    import psutil
+
+    from megarl.rollout.sglang import SGLangEngine
+
+    eng = SGLangEngine(str(make_hf_model(tmp_path / "m", "llama")), gpu_memory_fraction=0.2, enable_sleep=False,
+                       max_model_len=256, grammar_backend="none", log_file=tmp_path / "engine.log")
+
+    def kill(done):
+        for child in psutil.Process().children(recursive=True):
+            if "scheduler" in " ".join(child.cmdline()).lower() or "scheduler" in child.name().lower():
+                child.kill()
+        return False
+
+    def hung(*_):
+        raise TimeoutError("generate_until still waits for a dead scheduler")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="SGLang engine process failed"):
+            eng.generate_until(PROMPTS * 20, SamplingParams(temperature=1.0, budgets=[2, 200, 200] * 20), kill)
+        assert time.monotonic() - start < 90
+        with pytest.raises(RuntimeError, match="SGLang engine process failed"):
+            eng.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        eng.shutdown()
