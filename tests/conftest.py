@@ -3,6 +3,7 @@ stands in for SGLang (which does not run on CPU) to check how megarl starts and 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import signal
@@ -32,6 +33,27 @@ def fake_sglang(monkeypatch):
     class Engine:
         def __init__(self, **kwargs):
             calls["start"] = kwargs
+            self.loop = asyncio.new_event_loop()
+            calls["aborted"] = []
+            self.tokenizer_manager = types.SimpleNamespace(rid_to_state={}, abort_request=self.abort_request)
+
+        async def async_generate(self, input_ids, sampling_params, return_logprob, rid, **kwargs):
+            """One request decoding a token per pass of the loop (an engine step) until its budget or an abort,
+            which it answers with the tokens it had, as SGLang does."""
+            state = self.tokenizer_manager.rid_to_state[rid] = {"abort": False}
+            tokens: list[int] = []
+            while len(tokens) < sampling_params["max_new_tokens"] and not state["abort"]:
+                await asyncio.sleep(0)
+                tokens.append(5 + len(tokens) % 3)
+            del self.tokenizer_manager.rid_to_state[rid]
+            finish = "length" if len(tokens) == sampling_params["max_new_tokens"] else "abort"
+            return {"output_ids": tokens, "meta_info": {"finish_reason": {"type": finish},
+                                                        "output_token_logprobs": [(-0.5, t, None) for t in tokens]}}
+
+        def abort_request(self, rid="", abort_all=False):
+            calls["aborted"].append(rid)
+            if rid in self.tokenizer_manager.rid_to_state:
+                self.tokenizer_manager.rid_to_state[rid]["abort"] = True
 
         def shutdown(self):  # SGLang registers it with atexit; the adapter unregisters it
             calls["shutdown"] = True
