@@ -188,7 +188,13 @@ def test_bad_hf_dirs_are_user_errors(llama, tmp_path):
 
 
 def test_convert_cli_bad_input_exits_2_without_traceback(llama, tmp_path):
+    step = tmp_path / "run" / "step_3"
+    for model in ("actor", "critic"):  # a training step's checkpoint holds one directory per model
+        (step / model).mkdir(parents=True)
+        (step / model / "megarl_checkpoint.json").write_text("{}")
     cases = [
+        (["mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "o6")], f"e.g. `{step / 'actor'}` (it holds "
+                                                                              "actor, critic)"),
         (["hf-to-mcore", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o1")], "does not exist"),
         (["hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o2"), "--tp", "4"], "--tp 4 must divide"),
         (["hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o3"), "--pp", "3"], "--pp 3 must divide"),

@@ -75,8 +75,11 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int, pp: int, vocab
 def read_meta(ckpt_dir: str | Path) -> dict[str, int]:
     path = Path(ckpt_dir) / META
     if not path.is_file():
+        models = sorted(p.parent.name for p in Path(ckpt_dir).glob(f"*/{META}"))
+        hint = (f" It is a training step's checkpoint: pass one of its models, e.g. `{Path(ckpt_dir) / models[0]}` "
+                f"(it holds {', '.join(models)}).") if models else ""
         raise UserError(f"`{ckpt_dir}` is not a megarl Megatron checkpoint (no {META}). Pass a directory "
-                        "written by `python -m megarl.convert hf-to-mcore` or by training.")
+                        f"written by `python -m megarl.convert hf-to-mcore` or by training.{hint}")
     try:
         meta = json.loads(path.read_text())
         ok = meta.get("format") == FORMAT and all(isinstance(meta.get(k), int) for k in ("tp", "pp"))

@@ -26,7 +26,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
@@ -351,7 +351,7 @@ class VLLMEngine:
                 self._watchdog.stop()
 
 
-def _raise_on_core_death(llm: Any, closing: Any) -> None:
+def _raise_on_core_death(llm: Any, closing: Callable[[], bool]) -> None:
     """vLLM's client notices its engine core process exit (an out-of-memory kill, a crash) and marks the engine
     dead, but a call already waiting for the core's output waits on forever (vLLM 0.32: the output thread stops
     without a word), until rollout.timeout_minutes ends the run with the wrong cause. Wake that call with the
