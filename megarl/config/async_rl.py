@@ -30,7 +30,7 @@ class AsyncConfig:
     """Tokens a sample generates per engine call; between calls the loop checks whether a batch is done, and a
     weight push (separate) waits for the call. Smaller cuts the wait for the slowest samples finer and prefills
     each prefix more often. null: no chunks; the engine generates every sample to its budget and aborts the
-    unfinished ones as soon as a batch is done or a push is due (rollout.engine vllm, with one engine)."""
+    unfinished ones as soon as a batch is done or a push is due (one engine: vLLM or SGLang)."""
     stale: Literal["drop", "regenerate"] = "drop"
     """A group past max_staleness: drop it (its prompt is not trained on; counted in async/dropped_stale), or
     regenerate it from its prompt with the current weights."""

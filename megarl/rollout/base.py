@@ -166,7 +166,7 @@ Enough = Callable[[Sequence[int]], bool]
 
 
 class Aborting(Protocol):
-    """An engine that stops generating where its caller says (async_rl.chunk_tokens: null; vLLM so far)."""
+    """An engine that stops generating where its caller says (async_rl.chunk_tokens: null; vLLM and SGLang)."""
 
     def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams, enough: Enough
                        ) -> list[Completion]:
