@@ -45,17 +45,20 @@ def left_in_engine(eng) -> int:
 
 
 def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
-    budgets = [60, 40, 5]
-    whole = engine.generate(PROMPTS, SamplingParams(temperature=0, budgets=budgets))
-    assert [len(c.token_ids) for c in whole][2] <= 5 and all(c.finish_reason != "abort" for c in whole)
-    cut = engine.generate_until(PROMPTS, SamplingParams(temperature=0, budgets=budgets), lambda done: len(done) >= 1)
+    """Greedy, same weights: the shortest budget finishes first, the rest are aborted with what they had, and each
+    resumed from prompt + its tokens with the budget left ends as the uncut one, tokens and logprobs."""
+    prompts = [PROMPTS[i % 3] + [i + 7] for i in range(8)]
+    budgets = [3] + [48] * 7
+    whole = engine.generate(prompts, SamplingParams(temperature=0, budgets=budgets))
+    assert all(c.finish_reason != "abort" for c in whole)
+    cut = engine.generate_until(prompts, SamplingParams(temperature=0, budgets=budgets), lambda done: len(done) >= 1)
     assert left_in_engine(engine) == 0  # the aborted requests left the engine
-    assert cut[2].token_ids == whole[2].token_ids and cut[2].finish_reason == whole[2].finish_reason
+    assert cut[0].token_ids == whole[0].token_ids and cut[0].finish_reason == whole[0].finish_reason
     aborted = [i for i, c in enumerate(cut) if c.finish_reason == "abort"]
-    assert aborted, [c.finish_reason for c in cut]
+    assert aborted, [(c.finish_reason, len(c.token_ids)) for c in whole]
     assert all(len(cut[i].token_ids) < len(whole[i].token_ids) for i in aborted)
     assert all(len(c.logprobs) == len(c.token_ids) for c in cut)
-    more = engine.generate_until([PROMPTS[i] + cut[i].token_ids for i in aborted],
+    more = engine.generate_until([prompts[i] + cut[i].token_ids for i in aborted],
                                  SamplingParams(temperature=0, budgets=[budgets[i] - len(cut[i].token_ids)
                                                                         for i in aborted]), lambda done: False)
     for i, m in zip(aborted, more, strict=True):
@@ -70,8 +73,8 @@ def test_with_nothing_to_stop_it_the_call_samples_as_generate_does(engine):
            [c.token_ids for c in engine.generate(PROMPTS, seeded)]
 
 
-def test_requests_still_waiting_when_it_stops_come_back_empty(engine):
-    """More requests than the engine admits in one batch: those still queued are aborted before any token."""
+def test_aborting_hundreds_of_requests_leaves_none_in_the_engine(engine):
+    """More requests than one prefill admits: the abort reaches those running and those still queued."""
     many = [PROMPTS[i % 3] + [i % 200] for i in range(600)]
     cut = engine.generate_until(many, SamplingParams(temperature=1.0, max_new_tokens=200, seed=3),
                                 lambda done: len(done) >= 1)
