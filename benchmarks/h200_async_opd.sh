@@ -53,10 +53,10 @@ ASYNC=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens="$CHUNK"
        --set algorithm.rollout_correction=token_tis)
 RADIX=(--set rollout.engine_args.disable_radix_cache=false)
 SEPARATE=(--set async_rl.mode=separate --set async_rl.chunk_tokens="$CHUNK" --set algorithm.rollout_correction=token_tis
-          "${RADIX[@]}")
+          "${RADIX[@]}" --set rollout.gpu_memory_fraction=0.4)
 ABORT=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens=null --set algorithm.rollout_correction=token_tis)
 SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
-                --set algorithm.rollout_correction=token_tis)
+                --set algorithm.rollout_correction=token_tis --set rollout.gpu_memory_fraction=0.4)
 
 all_runs() {
   mkdir -p /tmp/runs

@@ -264,3 +264,17 @@ def test_separate_generation_keeps_the_engine_in_every_phase(tmp_path):
     for phase in ("actor_update", "handover"):
         assert separate.phases[phase]["engine awake"] == awake and "engines asleep" not in separate.phases[phase]
         assert separate.total(phase) - sync.total(phase) > 0.2 * H200
+
+
+def test_separate_auto_fraction_leaves_the_trainer_its_update(tmp_path):
+    """The H200 run that stopped at the plan (benchmarks/results/h200/async_opd): SmolLM2's GSM8K recipe with
+    async_rl separate and gpu_memory_fraction auto gave the engine what the trainer leaves at its start (126 GiB),
+    and the update did not fit beside it. auto now leaves the trainer its busiest phase."""
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["smollm2-135m"]))
+    spec, dims = load_spec(tmp_path), ParallelDims(tp=1, pp=1, dp=1)
+    cfg, plan = plan_for("recipes/smollm2_gsm8k_grpo.yaml", spec, dims, "async_rl.mode=separate",
+                         "algorithm.rollout_correction=token_tis")
+    check_memory(plan, cfg, 1)
+    _, sync = plan_for("recipes/smollm2_gsm8k_grpo.yaml", spec, dims)
+    assert plan.engine_fraction < sync.engine_fraction - 0.1  # the update's activations are left out of it
+    assert max(plan.total(p) for p in plan.phases) > 0.85 * H200  # and little is left unused

@@ -282,31 +282,37 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     te = cfg.model.transformer_engine
     masked = te == "off" or (te == "auto" and (importlib.util.find_spec("transformer_engine") is None
                                               or cfg.actor.lora_on()))  # LoRA adapts the local layers only
+    # The trainer's phases first, without the engine: async_rl separate's engine never sleeps, so its auto share
+    # is what the trainer's busiest phase leaves.
+    plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
+        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, entropy,
+                                                              segment_mask=masked), actor.step_scratch)})
+    if critic is not None:
+        plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
+            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, False, logits=False,
+                                                                  segment_mask=masked), critic.step_scratch)})
+    if teacher_spec is not None:  # a larger teacher's scoring can be the peak: bounded by a training micro-batch's
+        plan.phases["teacher"] = with_overhead(resident("teacher") | {"scoring activations (bound)": activation_bytes(
+            teacher_spec, cfg, cfg.actor, dims, False, segment_mask=masked)})
+    plan.phases["handover"] = with_overhead(resident("handover"), "handover")
     # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
     at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
-    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start)
+    separate = cfg.async_rl.mode == "separate"
+    beside = max(sum(parts.values()) for parts in plan.phases.values()) if separate else at_start
+    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start, beside)
     if cfg.rollout.engine == "sglang":
         engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
     else:
         engine = int(plan.engine_fraction * gpu_bytes)
     # Engines never share a GPU (engine g spans its group's GPUs); async_rl separate's never sleeps.
-    asleep = {"engine awake": engine} if cfg.async_rl.mode == "separate" else {"engines asleep": ENGINE_ASLEEP}
-    # The optimizer step comes after the last backward: its temporaries and the activations are never held at once.
-    plan.phases["actor_update"] = with_overhead(resident("actor_update") | {
-        "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.actor, dims, entropy,
-                                                              segment_mask=masked), actor.step_scratch)}) | asleep
-    if critic is not None:
-        plan.phases["critic_update"] = with_overhead(resident("critic_update") | {
-            "activations or optimizer step": max(activation_bytes(spec, cfg, cfg.critic, dims, False, logits=False,
-                                                                  segment_mask=masked), critic.step_scratch)}) | asleep
+    asleep = {"engine awake": engine} if separate else {"engines asleep": ENGINE_ASLEEP}
+    for phase in ("actor_update", "critic_update", "teacher"):  # the optimizer step comes after the last backward
+        if phase in plan.phases:
+            plan.phases[phase] |= asleep
     # The hand-over: the engine's weights awake (its KV cache not yet), next to the actor's.
-    plan.phases["handover"] = with_overhead(resident("handover"), "handover") | ({"engine awake": engine} if
-        cfg.async_rl.mode == "separate" else {"engine weights": int(engine_rank * (1 - aliased)),
-                                              "engines asleep": ENGINE_ASLEEP})
+    plan.phases["handover"] |= {"engine awake": engine} if separate else {
+        "engine weights": int(engine_rank * (1 - aliased)), "engines asleep": ENGINE_ASLEEP}
     plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
-    if teacher_spec is not None:  # a larger teacher's scoring can be the peak: bounded by a training micro-batch's
-        plan.phases["teacher"] = with_overhead(resident("teacher") | {"scoring activations (bound)": activation_bytes(
-            teacher_spec, cfg, cfg.actor, dims, False, segment_mask=masked)}) | asleep
     # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
     held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "teacher",
                                           "generate")]
@@ -315,13 +321,15 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     return plan
 
 
-def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int) -> float:
-    """rollout.gpu_memory_fraction, with ``auto`` sized to what the trainer leaves at rollout (SGLang: a
-    share of the free memory at its start; vLLM: a share of the whole GPU)."""
+def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int, trainer_beside: int | None = None
+                      ) -> float:
+    """rollout.gpu_memory_fraction, with ``auto`` sized to what the trainer leaves (SGLang: a share of the free
+    memory at its start, ``trainer_at_start`` in use; vLLM: a share of the whole GPU). ``trainer_beside``: the
+    most the trainer holds while the engine is awake (default: at its start; async_rl separate: its peak)."""
     fraction = cfg.rollout.gpu_memory_fraction
     if fraction != "auto":
         return float(fraction)
-    free = gpu_bytes * (1 - MARGIN) - trainer_at_start - ENGINE_OVERHEAD
+    free = gpu_bytes * (1 - MARGIN) - (trainer_beside or trainer_at_start) - ENGINE_OVERHEAD
     if cfg.rollout.engine == "sglang":
         return max(0.05, min(0.9, free / (gpu_bytes - trainer_at_start)))
     return max(0.05, min(0.9, free / gpu_bytes))
