@@ -92,3 +92,18 @@ def zero_data(path: Path) -> None:
     start = 8 + int.from_bytes(raw[:8], "little")
     raw[start:] = bytes(len(raw) - start)
     path.write_bytes(bytes(raw))
+
+
+def check_resumed_equals_whole(engine, prompts, budgets: list[int], cut, whole, tol: float) -> None:
+    """Every sample ``engine.generate_until`` aborted in ``cut``, resumed greedily from prompt + its tokens with the
+    budget it has left, ends as the uncut one in ``whole``: tokens, finish reason, and logprobs within ``tol``."""
+    from megarl.rollout.base import SamplingParams
+
+    aborted = [i for i, c in enumerate(cut) if c.finish_reason == "abort"]
+    more = engine.generate_until([list(prompts[i]) + cut[i].token_ids for i in aborted],
+                                 SamplingParams(temperature=0, budgets=[budgets[i] - len(cut[i].token_ids)
+                                                                        for i in aborted]), lambda done: False)
+    for i, m in zip(aborted, more, strict=True):
+        assert cut[i].token_ids + m.token_ids == whole[i].token_ids and m.finish_reason == whole[i].finish_reason
+        worst = max(abs(a - b) for a, b in zip(cut[i].logprobs + m.logprobs, whole[i].logprobs, strict=True))
+        assert worst < tol, worst

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from helpers import make_hf_model
+from helpers import check_resumed_equals_whole, make_hf_model
 from megarl.rollout.base import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -66,13 +66,7 @@ def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
     assert aborted, [(c.finish_reason, len(c.token_ids)) for c in whole]
     assert all(len(cut[i].token_ids) < len(whole[i].token_ids) for i in aborted)
     assert all(len(c.logprobs) == len(c.token_ids) for c in cut)
-    more = engine.generate_until([prompts[i] + cut[i].token_ids for i in aborted],
-                                 SamplingParams(temperature=0, budgets=[budgets[i] - len(cut[i].token_ids)
-                                                                        for i in aborted]), lambda done: False)
-    for i, m in zip(aborted, more, strict=True):
-        assert cut[i].token_ids + m.token_ids == whole[i].token_ids and m.finish_reason == whole[i].finish_reason
-        worst = max(abs(a - b) for a, b in zip(cut[i].logprobs + m.logprobs, whole[i].logprobs, strict=True))
-        assert worst < 0.1, worst
+    check_resumed_equals_whole(engine, prompts, budgets, cut, whole, tol=0.1)
 
 
 def test_aborting_hundreds_of_requests_leaves_none_in_the_engine(engine):

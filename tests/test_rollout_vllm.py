@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, make_hf_model
+from helpers import REPO, check_resumed_equals_whole, make_hf_model
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader
@@ -382,13 +382,7 @@ def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
     assert cut[2].finish_reason == whole[2].finish_reason and cut[2].token_ids == whole[2].token_ids
     aborted = [i for i, c in enumerate(cut) if c.finish_reason == "abort"]
     assert aborted and all(0 < len(cut[i].token_ids) < len(whole[i].token_ids) for i in aborted)
-    more = engine.generate_until([PROMPTS[i] + cut[i].token_ids for i in aborted],
-                                 SamplingParams(temperature=0, budgets=[budgets[i] - len(cut[i].token_ids)
-                                                                        for i in aborted]), lambda done: False)
-    for i, m in zip(aborted, more, strict=True):
-        assert cut[i].token_ids + m.token_ids == whole[i].token_ids and m.finish_reason == whole[i].finish_reason
-        worst = max(abs(a - b) for a, b in zip(cut[i].logprobs + m.logprobs, whole[i].logprobs, strict=True))
-        assert worst < 1e-4, worst
+    check_resumed_equals_whole(engine, PROMPTS, budgets, cut, whole, tol=1e-4)
     seeded = SamplingParams(temperature=1.0, max_new_tokens=12, seeds=[5, 900, 31])
     assert [c.token_ids for c in engine.generate_until(PROMPTS, seeded, lambda done: False)] == \
            [c.token_ids for c in engine.generate(PROMPTS, seeded)]

@@ -321,15 +321,15 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     return plan
 
 
-def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int, trainer_beside: int | None = None
-                      ) -> float:
+def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int, trainer_beside: int) -> float:
     """rollout.gpu_memory_fraction, with ``auto`` sized to what the trainer leaves (SGLang: a share of the free
     memory at its start, ``trainer_at_start`` in use; vLLM: a share of the whole GPU). ``trainer_beside``: the
-    most the trainer holds while the engine is awake (default: at its start; async_rl separate: its peak)."""
+    most the trainer holds while the engine is awake (what it holds at the engine's start; async_rl separate: its
+    busiest phase)."""
     fraction = cfg.rollout.gpu_memory_fraction
     if fraction != "auto":
         return float(fraction)
-    free = gpu_bytes * (1 - MARGIN) - (trainer_beside or trainer_at_start) - ENGINE_OVERHEAD
+    free = gpu_bytes * (1 - MARGIN) - trainer_beside - ENGINE_OVERHEAD
     if cfg.rollout.engine == "sglang":
         return max(0.05, min(0.9, free / (gpu_bytes - trainer_at_start)))
     return max(0.05, min(0.9, free / gpu_bytes))

@@ -208,8 +208,8 @@ class SGLangEngine:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for call in sorted(done, key=calls.__getitem__):
-                    outputs[calls[call]] = call.result()
-                    if (call.result()["meta_info"].get("finish_reason") or {}).get("type") != "abort":
+                    out = outputs[calls[call]] = call.result()
+                    if (out["meta_info"].get("finish_reason") or {}).get("type") != "abort":
                         finished.append(calls[call])
                 if pending and enough(finished):
                     for call in pending:
@@ -253,10 +253,9 @@ class SGLangEngine:
         if len(logprobs) != len(tokens):
             raise RuntimeError(f"SGLang returned {len(tokens)} tokens but {len(logprobs)} logprobs for prompt "
                                f"{prompt_index} (finish reason {finish!r})")
-        reason: Literal["stop", "length", "abort"] = \
-            "length" if finish == "length" else "abort" if abortable and finish == "abort" else "stop"
-        if finish == "abort" and reason != "abort":
+        if finish == "abort" and not abortable:
             raise RuntimeError(f"SGLang aborted prompt {prompt_index}'s request: {meta.get('finish_reason')}")
+        reason: Literal["stop", "length", "abort"] = finish if finish in ("length", "abort") else "stop"
         return Completion(prompt_index=prompt_index, token_ids=tokens, logprobs=logprobs, finish_reason=reason,
                           routed_experts=None if self._routing is None else decode_routed_experts(
                               meta.get("routed_experts"), prompt_len + len(tokens) - 1, *self._routing))
