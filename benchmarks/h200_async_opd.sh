@@ -58,6 +58,15 @@ ABORT=(--set async_rl.mode=colocated_async --set async_rl.chunk_tokens=null --se
 SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
                 --set algorithm.rollout_correction=token_tis --set rollout.gpu_memory_fraction=0.4)
 
+# The async_rl settings of run $1 (into sets), the same for an arith run and its gsm8k_ twin; none for sync.
+mode_sets() {
+  case ${1#gsm8k_} in
+    async) sets=("${ASYNC[@]}") ;; async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
+    async_abort) sets=("${ABORT[@]}") ;; separate) sets=("${SEPARATE[@]}") ;;
+    separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
+  esac
+}
+
 all_runs() {
   mkdir -p /tmp/runs
   for run in $RUNS; do
@@ -68,22 +77,14 @@ all_runs() {
         last=$(ls -d /tmp/runs/sync/step_*/actor | sort | tail -1)
         python3 -m megarl.convert mcore-to-hf --ckpt "$last" --out /tmp/teacher 2>&1 | tail -2 ;;
       async|async_radix|separate|async_abort|separate_abort)
-        sets=("${ASYNC[@]}")
-        [[ $run == async_radix ]] && sets+=("${RADIX[@]}")
-        [[ $run == separate ]] && sets=("${SEPARATE[@]}")
-        [[ $run == async_abort ]] && sets=("${ABORT[@]}")
-        [[ $run == separate_abort ]] && sets=("${SEPARATE_ABORT[@]}")
+        mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every=0 ;;
       opd)
         learn opd recipes/smollm2_arith_opd.yaml --set distill.teacher=/tmp/teacher --set rollout.max_new_tokens=256 \
           --set eval.every="$EVAL_EVERY" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
       gsm8k_*)
-        case $run in
-          gsm8k_async) sets=("${ASYNC[@]}") ;; gsm8k_async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
-          gsm8k_separate) sets=("${SEPARATE[@]}") ;; gsm8k_async_abort) sets=("${ABORT[@]}") ;;
-          gsm8k_separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
-        esac
+        mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
           --set eval.before_train=false --set eval.every=0 --set checkpoint.save_every=0 ;;
     esac
