@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(tracker.start_step, cfg.trainer.num_steps):
         with profiled(step == args.profile, trace_path(tracker.out_dir, step, trainer.groups.rank)):
             with tracker.phase("generate"):  # sample responses with the current policy and score them
-                batch, sampling = trainer.generate(lambda: next(loader), decode, step)
+                batch, sampling = trainer.generate(lambda: next(loader), step)
             with tracker.phase("score"):  # old logprobs: the trainer's view of the sampled tokens
                 old = trainer.score(batch, trainer.actor)
             with tracker.phase("reference"):

@@ -55,14 +55,15 @@ def test_colocated_async_without_chunks_aborts_in_the_engine_and_resumes_what_it
 
 @pytest.mark.slow
 def test_separate_generation_learns_the_tiny_task_one_step_off(tmp_path):
-    """The engine generates in a thread of its own while the learner trains; each push pauses it between rounds.
+    """The engine generates in a thread of its own while the learner trains; each push pauses it between rounds,
+    and a reward worker scores each group as its samples finish.
     A round per sample (chunk_tokens = max_new_tokens) makes the run independent of timing: the admission rule
     admits the same groups under each version however the thread and the learner interleave, and no sample
     spans two versions. Measured: two runs, one of them beside a CI run, gave identical rows."""
     steps = 120
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}", *SEEDS, *ASYNC,
                         "async_rl.mode=separate", "async_rl.chunk_tokens=2", "tracking.backend=none",
-                        "checkpoint.save_every=0")
+                        "checkpoint.save_every=0", "trainer.reward_workers=1")  # groups scored as they finish
     assert [r["step"] for r in rows] == list(range(steps))
     assert [r["async/staleness_max"] for r in rows] == [0.0] + [1.0] * (steps - 1)  # one-step-off, exactly
     assert all(r["async/mixed_version_share"] == 0 and r["async/dropped_stale"] == 0 for r in rows)
@@ -92,9 +93,11 @@ def test_a_resume_with_samples_in_flight_loses_nothing(tmp_path):
     resumed.mkdir()
     shutil.copytree(full / "step_000002", resumed / "step_000002")
     (resumed / "latest").write_text("step_000002")
+    # The resumed run scores in a worker process, each group as it finishes (those restored from the checkpoint
+    # when a step takes them): the scores, so the rows, are the same.
     proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml",
-                         *[a for o in (f"checkpoint.dir={resumed}", *common, *ASYNC, "rollout.max_new_tokens=4")
-                           for a in ("--set", o)]], nproc=1)
+                         *[a for o in (f"checkpoint.dir={resumed}", *common, *ASYNC, "rollout.max_new_tokens=4",
+                                       "trainer.reward_workers=1") for a in ("--set", o)]], nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = rows_of(full), rows_of(resumed)
     assert sorted(b) == [2, 3, 4, 5]  # step 2's row went with its checkpoint (not copied here): logged on resume

@@ -304,6 +304,9 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(checkpoint={"keep_last": 0}), ["`checkpoint.keep_last`", ">= 1"]),
         (with_changes(checkpoint={"save_every": 10}), ["`checkpoint.dir`", "save_every is 10"]),
         (with_changes(trainer={"reward": "megarl.rewards.gsm8k"}), ["`trainer.reward`", "module:function"]),
+        (with_changes(trainer={"reward_workers": -1}), ["`trainer.reward_workers`", "= -1", ">= 0"]),
+        (with_changes(trainer={"reward": None, "reward_workers": 2}, distill={"teacher": "t"}),
+         ["`trainer.reward_workers`", "= 2", "without trainer.reward"]),
         (
             with_changes(model={"dtype": "bf16"}),
             ["`model.dtype`", '"bf16"', "bfloat16, float16, float32", 'use "bfloat16"'],

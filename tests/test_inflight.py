@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -116,8 +117,17 @@ def test_no_batch_holds_a_token_older_than_the_bound_and_no_prompt_is_trained_tw
     stale = rng.choice(["drop", "regenerate"])
     prompts = [[7] * rng.randint(1, 9) for _ in range(400)]
     chunk = rng.choice([3, 8, None])  # None: the engine aborts the unfinished samples once a batch is done
+    told: dict[int, list[list[int]]] = {}  # what the reward scored early, by group
+    times_told: Counter[int] = Counter()
+
+    def finished(groups):
+        for g in groups:
+            assert g.done()
+            told[g.uid] = [list(s.tokens) for s in g.samples]
+            times_told[g.uid] += 1
+
     pool = InFlight(n=n, budget=40, chunk=chunk, max_staleness=staleness, batch=wanted,
-                    capacity=(staleness + 1) * wanted, stale=stale, seed=11)
+                    capacity=(staleness + 1) * wanted, stale=stale, seed=11, finished=finished)
     cursor = [0]
     engine = ScriptedEngine(stop=rng.choice([0.02, 0.1]))
     taken = run(pool, engine, range(20), wanted, prompts, cursor)
@@ -135,6 +145,9 @@ def test_no_batch_holds_a_token_older_than_the_bound_and_no_prompt_is_trained_tw
                 assert not s.truncated or len(s.tokens) == 40
                 lags.append(step - s.versions[0])
     assert max(lags) <= staleness
+    # Every trained group was scored early on exactly the samples it trains, and once (unless regenerated).
+    assert all(told[g.uid] == [s.tokens for s in g.samples] for _, groups in taken for g in groups)
+    assert stale == "regenerate" or max(times_told.values()) == 1
     if staleness > 1:  # samples do carry over: the bound is reached, not avoided
         assert max(lags) >= 1
 

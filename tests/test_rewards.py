@@ -15,6 +15,7 @@ from megarl.errors import UserError
 from megarl.rewards import gsm8k
 from megarl.rewards.gsm8k import extract_answer, format_reward, reward
 from megarl.rewards.registry import load_reward
+from megarl.rewards.scorer import RewardScorer
 
 TEST_JSONL = Path(gsm8k.__file__).resolve().parent.parent / "data" / "gsm8k" / "test.jsonl"
 
@@ -149,3 +150,42 @@ def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool)
     got = extract_answer(text)
     assert (got is not None and Fraction(got) == Fraction(value)) if scores else got is None
     assert reward([text], [value]) == [float(scores)]
+
+
+def test_reward_workers_score_as_the_training_process_does() -> None:
+    """trainer.reward_workers: a batch split among worker processes, and a group submitted while the caller goes
+    on, score exactly as the function called in this process."""
+    texts = ["#### 18", "the answer is 7", "#### **3**", "no number", "\\boxed{1/2}", "#### 1,000"] * 3
+    answers = ["18", "7", "4", "1", "0.5", "1000"] * 3
+    inline = load_reward("megarl.rewards.gsm8k:reward")(texts, answers)
+    scorer = RewardScorer("megarl.rewards.gsm8k:reward", 2)
+    try:
+        assert scorer(texts, answers) == inline
+        early = scorer.submit(texts[:6], answers[:6])
+        assert scorer.result(early) == inline[:6]
+    finally:
+        scorer.close()
+
+
+def test_a_reward_failing_in_a_worker_is_the_paragraph_naming_trainer_reward(tmp_path, monkeypatch) -> None:
+    (tmp_path / "picky_w.py").write_text("import os\n"
+                                         "def reward(completions, answers):\n"
+                                         "    if 'die' in completions:\n"
+                                         "        os._exit(3)\n"
+                                         "    return [float(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # a spawned worker starts with this process's sys.path
+    scorer = RewardScorer("picky_w:reward", 1)
+    try:
+        assert scorer(["1", "2"], ["", ""]) == [1.0, 2.0]
+        with pytest.raises(UserError, match=r"^trainer.reward = 'picky_w:reward' raised ValueError: could not"):
+            scorer.result(scorer.submit(["1", "two"], ["", ""]))
+        with pytest.raises(RuntimeError, match=r"a reward worker process died \(trainer.reward_workers = 1\)"):
+            scorer(["die"], [""])
+    finally:
+        scorer.close()
+
+
+def test_no_reward_scores_zero_in_this_process() -> None:
+    scorer = RewardScorer(None, 0)
+    assert scorer(["a", "b"], ["", ""]) == [0.0, 0.0] and scorer.workers == 0
+    assert scorer.result(scorer.submit(["a"], [""])) == [0.0]

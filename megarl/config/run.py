@@ -18,11 +18,19 @@ class TrainerConfig:
     reward: str | None = "megarl.rewards.gsm8k:reward"
     """Reward function as "module:function"; imported when training starts. null = no task reward (on-policy
     distillation alone: distill.teacher)."""
+    reward_workers: int = 0
+    """Processes that run the reward function beside each training process; 0 = in the training process. With N,
+    a batch is scored in N parts at once, and with async_rl each group as soon as its samples are done, while the
+    engine generates the rest: off the learner's path in async_rl.mode separate. Worth it for costly verifiers
+    (math-verify: about 1.6 ms a GSM8K sample, 0.8 s a step of 512); each worker imports the reward's module."""
     log_every: int = 1
     """Console progress every this many steps (metrics go to tracking every step)."""
 
     def __post_init__(self) -> None:
         positive(self, "num_steps", "log_every")
+        within(self, "reward_workers", "[0, inf)", "use 0 to score in the training process")
+        check(self.reward is not None or self.reward_workers == 0, "reward_workers", self.reward_workers,
+              "be 0 without trainer.reward (there is nothing to score)", "remove trainer.reward_workers")
         check(
             self.reward is None or bool(IMPORT_PATH_RE.fullmatch(self.reward)),
             "reward",

@@ -3,6 +3,7 @@ tokenizer from a directory without vocabulary files, and every prompt then encod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +44,12 @@ def load_tokenizer(hf_dir: str, field: str = "model.hf_path") -> Any:
         raise UserError(f"{field} = {hf_dir!r}: its tokenizer encodes text to no tokens (vocabulary of "
                         f"{len(tokenizer)}). Fix: copy the tokenizer files of the model into that directory again.")
     return tokenizer
+
+
+def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """Token ids to the text a reward reads: special tokens (the end of turn) left out."""
+
+    def decode(tokens: list[int]) -> str:
+        return str(tokenizer.decode(tokens, skip_special_tokens=True))
+
+    return decode

@@ -172,12 +172,9 @@ def setup(config_path: str, overrides: Sequence[str]
     interrupt.at_interrupt(trainer.close)
     tracker.end_with_the_process()
 
-    def decode(tokens: list[int]) -> str:
-        return str(tokenizer.decode(tokens, skip_special_tokens=True))
-
     from megarl.eval.in_training import InTrainingEval
 
-    return cfg, trainer, loader, decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
+    return cfg, trainer, loader, trainer.rollout.decode, tracker, InTrainingEval(cfg, eval_sets, out_dir, groups.rank)
 
 
 def check_lora_rank(lora: Any, spec: Any) -> None:

@@ -35,13 +35,15 @@ def prefill_note(cfg: Config) -> str | None:
 
 
 class PartialRollouts:
-    def __init__(self, cfg: Config, stop_ids: tuple[int, ...], times: PartTimes) -> None:
+    def __init__(self, cfg: Config, stop_ids: tuple[int, ...], times: PartTimes,
+                 finished: Callable[[list[Group]], None]) -> None:
+        """``finished``: told of the groups a round finished (megarl.rollout.inflight.InFlight)."""
         a, r, wanted = cfg.async_rl, cfg.rollout, cfg.data.num_prompts_per_step
         self.separate, self.wanted, self.times, self.timeout_s = a.mode == "separate", wanted, times, \
             r.timeout_minutes * 60
         self.pool = InFlight(n=r.num_samples_per_prompt, budget=r.max_new_tokens, chunk=a.chunk_tokens,
                              max_staleness=a.max_staleness, batch=wanted,
-                             capacity=a.prompts_in_flight(wanted), stale=a.stale, seed=r.seed)
+                             capacity=a.prompts_in_flight(wanted), stale=a.stale, seed=r.seed, finished=finished)
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_new_tokens, seed=r.seed, stop_token_ids=stop_ids)
         self.producer: Producer | None = None

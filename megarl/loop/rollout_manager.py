@@ -1,10 +1,12 @@
 """The rollout side: the engines (started, put to sleep, woken), generation of a step's batch (dynamic sampling's
-rounds included, or async_rl's partial rollouts carried across steps), the agent loop's tools, and the reward."""
+rounds included, or async_rl's partial rollouts carried across steps), the agent loop's tools, and the reward
+(with async_rl, each group scored as soon as its samples are done)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
@@ -15,11 +17,12 @@ import torch.distributed as dist
 from megarl.algos.shaping import informative_groups
 from megarl.config import Config
 from megarl.data.batching import TokenizedPrompt
+from megarl.data.tokenizer import decoder
 from megarl.distributed.parallel import ParallelGroups
 from megarl.loop.partial_rollouts import PartialRollouts, carries_samples
 from megarl.loop.rl_step import Batch, check_scores, shaped_scores
 from megarl.loop.timing import PartTimes
-from megarl.rewards.registry import load_reward
+from megarl.rewards.scorer import RewardScorer
 from megarl.rollout.agent import agent_metrics, make_rollout
 from megarl.rollout.base import Completion, Enough, SamplingParams
 from megarl.rollout.factory import make_engine
@@ -29,24 +32,22 @@ from megarl.rollout.inflight import Group
 EngineState = Literal["asleep", "weights", "awake"]
 
 
-def no_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """trainer.reward null (on-policy distillation alone): no task signal."""
-    return [0.0] * len(completions)
-
-
 class RolloutManager:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...], tokenizer: Any,
                  times: PartTimes) -> None:
         self.cfg, self.groups, self.stop_ids, self.times = cfg, groups, stop_ids, times
         self._rollout_loop = make_rollout(cfg, tokenizer)  # tools load and are checked before any model is built
-        self.reward_fn = load_reward(cfg.trainer.reward) if cfg.trainer.reward is not None else no_reward
+        self.scorer = RewardScorer(cfg.trainer.reward, cfg.trainer.reward_workers)
+        self.decode = decoder(tokenizer)
+        self._early: dict[int, Future[list[float]]] = {}
+        """async_rl: the scores of groups done in the pool, by uid, computed while the engine goes on."""
         # Each step's samples (tokens, logprobs and, with routing replay, every token's experts: hundreds of MB at
         # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
         # on the GPU, next to the engine's KV cache.
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.engine: GroupEngine | Any = None
         self.state: EngineState = "awake"  # engines start awake
-        self.partial = PartialRollouts(cfg, stop_ids, times) if carries_samples(cfg) else None
+        self.partial = PartialRollouts(cfg, stop_ids, times, self._score_early) if carries_samples(cfg) else None
         self.separate = cfg.async_rl.mode == "separate"
         """The engine never sleeps: it generates while the learner trains."""
 
@@ -63,6 +64,7 @@ class RolloutManager:
             self.partial.close()
         self.engine.shutdown()
         self._rollout_loop.close()
+        self.scorer.close()
 
     def sleep(self) -> None:
         """Colocation: the trainer gets the engine's memory until the next hand-over wakes it."""
@@ -75,8 +77,7 @@ class RolloutManager:
         self.engine.wake(part)
         self.state = "weights" if part == "weights" else "awake"
 
-    def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
-                 ) -> tuple[Batch, dict[str, float]]:
+    def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], step: int) -> tuple[Batch, dict[str, float]]:
         """One step's batch of data.num_prompts_per_step prompts' samples, then the engine sleeps.
 
         With algorithm.dynamic_sampling, prompts whose samples all score the same (no GRPO signal) are
@@ -90,7 +91,7 @@ class RolloutManager:
                                                     next_prompts, step)
             with self.times.timed("rollout/sleep"):
                 self.sleep()
-            return self._scored(taken, decode, step), pool_metrics
+            return self._scored(taken, step), pool_metrics
         algo, r = self.cfg.algorithm, self.cfg.rollout
         n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
         kept: list[Batch] = []
@@ -98,7 +99,7 @@ class RolloutManager:
         num_kept = num_dropped = rounds = 0
         while num_kept < wanted and rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
             prompts = next_prompts()
-            batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], decode, step,
+            batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], step,
                                   step * algo.dynamic_sampling_max_rounds + rounds)
             rounds += 1
             if not algo.dynamic_sampling:
@@ -125,11 +126,25 @@ class RolloutManager:
         batch = Batch.concat(kept)
         return batch, metrics | agent_metrics(batch.stats, batch.mask)
 
-    def _scored(self, taken: list[Group], decode: Any, step: int) -> Batch:
+    def _score_early(self, groups: list[Group]) -> None:
+        """Groups a round finished: scored by a reward worker while the engine generates the rest (without
+        workers, now: in separate's generation thread, still off the learner's path)."""
+        for g in groups:
+            self._early[g.uid] = self.scorer.submit([self.decode(s.tokens) for s in g.samples],
+                                                    [g.answer] * len(g.samples))
+
+    def _scored(self, taken: list[Group], step: int) -> Batch:
         """async_rl: the batch of the groups a step takes, scored, with the tokens of older weights marked."""
         samples = [(g, s) for g in taken for s in g.samples]
         with self.times.timed("rollout/reward"):
-            scores = self.reward_fn([decode(s.tokens) for _, s in samples], [g.answer for g, _ in samples])
+            early = [self._early.pop(g.uid, None) for g in taken]
+            scores = [x for g, part in zip(taken, early, strict=True) for x in (
+                self.scorer.result(part) if part is not None  # a group restored by a resume was not scored yet
+                else self.scorer([self.decode(s.tokens) for s in g.samples], [g.answer] * len(g.samples)))]
+            assert self.partial is not None
+            live = {g.uid for g in self.partial.pool.groups}
+            for uid in [uid for uid in self._early if uid not in live]:  # dropped as stale, or restarted
+                self._early.pop(uid, None)
         check_scores(scores, len(samples), str(self.cfg.trainer.reward), step)
         batch = Batch.build([g.prompt for g, _ in samples], [s.tokens for _, s in samples],
                             [s.logprobs for _, s in samples], scores)
@@ -163,8 +178,7 @@ class RolloutManager:
         if self.partial is not None and "in_flight" in state:
             self.partial.load_state_dict(state["in_flight"])
 
-    def _rollout(self, prompts: list[list[int]], answers: list[str], decode: Any, step: int, seed_offset: int
-                 ) -> Batch:
+    def _rollout(self, prompts: list[list[int]], answers: list[str], step: int, seed_offset: int) -> Batch:
         """The prompts' samples, scored; every rank returns the whole batch (samples of one prompt contiguous)."""
         r = self.cfg.rollout
         # Each round's samples take the next range of seeds (100003 apart, as runs always have, unless more).
@@ -175,7 +189,7 @@ class RolloutManager:
         with self.times.timed("rollout/engine"):
             rows = self.generate_all(prompts, params)
         with self.times.timed("rollout/reward"):
-            scores = self.reward_fn([decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
+            scores = self.scorer([self.decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
         check_scores(scores, len(rows), str(self.cfg.trainer.reward), step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],

@@ -78,9 +78,8 @@ class RLTrainer:
     def sleep_engine(self) -> None:
         self.rollout.sleep()
 
-    def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], decode: Any, step: int
-                 ) -> tuple[Batch, dict[str, float]]:
-        return self.rollout.generate(next_prompts, decode, step)
+    def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], step: int) -> tuple[Batch, dict[str, float]]:
+        return self.rollout.generate(next_prompts, step)
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         return self.rollout.generate_all(prompts, params)

@@ -82,10 +82,14 @@ class InFlight:
     """The pool: ``admit`` prompts, ``fill`` a batch of whole groups over rounds of chunks, ``take`` it."""
 
     def __init__(self, *, n: int, budget: int, chunk: int | None, max_staleness: int, batch: int, capacity: int,
-                 stale: Literal["drop", "regenerate"], seed: int | None) -> None:
-        """``batch``: the groups a step takes; ``capacity``: the most in flight at once."""
+                 stale: Literal["drop", "regenerate"], seed: int | None,
+                 finished: Callable[[list[Group]], None] = lambda groups: None) -> None:
+        """``batch``: the groups a step takes; ``capacity``: the most in flight at once; ``finished``: told of the
+        groups whose last sample a round finished, at the round's end (the reward scores them while the rest
+        generate)."""
         self.n, self.budget, self.chunk, self.max_staleness = n, budget, chunk, max_staleness
         self.batch, self.capacity, self.stale, self.seed = batch, capacity, stale, seed
+        self.finished = finished
         self.groups: list[Group] = []
         self.next_uid = 0
         self.taken = 0
@@ -142,12 +146,15 @@ class InFlight:
         sampling (its n, seed and budget are the pool's to set)."""
         todo = [(g, s) for g in self.groups for s in g.samples if not s.done]
         if self.chunk is None:
-            return self._call(generate, params, todo, None, version, self._enough(todo, stop, must))
-        by_budget: dict[int, list[tuple[Group, Partial]]] = {}
-        for g, s in todo:
-            by_budget.setdefault(min(self.chunk, self.budget - len(s.tokens)), []).append((g, s))
-        return sum(self._call(generate, params, items, limit, version, None)
-                   for limit, items in sorted(by_budget.items()))
+            made = self._call(generate, params, todo, None, version, self._enough(todo, stop, must))
+        else:
+            by_budget: dict[int, list[tuple[Group, Partial]]] = {}
+            for g, s in todo:
+                by_budget.setdefault(min(self.chunk, self.budget - len(s.tokens)), []).append((g, s))
+            made = sum(self._call(generate, params, items, limit, version, None)
+                       for limit, items in sorted(by_budget.items()))
+        self.finished([g for g in {id(g): g for g, _ in todo}.values() if g.done()])
+        return made
 
     def _call(self, generate: Generate, params: SamplingParams, items: list[tuple[Group, Partial]],
               limit: int | None, version: int, enough: Enough | None) -> int:
