@@ -21,6 +21,9 @@
 #   async_abort, gsm8k_async_abort   colocated_async without chunks: SGLang aborts the unfinished requests once a
 #             batch is done (async_rl.chunk_tokens null)
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
+#   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
+#             the kernels of the engine's and the learner's processes run at once instead of taking turns
+# Parts mps (probe that MPS starts here and serves a CUDA process) and test (below) can join a stage call.
 # A further part, test, runs the GPU tests of SGLang's abort (tests/test_rollout_sglang_gpu.py) on the staged SGLang
 # with the converted SmolLM2 (after install; pytest travels in .whl/).
 set -uo pipefail
@@ -30,20 +33,34 @@ STEPS=${STEPS:-30}
 EVAL_EVERY=${EVAL_EVERY:-5}
 CHUNK=${CHUNK:-64}
 GSM8K_STEPS=${GSM8K_STEPS:-8}
+GSM8K_EVAL_EVERY=${GSM8K_EVAL_EVERY:-0}
 RUNS=${RUNS:-sync async opd gsm8k_sync gsm8k_async}
 source benchmarks/h200_common.sh
 h200_session
 
-# megarl/train.py on one GPU into /tmp/runs/NAME, its log's lines stamped with the seconds since its start.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+
+mps_start() {
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY" && nvidia-cuda-mps-control -d && sleep 1
+}
+
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 2
+}
+
+# megarl/train.py on one GPU into /tmp/runs/NAME, its log's lines stamped with the seconds since its start; a
+# NAME ending in _mps runs under MPS.
 learn() {
   local name=$1 recipe=$2; shift 2
   local start=$SECONDS
+  [[ $name == *_mps ]] && { mps_start || echo "[h200] MPS did not start"; }
   echo "[h200] $name started at $(date -u +%T)"
   timeout "${RUN_TIMEOUT:-900}" torchrun --standalone --nproc-per-node 1 megarl/train.py --config "$recipe" \
     --set model.hf_path=/tmp/smollm2 --set tracking.backend=none --set rollout.engine_args.grammar_backend=none \
     --set checkpoint.dir=/tmp/runs/$name "$@" 2>&1 | while IFS= read -r l; do echo "[$((SECONDS - start))s] $l"; done \
     > /tmp/runs/$name.log
   echo "[h200] $name exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+  [[ $name == *_mps ]] && mps_stop
   grep -E "eval arith|megarl error" /tmp/runs/$name.log | cut -c1-240 | tail -8
 }
 
@@ -60,7 +77,8 @@ SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
 
 # The async_rl settings of run $1 (into sets), the same for an arith run and its gsm8k_ twin; none for sync.
 mode_sets() {
-  case ${1#gsm8k_} in
+  local run=${1#gsm8k_}
+  case ${run%_mps} in
     async) sets=("${ASYNC[@]}") ;; async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
     async_abort) sets=("${ABORT[@]}") ;; separate) sets=("${SEPARATE[@]}") ;;
     separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
@@ -70,7 +88,7 @@ mode_sets() {
 all_runs() {
   mkdir -p /tmp/runs
   for run in $RUNS; do
-    case $run in
+    case ${run%_mps} in
       sync)
         learn sync recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every="$STEPS"
@@ -86,7 +104,7 @@ all_runs() {
       gsm8k_*)
         mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
-          --set eval.before_train=false --set eval.every=0 --set checkpoint.save_every=0 ;;
+          --set eval.before_train=false --set eval.every="$GSM8K_EVAL_EVERY" --set checkpoint.save_every=0 ;;
     esac
   done
 }
@@ -110,10 +128,14 @@ for part in $PART; do case $part in
   start)
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
-      GSM8K_STEPS=$GSM8K_STEPS bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+      GSM8K_STEPS=$GSM8K_STEPS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
+  mps)
+    mps_start && python3 -c "import torch; print('[h200] a CUDA process under MPS:', (torch.ones(4, device='cuda') * 2).sum().item())" \
+      && echo get_server_list | nvidia-cuda-mps-control && mps_stop && echo "[h200] MPS works here" \
+      || { echo "[h200] MPS does not work here"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null | tail -5; mps_stop; } ;;
   test)
     export PYTHONPATH=/tmp/site:$PWD
     MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
