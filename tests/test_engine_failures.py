@@ -1,5 +1,6 @@
 """An engine process that fails and signals SIGQUIT to the trainer (as SGLang's schedulers do) ends the pending
-engine call with a megarl error, instead of the SIGKILL of the whole process tree that SGLang's own handler sends."""
+engine call with a megarl error, instead of the SIGKILL of the whole process tree that SGLang's own handler sends;
+and an engine's log takes over its loggers' console output only."""
 
 import asyncio
 import os
@@ -214,3 +215,27 @@ def test_an_engine_that_hangs_while_starting_ends_the_run_at_the_deadline(tmp_pa
                            "(rollout.timeout_minutes = 0.05). Memory: host: "), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert error_file.read_text() == line + "\n" and marker.read_text() == "marked failed"
+
+
+def test_an_engines_log_takes_its_loggers_console_handlers_and_leaves_the_others(tmp_path):
+    """After an engine starts, its loggers' handlers that print to the console write into its log; one writing
+    elsewhere (pytest's log capture, a StringIO, on the H200) keeps its stream."""
+    import io
+    import logging
+
+    logger = logging.getLogger("sglang")
+    captured, console = io.StringIO(), open(2, "w", closefd=False)  # noqa: SIM115 (fd 2 stays open)
+    ours = [logging.StreamHandler(captured), logging.StreamHandler(console)]
+    for h in ours:
+        logger.addHandler(h)
+    try:
+        with EngineLog(tmp_path / "engine_0.log").capture():
+            pass
+        assert ours[0].stream is captured and ours[1].stream is not console
+        logger.warning("after the start")
+        assert "after the start" in (tmp_path / "engine_0.log").read_text()
+        assert "after the start" in captured.getvalue()
+    finally:
+        for h in ours:
+            logger.removeHandler(h)
+        ours[1].stream.close()

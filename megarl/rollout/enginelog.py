@@ -34,6 +34,15 @@ def console() -> int:
     return _consoles[-1] if _consoles else 2
 
 
+def _writes_to_console(handler: logging.Handler) -> bool:
+    if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+        return False
+    try:
+        return handler.stream.fileno() in (1, 2)
+    except (AttributeError, OSError, ValueError):  # a StringIO's fileno raises io.UnsupportedOperation (an OSError)
+        return False
+
+
 class EngineLog:
     """One engine's log: ``path`` (appended to), or this process's console when None."""
 
@@ -82,15 +91,16 @@ class EngineLog:
         os.close(out)
 
     def _redirect_loggers(self) -> None:
-        """vLLM's logger has console handlers of its own; SGLang's propagates to the root logger's."""
+        """vLLM's logger has console handlers of its own; SGLang's propagates to the root logger's. Only handlers
+        that write to this process's stdout or stderr are pointed at the file: one writing elsewhere (a test
+        runner's capture, a user's own file) is not ours to move."""
         assert self.path is not None
         stream = open(self.path, "a", buffering=1)  # noqa: SIM115 (lives as long as the engine's loggers)
         for name in ENGINE_LOGGERS:
             if name not in logging.root.manager.loggerDict:
                 continue
             logger = logging.getLogger(name)
-            consoles = [h for h in logger.handlers
-                        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+            consoles = [h for h in logger.handlers if _writes_to_console(h)]
             for handler in consoles:
                 handler.setStream(stream)
             if not consoles:
