@@ -34,8 +34,8 @@ def console() -> int:
     return _consoles[-1] if _consoles else 2
 
 
-def _writes_to_console(handler: logging.Handler) -> bool:
-    if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+def _writes_to_console(handler: logging.StreamHandler) -> bool:
+    if isinstance(handler, logging.FileHandler):
         return False
     try:
         return handler.stream.fileno() in (1, 2)
@@ -100,7 +100,7 @@ class EngineLog:
             if name not in logging.root.manager.loggerDict:
                 continue
             logger = logging.getLogger(name)
-            consoles = [h for h in logger.handlers if _writes_to_console(h)]
+            consoles = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and _writes_to_console(h)]
             for handler in consoles:
                 handler.setStream(stream)
             if not consoles:
