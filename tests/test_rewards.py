@@ -189,3 +189,30 @@ def test_no_reward_scores_zero_in_this_process() -> None:
     scorer = RewardScorer(None, 0)
     assert scorer(["a", "b"], ["", ""]) == [0.0, 0.0] and scorer.workers == 0
     assert scorer.result(scorer.submit(["a"], [""])) == [0.0]
+
+
+def test_reward_workers_do_not_outlive_a_killed_training_process(tmp_path) -> None:
+    """SIGKILL reaches the training process alone (the OOM killer, a user's kill -9): its workers exit too."""
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    script = tmp_path / "trainer.py"
+    script.write_text("import time\nfrom megarl.rewards.scorer import RewardScorer\n"
+                      "if __name__ == '__main__':\n"
+                      "    s = RewardScorer('megarl.rewards.echo:reward', 2)\n"
+                      "    print(s(['a', 'b'], ['a', 'c']), flush=True)\n"
+                      "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "[1.0, 0.0]"
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE
+                                              for w in workers):
+        time.sleep(0.2)
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)

@@ -5,6 +5,10 @@ group as soon as its samples are done, while the engine generates the rest)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -20,9 +24,22 @@ _worker_fn: RewardFn | None = None
 """A worker process's reward function, loaded once when it starts."""
 
 
-def _load(spec: str) -> None:
+def _load(spec: str, parent: int) -> None:
     global _worker_fn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer handles it
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     _worker_fn = load_reward(spec)
+
+
+def _exit_with(parent: int) -> None:
+    """A worker whose training process was killed (no shutdown reached it) exits instead of living on."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _ready() -> None:
+    """A task that starts a worker."""
 
 
 def _score(completions: list[str], answers: list[str]) -> list[float]:
@@ -39,7 +56,9 @@ class RewardScorer:
         self._pool: ProcessPoolExecutor | None = None
         if spec is not None and workers:
             self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_load, initargs=(spec,))
+                                             initializer=_load, initargs=(spec, os.getpid()))
+            for _ in range(workers):  # start them now, while the engine starts, not in the first step
+                self._pool.submit(_ready)
 
     def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
         """One score per completion, now: split into one part per worker."""
