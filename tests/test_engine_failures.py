@@ -239,3 +239,27 @@ def test_an_engines_log_takes_its_loggers_console_handlers_and_leaves_the_others
         for h in ours:
             logger.removeHandler(h)
         ours[1].stream.close()
+
+
+def test_a_later_engines_log_takes_over_the_earlier_ones_handler(tmp_path):
+    """A logger with no console handler gets one of the engine log's own; the next engine's log moves that one
+    rather than adding a second (which would write every line into both logs)."""
+    import io
+    import logging
+
+    logger = logging.getLogger("vllm")
+    captured, before, propagate = io.StringIO(), list(logger.handlers), logger.propagate
+    logger.addHandler(theirs := logging.StreamHandler(captured))
+    try:
+        with EngineLog(tmp_path / "engine_0.log").capture():
+            pass
+        with EngineLog(tmp_path / "engine_1.log").capture():
+            pass
+        assert len(logger.handlers) == len(before) + 2 and theirs.stream is captured
+        logger.warning("second engine")
+        assert "second engine" in (tmp_path / "engine_1.log").read_text()
+        assert "second engine" not in (tmp_path / "engine_0.log").read_text()
+    finally:
+        for h in [h for h in logger.handlers if h not in before]:
+            logger.removeHandler(h)
+        logger.propagate = propagate

@@ -34,7 +34,14 @@ def console() -> int:
     return _consoles[-1] if _consoles else 2
 
 
-def _writes_to_console(handler: logging.StreamHandler) -> bool:
+class _ToEngineLog(logging.StreamHandler):
+    """The handler an engine's log gives a logger without console handlers of its own."""
+
+
+def _ours_to_move(handler: logging.StreamHandler) -> bool:
+    """Whether ``handler`` writes to this process's console, or into an earlier engine's log."""
+    if isinstance(handler, _ToEngineLog):
+        return True
     if isinstance(handler, logging.FileHandler):
         return False
     try:
@@ -100,11 +107,11 @@ class EngineLog:
             if name not in logging.root.manager.loggerDict:
                 continue
             logger = logging.getLogger(name)
-            consoles = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and _writes_to_console(h)]
+            consoles = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and _ours_to_move(h)]
             for handler in consoles:
                 handler.setStream(stream)
             if not consoles:
-                handler = logging.StreamHandler(stream)
+                handler = _ToEngineLog(stream)
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
                 logger.addHandler(handler)
                 logger.propagate = False
