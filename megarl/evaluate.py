@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts, template_fields
-    from megarl.data.tokenizer import load_tokenizer
+    from megarl.data.tokenizer import decoder, load_tokenizer
     from megarl.errors import UserError
     from megarl.eval.harness import evaluate, write_samples
     from megarl.rewards.registry import load_reward
@@ -237,8 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                                 stop_token_ids=stop, seed=args.seed)
         try:
             generate = engine.generate if loop is None else functools.partial(loop.generate, engine)
-            result, samples = evaluate(generate, prompts, reward_fn, params,
-                                       lambda t: str(tokenizer.decode(t, skip_special_tokens=True)))
+            result, samples = evaluate(generate, prompts, reward_fn, params, decoder(tokenizer))
         finally:
             engine.shutdown()
             if loop is not None:
