@@ -3,9 +3,12 @@ engine call with a megarl error, instead of the SIGKILL of the whole process tre
 and an engine's log takes over its loggers' console output only."""
 
 import asyncio
+import io
+import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -217,49 +220,58 @@ def test_an_engine_that_hangs_while_starting_ends_the_run_at_the_deadline(tmp_pa
     assert error_file.read_text() == line + "\n" and marker.read_text() == "marked failed"
 
 
-def test_an_engines_log_takes_its_loggers_console_handlers_and_leaves_the_others(tmp_path):
-    """After an engine starts, its loggers' handlers that print to the console write into its log; one writing
-    elsewhere (pytest's log capture, a StringIO, on the H200) keeps its stream."""
-    import io
-    import logging
+@pytest.fixture
+def engine_loggers():
+    """The engines' loggers ("sglang", "vllm") with no handlers, as a test sets them up; restored afterwards (an
+    engine imported by an earlier test configured them)."""
+    loggers = {name: logging.getLogger(name) for name in ("sglang", "vllm")}
+    saved = {name: (list(lg.handlers), lg.propagate, lg.level) for name, lg in loggers.items()}
+    for lg in loggers.values():
+        lg.handlers, lg.propagate = [], True
+        lg.setLevel(logging.INFO)
+    yield loggers
+    for name, lg in loggers.items():
+        for h in lg.handlers:  # the engine logs' files (pytest's own capture handlers join non-propagating loggers)
+            if isinstance(h.stream, io.TextIOWrapper) and h.stream.name not in (1, 2, "<stdout>", "<stderr>"):
+                h.stream.close()
+        lg.handlers, lg.propagate = saved[name][0], saved[name][1]
+        lg.setLevel(saved[name][2])
 
-    logger = logging.getLogger("sglang")
-    captured, console = io.StringIO(), open(2, "w", closefd=False)  # noqa: SIM115 (fd 2 stays open)
-    ours = [logging.StreamHandler(captured), logging.StreamHandler(console)]
-    for h in ours:
-        logger.addHandler(h)
-    try:
+
+def test_an_engines_log_takes_its_loggers_console_handlers_and_leaves_the_others(tmp_path, engine_loggers):
+    """After an engine starts, its loggers' handlers that print to the console write into its log; one writing
+    elsewhere keeps its stream. On the H200, pytest's capture handlers (StringIO), which pytest attaches to every
+    non-propagating logger, were moved into a file by the next engine's start: 'getvalue' failed in pytest."""
+    logger, captured = engine_loggers["sglang"], io.StringIO()
+    with open(2, "w", closefd=False) as console:  # fd 2 stays open
+        ours = [logging.StreamHandler(captured), logging.StreamHandler(console)]
+        for h in ours:
+            logger.addHandler(h)
         with EngineLog(tmp_path / "engine_0.log").capture():
             pass
         assert ours[0].stream is captured and ours[1].stream is not console
-        logger.warning("after the start")
-        assert "after the start" in (tmp_path / "engine_0.log").read_text()
-        assert "after the start" in captured.getvalue()
-    finally:
-        for h in ours:
-            logger.removeHandler(h)
-        ours[1].stream.close()
+    logger.warning("after the start")
+    assert "after the start" in (tmp_path / "engine_0.log").read_text()
+    assert "after the start" in captured.getvalue()
 
 
-def test_a_later_engines_log_takes_over_the_earlier_ones_handler(tmp_path):
-    """A logger with no console handler gets one of the engine log's own; the next engine's log moves that one
-    rather than adding a second (which would write every line into both logs)."""
-    import io
-    import logging
-
-    logger = logging.getLogger("vllm")
-    captured, before, propagate = io.StringIO(), list(logger.handlers), logger.propagate
-    logger.addHandler(theirs := logging.StreamHandler(captured))
-    try:
-        with EngineLog(tmp_path / "engine_0.log").capture():
-            pass
-        with EngineLog(tmp_path / "engine_1.log").capture():
-            pass
-        assert len(logger.handlers) == len(before) + 2 and theirs.stream is captured
-        logger.warning("second engine")
-        assert "second engine" in (tmp_path / "engine_1.log").read_text()
-        assert "second engine" not in (tmp_path / "engine_0.log").read_text()
-    finally:
-        for h in [h for h in logger.handlers if h not in before]:
-            logger.removeHandler(h)
-        logger.propagate = propagate
+def test_a_later_engines_log_takes_over_from_the_earlier_ones(tmp_path, engine_loggers):
+    """The next engine's log moves the handlers the earlier one moved or added, closing its file, rather than
+    adding more (which would write every line into both logs)."""
+    captured = io.StringIO()
+    vllm, sglang = engine_loggers["vllm"], engine_loggers["sglang"]
+    vllm.addHandler(logging.StreamHandler(sys.__stderr__))  # vLLM's own console handler
+    sglang.addHandler(theirs := logging.StreamHandler(captured))  # no console handler: the log adds one
+    first = EngineLog(tmp_path / "engine_0.log")
+    with first.capture():
+        pass
+    earlier = {h.stream for lg in (vllm, sglang) for h in lg.handlers if h is not theirs}
+    with EngineLog(tmp_path / "engine_1.log").capture():
+        pass
+    assert len(vllm.handlers) == 1 and len(sglang.handlers) == 2 and theirs.stream is captured
+    assert len(earlier) == 1 and next(iter(earlier)).closed
+    vllm.warning("from vllm")
+    sglang.warning("from sglang")
+    assert (tmp_path / "engine_0.log").read_text() == ""
+    assert "from vllm" in (tmp_path / "engine_1.log").read_text()
+    assert "from sglang" in (tmp_path / "engine_1.log").read_text()

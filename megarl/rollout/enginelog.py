@@ -16,10 +16,12 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ENGINE_LOGGERS = ("vllm", "sglang")
 """Loggers of the engines' code that runs in this process (vLLM's LLM front end, SGLang's tokenizer manager)."""
@@ -34,13 +36,13 @@ def console() -> int:
     return _consoles[-1] if _consoles else 2
 
 
-class _ToEngineLog(logging.StreamHandler):
-    """The handler an engine's log gives a logger without console handlers of its own."""
+_moved: weakref.WeakSet[logging.StreamHandler] = weakref.WeakSet()
+"""Handlers an engine's log has pointed at its file: the engines' console handlers, and those it added."""
 
 
 def _ours_to_move(handler: logging.StreamHandler) -> bool:
     """Whether ``handler`` writes to this process's console, or into an earlier engine's log."""
-    if isinstance(handler, _ToEngineLog):
+    if handler in _moved:
         return True
     if isinstance(handler, logging.FileHandler):
         return False
@@ -103,18 +105,25 @@ class EngineLog:
         runner's capture, a user's own file) is not ours to move."""
         assert self.path is not None
         stream = open(self.path, "a", buffering=1)  # noqa: SIM115 (lives as long as the engine's loggers)
+        earlier: set[Any] = set()
         for name in ENGINE_LOGGERS:
             if name not in logging.root.manager.loggerDict:
                 continue
             logger = logging.getLogger(name)
             consoles = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and _ours_to_move(h)]
             for handler in consoles:
-                handler.setStream(stream)
+                old = handler.setStream(stream)
+                if handler in _moved and old is not None:
+                    earlier.add(old)
+                _moved.add(handler)
             if not consoles:
-                handler = _ToEngineLog(stream)
+                handler = logging.StreamHandler(stream)
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
                 logger.addHandler(handler)
                 logger.propagate = False
+                _moved.add(handler)
+        for old in earlier:  # after every move: the loggers may share one
+            old.close()
 
     def drain(self, quiet: float = 1.0, timeout: float = 10.0) -> None:
         """After a failed start: wait until the log has been quiet for ``quiet`` seconds, so that the dying
