@@ -37,7 +37,7 @@ class RecordingTrainer:
         self.groups = SimpleNamespace(rank=0, device=torch.device("cpu"))
         self.updates: list[dict[str, torch.Tensor]] = []
 
-    def generate(self, next_prompts, decode, step):
+    def generate(self, next_prompts, step):
         return self.batch, {}
 
     def score(self, batch, model):
