@@ -23,6 +23,8 @@
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
+# PROFILE=STEP traces that step of every GSM8K run (train.py --profile) and writes its per-phase summary
+# (benchmarks/trace_summary.py) beside the run's metrics as trace_summary.txt.
 # Parts mps (probe that MPS starts here and serves a CUDA process) and test (below) can join a stage call.
 # A further part, test, runs the GPU tests of SGLang's abort (tests/test_rollout_sglang_gpu.py) on the staged SGLang
 # with the converted SmolLM2 (after install; pytest travels in .whl/).
@@ -62,6 +64,10 @@ learn() {
   echo "[h200] $name exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
   [[ $name == *_mps ]] && mps_stop
   grep -E "eval arith|megarl error" /tmp/runs/$name.log | cut -c1-240 | tail -8
+  local trace
+  for trace in /tmp/runs/"$name"/profile_step*_rank0.json; do
+    [[ -f $trace ]] && python3 benchmarks/trace_summary.py "$trace" | tee /tmp/runs/"$name"/trace_summary.txt
+  done
 }
 
 ARITH=(--set data.train_path=recipes/arith/train.jsonl --set rollout.max_new_tokens=256
@@ -104,7 +110,8 @@ all_runs() {
       gsm8k_*)
         mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
-          --set eval.before_train=false --set eval.every="$GSM8K_EVAL_EVERY" --set checkpoint.save_every=0 ;;
+          --set eval.before_train=false --set eval.every="$GSM8K_EVAL_EVERY" --set checkpoint.save_every=0 \
+          ${PROFILE:+--profile "$PROFILE"} ;;
     esac
   done
 }
@@ -128,7 +135,7 @@ for part in $PART; do case $part in
   start)
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
-      GSM8K_STEPS=$GSM8K_STEPS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+      GSM8K_STEPS=$GSM8K_STEPS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
@@ -146,5 +153,5 @@ for part in $PART; do case $part in
     cat /tmp/runs_out/log.txt
     for f in /tmp/runs/*.log; do echo "== $f"; grep -E "\] step|megarl error" "$f" | tail -3 | cut -c1-330; done
     (cd /tmp/runs && tar czf "$OUT/runs.tar.gz" --exclude='step_*' --exclude='*.pt' ./*.log ./*/metrics.jsonl \
-      ./*/engine_*.log 2>/dev/null) ;;
+      ./*/engine_*.log ./*/trace_summary.txt 2>/dev/null) ;;
 esac; done

@@ -231,19 +231,55 @@ def test_separate_generation_keeps_the_bound_whatever_the_timing(seed):
     trained: list[int] = []
     try:
         for step in range(25):
-            groups = producer.take(wanted, step)
+            groups, metrics = producer.take(wanted, step)
             assert all(step - s.versions[0] <= staleness for g in groups for s in g.samples)
+            assert metrics["async/staleness_max"] <= staleness and metrics["async/generation_cpu_s"] >= 0
             trained += [int(g.answer) for g in groups]
             time.sleep(rng.uniform(0, 0.01))  # the update
-            with producer.paused("the weight push"):
+            with producer.pushing(wanted):
                 engine.pushing = True
                 time.sleep(0.001)
                 engine.pushing = False
-                producer.version += 1
     finally:
         producer.close()
     assert producer.error is None
     assert len(trained) == len(set(trained)) == 25 * wanted
+
+
+def test_a_batch_done_when_a_push_ends_is_taken_in_its_pause_not_by_cutting_a_round():
+    """separate without chunks: every pause cuts the engine's round, whose unfinished samples are prefilled again.
+    A batch already done when a push ends is taken in the push's pause: after the first step, one pause a step."""
+    wanted = 2
+    pool = InFlight(n=2, budget=6, chunk=None, max_staleness=1, batch=wanted, capacity=2 * wanted, stale="drop",
+                    seed=1)
+    engine, cursor = ScriptedEngine(stop=0.3), [0]
+
+    def admit(version: int) -> None:
+        while pool.room(version) >= wanted:
+            pool.admit([([5, cursor[0] + i], str(cursor[0] + i)) for i in range(wanted)], version)
+            cursor[0] += wanted
+
+    producer = Producer(pool, engine.generate, SamplingParams(seed=3), admit, timeout_s=30)
+    pauses: list[str] = []
+    pause = producer.paused
+    producer.paused = lambda what: (pauses.append(what), pause(what))[1]  # type: ignore[method-assign]
+    producer.start(0)
+    trained: list[int] = []
+    try:
+        for step in range(6):
+            groups, metrics = producer.take(wanted, step)
+            assert metrics["async/staleness_max"] <= 1
+            trained += [int(g.answer) for g in groups]
+            deadline = time.monotonic() + 30  # the update outlasts the next batch's generation
+            while pool.ready() < wanted and time.monotonic() < deadline:
+                time.sleep(0.001)
+            with producer.pushing(wanted):
+                pass
+    finally:
+        producer.close()
+    assert producer.error is None
+    assert pauses == ["taking a batch"] + ["the weight push"] * 6
+    assert trained == list(range(12))
 
 
 def test_a_hung_or_failed_engine_round_is_a_named_error_not_a_hang():

@@ -60,9 +60,7 @@ class PartialRollouts:
                 self.producer = Producer(self.pool, generate, self.params, admit, self.timeout_s)
                 self.producer.start(step)
             with self.times.timed("rollout/wait"):
-                taken = self.producer.take(self.wanted, step)
-            with self.producer.paused("the step's metrics"):
-                return taken, self.pool.metrics(taken, step)
+                return self.producer.take(self.wanted, step)
         self.pool.expire(step)
         admit(step)
         with self.times.timed("rollout/engine"):
@@ -72,13 +70,13 @@ class PartialRollouts:
 
     @contextmanager
     def pushing(self) -> Iterator[None]:
-        """Around a weight push: separate's generation pauses between chunks, and goes on with the new version."""
+        """Around a weight push: separate's generation pauses between chunks, and goes on with the new version (a
+        batch already done for it taken first)."""
         if self.producer is None:
             yield
             return
-        with self.producer.paused("the weight push"):
+        with self.producer.pushing(self.wanted):
             yield
-            self.producer.version += 1
 
     def consistent(self) -> Any:
         """Where the pool and the data loader must be read together (a checkpoint): generation paused."""

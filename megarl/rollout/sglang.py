@@ -200,23 +200,27 @@ class SGLangEngine:
         outputs: list[dict | None] = [None] * len(prompts)
 
         async def run() -> None:
-            calls = {asyncio.ensure_future(self.engine.async_generate(
-                input_ids=list(p), sampling_params=request, return_logprob=True, rid=rid, **self._routing_arg())): i
-                for i, (p, request, rid) in enumerate(zip(prompts, self._requests(params, len(prompts)), rids,
-                                                          strict=True))}
-            pending, finished = set(calls), []
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for call in sorted(done, key=calls.__getitem__):
-                    out = outputs[calls[call]] = call.result()
-                    if (out["meta_info"].get("finish_reason") or {}).get("type") != "abort":
-                        finished.append(calls[call])
-                if pending and enough(finished):
-                    for call in pending:
-                        manager.abort_request(rid=rids[calls[call]])
-                    await asyncio.wait(pending)
-                    for call in pending:
-                        outputs[calls[call]] = call.result()
+            calls = [asyncio.ensure_future(self.engine.async_generate(
+                input_ids=list(p), sampling_params=request, return_logprob=True, rid=rid, **self._routing_arg()))
+                for p, request, rid in zip(prompts, self._requests(params, len(prompts)), rids, strict=True)]
+            # Each call reports itself when done: asyncio.wait over the pending set would cost a pass over every
+            # request for each finish, Python time taken from the learner beside it (async_rl separate).
+            done: asyncio.Queue[int] = asyncio.Queue()
+            for i, call in enumerate(calls):
+                call.add_done_callback(lambda _, i=i: done.put_nowait(i))
+            finished: list[int] = []
+            for answered in range(1, len(calls) + 1):
+                i = await done.get()
+                out = outputs[i] = calls[i].result()
+                if (out["meta_info"].get("finish_reason") or {}).get("type") != "abort":
+                    finished.append(i)
+                if done.empty() and answered < len(calls) and enough(finished):
+                    pending = [(i, call) for i, call in enumerate(calls) if outputs[i] is None]
+                    for i, _ in pending:
+                        manager.abort_request(rid=rids[i])
+                    await asyncio.wait([call for _, call in pending])
+                    for i, call in pending:
+                        outputs[i] = call.result()
                     return
 
         with self._watch.alive():

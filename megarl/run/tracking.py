@@ -74,7 +74,8 @@ class Tracker:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        yield
+        with torch.profiler.record_function(f"phase/{name}"):  # names the phase in a --profile trace
+            yield
         if cuda:
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
