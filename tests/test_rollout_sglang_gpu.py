@@ -4,10 +4,11 @@ the uncut one. The model: MEGARL_TEST_HF_MODEL (a Hugging Face directory; benchm
 SmolLM2-135M-Instruct), else a tiny random Llama, in bfloat16 (SGLang 0.5.17's kernels refuse float32: its rmsnorm
 has no float32 dispatch), with the triton attention backend and torch sampling.
 
-Run on an H200 (benchmarks/results/h200/async_opd/README.md) before its last changes: the abort of hundreds of
-requests passed; the first aborted sample resumed equalled the uncut one in tokens, its logprobs 0.043 apart
-(bfloat16: the resumed prefix is prefilled, the uncut one decoded), beyond the float32 bound the test then had; the
-engine-death test stopped at a zombie process in its own kill loop. Seeded sampling is
+Run on an H200 with SmolLM2-135M-Instruct (benchmarks/results/h200/async_opd/README.md): the abort of hundreds of
+requests and the engine's death passed; every aborted sample resumed equalled the uncut one in tokens, its
+logprobs up to 0.123 apart, beyond the 0.1 bound the test then had (a tiny random model's were 0.043 apart). In
+bfloat16 a logit of magnitude 20-30 is rounded by up to 0.06-0.12, and the resumed prefix is prefilled (the extend
+kernels) where the uncut one was decoded: a logprob may move by about twice that. Seeded sampling is
 not compared, unlike vLLM's (tests/test_rollout_vllm.py): under torch sampling a seeded generate_until and a seeded
 generate agreed for 2 tokens, then parted: SGLang's per-request seed does not make the batched call and the single
 requests sample alike."""
@@ -66,7 +67,7 @@ def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
     assert aborted, [(c.finish_reason, len(c.token_ids)) for c in whole]
     assert all(len(cut[i].token_ids) < len(whole[i].token_ids) for i in aborted)
     assert all(len(c.logprobs) == len(c.token_ids) for c in cut)
-    check_resumed_equals_whole(engine, prompts, budgets, cut, whole, tol=0.1)
+    check_resumed_equals_whole(engine, prompts, budgets, cut, whole, tol=0.25)
 
 
 def test_aborting_hundreds_of_requests_leaves_none_in_the_engine(engine):
