@@ -216,3 +216,84 @@ def test_reward_workers_do_not_outlive_a_killed_training_process(tmp_path) -> No
                                               for w in workers):
         time.sleep(0.2)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+
+def test_ranks_score_disjoint_shares_and_all_train_on_every_score(monkeypatch) -> None:
+    """Two ranks (threads here, their all-gather a barrier): in the sync loop each scores every other sample, with
+    async_rl every other group (by admission order), and both return every score, as one rank scoring all would."""
+    from types import SimpleNamespace
+
+    from megarl.loop.rollout_manager import RolloutManager
+    from megarl.loop.timing import PartTimes
+    from megarl.rollout.base import Completion
+    from megarl.rollout.inflight import Group, Partial
+
+    calls: list[tuple[int, list[str]]] = []
+    scorer = RewardScorer("megarl.rewards.echo:reward", 0)
+    gathered: list[object] = [None, None]
+    barrier = threading.Barrier(2)
+
+    def all_gather(out: list, part: object, group: object = None) -> None:
+        rank = int(threading.current_thread().name)
+        gathered[rank] = part
+        barrier.wait()
+        out[:] = list(gathered)
+        barrier.wait()
+
+    monkeypatch.setattr("torch.distributed.all_gather_object", all_gather)
+
+    def manager(rank: int, world: int) -> RolloutManager:
+        m = RolloutManager.__new__(RolloutManager)
+        m.cfg = SimpleNamespace(trainer=SimpleNamespace(reward="megarl.rewards.echo:reward"))
+        m.groups = SimpleNamespace(rank=rank, dims=SimpleNamespace(world_size=world))
+        m.times, m._early, m._host_group = PartTimes(), {}, None
+        m.decode = lambda tokens: " ".join(map(str, tokens))
+        m.scorer = _Counting(scorer, rank, calls)
+        m.partial = SimpleNamespace(pool=SimpleNamespace(groups=[]))
+        return m
+
+    rows = [Completion(prompt_index=i // 2, token_ids=[i % 3, 7], logprobs=[-0.1, -0.2], finish_reason="stop")
+            for i in range(10)]
+    answers = [str(i % 3) for i in range(5)]
+    groups = [Group(uid=u, prompt=[1, 2], answer=str(u % 3), admitted=0,
+                    samples=[Partial(seed=None, tokens=[(u + j) % 3, 5], logprobs=[-0.3, -0.4], versions=[0, 0],
+                                     done=True) for j in range(2)]) for u in range(5)]
+    one = manager(0, 1)
+    one._score_early(groups[:3])  # three groups scored as they finished, two restored by a resume
+    alone = (one._score_shares(rows, answers), one._scored(groups, step=0).scores.tolist())
+    calls.clear()
+    results: list[object] = [None, None]
+
+    def rank(r: int) -> None:
+        m = manager(r, 2)
+        m._score_early(groups[:3])
+        results[r] = (m._score_shares(rows, answers), m._scored(groups, step=0).scores.tolist())
+
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results[0] == results[1] == alone
+    assert sorted(text for _, texts in calls for text in texts) == sorted(
+        [" ".join(map(str, c.token_ids)) for c in rows] + [" ".join(map(str, s.tokens)) for g in groups
+                                                           for s in g.samples])  # each sample scored once
+    assert {r for r, _ in calls} == {0, 1}
+
+
+class _Counting:
+    """A RewardScorer that records which rank scored which completions."""
+
+    def __init__(self, scorer: RewardScorer, rank: int, calls: list) -> None:
+        self.scorer, self.rank, self.calls = scorer, rank, calls
+
+    def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
+        self.calls.append((self.rank, list(completions)))
+        return self.scorer(completions, answers)
+
+    def submit(self, completions: list[str], answers: list[str]):
+        self.calls.append((self.rank, list(completions)))
+        return self.scorer.submit(completions, answers)
+
+    def result(self, part):
+        return self.scorer.result(part)

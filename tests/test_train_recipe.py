@@ -173,17 +173,28 @@ def test_tiny_grpo_recipe_runs_on_qwen3_moe_with_expert_parallelism(tmp_path):
 
 
 @pytest.mark.slow
-def test_engine_over_two_ranks_takes_weights_from_a_pipeline(tmp_path):
+def test_engine_over_two_ranks_takes_weights_from_a_pipeline(tmp_path, monkeypatch):
     """rollout.tensor_parallel = 2: one vLLM engine over both ranks, driven by rank 0. The trainer is PP2, so
-    each engine rank's layers come from both trainer ranks (across processes) every step."""
+    each engine rank's layers come from both trainer ranks (across processes) every step. Each rank scores half of
+    the samples (the echo reward, counting what it scores), and both train on all the scores."""
     steps = 4
-    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}",
+    (tmp_path / "counted_reward.py").write_text(
+        "import os\nfrom megarl.rewards.echo import reward as echo\n\n\n"
+        "def reward(completions, answers):\n"
+        "    with open(os.path.join(os.environ['COUNTS'], 'rank' + os.environ['RANK']), 'a') as f:\n"
+        "        f.write(f'{len(completions)}\\n')\n"
+        "    return echo(completions, answers)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("COUNTS", str(tmp_path))
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "run", f"trainer.num_steps={steps}",
                         "parallel.pipeline_parallel=2", "rollout.tensor_parallel=2", "data.num_prompts_per_step=8",
-                        nproc=2)
+                        "trainer.reward=counted_reward:reward", nproc=2)
     assert [r["step"] for r in rows] == list(range(steps))
     # Both engine ranks hold the trainer's current weights: a missing or stale slice would show here.
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
     assert rows[-1]["actor/grad_norm"] > 0
+    scored = [sum(map(int, (tmp_path / f"rank{r}").read_text().split())) for r in range(2)]
+    assert scored == [steps * 8 * 8 // 2] * 2, scored  # every sample once: 8 prompts x 8 samples a step
 
 
 @pytest.mark.slow

@@ -126,10 +126,15 @@ class RolloutManager:
         batch = Batch.concat(kept)
         return batch, metrics | agent_metrics(batch.stats, batch.mask)
 
+    def _mine(self, group: Group) -> bool:
+        """Whether this rank scores ``group`` (every rank holds the same pool; each scores every world_size-th
+        group)."""
+        return group.uid % self.groups.dims.world_size == self.groups.rank
+
     def _score_early(self, groups: list[Group]) -> None:
         """Groups a round finished: scored by a reward worker while the engine generates the rest (without
         workers, now: in separate's generation thread, still off the learner's path)."""
-        for g in groups:
+        for g in filter(self._mine, groups):
             self._early[g.uid] = self.scorer.submit([self.decode(s.tokens) for s in g.samples],
                                                     [g.answer] * len(g.samples))
 
@@ -137,10 +142,17 @@ class RolloutManager:
         """async_rl: the batch of the groups a step takes, scored, with the tokens of older weights marked."""
         samples = [(g, s) for g in taken for s in g.samples]
         with self.times.timed("rollout/reward"):
-            early = [self._early.pop(g.uid, None) for g in taken]
-            scores = [x for g, part in zip(taken, early, strict=True) for x in (
-                self.scorer.result(part) if part is not None  # a group restored by a resume was not scored yet
-                else self.scorer([self.decode(s.tokens) for s in g.samples], [g.answer] * len(g.samples)))]
+            mine = list(filter(self._mine, taken))
+            late = [g for g in mine if g.uid not in self._early]  # restored by a resume: not scored yet
+            now = iter(self.scorer([self.decode(s.tokens) for g in late for s in g.samples],
+                                   [g.answer for g in late for _ in g.samples]) if late else [])
+            scored = {g.uid: self.scorer.result(self._early.pop(g.uid)) if g.uid in self._early
+                      else [next(now) for _ in g.samples] for g in mine}
+            if self.groups.dims.world_size > 1:
+                shares: list[Any] = [None] * self.groups.dims.world_size
+                dist.all_gather_object(shares, scored, group=self._host_group)
+                scored = {uid: part for share in shares for uid, part in share.items()}
+            scores = [x for g in taken for x in scored[g.uid]]
             assert self.partial is not None
             live = {g.uid for g in self.partial.pool.groups}
             for uid in [uid for uid in self._early if uid not in live]:  # dropped as stale, or restarted
@@ -189,12 +201,28 @@ class RolloutManager:
         with self.times.timed("rollout/engine"):
             rows = self.generate_all(prompts, params)
         with self.times.timed("rollout/reward"):
-            scores = self.scorer([self.decode(c.token_ids) for c in rows], [answers[c.prompt_index] for c in rows])
+            scores = self._score_shares(rows, answers)
         check_scores(scores, len(rows), str(self.cfg.trainer.reward), step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
                            [c.logprobs for c in rows], scores, routing, [c.policy_mask for c in rows],
                            [c.stats for c in rows])
+
+    def _score_shares(self, rows: list[Completion], answers: list[str]) -> list[float]:
+        """Every row's score on every rank, each rank scoring every world_size-th row: no sample is scored twice, and
+        every rank trains on the same scores."""
+        world, rank = self.groups.dims.world_size, self.groups.rank
+        mine = rows[rank::world]
+        part = self.scorer([self.decode(c.token_ids) for c in mine], [answers[c.prompt_index] for c in mine]) \
+            if mine else []
+        if world == 1:
+            return part
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, part, group=self._host_group)
+        scores = [0.0] * len(rows)
+        for r, share in enumerate(parts):
+            scores[r::world] = share
+        return scores
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
