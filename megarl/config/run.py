@@ -17,7 +17,8 @@ class TrainerConfig:
     """Seed for parameter initialisation (value head) and any trainer-side randomness."""
     reward: str | None = "megarl.rewards.gsm8k:reward"
     """Reward function as "module:function"; imported when training starts. null = no task reward (on-policy
-    distillation alone: distill.teacher)."""
+    distillation alone: distill.teacher). Each training process scores its share of a step's samples and all
+    train on every score."""
     reward_workers: int = 0
     """Processes that run the reward function beside each training process; 0 = in the training process. With N,
     a batch is scored in N parts at once, and with async_rl each group as soon as its samples are done, while the
