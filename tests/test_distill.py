@@ -4,13 +4,14 @@ start-up, the memory plan, and a tiny student that learns the echo task from a t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, train_recipe
+from helpers import REPO, run_worker, train_recipe
 from megarl.algos.distill import reverse_kl_advantages
 from megarl.config import AlgorithmConfig, Config, build_config
 from megarl.config.experiment import defines_experiment
@@ -99,6 +100,10 @@ def test_a_resume_finds_its_teacher_by_its_weights_not_its_path(tmp_path):
         check_unchanged(cfg, step, 0)
     allowed = load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [*sets, "checkpoint.allow_changes=distill.teacher"])
     check_unchanged(allowed, step, 0)
+    # On two ranks: rank 0 alone reads the teacher's files, and both refuse.
+    rows = run_worker("teacher_check.py", tmp_path, step, teacher, nproc=2)
+    assert [(r["rank"], r["reads"]) for r in rows] == [(0, 1), (1, 0)]
+    assert all(r["refused"] and re.search(refused, r["refused"]) for r in rows), rows
 
 
 def _check(teacher: str, tmp_path, *more: str):

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from megarl.checkpoint import manifest
 from megarl.config import Config
 from megarl.config.experiment import allowed_changes, defines_experiment
@@ -43,7 +45,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
                         "ppo run.")
     state = json.loads((path / "trainer.json").read_text())
     allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
-    check_teacher_unchanged(cfg, state.get("teacher"), path, allowed)
+    check_teacher_unchanged(cfg, state.get("teacher"), path, allowed, rank)
     saved = state.get("config")
     if saved is None:
         if rank == 0:
@@ -66,12 +68,17 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
               + " (checkpoint.allow_changes); the resumed mlflow run keeps the params it started with", flush=True)
 
 
-def check_teacher_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str]) -> None:
+def check_teacher_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str],
+                            rank: int = 0) -> None:
     """A distillation run resumes only with the teacher it learned from: its weight files (size and CRC-32) as the
-    checkpoint recorded them, wherever they now live (the same path may hold another teacher)."""
+    checkpoint recorded them, wherever they now live (the same path may hold another teacher). Rank 0 reads the
+    files, as it recorded them at the start (a 70B teacher is 140 GB to read), and every rank refuses alike."""
     if cfg.distill.teacher is None or not saved or "distill.teacher" in allowed:
         return
-    differ = manifest.files_differ(saved["files"], cfg.distill.teacher)
+    found = [manifest.files_differ(saved["files"], cfg.distill.teacher) if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    differ = found[0]
     if differ:
         raise UserError(f"checkpoint {path} learned from the teacher at {saved.get('path')}, whose weight files "
                         f"differ from distill.teacher = {cfg.distill.teacher} ({differ[:3]}: size or CRC-32). "
