@@ -9,7 +9,8 @@ export PATH="$(cd "$VENV/bin" && pwd):$PATH"  # hadolint and torchrun from the v
 "$VENV/bin/ruff" check megarl tests benchmarks setup.py
 "$VENV/bin/mypy" megarl
 set +e
-"$VENV/bin/python" -m pytest -q --durations=40 "$@"
+# Two workers (pytest-xdist); a test file stays in one worker, so its module fixtures (engines) start once.
+"$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --durations=40 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

@@ -35,10 +35,11 @@ def contained(code, tag=None, **overrides):
 
 
 def leftover_cgroups():
-    """Call cgroups (megarl-sandbox-*) beside the ones this process would make, in every hierarchy."""
+    """This process's call cgroups (megarl-sandbox-PID-*) beside the ones it would make, in every hierarchy; not
+    other processes' (another pytest worker's calls run at the same time)."""
     own = cgroups._own_paths()
     return [d for point, kind, options in cgroups._mounts() for key in ([""] if kind == "cgroup2" else options)
-            if key in own for d in Path(point, own[key]).glob("megarl-sandbox-*")]
+            if key in own for d in Path(point, own[key]).glob(f"megarl-sandbox-{os.getpid()}-*")]
 
 
 def _read(path):

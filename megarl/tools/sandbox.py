@@ -164,7 +164,9 @@ def _memfd(name: str, data: bytes) -> int:
 def _run_bwrap(code: str, config: SandboxConfig) -> SandboxResult:
     as_root = os.geteuid() == 0
     deadline = time.monotonic() + config.timeout_s
-    cgroup = CallCgroup.create(uuid.uuid4().hex, config.memory_bytes, config.max_processes, config.cpus)
+    # named after this process too: a check for leftovers (tests/test_sandbox_attacks.py) sees only its own calls'
+    cgroup = CallCgroup.create(f"{os.getpid()}-{uuid.uuid4().hex}", config.memory_bytes, config.max_processes,
+                               config.cpus)
     layers = {"sandbox": "bwrap: user, ipc, uts, pid, mount, network and cgroup namespaces; read-only /usr and "
                          "interpreter; private /proc, minimal /dev, tmpfs workdir, /tmp and /dev/shm",
               "seccomp": "denies namespaces, mount, ptrace, keyctl, bpf, perf_event_open and more",
