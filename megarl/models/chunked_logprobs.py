@@ -40,6 +40,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         row_max = torch.full((hidden.shape[0],), float("-inf"), dtype=dtype, device=hidden.device)
         out = torch.zeros(hidden.shape[0], 3, dtype=dtype, device=hidden.device)
         log_z = torch.zeros_like(row_max)
+        shared = dist.get_world_size(group) > 1  # vocab split over TP ranks; alone, two calls a chunk saved
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             sums = torch.zeros(4, len(row_max[rows]), dtype=dtype, device=hidden.device)
@@ -48,7 +49,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if scaled is not None:
                 local_max, local_top = scaled.max(dim=-1)
                 row_max[rows] = local_max
-            dist.all_reduce(row_max[rows], op=dist.ReduceOp.MAX, group=group)
+            if shared:
+                dist.all_reduce(row_max[rows], op=dist.ReduceOp.MAX, group=group)
             if scaled is not None:
                 scaled.sub_(row_max[rows].unsqueeze(-1))
                 exp = scaled.exp()
@@ -60,7 +62,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 sums[3] = torch.where(local_max == row_max[rows], (local_top + vocab_start + 1).to(dtype), 0.0)
                 del scaled, exp
             # Sum of exp, target's shifted logit, sum of exp * shifted logit, top-1 token + 1.
-            dist.all_reduce(sums, group=group)
+            if shared:
+                dist.all_reduce(sums, group=group)
             sum_exp, target, weighted, top = sums
             log_z[rows] = sum_exp.log()
             out[rows, 0] = target - log_z[rows]
