@@ -9,8 +9,9 @@ export PATH="$(cd "$VENV/bin" && pwd):$PATH"  # hadolint and torchrun from the v
 "$VENV/bin/ruff" check megarl tests benchmarks setup.py
 "$VENV/bin/mypy" megarl
 set +e
-# Two workers (pytest-xdist); a test file stays in one worker, so its module fixtures (engines) start once.
-"$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --durations=40 "$@"
+# Two workers (pytest-xdist); a test file stays in one worker, so its module fixtures (engines) start once. Files are
+# handed out in the order tests/conftest.py gives them (the most slow tests first), not by their number of tests.
+"$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

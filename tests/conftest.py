@@ -9,6 +9,7 @@ import dataclasses
 import signal
 import sys
 import types
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,6 +17,10 @@ import torch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Files with the most slow tests first (each file's own order kept): pytest-xdist hands whole files to its
+    # workers in this order, and a long file handed out last would run alone after the other worker is done.
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -564,7 +564,9 @@ def test_the_reward_sees_the_tool_output() -> None:
                                                   max_new_tokens=budget, seed=0),
                           trainer=SimpleNamespace(reward="r"), algorithm=SimpleNamespace(routing_replay=False))
     fake = SimpleNamespace(cfg=cfg, stop_ids=(EOS,), times=SimpleNamespace(timed=lambda name: contextlib.nullcontext()),
-                           generate_all=lambda prompts, params: outs, scorer=reward, decode=decode)
+                           generate_all=lambda prompts, params: outs, scorer=reward, decode=decode,
+                           groups=SimpleNamespace(rank=0, dims=SimpleNamespace(world_size=1)))
+    fake._score_shares = lambda rows, answers: RolloutManager._score_shares(fake, rows, answers)  # type: ignore[arg-type]
     batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], 0, 0)  # type: ignore[arg-type]
     assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1
     assert seen == [FIRST + FRANCE + "nev"] and batch.scores.tolist() == [1.0]
