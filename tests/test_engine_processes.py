@@ -86,10 +86,19 @@ def kill_all(processes):
             pass
 
 
+def default_signals():
+    """The trainer acts on the signals as a fresh process does, whatever the test process (a pytest worker that ran
+    other tests) ignores or blocks: an ignored or blocked signal would be inherited."""
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
+
+
 def start_trainer(how, tmp_path):
     orphan = tmp_path / "orphan.pid"
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, how, str(orphan)], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True, env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True)
+                            text=True, env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True,
+                            preexec_fn=default_signals)
     before, watchdog = map(int, proc.stdout.readline().split())
     engine = [p for p in descendants(proc.pid) if p.pid != before]
     return proc, psutil.Process(before), psutil.Process(watchdog), [*engine, psutil.Process(int(orphan.read_text()))]
@@ -102,7 +111,7 @@ def test_the_engines_processes_die_with_the_trainer_by_any_signal(signum, tmp_pa
         assert len(engine) == 4  # the forked worker and its child, the exec'd process and its orphan
         assert watchdog not in descendants(proc.pid)  # outside the tree that an engine's own shutdown kills
         proc.send_signal(signum)
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)  # a loaded machine (two test workers) may take a while to end it
         assert gone(engine, timeout=8) == []
         assert gone([watchdog], timeout=5) == []  # its work done
         assert before.is_running()  # what the trainer started before the engine is not the watchdog's
