@@ -401,10 +401,19 @@ def test_an_engine_that_dies_during_an_abortable_call_is_an_error_not_a_hang(mod
 
     eng = VLLMEngine(models[0], dtype="float32", max_model_len=128, seed=0)
     try:
+        killed: list[int] = []
+
         def kill(done):
+            # Once: the killed core stays a zombie until vLLM reaps it, and asking a zombie its cmdline raises.
+            if killed:
+                return False
             for child in psutil.Process().children(recursive=True):
-                if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM"):
-                    child.kill()
+                try:
+                    if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM"):
+                        child.kill()
+                        killed.append(child.pid)
+                except psutil.Error:
+                    continue
             return False
 
         raised: list[BaseException] = []
@@ -420,6 +429,7 @@ def test_an_engine_that_dies_during_an_abortable_call_is_an_error_not_a_hang(mod
         caller.start()
         caller.join(120)
         assert not caller.is_alive(), "generate_until still waits for a dead engine core"
+        assert killed, "no engine core process was found to kill"
         assert raised and re.search("EngineCore|engine core", str(raised[0])), raised
         assert time.monotonic() - start < 60
         with pytest.raises(Exception, match="EngineCore|engine core|dead"):
