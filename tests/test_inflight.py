@@ -6,6 +6,7 @@ and loaded again goes on exactly as the uninterrupted one."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import threading
@@ -246,6 +247,95 @@ def test_separate_generation_keeps_the_bound_whatever_the_timing(seed):
     assert len(trained) == len(set(trained)) == 25 * wanted
 
 
+class TwoRanks:
+    """Two training processes' generation threads, in one process: their agreement (an all-reduce of the largest
+    value) and one engine driven by rank 0 whose samples both ranks receive, as a round's gather gives them. A round
+    whose ranks ask for different samples fails the run, as diverging pools would."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        self.engine, self.barrier, self.box, self.out = engine, threading.Barrier(2, timeout=60), [None, None], None
+
+    def agree(self, rank: int):
+        def agree(values: list[int]) -> list[int]:
+            self.box[rank] = values
+            self.barrier.wait()
+            out = [max(a, b) for a, b in zip(*self.box, strict=True)]
+            self.barrier.wait()
+            return out
+        return agree
+
+    def generate(self, rank: int):
+        def generate(prompts, params, enough=None):
+            self.box[rank] = (prompts, params)
+            self.barrier.wait()
+            same = self.box[0] == self.box[1]
+            if rank == 0 and same:
+                self.out = self.engine.generate(prompts, params, enough)
+            self.barrier.wait()
+            assert same, "the ranks' threads ran different rounds"
+            return copy.deepcopy(self.out)
+        return generate
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ranks_threads_take_the_same_batches_whenever_each_learner_asks(seed):
+    """async_rl separate over two training processes: each rank's learner asks for its batches, pushes and
+    checkpoints at its own pace (random sleeps, different on each rank); every rank's thread runs the same rounds,
+    and every rank trains the same groups and saves the same pool, within the staleness bound."""
+    rng = random.Random(seed)
+    staleness, wanted, steps = rng.choice([1, 2]), 3, 12
+    ranks = TwoRanks(SlowEngine(stop=0.1, seed=seed))
+    chunk, stale = rng.choice([2, 5, None]), rng.choice(["drop", "regenerate"])
+    pools = [InFlight(n=2, budget=12, chunk=chunk, max_staleness=staleness, batch=wanted,
+                      capacity=(staleness + 1) * wanted, stale=stale, seed=1) for _ in range(2)]
+    trained: list[list] = [[], []]
+    saved: list[list[str]] = [[], []]
+
+    def admitting(pool: InFlight):
+        cursor = [0]
+
+        def admit(version: int) -> None:
+            while pool.room(version) >= wanted:
+                pool.admit([([5] * (1 + (cursor[0] + i) % 4), str(cursor[0] + i)) for i in range(wanted)], version)
+                cursor[0] += wanted
+        return admit
+
+    producers = [Producer(pools[r], ranks.generate(r), SamplingParams(seed=3), admitting(pools[r]), timeout_s=30,
+                          agree=ranks.agree(r)) for r in range(2)]
+
+    def learner(rank: int) -> None:
+        pace, producer = random.Random(seed * 10 + rank), producers[rank]
+        for step in range(steps):
+            groups, metrics = producer.take(wanted, step)
+            assert metrics["async/staleness_max"] <= staleness
+            trained[rank].append([(g.answer, [(s.tokens, s.versions) for s in g.samples]) for g in groups])
+            time.sleep(pace.uniform(0, 0.01))  # the update
+            if step % 4 == 3:
+                with producer.paused("the checkpoint"):
+                    saved[rank].append(json.dumps(pools[rank].state_dict()))
+            with producer.pushing(wanted):
+                time.sleep(pace.uniform(0, 0.003))
+
+    for p in producers:
+        p.start(0)
+    learners = [threading.Thread(target=learner, args=(r,)) for r in range(2)]
+    for t in learners:
+        t.start()
+    for t in learners:
+        t.join(120)
+    assert not any(t.is_alive() for t in learners), "a rank's learner still waits"
+    closing = [threading.Thread(target=p.close) for p in producers]  # each rank closes its own
+    for t in closing:
+        t.start()
+    for t in closing:
+        t.join(60)
+    assert [p.error for p in producers] == [None, None]
+    assert len(trained[0]) == steps and trained[0] == trained[1]
+    assert saved[0] == saved[1] and len(saved[0]) == steps // 4
+    answers = [a for batch in trained[0] for a, _ in batch]
+    assert len(answers) == len(set(answers)) == steps * wanted
+
+
 def test_a_batch_done_when_a_push_ends_is_taken_in_its_pause_not_by_cutting_a_round():
     """separate without chunks: every pause cuts the engine's round, whose unfinished samples are prefilled again.
     A batch already done when a push ends is taken in the push's pause: after the first step, one pause a step."""
@@ -260,9 +350,9 @@ def test_a_batch_done_when_a_push_ends_is_taken_in_its_pause_not_by_cutting_a_ro
             cursor[0] += wanted
 
     producer = Producer(pool, engine.generate, SamplingParams(seed=3), admit, timeout_s=30)
-    pauses: list[str] = []
-    pause = producer.paused
-    producer.paused = lambda what: (pauses.append(what), pause(what))[1]  # type: ignore[method-assign]
+    asked: list[str] = []
+    post = producer._post
+    producer._post = lambda request: (asked.append(request.what or request.kind), post(request))[1]  # type: ignore[method-assign]
     producer.start(0)
     trained: list[int] = []
     try:
@@ -278,7 +368,7 @@ def test_a_batch_done_when_a_push_ends_is_taken_in_its_pause_not_by_cutting_a_ro
     finally:
         producer.close()
     assert producer.error is None
-    assert pauses == ["taking a batch"] + ["the weight push"] * 6
+    assert asked == ["take"] + ["the weight push"] * 6
     assert trained == list(range(12))
 
 
@@ -314,8 +404,11 @@ def test_async_layouts_the_run_cannot_serve_are_refused_before_any_worker(tmp_pa
     aborting = [*common, "async_rl.mode=colocated_async", "async_rl.chunk_tokens=null"]
     with pytest.raises(FieldError, match=r"async_rl.chunk_tokens` = null, but it must be set with 2 engines"):
         check_run(recipe, aborting, world=2, ranks_per_node=None, gpu_bytes=0)
-    with pytest.raises(FieldError, match=r'async_rl.mode` = "separate", but it must run on one process'):
-        check_run(recipe, [*common, "async_rl.mode=separate"], world=2, ranks_per_node=None, gpu_bytes=0)
+    with pytest.raises(FieldError, match=r"async_rl.chunk_tokens` = null, but it must be set with 2 engines"):
+        check_run(recipe, [*common, "async_rl.mode=separate", "async_rl.chunk_tokens=null"], world=2,
+                  ranks_per_node=None, gpu_bytes=0)
+    separate = [*common, "async_rl.mode=separate", "async_rl.chunk_tokens=2"]
+    assert check_run(recipe, separate, world=2, ranks_per_node=None, gpu_bytes=0)[0].async_rl.mode == "separate"
     assert check_run(recipe, aborting, world=1, ranks_per_node=None, gpu_bytes=0)[0].async_rl.chunk_tokens is None
 
 

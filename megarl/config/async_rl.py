@@ -18,7 +18,7 @@ class AsyncConfig:
     chunk_tokens; once enough whole groups are done, the batch trains, and the unfinished samples keep their
     tokens, logprobs and weight versions and continue under the next weights (partial rollouts). separate: the
     engine never sleeps and generates while the learner trains, pausing between chunks only for a weight push
-    (one process for now: the engine shares the trainer's device, with a memory fraction of its own)."""
+    (each rank's engine shares its trainer's device, with a memory fraction of its own)."""
     max_staleness: int = 1
     """Most weight versions a sample's oldest token may lag the weights its batch trains (0 = the sync loop's
     batches). A group past it is dropped or generated again (stale)."""

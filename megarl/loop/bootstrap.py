@@ -46,9 +46,6 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
           "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
     check_lora_rank(cfg.actor.lora, spec)
-    check(cfg.async_rl.mode != "separate" or world == 1, "async_rl.mode", "separate",
-          f"run on one process for now (the world has {world}): its generation thread drives the engine beside "
-          "the learner's collectives", "use async_rl.mode: colocated_async on several GPUs")
     engines = world // cfg.rollout.tensor_parallel
     check(cfg.async_rl.mode == "sync" or cfg.async_rl.chunk_tokens is not None or engines == 1,
           "async_rl.chunk_tokens", None, f"be set with {engines} engines (world {world} / rollout.tensor_parallel "

@@ -13,7 +13,7 @@ from megarl.data.batching import TokenizedPrompt
 from megarl.loop.timing import PartTimes
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.inflight import Generate, Group, InFlight
-from megarl.rollout.producer import Producer
+from megarl.rollout.producer import Agree, Producer
 
 
 def carries_samples(cfg: Config) -> bool:
@@ -36,8 +36,9 @@ def prefill_note(cfg: Config) -> str | None:
 
 class PartialRollouts:
     def __init__(self, cfg: Config, stop_ids: tuple[int, ...], times: PartTimes,
-                 finished: Callable[[list[Group]], None]) -> None:
-        """``finished``: told of the groups a round finished (megarl.rollout.inflight.InFlight)."""
+                 finished: Callable[[list[Group]], None], agree: Agree | None = None) -> None:
+        """``finished``: told of the groups a round finished (megarl.rollout.inflight.InFlight); ``agree``:
+        separate over several processes, their generation threads' agreement (megarl.rollout.producer)."""
         a, r, wanted = cfg.async_rl, cfg.rollout, cfg.data.num_prompts_per_step
         self.separate, self.wanted, self.times, self.timeout_s = a.mode == "separate", wanted, times, \
             r.timeout_minutes * 60
@@ -47,6 +48,7 @@ class PartialRollouts:
         self.params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                      max_new_tokens=r.max_new_tokens, seed=r.seed, stop_token_ids=stop_ids)
         self.producer: Producer | None = None
+        self.agree = agree
 
     def take(self, generate: Generate, next_prompts: Callable[[], list[TokenizedPrompt]], step: int
              ) -> tuple[list[Group], dict[str, float]]:
@@ -57,7 +59,7 @@ class PartialRollouts:
 
         if self.separate:
             if self.producer is None:  # the first step (or the first after a resume) starts the generation
-                self.producer = Producer(self.pool, generate, self.params, admit, self.timeout_s)
+                self.producer = Producer(self.pool, generate, self.params, admit, self.timeout_s, self.agree)
                 self.producer.start(step)
             with self.times.timed("rollout/wait"):
                 return self.producer.take(self.wanted, step)

@@ -47,9 +47,14 @@ class RolloutManager:
         self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.engine: GroupEngine | Any = None
         self.state: EngineState = "awake"  # engines start awake
-        self.partial = PartialRollouts(cfg, stop_ids, times, self._score_early) if carries_samples(cfg) else None
         self.separate = cfg.async_rl.mode == "separate"
         """The engine never sleeps: it generates while the learner trains."""
+        # separate: the generation thread's own collectives (a round's gather, the threads' agreement), beside the
+        # learner's; a gloo group's calls are ordered by the thread that makes them.
+        self._thread_group = dist.new_group(backend="gloo") if self.separate and groups.dims.world_size > 1 else None
+        self.partial = PartialRollouts(cfg, stop_ids, times, self._score_early,
+                                       self._agree if self._thread_group is not None else None) \
+            if carries_samples(cfg) else None
 
     def start(self, group: EngineGroup, kind: Any, aliases: Path | None) -> None:
         """Start this rank's engine group's engine (``aliases``: its parameters that map the actor's memory)."""
@@ -87,7 +92,7 @@ class RolloutManager:
         sampling's, the agent loop's).
         """
         if self.partial is not None:
-            taken, pool_metrics = self.partial.take(self._generate_here if self.separate else self._generate_all,
+            taken, pool_metrics = self.partial.take(self._generate_beside if self.separate else self._generate_all,
                                                     next_prompts, step)
             with self.times.timed("rollout/sleep"):
                 self.sleep()
@@ -165,15 +170,16 @@ class RolloutManager:
                                      for i, (g, s) in enumerate(samples)})
         return batch
 
-    def _generate_here(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None
-                       ) -> list[Completion]:
-        """generate_all on a world of one process, without its collective: separate's thread calls it beside the
-        learner's collectives."""
-        assert self.groups.dims.world_size == 1, "async_rl.mode separate runs on one process"
-        _, seeded = self.engine.group.share(len(prompts), params)
-        if enough is not None:  # async_rl.chunk_tokens null: the engine aborts (single-turn only)
-            return self.engine.generate_until(prompts, seeded, enough)
-        return sorted(self._rollout_loop.generate(self.engine, prompts, seeded), key=lambda c: c.prompt_index)
+    def _generate_beside(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None
+                         ) -> list[Completion]:
+        """generate_all from separate's thread, beside the learner's collectives (over its own group)."""
+        return self._generate_all(prompts, params, enough, group=self._thread_group)
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """separate over several processes: each value's largest over the ranks, for their generation threads."""
+        agreed = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._thread_group)
+        return agreed.tolist()
 
     def pushing(self) -> Any:
         """Around a weight push (separate: generation pauses between chunks for it)."""
@@ -232,10 +238,11 @@ class RolloutManager:
         with producer.paused("the evaluation") if producer is not None else nullcontext():
             return self._generate_all(prompts, params)
 
-    def _generate_all(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None
-                      ) -> list[Completion]:
+    def _generate_all(self, prompts: list[list[int]], params: SamplingParams, enough: Enough | None = None, *,
+                      group: dist.ProcessGroup | None = None) -> list[Completion]:
         """``enough``: the engine aborts (async_rl.chunk_tokens null), which needs one engine in the world: its
-        driver alone sees which requests are done (megarl.loop.bootstrap)."""
+        driver alone sees which requests are done (megarl.loop.bootstrap). ``group``: the gloo group that gathers
+        the samples (the learner's host group by default)."""
         assert self.state == "awake", "a hand-over wakes the engine before every rollout"
         mine, seeded = self.engine.group.share(len(prompts), params)
         assert enough is None or self.engine.group.num_groups == 1, "generate_until runs on one engine"
@@ -243,6 +250,8 @@ class RolloutManager:
         made = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
                 else self.engine.generate_until(mine_prompts, seeded, enough))
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in made]
-        everything: list[Any] = [None] * self.groups.dims.world_size
-        dist.all_gather_object(everything, done, group=self._host_group)
+        everything: list[Any] = [done]
+        if self.groups.dims.world_size > 1:
+            everything = [None] * self.groups.dims.world_size
+            dist.all_gather_object(everything, done, group=group or self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt

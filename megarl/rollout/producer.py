@@ -9,6 +9,14 @@ with the version that sampled it. Anything that must see the pool and the loader
 pauses it the same way. A batch already done when a push ends is taken in the push's pause: without chunks, every
 pause cuts the engine's round, whose unfinished samples are then prefilled again, so a take of its own would cost
 that twice a step (once for the take, once for the round that follows the push).
+
+Over several training processes every rank holds the same pool, and its thread takes part in each round's gather of
+the engines' samples, so the threads must run the same rounds and serve the learner's requests (a batch, a pause) at
+the same round boundaries, whenever each rank's learner asks. The learner posts its requests in program order, the
+same on every rank; before each round the threads agree (``agree``: an all-reduce of the largest value over the
+ranks): request k is served once every rank has posted it, and no round runs while a posted pause waits for the
+ranks that have not asked yet. A batch is served once every rank asked for it and the pool has it, so every rank
+takes the same groups.
 """
 
 from __future__ import annotations
@@ -17,25 +25,43 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
 
 from megarl.errors import UserError
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.inflight import Generate, Group, InFlight
 
+Agree = Callable[[list[int]], list[int]]
+"""Each value's largest over the ranks (every rank's thread calls it with as many values, in the same order)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Request:
+    """What the learner asks of the generation thread."""
+
+    kind: Literal["take", "pause", "stop"]
+    what: str = ""
+    wanted: int = 0
+    version: int = 0
+    granted: threading.Event = field(default_factory=threading.Event)
+    """take: the batch is in ``taken``; pause: the thread holds between rounds until ``released``."""
+    released: threading.Event = field(default_factory=threading.Event)
+    taken: tuple[list[Group], dict[str, float]] | None = None
+
 
 class Producer:
     def __init__(self, pool: InFlight, generate: Generate, params: SamplingParams, admit: Callable[[int], None],
-                 timeout_s: float) -> None:
+                 timeout_s: float, agree: Agree | None = None) -> None:
         """``admit(version)``: fill the pool's room with new prompts; ``timeout_s``: the longest a pause may wait
-        for the round in progress."""
+        for the round in progress; ``agree``: over several training processes, their threads' agreement."""
         self.pool, self.generate, self.params, self.admit, self.timeout_s = pool, generate, params, admit, timeout_s
+        self.agree = agree
         self.version = 0
         """The weights the engine holds: updates pushed so far."""
-        self._lock = threading.Lock()  # held for a round, and by a pause
-        self._pause = threading.Event()
-        self._waiting = 0
-        """Groups the learner waits for (0: none): without chunks, a round stops once they are done."""
-        self._stop = False
+        self._requests: list[_Request] = []
+        """Posted by the learner, served in order by the thread; ``_served`` of them so far."""
+        self._served = 0
         self._next: tuple[int, list[Group], dict[str, float]] | None = None
         """The batch a push's pause took for the version it made: (version, groups, metrics)."""
         self.cpu_s = 0.0
@@ -50,45 +76,86 @@ class Producer:
 
     def _run(self) -> None:
         try:
-            while not self._stop:
-                if self._pause.is_set():
+            while True:
+                posted = len(self._requests)
+                head = self._requests[self._served] if posted > self._served else None
+                everyone, someone_pauses = self._agreed(posted, head is not None and head.kind != "take")
+                if everyone:
+                    assert head is not None
+                    if head.kind == "stop":
+                        return
+                    if head.kind == "pause":
+                        self._hold(head)
+                        continue
+                    if self._serve_take(head):
+                        continue
+                elif someone_pauses:  # a rank waits to pause: no round until every rank asked
                     time.sleep(0.001)
                     continue
-                with self._lock:
-                    if self._stop or self._pause.is_set():
-                        continue
-                    start = time.thread_time()
-                    self.pool.expire(self.version)
-                    self.admit(self.version)
-                    busy = any(not s.done for g in self.pool.groups for s in g.samples)
-                    if busy:
-                        self.pool.round(self.generate, self.params, self.version, stop=self._stop_round)
-                    self.cpu_s += time.thread_time() - start
+                start = time.thread_time()
+                self.pool.expire(self.version)
+                self.admit(self.version)
+                busy = any(not s.done for g in self.pool.groups for s in g.samples)
+                if busy:
+                    self.pool.round(self.generate, self.params, self.version, stop=self._stop_round)
+                self.cpu_s += time.thread_time() - start
                 if not busy:  # the pool is full and done: wait for the learner to take a batch
                     time.sleep(0.01)
         except BaseException as err:  # noqa: BLE001 (the learner re-raises it where it waits)
             self.error = err
 
+    def _agreed(self, posted: int, pause: bool) -> tuple[bool, bool]:
+        """Whether every rank has posted the next request, and whether a rank waits to pause."""
+        if self.agree is None:
+            return posted > self._served, pause
+        fewest, pausing = self.agree([-posted, int(pause)])
+        return -fewest > self._served, bool(pausing)
+
+    def _hold(self, request: _Request) -> None:
+        """Serve a pause: no round until the learner is done."""
+        request.granted.set()
+        request.released.wait()
+        self._served += 1
+
+    def _serve_take(self, request: _Request) -> bool:
+        """Serve a batch if the pool has it; False: a round must make it first."""
+        self.pool.expire(request.version)
+        if self.pool.ready() < request.wanted:
+            return False
+        request.taken = self._taken(request.wanted, request.version)
+        self._served += 1
+        request.granted.set()
+        return True
+
     def _stop_round(self, ready: int) -> bool:
         """An unchunked round (the engine aborts) ends for a pause, or once the learner's batch is done."""
-        return self._pause.is_set() or 0 < self._waiting <= ready
+        if len(self._requests) == self._served:
+            return False
+        head = self._requests[self._served]
+        return head.kind != "take" or head.wanted <= ready
+
+    def _post(self, request: _Request) -> _Request:
+        self._raise()
+        self._requests.append(request)
+        return request
+
+    def _wait(self, event: threading.Event, deadline: float | None, what: str) -> None:
+        while not event.wait(0.01):
+            self._raise()
+            if deadline is not None and time.monotonic() > deadline:
+                raise UserError(f"{what}: the engine's round in progress did not end in {self.timeout_s:g} s "
+                                "(rollout.timeout_minutes); the engine is hung. Fix: see its log (engine_*.log in "
+                                "the run directory), or raise rollout.timeout_minutes.")
 
     @contextmanager
     def paused(self, what: str) -> Iterator[None]:
         """Hold the generation between rounds for ``what`` (a weight push, a batch, a checkpoint)."""
-        self._raise()
-        self._pause.set()
+        request = self._post(_Request(kind="pause", what=what))
         try:
-            if not self._lock.acquire(timeout=self.timeout_s):
-                raise UserError(f"{what}: the engine's round in progress did not end in {self.timeout_s:g} s "
-                                "(rollout.timeout_minutes); the engine is hung. Fix: see its log (engine_*.log in "
-                                "the run directory), or raise rollout.timeout_minutes.")
-            try:
-                yield
-            finally:
-                self._lock.release()
+            self._wait(request.granted, time.monotonic() + self.timeout_s, what)
+            yield
         finally:
-            self._pause.clear()
+            request.released.set()
 
     @contextmanager
     def pushing(self, wanted: int) -> Iterator[None]:
@@ -105,23 +172,15 @@ class Producer:
     def take(self, wanted: int, version: int) -> tuple[list[Group], dict[str, float]]:
         """The first ``wanted`` done groups once there are so many (generation goes on meanwhile), checked
         against the staleness bound at ``version``, the weights that train them; and the pool's async/* metrics."""
-        if self._next is not None:
+        if self._next is not None:  # every rank took it in the same pause
             taken_at, groups, metrics = self._next
             self._next = None
             assert taken_at == version, f"a batch taken for version {taken_at} asked for at version {version}"
             return groups, metrics
-        self._waiting = wanted
-        try:
-            while True:
-                self._raise()
-                if self.pool.ready() >= wanted:  # a glance between rounds; a pause would stop an unchunked one
-                    with self.paused("taking a batch"):
-                        self.pool.expire(version)
-                        if self.pool.ready() >= wanted:
-                            return self._taken(wanted, version)
-                time.sleep(0.01)
-        finally:
-            self._waiting = 0
+        request = self._post(_Request(kind="take", wanted=wanted, version=version))
+        self._wait(request.granted, None, "taking a batch")
+        assert request.taken is not None
+        return request.taken
 
     def _taken(self, wanted: int, version: int) -> tuple[list[Group], dict[str, float]]:
         """Take a batch, generation paused; with it the pool's metrics and the CPU generation took since the last."""
@@ -130,8 +189,9 @@ class Producer:
         return groups, self.pool.metrics(groups, version) | {"async/generation_cpu_s": cpu}
 
     def close(self) -> None:
-        self._stop = True
-        if self._thread.is_alive():
+        """Stop the thread, once every rank's thread has ended the round it runs (each rank calls it)."""
+        if self._thread.is_alive() and self.error is None:
+            self._requests.append(_Request(kind="stop"))
             self._thread.join(timeout=self.timeout_s)
 
     def _raise(self) -> None:
