@@ -80,6 +80,20 @@ def engine_rank_layout(spec: ModelSpec, tensor_parallel: int, rank: int) -> dict
     return {"hf_shapes": {k: list(v) for k, v in hf_shapes(spec).items()}, "pieces": pieces}
 
 
+def cpu_binding(tensor_parallel: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for this rank's engine. vLLM binds each CPU worker to a NUMA node of its own and
+    refuses when there are fewer ("nobind" then); a lone worker it binds to the first core, so the engines of
+    several ranks on one host would all compute on that one core: each takes its own share of the cores instead."""
+    engines = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // tensor_parallel
+    if tensor_parallel > 1 or engines <= 1:
+        return "nobind" if tensor_parallel > 1 else "auto"
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < engines:
+        return "nobind"
+    index, share = int(os.environ.get("LOCAL_RANK", "0")) // tensor_parallel, len(cores) // engines
+    return ",".join(map(str, cores[index * share:(index + 1) * share]))
+
+
 def _logprobs(ids: list[int], entries: Any) -> list[float]:
     """The sampled tokens' logprobs out of vLLM's one {token id: Logprob} per generated token (logprobs=0)."""
     return [float(entry[t].logprob) for t, entry in zip(ids, entries, strict=True)]
@@ -151,9 +165,8 @@ class VLLMEngine:
             # engines serve tests and small runs. Weight updates work in both modes (checked: same tokens).
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
-            if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                # vLLM binds each CPU worker to a NUMA node of its own and refuses when there are fewer.
-                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel)
         args |= engine_args
         self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one
         try:
