@@ -368,7 +368,7 @@ def test_a_batch_done_when_a_push_ends_is_taken_in_its_pause_not_by_cutting_a_ro
     finally:
         producer.close()
     assert producer.error is None
-    assert asked == ["take"] + ["the weight push"] * 6
+    assert asked == ["take"] + ["the weight push"] * 6 + ["stop"]
     assert trained == list(range(12))
 
 

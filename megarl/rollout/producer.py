@@ -14,15 +14,16 @@ Over several training processes every rank holds the same pool, and its thread t
 the engines' samples, so the threads must run the same rounds and serve the learner's requests (a batch, a pause) at
 the same round boundaries, whenever each rank's learner asks. The learner posts its requests in program order, the
 same on every rank; before each round the threads agree (``agree``: an all-reduce of the largest value over the
-ranks): request k is served once every rank has posted it, and no round runs while a posted pause waits for the
-ranks that have not asked yet. A batch is served once every rank asked for it and the pool has it, so every rank
-takes the same groups.
+ranks): request k is served once every rank has posted it, and no round runs while a posted pause, or a request for
+a batch that is done, waits for the ranks that have not asked yet. A batch is served once every rank asked for it
+and the pool has it, so every rank takes the same groups.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,9 +60,9 @@ class Producer:
         self.agree = agree
         self.version = 0
         """The weights the engine holds: updates pushed so far."""
-        self._requests: list[_Request] = []
-        """Posted by the learner, served in order by the thread; ``_served`` of them so far."""
-        self._served = 0
+        self._requests: deque[_Request] = deque()
+        """Posted by the learner and not served yet, served in order by the thread."""
+        self._posted = self._served = 0
         self._next: tuple[int, list[Group], dict[str, float]] | None = None
         """The batch a push's pause took for the version it made: (version, groups, metrics)."""
         self.cpu_s = 0.0
@@ -77,9 +78,11 @@ class Producer:
     def _run(self) -> None:
         try:
             while True:
-                posted = len(self._requests)
-                head = self._requests[self._served] if posted > self._served else None
-                everyone, someone_pauses = self._agreed(posted, head is not None and head.kind != "take")
+                posted = self._posted
+                head = self._requests[0] if posted > self._served else None
+                # A ready batch holds the rounds as a pause does: the ranks that have not asked yet will take it.
+                hold = head is not None and (head.kind != "take" or self.pool.ready() >= head.wanted)
+                everyone, someone_holds = self._agreed(posted, hold)
                 if everyone:
                     assert head is not None
                     if head.kind == "stop":
@@ -89,7 +92,7 @@ class Producer:
                         continue
                     if self._serve_take(head):
                         continue
-                elif someone_pauses:  # a rank waits to pause: no round until every rank asked
+                elif someone_holds:  # a rank waits to pause, or for a batch that is done: until every rank asked
                     time.sleep(0.001)
                     continue
                 start = time.thread_time()
@@ -104,18 +107,18 @@ class Producer:
         except BaseException as err:  # noqa: BLE001 (the learner re-raises it where it waits)
             self.error = err
 
-    def _agreed(self, posted: int, pause: bool) -> tuple[bool, bool]:
-        """Whether every rank has posted the next request, and whether a rank waits to pause."""
+    def _agreed(self, posted: int, hold: bool) -> tuple[bool, bool]:
+        """Whether every rank has posted the next request, and whether a rank holds the rounds for its request."""
         if self.agree is None:
-            return posted > self._served, pause
-        fewest, pausing = self.agree([-posted, int(pause)])
-        return -fewest > self._served, bool(pausing)
+            return posted > self._served, hold
+        fewest, holding = self.agree([-posted, int(hold)])
+        return -fewest > self._served, bool(holding)
 
     def _hold(self, request: _Request) -> None:
         """Serve a pause: no round until the learner is done."""
         request.granted.set()
         request.released.wait()
-        self._served += 1
+        self._served_one()
 
     def _serve_take(self, request: _Request) -> bool:
         """Serve a batch if the pool has it; False: a round must make it first."""
@@ -123,20 +126,25 @@ class Producer:
         if self.pool.ready() < request.wanted:
             return False
         request.taken = self._taken(request.wanted, request.version)
-        self._served += 1
+        self._served_one()
         request.granted.set()
         return True
 
+    def _served_one(self) -> None:
+        self._requests.popleft()
+        self._served += 1
+
     def _stop_round(self, ready: int) -> bool:
         """An unchunked round (the engine aborts) ends for a pause, or once the learner's batch is done."""
-        if len(self._requests) == self._served:
+        if self._posted == self._served:
             return False
-        head = self._requests[self._served]
+        head = self._requests[0]
         return head.kind != "take" or head.wanted <= ready
 
     def _post(self, request: _Request) -> _Request:
         self._raise()
         self._requests.append(request)
+        self._posted += 1  # after the append: the thread reads the count first
         return request
 
     def _wait(self, event: threading.Event, deadline: float | None, what: str) -> None:
@@ -191,7 +199,7 @@ class Producer:
     def close(self) -> None:
         """Stop the thread, once every rank's thread has ended the round it runs (each rank calls it)."""
         if self._thread.is_alive() and self.error is None:
-            self._requests.append(_Request(kind="stop"))
+            self._post(_Request(kind="stop"))
             self._thread.join(timeout=self.timeout_s)
 
     def _raise(self) -> None:
