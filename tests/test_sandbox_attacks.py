@@ -57,7 +57,7 @@ def test_cpu_spinning_processes_and_threads_end_at_their_limits():
             "while True: pass\n")
     start = time.monotonic()
     result = contained(code, tag, timeout_s=2.0, cpu_s=1)
-    assert result.end in ("killed: CPU time limit", "timeout after 2 s") and time.monotonic() - start < 4
+    assert result.end in ("killed: CPU time limit", "timeout after 2 s") and time.monotonic() - start < 6
 
 
 def test_a_fork_bomb_is_capped_and_processes_left_behind_die_with_the_call():
@@ -68,7 +68,7 @@ def test_a_fork_bomb_is_capped_and_processes_left_behind_die_with_the_call():
             "    os._exit(0)\nwhile True:\n    os.fork()\n")
     start = time.monotonic()
     result = contained(code, tag, timeout_s=3.0)
-    assert result.end in ("exit code 1", "timeout after 3 s") and time.monotonic() - start < 6
+    assert result.end in ("exit code 1", "timeout after 3 s") and time.monotonic() - start < 8
     if CGROUPED:  # pids.max refused the 33rd process at once
         assert "BlockingIOError" in result.output and result.end == "exit code 1"
 
@@ -240,7 +240,7 @@ def test_flooding_output_is_cut_and_the_call_returns_on_time():
     start = time.monotonic()
     result = contained(code, tag, timeout_s=1.0, output_bytes=1000)
     assert len(result.output) == 1000 and result.truncated_bytes > 1_000_000 and result.end == "timeout after 1 s"
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 5
 
 
 def test_forged_status_lines_change_nothing_the_host_reports():

@@ -37,7 +37,7 @@ def test_calculator_refuses_at_once(expression, why):
     start = time.monotonic()
     with pytest.raises(ValueError, match=why):
         calculate(expression)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2  # at once: evaluating any of them would not end for minutes
 
 
 def test_load_tool_builds_the_built_ins_with_their_arguments():

@@ -54,13 +54,13 @@ def test_output_is_truncated_with_a_marker():
 def test_an_endless_loop_ends_at_its_cpu_limit(make):
     start = time.monotonic()
     result = run_python("while True: pass", make(cpu_s=1))
-    assert result.observation == "[killed: CPU time limit]" and time.monotonic() - start < 3
+    assert result.observation == "[killed: CPU time limit]" and time.monotonic() - start < 8  # slack: a loaded host
 
 
 def test_a_sleeping_call_ends_at_its_wall_clock_limit():
     start = time.monotonic()
     result = run_python("import time\nprint('started', flush=True)\ntime.sleep(100)", config(timeout_s=0.5))
-    assert result.observation == "started\n[timeout after 0.5 s]" and time.monotonic() - start < 2
+    assert result.observation == "started\n[timeout after 0.5 s]" and time.monotonic() - start < 4
     assert result.layers, "the layers are reported even when the call is killed"
 
 
