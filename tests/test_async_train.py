@@ -124,3 +124,26 @@ def test_a_resume_with_samples_in_flight_loses_nothing(tmp_path):
     for step in (2, 3, 4, 5):
         for key in KEYS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+@pytest.mark.slow
+def test_separate_resumes_with_the_next_batch_in_flight_as_the_uninterrupted_run(tmp_path):
+    """separate's checkpoint after step 2 is written while its thread has generated step 3's batch (under the
+    weights of version 2, one step off): the resumed run trains it, and every step after, as the uninterrupted one.
+    chunk_tokens = max_new_tokens makes both independent of timing (test_separate_generation_learns_...)."""
+    common = ("trainer.num_steps=6", "checkpoint.save_every=3", "tracking.backend=none", *SEEDS, *ASYNC,
+              "async_rl.mode=separate", "async_rl.chunk_tokens=2")
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train_recipe("recipes/tiny_cpu_grpo.yaml", full, *common)
+    pool = json.loads((full / "step_000002" / "trainer.json").read_text())["rollout"]["in_flight"]
+    assert len(pool["groups"]) == 32 and all(s["done"] and set(s["versions"]) == {2}
+                                             for g in pool["groups"] for s in g["samples"])
+    resumed.mkdir()
+    shutil.copytree(full / "step_000002", resumed / "step_000002")
+    (resumed / "latest").write_text("step_000002")
+    train_recipe("recipes/tiny_cpu_grpo.yaml", resumed, *common)
+    a, b = rows_of(full), rows_of(resumed)
+    assert sorted(b) == [2, 3, 4, 5]
+    for step in (2, 3, 4, 5):
+        for key in [*KEYS[:5], "async/staleness_max", "async/in_flight_prompts"]:
+            assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
