@@ -77,8 +77,11 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
 
     ``collect(tokens, output)`` maps the last stage's model output ([B, S, V_local] logits, [B, S, 3] from a
     chunked head (megarl.models.logprob_head), or
-    [B, S, 1] values for the critic) to what is kept. Returns the kept tensors in micro-batch
-    order on the last pipeline stage, None elsewhere. With pipeline parallelism all micro-batches
+    [B, S, 1] values for the critic) to what is kept, on the device. Returns the kept tensors in micro-batch
+    order on the last pipeline stage, in host memory, None elsewhere. They come to the host after the last
+    micro-batch: a copy per micro-batch would make the host wait for the device each time, and the device then
+    idle while the host launches the next micro-batch's kernels (or, beside an engine generating on the same GPU,
+    wait for the engine's turn as well). With pipeline parallelism all micro-batches
     must share one shape. ``prepare(chunk, batch)`` runs before each chunk's forward of a micro-batch.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -111,7 +114,7 @@ def forward_only(chunks: list[torch.nn.Module], groups: ParallelGroups, batches:
             forward_only=True,
             collect_non_loss_data=True,
         )
-    return list(outputs) if groups.is_last_stage else None
+    return [kept.cpu() for kept in outputs] if groups.is_last_stage else None
 
 
 def even_micro_batches(batches: list[MicroBatch], groups: ParallelGroups, width_multiple: int = 1
@@ -166,10 +169,10 @@ def sequence_logprobs(chunks: list[torch.nn.Module], spec: ModelSpec, groups: Pa
 
     def logprobs(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if chunk_tokens:
-            return logits[:, :-1, 0].cpu()
+            return logits[:, :-1, 0]
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_start=vocab_start,
                                        vocab_size=spec.vocab_size, group=groups.tp_group,
-                                       temperature=temperature).cpu()
+                                       temperature=temperature)
 
     def aim(chunk: torch.nn.Module, batch: MicroBatch) -> None:
         logprob_head.aim(chunk, batch.tokens.to(groups.device), thd=False)

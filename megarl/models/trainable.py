@@ -238,11 +238,11 @@ class MegatronModel:
 
         def keep(tokens: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
             if self.opts.critic:
-                return output[:, :-1, 0].float().cpu()
+                return output[:, :-1, 0].float()
             logprobs = self.token_logprobs(output, tokens)
             if top1:
-                return torch.stack([logprobs.float(), self.token_top1(output).float()], dim=-1).cpu()
-            return logprobs.cpu()
+                return torch.stack([logprobs.float(), self.token_top1(output).float()], dim=-1)
+            return logprobs
 
         outputs = forward_only(self.chunks, self.groups, batches, keep, prepare, thd=self.packing == "thd")
         if self.replay is not None:
