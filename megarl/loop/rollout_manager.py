@@ -159,8 +159,10 @@ class RolloutManager:
                 scored = {uid: part for share in shares for uid, part in share.items()}
             scores = [x for g in taken for x in scored[g.uid]]
             assert self.partial is not None
-            live = {g.uid for g in self.partial.pool.groups}
-            for uid in [uid for uid in self._early if uid not in live]:  # dropped as stale, or restarted
+            # separate: the generation thread goes on meanwhile, admitting groups and scoring those it finishes, so
+            # both are read through copies (a dict iterated while another thread inserts raises)
+            live = {g.uid for g in list(self.partial.pool.groups)}
+            for uid in [uid for uid in list(self._early) if uid not in live]:  # dropped as stale
                 self._early.pop(uid, None)
         check_scores(scores, len(samples), str(self.cfg.trainer.reward), step)
         batch = Batch.build([g.prompt for g, _ in samples], [s.tokens for _, s in samples],
