@@ -25,7 +25,6 @@ from megarl.data.batching import TokenizedPrompt
 from megarl.data.prompts import PromptRecord
 from megarl.errors import UserError
 from megarl.eval.harness import score
-from megarl.loop import rollout_manager
 from megarl.loop.rl_step import Batch, actor_loss, actor_loss_mask, advantages_and_returns, shaped_scores
 from megarl.loop.rollout_manager import RolloutManager
 from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
@@ -522,14 +521,13 @@ class SeedEngine(ScriptedEngine):
 
 
 @pytest.mark.parametrize("tools", [False, True])
-def test_no_two_samples_share_a_seed_across_engines(monkeypatch: pytest.MonkeyPatch, tools: bool) -> None:
+def test_no_two_samples_share_a_seed_across_engines(tools: bool) -> None:
     """Trainer.generate_all on each of 3 engines: every sample's first call draws at rollout seed + its place in the
     whole batch (prompt * n + j), as one engine would, and no seed repeats over the engines' calls."""
     script = {"A": [call("echo", "x"), "a<eos>"], "B": ["b<eos>"],
               "C": [call("echo", "y"), call("echo", "z"), "c<eos>"]}
     prompts = [encode(k + "\n") for k in "ABCAB"]
     params = SamplingParams(n=4, max_new_tokens=400, stop_token_ids=(EOS,), seed=7)
-    monkeypatch.setattr(rollout_manager.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(0, obj))
     engines, firsts = [], []  # type: ignore[var-annotated]
     for g in range(3):
         engine = SeedEngine(script)
@@ -565,7 +563,7 @@ def test_the_reward_sees_the_tool_output() -> None:
                           trainer=SimpleNamespace(reward="r"), algorithm=SimpleNamespace(routing_replay=False))
     fake = SimpleNamespace(cfg=cfg, stop_ids=(EOS,), times=SimpleNamespace(timed=lambda name: contextlib.nullcontext()),
                            generate_all=lambda prompts, params: outs, scorer=reward, decode=decode,
-                           groups=SimpleNamespace(rank=0, dims=SimpleNamespace(world_size=1)))
+                           groups=SimpleNamespace(rank=0, dims=SimpleNamespace(world_size=1)), _host_group=None)
     fake._score_shares = lambda rows, answers: RolloutManager._score_shares(fake, rows, answers)  # type: ignore[arg-type]
     batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], 0, 0)  # type: ignore[arg-type]
     assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1

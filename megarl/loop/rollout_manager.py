@@ -153,10 +153,8 @@ class RolloutManager:
                                    [g.answer for g in late for _ in g.samples]) if late else [])
             scored = {g.uid: self.scorer.result(self._early.pop(g.uid)) if g.uid in self._early
                       else [next(now) for _ in g.samples] for g in mine}
-            if self.groups.dims.world_size > 1:
-                shares: list[Any] = [None] * self.groups.dims.world_size
-                dist.all_gather_object(shares, scored, group=self._host_group)
-                scored = {uid: part for share in shares for uid, part in share.items()}
+            scored = {uid: part for share in every_rank(scored, self.groups.dims.world_size, self._host_group)
+                      for uid, part in share.items()}
             scores = [x for g in taken for x in scored[g.uid]]
             assert self.partial is not None
             # separate: the generation thread goes on meanwhile, admitting groups and scoring those it finishes, so
@@ -223,12 +221,8 @@ class RolloutManager:
         mine = rows[rank::world]
         part = self.scorer([self.decode(c.token_ids) for c in mine], [answers[c.prompt_index] for c in mine]) \
             if mine else []
-        if world == 1:
-            return part
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, part, group=self._host_group)
         scores = [0.0] * len(rows)
-        for r, share in enumerate(parts):
+        for r, share in enumerate(every_rank(part, world, self._host_group)):
             scores[r::world] = share
         return scores
 
@@ -252,8 +246,14 @@ class RolloutManager:
         made = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
                 else self.engine.generate_until(mine_prompts, seeded, enough))
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in made]
-        everything: list[Any] = [done]
-        if self.groups.dims.world_size > 1:
-            everything = [None] * self.groups.dims.world_size
-            dist.all_gather_object(everything, done, group=group or self._host_group)
+        everything = every_rank(done, self.groups.dims.world_size, group or self._host_group)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
+
+
+def every_rank(part: Any, world_size: int, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``part``, in rank order, through host memory (a gloo ``group``; None: the default group)."""
+    if world_size == 1:
+        return [part]
+    parts: list[Any] = [None] * world_size
+    dist.all_gather_object(parts, part, group=group)
+    return parts
