@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +52,9 @@ class RolloutManager:
         """The engine never sleeps: it generates while the learner trains."""
         # separate: the generation thread's own collectives (a round's gather, the threads' agreement), beside the
         # learner's; a gloo group's calls are ordered by the thread that makes them.
-        self._thread_group = dist.new_group(backend="gloo") if self.separate and groups.dims.world_size > 1 else None
+        # Its collectives wait at most as long as an engine call may take: a rank whose thread died ends the others'.
+        self._thread_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.rollout.timeout_minutes)) \
+            if self.separate and groups.dims.world_size > 1 else None
         self.partial = PartialRollouts(cfg, stop_ids, times, self._score_early,
                                        self._agree if self._thread_group is not None else None) \
             if carries_samples(cfg) else None
