@@ -544,6 +544,53 @@ def test_no_two_samples_share_a_seed_across_engines(tools: bool) -> None:
     assert len(seeds) == len(set(seeds)) == 20 + 16 * tools, seeds  # A (twice) and C: 1 and 2 tool turns
 
 
+def test_an_engine_that_fails_on_one_rank_stops_every_rank_in_the_same_gather(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """Two ranks' generate_all (threads standing in for processes): rank 0's engine raises. Rank 0 raises its
+    error and rank 1, instead of waiting in the gather for a part that never comes (separate's generation threads,
+    and through them the learners, would wait until rollout.timeout_minutes), raises one naming rank 0's."""
+    import threading
+
+    from megarl.rollout.failures import EngineFailed
+
+    gathered: list[object] = [None, None]
+    barrier = threading.Barrier(2, timeout=30)
+
+    def all_gather(out: list, part: object, group: object = None) -> None:
+        rank = int(threading.current_thread().name)
+        gathered[rank] = part
+        barrier.wait()
+        out[:] = list(gathered)
+        barrier.wait()
+
+    monkeypatch.setattr("torch.distributed.all_gather_object", all_gather)
+
+    def broken(prompts, params):
+        raise RuntimeError("engine core process ended")
+
+    raised: list[BaseException | None] = [None, None]
+
+    def rank(r: int) -> None:
+        group = EngineGroup(index=r, num_groups=2, size=1, rank_in_group=0, members=(r,), group=None)
+        engine = SeedEngine({"A": ["a<eos>"], "B": ["b<eos>"]})
+        fake = SimpleNamespace(engine=SimpleNamespace(group=group, generate=broken if r == 0 else engine.generate),
+                               state="awake", _rollout_loop=SingleTurn(), _host_group=None,
+                               groups=SimpleNamespace(rank=r, dims=SimpleNamespace(world_size=2)))
+        try:
+            RolloutManager._generate_all(fake, [encode("A\n"), encode("B\n")], PARAMS)  # type: ignore[arg-type]
+        except BaseException as err:  # noqa: BLE001 (what each rank raised is the subject)
+            raised[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(raised[0], RuntimeError) and "engine core process ended" in str(raised[0])
+    assert isinstance(raised[1], EngineFailed)
+    assert str(raised[1]).startswith("rank 0's rollout engine failed, so this rank stops too: engine core process")
+
+
 # ---- what the trainer makes of it ----
 
 def test_the_reward_sees_the_tool_output() -> None:

@@ -3,6 +3,7 @@ engine that dies, an interrupt, a signal during an evaluation (the tiny CPU reci
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,41 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
         assert len(completion.token_ids) >= 1
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_under_separate_generation_on_two_ranks_ends_the_run(tmp_path):
+    """async_rl separate over two processes: rank 0's engine is killed while its generation thread scores a group
+    (the reward function, inline in that thread). Whichever call reaches the dead engine first (the thread's next
+    round, or the learner's weight push), rank 0 stops with one message naming the engine, code 2 (its thread ends
+    outside any collective), and the whole run ends instead of waiting: before, the other rank's thread waited in
+    the round's gather and its learner for its batch, until the deadline, 30 minutes on."""
+    from helpers import run_torchrun
+
+    (tmp_path / "killer.py").write_text(
+        "import os, psutil\n"
+        "from megarl.rewards.echo import reward as echo\n"
+        "calls = 0\n"
+        "def reward(completions, answers):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 40 and os.environ['RANK'] == '0':\n"
+        "        for child in psutil.Process().children(recursive=True):\n"
+        "            child.kill()\n"
+        "    return echo(completions, answers)\n")
+    sets = [f"checkpoint.dir={tmp_path / 'ckpt'}", "trainer.reward=killer:reward", "trainer.num_steps=50",
+            "tracking.backend=none", "checkpoint.save_every=0", "async_rl.mode=separate", "async_rl.chunk_tokens=2",
+            "algorithm.rollout_correction=token_tis", *SEEDS]
+    start = time.monotonic()
+    proc = run_torchrun(["megarl/train.py", "--config", "recipes/tiny_cpu_grpo.yaml",
+                         *[a for o in sets for a in ("--set", o)]], nproc=2, timeout=600,
+                        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])})
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert re.search(r"megarl error: the rollout engine failed during (generate|hand-over)", proc.stderr), \
+        proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 400  # a hang would run to rollout.timeout_minutes (30)
+    assert len((tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()) < 50
 
 
 @pytest.mark.slow

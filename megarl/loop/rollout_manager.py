@@ -27,6 +27,7 @@ from megarl.rewards.scorer import RewardScorer
 from megarl.rollout.agent import agent_metrics, make_rollout
 from megarl.rollout.base import Completion, Enough, SamplingParams
 from megarl.rollout.factory import make_engine
+from megarl.rollout.failures import EngineFailed
 from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
 from megarl.rollout.inflight import Group
 
@@ -246,10 +247,23 @@ class RolloutManager:
         mine, seeded = self.engine.group.share(len(prompts), params)
         assert enough is None or self.engine.group.num_groups == 1, "generate_until runs on one engine"
         mine_prompts = [prompts[i] for i in mine]
-        made = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
-                else self.engine.generate_until(mine_prompts, seeded, enough))
+        world = self.groups.dims.world_size
+        try:
+            made = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
+                    else self.engine.generate_until(mine_prompts, seeded, enough))
+        except Exception as err:
+            if world == 1:
+                raise
+            # Every rank learns of it in the gather and stops here too: separate's generation threads would
+            # otherwise wait for this rank's part, and their learners for their batches, until the deadline.
+            every_rank(f"rank {self.groups.rank}'s rollout engine failed, so this rank stops too: "
+                       f"{' '.join(str(err).split())[:1500]}", world, group or self._host_group)
+            raise
         done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in made]
-        everything = every_rank(done, self.groups.dims.world_size, group or self._host_group)
+        everything = every_rank(done, world, group or self._host_group)
+        failures = [part for part in everything if isinstance(part, str)]
+        if failures:
+            raise EngineFailed(failures[0])
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
 
 

@@ -29,9 +29,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megarl.errors import UserError
+from megarl.errors import UserError, at_failure
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.inflight import Generate, Group, InFlight
+from megarl.run.interrupt import at_interrupt
+
+ABANDON_S = 10.0
+"""How long a failed or interrupted learner waits for the generation thread to end its call."""
 
 Agree = Callable[[list[int]], list[int]]
 """Each value's largest over the ranks (every rank's thread calls it with as many values, in the same order)."""
@@ -69,15 +73,18 @@ class Producer:
         """CPU seconds of this process that generation took (the engine's client side, the pool), all told."""
         self._cpu_seen = 0.0
         self.error: BaseException | None = None
+        self._abandoned = False
         self._thread = threading.Thread(target=self._run, name="megarl-rollout", daemon=True)
 
     def start(self, version: int) -> None:
         self.version = version
         self._thread.start()
+        at_failure(self.abandon)
+        at_interrupt(self.abandon)
 
     def _run(self) -> None:
         try:
-            while True:
+            while not self._abandoned:
                 posted = self._posted
                 head = self._requests[0] if posted > self._served else None
                 # A ready batch holds the rounds as a pause does: the ranks that have not asked yet will take it.
@@ -195,6 +202,13 @@ class Producer:
         groups = self.pool.take(wanted)
         cpu, self._cpu_seen = self.cpu_s - self._cpu_seen, self.cpu_s
         return groups, self.pool.metrics(groups, version) | {"async/generation_cpu_s": cpu}
+
+    def abandon(self) -> None:
+        """The learner failed or was interrupted: the thread ends after the call or collective it is in (the other
+        ranks' threads take part in theirs), so that this process never exits with it inside a collective."""
+        self._abandoned = True
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=ABANDON_S)
 
     def close(self) -> None:
         """Stop the thread, once every rank's thread has ended the round it runs (each rank calls it)."""
