@@ -389,6 +389,42 @@ def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
 
 
 @pytest.mark.slow
+def test_an_engine_that_dies_during_a_hand_over_is_an_error_not_a_hang(models):
+    """The engine core is stopped (it answers nothing), a weight hand-over is sent to it, and the core is killed
+    while the call waits for its answer: vLLM would wait for ever (a utility call's future that only the dead core
+    could resolve); the call raises at once, naming the core's exit."""
+    import threading
+    import time
+
+    import psutil
+
+    eng = VLLMEngine(models[0], dtype="float32", max_model_len=128, seed=0)
+    try:
+        [core] = [c for c in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
+        core.suspend()
+        raised: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                eng.load_files(["/nonexistent.safetensors"])
+            except BaseException as err:  # noqa: BLE001 (what the call raised is the test's subject)
+                raised.append(err)
+
+        caller = threading.Thread(target=call, daemon=True)  # a regression hangs this thread, not the suite
+        caller.start()
+        caller.join(2)
+        assert caller.is_alive() and not raised, "the call should wait for the stopped core"
+        start = time.monotonic()
+        core.kill()
+        caller.join(60)
+        assert not caller.is_alive(), "the hand-over still waits for a dead engine core"
+        assert raised and "engine core process ended" in str(raised[0]), raised
+        assert time.monotonic() - start < 30
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
 def test_an_engine_that_dies_during_an_abortable_call_is_an_error_not_a_hang(models):
     """The engine core process is killed while generate_until runs (from its ``enough``, between two engine
     steps): vLLM would leave the call waiting for the core's output for ever (the run would end only at

@@ -27,6 +27,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
@@ -366,9 +367,10 @@ class VLLMEngine:
 
 def _raise_on_core_death(llm: Any, closing: Callable[[], bool]) -> None:
     """vLLM's client notices its engine core process exit (an out-of-memory kill, a crash) and marks the engine
-    dead, but a call already waiting for the core's output waits on forever (vLLM 0.32: the output thread stops
-    without a word), until rollout.timeout_minutes ends the run with the wrong cause. Wake that call with the
-    exit instead: an error in the client's output queue is raised by the waiting step, as vLLM's EngineDeadError.
+    dead, but a call already waiting for the core's output, or for the answer to a utility call (a hand-over),
+    waits on forever (vLLM 0.32: the output thread stops without a word), until rollout.timeout_minutes ends the
+    run with the wrong cause. Wake that call with the exit instead: an error in the client's output queue is
+    raised by the waiting step, as vLLM's EngineDeadError, and a pending utility call's future fails.
     ``closing()``: whether this process ended the engine itself (then nothing is raised). Without these client
     internals (another vLLM), the deadline remains."""
     client: Any = getattr(llm.llm_engine, "engine_core", None)
@@ -383,5 +385,12 @@ def _raise_on_core_death(llm: Any, closing: Callable[[], bool]) -> None:
             client.resources.engine_dead = True
             codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in procs if p.exitcode is not None)
             outputs.put_nowait(RuntimeError(f"vLLM's engine core process ended ({codes})"))
+            # A call of the core's utilities (a hand-over's collective_rpc, sleep, wake) waits on a future of its
+            # own, which the dead core never answers: fail it too.
+            pending = getattr(client, "utility_results", {})
+            for call_id in list(pending):
+                future = pending.pop(call_id, None)
+                if isinstance(future, Future) and not future.done():
+                    future.set_exception(RuntimeError(f"vLLM's engine core process ended ({codes})"))
 
     threading.Thread(target=watch, name="megarl-vllm-core-watch", daemon=True).start()
