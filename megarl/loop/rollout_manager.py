@@ -52,8 +52,8 @@ class RolloutManager:
         self.separate = cfg.async_rl.mode == "separate"
         """The engine never sleeps: it generates while the learner trains."""
         # separate: the generation thread's own collectives (a round's gather, the threads' agreement), beside the
-        # learner's; a gloo group's calls are ordered by the thread that makes them.
-        # Its collectives wait at most as long as an engine call may take: a rank whose thread died ends the others'.
+        # learner's (a gloo group's calls are ordered by the thread that makes them); each waits at most as long as
+        # an engine call may take.
         self._thread_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.rollout.timeout_minutes)) \
             if self.separate and groups.dims.world_size > 1 else None
         self.partial = PartialRollouts(cfg, stop_ids, times, self._score_early,
