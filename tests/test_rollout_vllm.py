@@ -388,6 +388,20 @@ def test_an_aborted_sample_resumed_from_its_tokens_equals_the_whole_one(engine):
            [c.token_ids for c in engine.generate(PROMPTS, seeded)]
 
 
+def engine_cores(before: set[int]) -> list:
+    """The engine core processes of the engine started since ``before`` (this process's children then)."""
+    import psutil
+
+    cores = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid not in before and "EngineCore" in " ".join(child.cmdline()):
+                cores.append(child)
+        except psutil.Error:  # a process that ended meanwhile
+            continue
+    return cores
+
+
 @pytest.mark.slow
 def test_an_engine_that_dies_during_a_hand_over_is_an_error_not_a_hang(models):
     """The engine core is stopped (it answers nothing), a weight hand-over is sent to it, and the core is killed
@@ -398,9 +412,10 @@ def test_an_engine_that_dies_during_a_hand_over_is_an_error_not_a_hang(models):
 
     import psutil
 
+    before = {c.pid for c in psutil.Process().children(recursive=True)}  # the module's engine's among them
     eng = VLLMEngine(models[0], dtype="float32", max_model_len=128, seed=0)
     try:
-        [core] = [c for c in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
+        [core] = engine_cores(before)
         core.suspend()
         raised: list[BaseException] = []
 
@@ -435,21 +450,17 @@ def test_an_engine_that_dies_during_an_abortable_call_is_an_error_not_a_hang(mod
 
     import psutil
 
+    before = {c.pid for c in psutil.Process().children(recursive=True)}  # the module's engine's among them
     eng = VLLMEngine(models[0], dtype="float32", max_model_len=128, seed=0)
     try:
         killed: list[int] = []
+        cores = engine_cores(before)
 
         def kill(done):
-            # Once: the killed core stays a zombie until vLLM reaps it, and asking a zombie its cmdline raises.
-            if killed:
-                return False
-            for child in psutil.Process().children(recursive=True):
-                try:
-                    if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM"):
-                        child.kill()
-                        killed.append(child.pid)
-                except psutil.Error:
-                    continue
+            if not killed:  # once: the killed core stays a zombie until vLLM reaps it
+                for core in cores:
+                    core.kill()
+                    killed.append(core.pid)
             return False
 
         raised: list[BaseException] = []
