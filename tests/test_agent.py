@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, threads_as_ranks
 from megarl.algos.losses import token_weights
 from megarl.config import AgentConfig, AlgorithmConfig, ToolConfig, build_config
 from megarl.data.batching import TokenizedPrompt
@@ -553,17 +553,7 @@ def test_an_engine_that_fails_on_one_rank_stops_every_rank_in_the_same_gather(mo
 
     from megarl.rollout.failures import EngineFailed
 
-    gathered: list[object] = [None, None]
-    barrier = threading.Barrier(2, timeout=30)
-
-    def all_gather(out: list, part: object, group: object = None) -> None:
-        rank = int(threading.current_thread().name)
-        gathered[rank] = part
-        barrier.wait()
-        out[:] = list(gathered)
-        barrier.wait()
-
-    monkeypatch.setattr("torch.distributed.all_gather_object", all_gather)
+    monkeypatch.setattr("torch.distributed.all_gather_object", threads_as_ranks(2))
 
     def broken(prompts, params):
         raise RuntimeError("engine core process ended")

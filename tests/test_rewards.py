@@ -223,6 +223,7 @@ def test_ranks_score_disjoint_shares_and_all_train_on_every_score(monkeypatch) -
     async_rl every other group (by admission order), and both return every score, as one rank scoring all would."""
     from types import SimpleNamespace
 
+    from helpers import threads_as_ranks
     from megarl.loop.rollout_manager import RolloutManager
     from megarl.loop.timing import PartTimes
     from megarl.rollout.base import Completion
@@ -230,17 +231,7 @@ def test_ranks_score_disjoint_shares_and_all_train_on_every_score(monkeypatch) -
 
     calls: list[tuple[int, list[str]]] = []
     scorer = RewardScorer("megarl.rewards.echo:reward", 0)
-    gathered: list[object] = [None, None]
-    barrier = threading.Barrier(2)
-
-    def all_gather(out: list, part: object, group: object = None) -> None:
-        rank = int(threading.current_thread().name)
-        gathered[rank] = part
-        barrier.wait()
-        out[:] = list(gathered)
-        barrier.wait()
-
-    monkeypatch.setattr("torch.distributed.all_gather_object", all_gather)
+    monkeypatch.setattr("torch.distributed.all_gather_object", threads_as_ranks(2))
 
     def manager(rank: int, world: int) -> RolloutManager:
         m = RolloutManager.__new__(RolloutManager)
