@@ -21,6 +21,7 @@
 #   async_abort, gsm8k_async_abort   colocated_async without chunks: SGLang aborts the unfinished requests once a
 #             batch is done (async_rl.chunk_tokens null)
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
+#   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 32768)
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
 # PROFILE=STEP traces that step of every GSM8K run (train.py --profile) and writes its per-phase summary
@@ -36,6 +37,7 @@ EVAL_EVERY=${EVAL_EVERY:-5}
 CHUNK=${CHUNK:-64}
 GSM8K_STEPS=${GSM8K_STEPS:-8}
 GSM8K_EVAL_EVERY=${GSM8K_EVAL_EVERY:-0}
+WIDE=${WIDE:-65536}
 RUNS=${RUNS:-sync async opd gsm8k_sync gsm8k_async}
 source benchmarks/h200_common.sh
 h200_session
@@ -84,11 +86,14 @@ SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
 # The async_rl settings of run $1 (into sets), the same for an arith run and its gsm8k_ twin; none for sync.
 mode_sets() {
   local run=${1#gsm8k_}
-  case ${run%_mps} in
+  run=${run%_mps}
+  case ${run%_wide} in
     async) sets=("${ASYNC[@]}") ;; async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
     async_abort) sets=("${ABORT[@]}") ;; separate) sets=("${SEPARATE[@]}") ;;
     separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
   esac
+  [[ $run == *_wide ]] && sets+=(--set actor.max_tokens_per_gpu="$WIDE")
+  return 0
 }
 
 all_runs() {
@@ -135,7 +140,7 @@ for part in $PART; do case $part in
   start)
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
-      GSM8K_STEPS=$GSM8K_STEPS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+      GSM8K_STEPS=$GSM8K_STEPS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
