@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,13 @@ def make_hf_model(path: Path, family: str, seed: int = 0, max_shard_size: str | 
             param.normal_(1.0 if "norm" in name else 0.0, 1.0 if name.endswith("mlp.gate.weight") else 0.05)
     model.to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous the test starts itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_torchrun(target: list[str], nproc: int, timeout: float = 600, env: dict[str, str] | None = None

@@ -1,10 +1,10 @@
 """Engines started under torchrun: their processes must be able to form their own torch.distributed world."""
 
 import os
-import socket
 import subprocess
 import sys
 
+from helpers import free_port
 from megarl.rollout.base import engine_process_env
 
 # What an engine's worker does at start: a one-rank world through a tcp:// rendezvous of its own.
@@ -16,14 +16,8 @@ print("ok")
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_child() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RENDEZVOUS, str(_free_port())], env=dict(os.environ),
+    return subprocess.run([sys.executable, "-c", RENDEZVOUS, str(free_port())], env=dict(os.environ),
                           capture_output=True, text=True, timeout=120)
 
 

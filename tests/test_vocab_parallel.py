@@ -3,13 +3,12 @@ reference, in value and in each TP rank's gradient, also when a rank's vocab sha
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import free_port
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 
 LOCAL_VOCAB = 4
@@ -55,18 +54,12 @@ def _worker(rank: int, world: int, port: int, vocab_size: int, temperature: floa
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # vocab 7 of 8 columns: one padded column; vocab 3: rank 1's shard is padding only (the NaN case).
 @pytest.mark.parametrize("world,vocab_size,temperature", [(1, 3, 1.0), (2, 7, 0.7), (2, 3, 1.3), (2, 8, 1.0)])
 def test_vocab_parallel_logprobs_and_entropy_match_full_vocab(world, vocab_size, temperature):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, vocab_size, temperature, queue)) for r in range(world)]
     for p in procs:
         p.start()

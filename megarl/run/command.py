@@ -1,5 +1,5 @@
-"""How a command ends: a UserError as one paragraph and exit code 2, an interrupt as 128 + the signal, a finished
-run on a GPU without C++ static destructors."""
+"""How a command ends: a UserError as one paragraph and exit code 2, an interrupt as 128 + the signal, a rank that
+lost another rank in one line and exit code 1, a finished run on a GPU without C++ static destructors."""
 
 from __future__ import annotations
 
@@ -17,24 +17,32 @@ def end_finished_run() -> None:
     processes are gone by now (shutdown waits for them), but they never released the CUDA IPC handles of the
     trainer's tensors they mapped, and torch's bookkeeping of those would print "Producer process has been
     terminated before all shared CUDA tensors released" at exit; the driver frees the memory either way."""
-    import atexit
-
     import torch
 
     if not torch.cuda.is_available():
         return
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` after Python's exit handlers, without C++ static destructors: besides the
+    engines' CUDA IPC handles (end_finished_run), a process group whose peer is gone aborts in its destructor."""
+    import atexit
+
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def run_main(main: Callable[[], object]) -> None:
     """Run a CLI entry point: a UserError becomes one paragraph on stderr and exit code 2. Under several
-    ranks, an error every rank raises is reported by rank 0 only. Any error runs the ``at_failure`` clean-ups,
-    an interrupt the ``at_interrupt`` ones (megarl.run.interrupt)."""
+    ranks, an error every rank raises is reported by rank 0 only, and a rank whose collective fails because another
+    rank's process ended says so in one line (exit code 1) instead of a traceback that would bury that rank's
+    error. Any error runs the ``at_failure`` clean-ups, an interrupt the ``at_interrupt`` ones
+    (megarl.run.interrupt)."""
     try:
         main()
     except (Interrupted, KeyboardInterrupt) as stop:
@@ -53,4 +61,21 @@ def run_main(main: Callable[[], object]) -> None:
     except BaseException as err:  # a bug or an unforeseen error: its traceback, and the run marked failed
         if not isinstance(err, SystemExit) or err.code not in (None, 0):
             failed()
+        if lost_peer(err) and os.environ.get("MEGARL_DEBUG") != "1":
+            # Not through report(): the launcher prints the error file's lines last, and this one is an echo of
+            # the error that ended the other rank, not the cause.
+            print(f"megarl: rank {os.environ.get('RANK')} stopped: another rank closed its connection, most likely "
+                  "because it ended first with the error above (MEGARL_DEBUG=1 shows this rank's traceback). "
+                  f"{' '.join(str(err).split())}", file=sys.stderr, flush=True)
+            exit_now(1)
         raise
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "ncclRemoteError")
+"""What gloo's and NCCL's errors say when the process at the other end of a collective is gone."""
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because another rank's process ended (under several ranks only)."""
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(err, RuntimeError)
+            and any(text in str(err) for text in PEER_LOST))
