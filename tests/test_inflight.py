@@ -245,6 +245,43 @@ def test_separate_generation_keeps_the_bound_whatever_the_timing(seed):
         producer.close()
     assert producer.error is None
     assert len(trained) == len(set(trained)) == 25 * wanted
+    assert pool.dropped == pool.regenerated == 0
+
+
+@pytest.mark.parametrize("chunk", [2, None])
+def test_separate_waits_for_a_group_about_to_go_stale_instead_of_dropping_it(chunk):
+    """async_rl separate, max_staleness 1: prompt 0 needs 60 tokens, every other one 2. Step 1's batch waits for
+    prompt 0, whose oldest token would be past the bound at step 2, and trains it; before, step 1 took two fresh fast
+    groups and prompt 0 was dropped at the next push: the long answers are the ones a run would never train on."""
+    wanted = 2
+    pool = InFlight(n=1, budget=60, chunk=chunk, max_staleness=1, batch=wanted, capacity=2 * wanted, stale="drop",
+                    seed=1)
+    engine, cursor = LengthEngine({k: 60 if k == 0 else 2 for k in range(100)}), [0]
+
+    def admit(version: int) -> None:
+        while pool.room(version) >= wanted:
+            pool.admit([([cursor[0] + i], str(cursor[0] + i)) for i in range(wanted)], version)
+            cursor[0] += wanted
+
+    def generate(prompts, params, enough=None):
+        time.sleep(0.003)  # the learner's steps overlap rounds, as with a real engine
+        return engine.generate(prompts, params, enough)
+
+    producer = Producer(pool, generate, SamplingParams(seed=3), admit, timeout_s=30)
+    producer.start(0)
+    trained: list[list[int]] = []
+    try:
+        for step in range(6):
+            groups, metrics = producer.take(wanted, step)
+            assert metrics["async/staleness_max"] <= 1
+            trained.append([int(g.answer) for g in groups])
+            time.sleep(0.02)  # the update
+            with producer.pushing(wanted):
+                pass
+    finally:
+        producer.close()
+    assert producer.error is None and pool.dropped == pool.regenerated == 0
+    assert 0 in trained[0] + trained[1] and sorted(sum(trained, [])) == list(range(12)), trained
 
 
 class TwoRanks:
@@ -392,6 +429,35 @@ def test_a_hung_or_failed_engine_round_is_a_named_error_not_a_hang():
     with pytest.raises(RuntimeError, match="engine process died"):
         producer.take(1, 0)
     producer.close()
+
+
+def test_an_engine_that_fails_after_the_last_batch_is_named_when_the_run_closes():
+    """The learner takes its last batch and pushes; the thread's next round fails. No later request meets the error, so closing
+    the producer (the end of the run) raises it: the run does not end as a success with a dead engine unreported."""
+    calls = []
+
+    def failing(prompts, params):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            raise RuntimeError("engine process died")
+        return [Completion(prompt_index=i, token_ids=[1], logprobs=[-0.1], finish_reason="stop")
+                for i in range(len(prompts))]
+
+    pool = InFlight(n=1, budget=4, chunk=4, max_staleness=1, batch=1, capacity=2, stale="drop", seed=None)
+    admitted = iter(range(100))
+    producer = Producer(pool, failing, SamplingParams(), lambda v: pool.admit(
+        [([1], str(next(admitted))) for _ in range(pool.room(v))], v), timeout_s=5)
+    producer.start(0)
+    groups, _ = producer.take(1, 0)
+    assert [g.answer for g in groups] == ["0"]
+    with producer.pushing(1):  # the last step's push: the next round, for a step that never comes, fails
+        pass
+    for _ in range(500):
+        if producer.error is not None:
+            break
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="engine process died"):
+        producer.close()
 
 
 def test_async_layouts_the_run_cannot_serve_are_refused_before_any_worker(tmp_path):

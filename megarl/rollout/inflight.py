@@ -138,6 +138,11 @@ class InFlight:
         late = [g for g in self.groups if (o := g.oldest()) is not None and version - o >= self.max_staleness]
         return frozenset(g.uid for g in sorted(late, key=_age)[:wanted])
 
+    def can_take(self, wanted: int, version: int) -> bool:
+        """Whether a batch of ``version`` is done: ``wanted`` groups, among them those ``urgent`` names."""
+        done = {g.uid for g in self.groups if g.done()}
+        return len(done) >= wanted and self.urgent(version, wanted) <= done
+
     def round(self, generate: Generate, params: SamplingParams, version: int,
               stop: Callable[[int], bool] = lambda ready: False, must: frozenset[int] = frozenset()) -> int:
         """Every unfinished sample goes on under the weights of ``version``: by a chunk (``chunk`` tokens), or

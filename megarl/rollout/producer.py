@@ -73,6 +73,8 @@ class Producer:
         """CPU seconds of this process that generation took (the engine's client side, the pool), all told."""
         self._cpu_seen = 0.0
         self.error: BaseException | None = None
+        self._met = False
+        """Whether the learner was given ``error`` (where it waits, or when it posts)."""
         self._abandoned = False
         self._thread = threading.Thread(target=self._run, name="megarl-rollout", daemon=True)
 
@@ -88,7 +90,7 @@ class Producer:
                 posted = self._posted
                 head = self._requests[0] if posted > self._served else None
                 # A ready batch holds the rounds as a pause does: the ranks that have not asked yet will take it.
-                hold = head is not None and (head.kind != "take" or self.pool.ready() >= head.wanted)
+                hold = head is not None and (head.kind != "take" or self.pool.can_take(head.wanted, head.version))
                 everyone, someone_holds = self._agreed(posted, hold)
                 if everyone:
                     assert head is not None
@@ -106,8 +108,9 @@ class Producer:
                 self.pool.expire(self.version)
                 self.admit(self.version)
                 busy = any(not s.done for g in self.pool.groups for s in g.samples)
-                if busy:
-                    self.pool.round(self.generate, self.params, self.version, stop=self._stop_round)
+                if busy:  # a batch waits for its groups that would go stale next: cut only once they are done
+                    must = self.pool.urgent(head.version, head.wanted) if head and head.kind == "take" else frozenset()
+                    self.pool.round(self.generate, self.params, self.version, stop=self._stop_round, must=must)
                 self.cpu_s += time.thread_time() - start
                 if not busy:  # the pool is full and done: wait for the learner to take a batch
                     time.sleep(0.01)
@@ -130,7 +133,7 @@ class Producer:
     def _serve_take(self, request: _Request) -> bool:
         """Serve a batch if the pool has it; False: a round must make it first."""
         self.pool.expire(request.version)
-        if self.pool.ready() < request.wanted:
+        if not self.pool.can_take(request.wanted, request.version):
             return False
         request.taken = self._taken(request.wanted, request.version)
         self._served_one()
@@ -181,12 +184,14 @@ class Producer:
             self.version += 1
             self.pool.expire(self.version)
             self.admit(self.version)
-            if self.pool.ready() >= wanted:
+            if self.pool.can_take(wanted, self.version):
                 self._next = (self.version, *self._taken(wanted, self.version))
 
     def take(self, wanted: int, version: int) -> tuple[list[Group], dict[str, float]]:
-        """The first ``wanted`` done groups once there are so many (generation goes on meanwhile), checked
-        against the staleness bound at ``version``, the weights that train them; and the pool's async/* metrics."""
+        """The first ``wanted`` done groups once there are so many, among them every group that would be stale at
+        the next version (generation goes on meanwhile), checked against the staleness bound at ``version``, the
+        weights that train them; and the pool's async/* metrics."""
+        self._raise()  # a thread that failed after the push's pause took this batch: not one more step
         if self._next is not None:  # every rank took it in the same pause
             taken_at, groups, metrics = self._next
             self._next = None
@@ -211,11 +216,15 @@ class Producer:
             self._thread.join(timeout=ABANDON_S)
 
     def close(self) -> None:
-        """Stop the thread, once every rank's thread has ended the round it runs (each rank calls it)."""
+        """Stop the thread, once every rank's thread has ended the round it runs (each rank calls it); raise what
+        ended it if that was an error the learner never met (after the last batch), unless the learner failed."""
         if self._thread.is_alive() and self.error is None:
             self._post(_Request(kind="stop"))
             self._thread.join(timeout=self.timeout_s)
+        if not self._abandoned and not self._met:
+            self._raise()
 
     def _raise(self) -> None:
         if self.error is not None:
+            self._met = True
             raise self.error
