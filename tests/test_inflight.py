@@ -432,8 +432,9 @@ def test_a_hung_or_failed_engine_round_is_a_named_error_not_a_hang():
 
 
 def test_an_engine_that_fails_after_the_last_batch_is_named_when_the_run_closes():
-    """The learner takes its last batch and pushes; the thread's next round fails. No later request meets the error, so closing
-    the producer (the end of the run) raises it: the run does not end as a success with a dead engine unreported."""
+    """The learner takes its last batch and pushes; the thread's next round fails. No later request meets the
+    error, so closing the producer (the end of the run) raises it: the run does not end as a success with a dead
+    engine unreported."""
     calls = []
 
     def failing(prompts, params):
