@@ -9,11 +9,11 @@ import torch
 
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
-from megarl.models.mapping import REPLICATED, param_rules
+from megarl.models.mapping import REPLICATED, hf_shapes, param_rules
 from megarl.models.presets import preset_or_hf_spec
 from megarl.reshard.engine_layout import engine_tensors
 from megarl.reshard.executor import Resharder, allocate_flat_buckets, engine_tensor_allocations
-from megarl.reshard.planner import LinkModel, engine_groups, make_plan
+from megarl.reshard.planner import LinkModel, engine_groups, make_plan, unit_bytes
 from megarl.reshard.predict import describe_plan, predict_ms
 from megarl.rollout.group import EngineGroup
 
@@ -28,7 +28,9 @@ def check_exactly_once(plan):
     for bucket in plan.buckets:
         for t in bucket:
             covered[t.dst_rank, t.dst_name].append((t.dst_offset, t.dst_offset + t.length))
-    for g in range(plan.dims.world_size):
+    for g in range(plan.num_gpus):
+        if plan.engine_rank(g) < 0:
+            continue
         for tensor in engine_tensors(plan.spec, plan.rollout_tp, plan.engine_rank(g)):
             want = sorted((p.offset, p.offset + p.length) for p in tensor.pieces)
             got = sorted(covered.pop((g, tensor.name), []))
@@ -352,3 +354,72 @@ def test_moe_experts_come_from_their_expert_parallel_rank_exactly_once(tmp_path,
         holds = (dims.ep_rank(t.dst_rank) == expert // per_rank and dst["pp"] == dims.coords(t.src_rank)["pp"]
                  and dst["tp"] == dims.coords(t.src_rank)["tp"])
         assert t.local or not holds, f"{t} moves an expert shard its destination already holds"
+
+
+def engine_rank_bytes(spec, r, k):
+    """Bytes (2 per element) of engine rank k of R: its tensors but their vocabulary padding (never sent)."""
+    shapes = hf_shapes(spec)
+    return sum(p.length * unit_bytes(shapes, p, 2) for t in engine_tensors(spec, r, k) for p in t.pieces)
+
+
+SEPARATE = [(*mesh, r, e) for mesh in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 1, 2), (2, 2, 1))
+            for r, e in ((1, 2), (2, 2), (2, 4), (4, 4), (1, 8))]
+
+
+@pytest.mark.parametrize("tp,pp,dp,r,e", SEPARATE)
+def test_engines_on_gpus_of_their_own_receive_exactly_their_bytes_from_the_trainer(tp, pp, dp, r, e):
+    """async_rl separate on GPUs of its own: E engine GPUs after the trainer's world. Each receives every byte of
+    its engine rank exactly once and nothing more; a trainer GPU receives nothing and copies nothing locally; a byte
+    crosses into a node once (4 GPUs a node: engines share the trainer's last node or have nodes of their own)."""
+    dims = ParallelDims(tp=tp, pp=pp, dp=dp)
+    world = dims.world_size
+    plan = make_plan(TINY, dims, r, gpus_per_node=4, element_size=2, bucket_bytes=256 * 1024, engine_gpus=e)
+    assert plan.separate and plan.num_gpus == world + e
+    assert plan.engine_ranks == [-1] * world + [i % r for i in range(e)]
+    assert [len(engine) for engine in plan.engines()] == [r] * (e // r)
+    check_exactly_once(plan)
+    check_relays(plan)
+    check_bucket_bounds(plan)
+    assert set(bytes_entering_nodes(plan).values()) <= {1}
+    links = plan.link_bytes()
+    received = defaultdict(int)
+    for (src, dst), nbytes in links.items():
+        assert src != dst and dst >= world, (src, dst)
+        received[dst] += nbytes
+    assert received == {g: engine_rank_bytes(TINY, r, plan.engine_rank(g)) for g in range(world, world + e)}
+    # The origin of every byte is a trainer GPU holding it; an engine GPU sends only what it forwards.
+    assert all(t.src_rank < world and (t.via < 0 or t.via >= world) for b in plan.buckets for t in b)
+
+
+def test_engines_of_their_own_are_fed_by_every_data_parallel_replica_and_the_nearest_first():
+    """TP2 DP2 on GPUs 0-3, two engines of one GPU each on 4-5. 8 GPUs a node: every replica feeds them, within
+    10% of each other. 4 GPUs a node: the engines have a node of their own, and each byte enters it once."""
+    dims = ParallelDims(tp=2, pp=1, dp=2)
+    plan = make_plan(TINY, dims, 1, gpus_per_node=8, element_size=2, engine_gpus=2)
+    sent = defaultdict(int)
+    for (src, _), nbytes in plan.link_bytes().items():
+        sent[src] += nbytes
+    assert min(sent[g] for g in range(4)) / max(sent[g] for g in range(4)) > 0.9, dict(sent)
+    apart = make_plan(TINY, dims, 1, gpus_per_node=4, element_size=2, engine_gpus=2)
+    stats = apart.stats()
+    assert stats["inter_node_bytes"] == engine_rank_bytes(TINY, 1, 0)  # one copy enters; GPU 4 or 5 forwards it
+    assert check_relays(apart) > 0
+
+
+def test_llama3_8b_to_engines_of_their_own_moves_a_shard_not_the_model():
+    """The peers' way to separate engines broadcasts every full tensor to every engine GPU (the whole model, 16
+    GB, into each); here each of 8 engine GPUs (R2) receives its engine rank's half, and a byte crosses from the
+    trainer's node into the engines' once."""
+    spec = preset_or_hf_spec("llama3-8b")
+    plan = make_plan(spec, ParallelDims(tp=4, pp=2, dp=1), 2, element_size=2, engine_gpus=8)
+    stats = plan.stats()
+    assert stats["max_recv_bytes_per_gpu"] == stats["engine_bytes_per_gpu"]
+    assert stats["max_recv_bytes_per_gpu"] < stats["naive_bytes_per_gpu"] / 1.9
+    assert stats["local_bytes"] == 0
+    assert stats["inter_node_bytes"] == engine_rank_bytes(spec, 2, 0) + engine_rank_bytes(spec, 2, 1)
+    assert "8 GPU(s)" not in describe_plan(plan) and "4 engine(s) of 2 GPU(s)" in describe_plan(plan)
+
+
+def test_engine_gpus_that_do_not_split_into_engines_are_rejected():
+    with pytest.raises(UserError, match="must divide the engines' 3 GPUs"):
+        make_plan(TINY, ParallelDims(tp=2, pp=1, dp=1), 2, element_size=2, engine_gpus=3)

@@ -16,6 +16,19 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     # qwen3: QK-norm, head_dim 32 with hidden 64 (attention wider than the residual stream).
     qwen3 = make_hf_model(tmp_path / "qwen3", "qwen3")
     rows = run_worker("reshard.py", tmp_path, llama, qwen2, qwen3)
+    separate = [r for r in rows if r.get("separate")]
+    rows = [r for r in rows if not r.get("separate")]
+    # Engines on ranks of their own (async_rl separate): trainer meshes of 1-2 ranks, engines on the other 2-3, every
+    # rollout TP dividing them. Each engine rank equals the reference, written by the resharder or by the engine's
+    # own copy, verified by checksum, having received exactly its bytes; a trainer rank receives nothing.
+    meshes = {(1, 1, 1): (1,), (2, 1, 1): (1, 2), (1, 2, 1): (1, 2), (1, 1, 2): (1, 2)}
+    assert {(r["model"], r["tp"], r["pp"], r["dp"], r["R"]) for r in separate} == {
+        (m, *mesh, R) for m in ("llama", "qwen2", "qwen3") for mesh, rs in meshes.items() for R in rs}
+    for r in separate:
+        assert r["exact"] and r["in_engine"] and r["verified"], r
+        assert r["received"] == (r["needed"] if r["engine"] else 0), r
+        assert r["engine"] == (r["rank"] >= r["tp"] * r["pp"] * r["dp"]), r
+    assert max(r["rounds"] for r in separate) > 5
     layouts = {(r["model"], r["tp"], r["pp"], r["R"], r["dtype"]) for r in rows}
     expected = {(m, tp, pp, R, "torch.float32") for m in ("llama", "qwen3") for tp in (1, 2) for pp in (1, 2)
                 for R in (1, 2, 4)}

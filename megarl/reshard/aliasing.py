@@ -46,7 +46,7 @@ def aliased_shares(plan: Plan) -> list[float]:
     """Per GPU: the share of its engine rank's bytes that are views of the actor's tensors."""
     out = []
     for rank, views in enumerate(aliases(plan)):
-        shapes = plan.dst_shapes[plan.engine_rank(rank)]
+        shapes = plan.engine_shapes(rank)
         out.append(sum(math.prod(shapes[n]) for n in views) / sum(math.prod(s) for s in shapes.values()))
     return out
 
@@ -81,7 +81,7 @@ def aliases_weights(cfg: Config, spec: ModelSpec, dims: ParallelDims, plan: Plan
 def aliased_views(plan: Plan, rank: int, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This GPU's engine parameters that alias the actor's tensors ``src`` (canonical Megatron names), as views of
     them in the engine's shapes."""
-    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    shapes = plan.engine_shapes(rank)
     out = {}
     for name, (src_name, offset) in aliases(plan)[rank].items():
         flat = src[src_name].view(-1)

@@ -110,6 +110,8 @@ class Resharder:
     their storages may move (offloaded and brought back) and ``dst``'s tensors may be replaced in the same
     dict (freed during rollout, allocated again), and the next refit binds again. With
     ``in_engine`` there is no ``dst``: the engine rank writes its parameters itself from ``engine_copy()``.
+    With the engines on GPUs of their own (``plan.separate``), a trainer GPU holds no engine tensors (``dst`` is
+    empty) and an engine GPU no trainer tensors (``src`` is empty; pass ``device``).
     """
 
     def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
@@ -133,7 +135,7 @@ class Resharder:
         src_index = {n: i for i, n in enumerate(self.src_names)}
         dst_index = {n: i for i, n in enumerate(self.dst_names)}
         es = plan.element_size
-        dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
+        dst_shapes = plan.engine_shapes(rank)
         self._needs_pool = any(not t.local and rank in (t.sender, t.dst_rank) for b in plan.buckets for t in b)
         self._src_dict, self._dst_dict = src, dst
         self._specs: list[_BucketSpec] = []
@@ -166,7 +168,7 @@ class Resharder:
                     if t.via == rank:  # packed as it arrived: one run
                         forwards.append(Segment(0, received[t.feeder()], t.nbytes, 0, offset, t.nbytes, 1, t.nbytes))
                     else:
-                        packs.append(_segment(t, plan.src_shapes[t.src_name], plan.dst_shapes[plan.engine_rank(peer)]
+                        packs.append(_segment(t, plan.src_shapes[t.src_name], plan.engine_shapes(peer)
                                               [t.dst_name], es, src_index[t.src_name], 0, dst_packed=offset))
                     offset += t.nbytes
                 send_regions.append((peer, start, offset - start))
@@ -268,14 +270,14 @@ class Resharder:
         expected_src = {t.src_name for b in plan.buckets for t in b if t.src_rank == rank}
         check_tensors(src, {n: plan.src_shapes[n] for n in expected_src}, plan.element_size, f"trainer, rank {rank}")
         if dst is not None:
-            check_tensors(dst, plan.dst_shapes[plan.engine_rank(rank)], plan.element_size, f"engine, rank {rank}")
+            check_tensors(dst, plan.engine_shapes(rank), plan.element_size, f"engine, rank {rank}")
 
     def engine_copy(self) -> EngineCopy:
         """The engine rank's share of the refit on this GPU (``in_engine`` mode): from ``sources`` (this
         rank's trainer tensors, then the landing buffer) into its parameters, round r after ``refit(r)``."""
         assert self.in_engine
         self.bind()
-        shapes = self.plan.dst_shapes[self.plan.engine_rank(self.rank)]
+        shapes = self.plan.engine_shapes(self.rank)
         bounds = [0]
         for segments in self._engine_segments:
             bounds.append(bounds[-1] + len(segments))
@@ -297,7 +299,7 @@ class Resharder:
     def expected_checksums(self) -> torch.Tensor:
         """int64 [len(dst_names), 2]: what this GPU's engine rank must report after the refit of the trainer's
         current weights (megarl.reshard.verify; collective over the world)."""
-        return expected_checksums(self.plan, self.rank, self._src_dict, self.group)
+        return expected_checksums(self.plan, self.rank, self._src_dict, self.group, self.device)
 
     def verify(self, engine: ReportsChecksums, handover: int) -> None:
         """rollout.verify_every: every engine rank's parameters against the actor's weights, by checksum; raises
@@ -449,7 +451,7 @@ def padding_rows(plan: Plan, rank: int) -> dict[str, int]:
         for t in b:
             if t.dst_rank == rank and t.dim == 0:
                 covered[t.dst_name] = max(covered.get(t.dst_name, 0), t.dst_offset + t.length)
-    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    shapes = plan.engine_shapes(rank)
     return {name: covered.get(name, 0) for name in ("model.embed_tokens.weight", "lm_head.weight")
             if name in shapes and covered.get(name, 0) < shapes[name][0]}
 
@@ -483,7 +485,7 @@ def check_tensors(given: dict[str, torch.Tensor], shapes: dict[str, tuple[int, .
 def engine_tensor_allocations(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device
                               ) -> dict[str, torch.Tensor]:
     """Fresh engine-layout tensors for ``rank`` (tests, benchmarks, and engines without their own)."""
-    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    shapes = plan.engine_shapes(rank)
     return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
 
 
@@ -501,7 +503,7 @@ def allocate_flat_buckets(plan: Plan, rank: int, dtype: torch.dtype, device: tor
                           max_bytes: int = 512 * 2**20) -> list[FlatBucket]:
     """Engine-layout tensors of ``rank`` as views into flat buffers of at most ``max_bytes`` each
     (a larger tensor gets a buffer of its own), in forward order, each tensor 256-byte aligned."""
-    shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    shapes = plan.engine_shapes(rank)
     element = torch.empty((), dtype=dtype).element_size()
     groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
     used = 0

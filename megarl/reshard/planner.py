@@ -11,6 +11,9 @@ every refit. Guarantees:
   slice, a replica on another node sends it to one GPU of that node that needs it (the landing GPU, bytes
   landed balanced over them), which forwards it over NVLink, in the next bucket, to the node's other GPUs
   of the same engine rank (``Transfer.via``);
+- engines may also sit on GPUs of their own (``engine_gpus``), after the trainer's: each engine GPU then
+  receives exactly its engine rank's bytes from the trainer replicas, by the same rules (nearest replica, one
+  crossing into a node, balanced), and a trainer GPU only sends;
 - transfers are grouped into buckets, layer by layer, so that no GPU sends or receives more than
   ``bucket_bytes`` per bucket, forwarded bytes included: that bounds the executor's extra memory whatever
   the model size; of them, no more across nodes than the network moves while NVLink moves a bucket, so
@@ -82,11 +85,27 @@ class Plan:
     dst_shapes: list[dict[str, tuple[int, ...]]]
     """Engine tensor shapes by engine name, per engine rank."""
     engine_ranks: list[int] = field(default_factory=list)
-    """The engine rank each GPU (global rank) holds, chosen by ``place_engines``."""
+    """The engine rank each GPU (global rank) holds, chosen by ``place_engines``; -1 on a trainer GPU that holds
+    none (engines on GPUs of their own, which come after the trainer's)."""
     buckets: list[list[Transfer]] = field(default_factory=list)
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs taking part in the refit: the trainer's world, and the engines' own GPUs after it if any."""
+        return len(self.engine_ranks)
+
+    @property
+    def separate(self) -> bool:
+        """The engines are on GPUs of their own: no GPU both trains and generates."""
+        return self.num_gpus > self.dims.world_size
 
     def engine_rank(self, rank: int) -> int:
         return self.engine_ranks[rank]
+
+    def engine_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """The engine tensor shapes GPU ``rank`` holds: none on a trainer GPU without an engine rank."""
+        r = self.engine_ranks[rank]
+        return self.dst_shapes[r] if r >= 0 else {}
 
     def engines(self) -> list[list[int]]:
         """Each engine's GPUs (global ranks) in engine-rank order: within a node, the k-th GPU holding
@@ -103,7 +122,7 @@ class Plan:
 
     def stats(self) -> dict[str, float]:
         links = self.link_bytes()
-        world = self.dims.world_size
+        world = self.num_gpus
         cross = sum(b for (s, d), b in links.items() if s != d)
         inter_node = sum(b for (s, d), b in links.items() if s // self.gpus_per_node != d // self.gpus_per_node)
         recv = [sum(b for (s, d), b in links.items() if d == g and s != g) for g in range(world)]
@@ -119,9 +138,9 @@ class Plan:
             "max_recv_bytes_per_gpu": max(recv),
             "max_send_bytes_per_gpu": max(send),
             "engine_bytes_per_gpu": engine_bytes,
-            # verl/slime all-gather every tensor to full size on every GPU (TP all-gather, PP broadcast).
-            "naive_bytes_per_gpu": full_model * (1 - 1 / (self.dims.tp * self.dims.pp))
-            if self.dims.tp * self.dims.pp > 1 else 0,
+            # verl/slime all-gather every tensor to full size on every GPU (TP all-gather, PP broadcast); to engines
+            # on GPUs of their own they broadcast every full tensor from one trainer rank.
+            "naive_bytes_per_gpu": full_model if self.separate else full_model * (1 - 1 / self.dims.tp / self.dims.pp),
             "naive_gathered_bytes_per_gpu": full_model,
         }
 
@@ -160,6 +179,8 @@ def engine_groups(engine_ranks: list[int], rollout_tp: int) -> list[list[int]]:
     seen: dict[int, int] = defaultdict(int)
     engines: list[list[int]] = []
     for g, r in enumerate(engine_ranks):
+        if r < 0:
+            continue
         k = seen[r]
         seen[r] += 1
         while len(engines) <= k:
@@ -298,6 +319,8 @@ class _Senders:
         units: list[Unit] = []
         into_node: dict[tuple[int, int, int], list[int]] = defaultdict(list)
         for dst, r in enumerate(engine_ranks):
+            if r < 0:
+                continue
             name, runs = tensors[r]
             for j, run in enumerate(runs):
                 src = self._direct(run, dst)
@@ -344,17 +367,22 @@ def _transfer(run: _Run, name: str, dst: int, src: int) -> Transfer:
 
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
               element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128,
-              relay: bool = True, links: LinkModel | None = None) -> Plan:
+              relay: bool = True, links: LinkModel | None = None, engine_gpus: int = 0) -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
 
-    Which GPUs form each engine, and which engine rank each holds, is ``place_engines``' choice: the
-    most bytes already local. Every GPU runs a trainer rank and one engine rank (colocation). ``relay``:
+    ``engine_gpus`` 0 (colocation): every GPU runs a trainer rank and one engine rank; which GPUs form each
+    engine, and which engine rank each holds, is ``place_engines``' choice: the most bytes already local.
+    ``engine_gpus`` > 0: the engines have GPUs of their own, global ranks ``world_size`` on, engine rank =
+    (rank - world_size) % rollout_tp; every byte they hold comes from the trainer's GPUs. ``relay``:
     bytes that no GPU of a node holds cross into it once and are forwarded inside it (False: every GPU
     that needs them gets them from another node, for comparison). ``links`` (None: the measured defaults) sets
     how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time.
     """
     world = dims.world_size
-    if rollout_tp < 1 or world % rollout_tp:
+    if engine_gpus and (rollout_tp < 1 or engine_gpus % rollout_tp):
+        raise UserError(f"rollout.tensor_parallel = {rollout_tp} must divide the engines' {engine_gpus} GPUs "
+                        "(each engine spans R of them).")
+    if not engine_gpus and (rollout_tp < 1 or world % rollout_tp):
         raise UserError(f"rollout.tensor_parallel = {rollout_tp} must divide the world size {world} "
                         "(each engine spans R colocated GPUs).")
     check_rollout_tp(spec, rollout_tp)
@@ -366,11 +394,15 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     rules = param_rules(spec)
     src_shapes = {r.mcore: mcore_shape(r, spec, dims.tp, padded_vocab) for r in rules}
     layouts = [engine_tensors(spec, rollout_tp, r) for r in range(rollout_tp)]
-    held = held_bytes(spec, dims, rollout_tp, element_size, vocab_pad_multiple)
+    if engine_gpus:
+        placed = [-1] * world + [i % rollout_tp for i in range(engine_gpus)]
+    else:
+        placed = place_engines(held_bytes(spec, dims, rollout_tp, element_size, vocab_pad_multiple), rollout_tp,
+                               gpus_per_node)
     plan = Plan(spec=spec, dims=dims, rollout_tp=rollout_tp, gpus_per_node=gpus_per_node,
                 element_size=element_size, bucket_bytes=bucket_bytes, padded_vocab=padded_vocab,
                 src_shapes=src_shapes, dst_shapes=[{t.name: t.shape for t in layout} for layout in layouts],
-                engine_ranks=place_engines(held, rollout_tp, gpus_per_node))
+                engine_ranks=placed)
     index = _rules_by_hf(spec, dims.tp, padded_vocab)
     shapes = hf_shapes(spec)
     links = links or LinkModel()
@@ -390,7 +422,7 @@ def aliases(plan: Plan) -> list[dict[str, tuple[str, int]]]:
     holding a copy (rollout.alias_weights). With engine TP equal to trainer TP and one pipeline stage they are
     o_proj, gate_up, down_proj, the norms and a vocabulary padded alike; QKV (grouped per KV head in Megatron)
     and fused experts are not."""
-    into: list[dict[str, list[Transfer]]] = [defaultdict(list) for _ in range(plan.dims.world_size)]
+    into: list[dict[str, list[Transfer]]] = [defaultdict(list) for _ in range(plan.num_gpus)]
     for bucket in plan.buckets:
         for t in bucket:
             into[t.dst_rank][t.dst_name].append(t)
@@ -398,7 +430,7 @@ def aliases(plan: Plan) -> list[dict[str, tuple[str, int]]]:
 
 
 def _aliased(plan: Plan, rank: int, into: dict[str, list[Transfer]]) -> dict[str, tuple[str, int]]:
-    dst_shapes = plan.dst_shapes[plan.engine_rank(rank)]
+    dst_shapes = plan.engine_shapes(rank)
     out = {}
     for name, transfers in into.items():
         src = {t.src_name for t in transfers}
@@ -482,15 +514,26 @@ class _Filling:
         self.recv: list[dict[int, int]] = []
         self.network: list[dict[tuple[int, str], int]] = []
         """(GPU, "out" or "in") -> bytes across nodes."""
-        # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow).
+        # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow);
+        # before first_out[g] (first_in[g]), full across nodes.
         self.first_send: dict[int, int] = defaultdict(int)
         self.first_recv: dict[int, int] = defaultdict(int)
+        self.first_out: dict[int, int] = defaultdict(int)
+        self.first_in: dict[int, int] = defaultdict(int)
+        self.placed: dict[tuple[tuple[int, int, int], ...], int] = {}
+        """Where the last piece of the same ends and sizes (and relays') went: none of them fits before it."""
 
     def place(self, piece: Transfer, relays: list[Transfer]) -> None:
         """``piece`` into the first bucket with room for it, its ``relays`` (if any) into the bucket after."""
-        k = max(self.first_send[piece.sender], self.first_recv[piece.dst_rank])
+        # Budgets only fill, so buckets skipped for a piece stay closed to one of the same ends and size: one
+        # sender feeding many engine GPUs would otherwise rescan every bucket for each of its pieces.
+        shape = tuple((t.sender, t.dst_rank, t.nbytes) for t in (piece, *relays))
+        k = max(self.placed.get(shape, 0), self.first_send[piece.sender], self.first_recv[piece.dst_rank])
+        if self._crosses(piece):
+            k = max(k, self.first_out[piece.sender], self.first_in[piece.dst_rank])
         while not (self._fits(k, [piece]) and (not relays or self._fits(k + 1, relays))):
             k += 1
+        self.placed[shape] = k
         self._add(k, piece)
         for t in relays:
             self._add(k + 1, t)
@@ -531,6 +574,11 @@ class _Filling:
             self.first_send[g] += 1
         while self.first_recv[h] < len(self.buckets) and self.recv[self.first_recv[h]][h] >= self.limit:
             self.first_recv[h] += 1
+        n = len(self.buckets)
+        while self.first_out[g] < n and self.network[self.first_out[g]][g, "out"] >= self.network_limit:
+            self.first_out[g] += 1
+        while self.first_in[h] < n and self.network[self.first_in[h]][h, "in"] >= self.network_limit:
+            self.first_in[h] += 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ def describe_plan(plan: Plan, predict: bool = True, links: LinkModel | None = No
     text = (f"{len(engines)} engine(s) of {plan.rollout_tp} GPU(s) {engines if len(engines) <= 8 else ''}"
             f"; {len(plan.buckets)} buckets; the busiest GPU receives {stats['max_recv_bytes_per_gpu'] / gib:.2f} "
             f"GiB from other GPUs of the {stats['engine_bytes_per_gpu'] / gib:.2f} GiB its engine rank holds")
-    if predict and plan.dims.world_size > 1:
+    if predict and plan.num_gpus > 1:
         links = links or LinkModel()
         times = predict_ms(plan, links)
-        over = (f"NVLink at {links.nvlink_gbps:g} GB/s" if plan.dims.world_size <= plan.gpus_per_node else
+        over = (f"NVLink at {links.nvlink_gbps:g} GB/s" if plan.num_gpus <= plan.gpus_per_node else
                 f"NVLink at {links.nvlink_gbps:g} GB/s and the network at {links.network_gbps:g} GB/s")
         text += f"; predicted {times['predicted_ms']:.1f} ms over {over} (bound {times['bound_ms']:.1f} ms)"
     return text

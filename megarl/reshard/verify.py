@@ -57,7 +57,7 @@ def slice_checksum(src: torch.Tensor, t: Transfer, dst_shape: tuple[int, ...]) -
 def engine_names(plan: Plan) -> list[list[str]]:
     """Per GPU (global rank), the engine tensors the refit writes there, sorted: the order of
     ``Resharder.dst_names`` on that rank, and of the engine's checksums."""
-    names: list[set[str]] = [set() for _ in range(plan.dims.world_size)]
+    names: list[set[str]] = [set() for _ in range(plan.num_gpus)]
     for bucket in plan.buckets:
         for t in bucket:
             names[t.dst_rank].add(t.dst_name)
@@ -65,24 +65,25 @@ def engine_names(plan: Plan) -> list[list[str]]:
 
 
 def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
-                       group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                       group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> torch.Tensor:
     """int64 [num names, 2]: the checksums this rank's engine rank must report, in ``engine_names(plan)[rank]``
-    order. Collective over the world (``group``): every rank adds the slices it is the origin of."""
+    order. Collective over the world (``group``): every rank adds the slices it is the origin of. ``device``: where
+    the sums are made (None: that of ``src``, which an engine's own GPU does not have)."""
     per_gpu = engine_names(plan)
     row: dict[tuple[int, str], int] = {}
     for g, names in enumerate(per_gpu):
         base = len(row)
         row |= {(g, n): base + i for i, n in enumerate(names)}
-    device = next(iter(src.values())).device
+    device = device or next(iter(src.values())).device
     partial = torch.zeros(len(row), 2, dtype=torch.int64, device=device)
     for bucket in plan.buckets:
         for t in bucket:
             if t.src_rank == rank:
-                shape = plan.dst_shapes[plan.engine_rank(t.dst_rank)][t.dst_name]
+                shape = plan.engine_shapes(t.dst_rank)[t.dst_name]
                 k = row[t.dst_rank, t.dst_name]
                 partial[k] = (partial[k] + slice_checksum(src[t.src_name], t, shape)) % PRIME
-    if dist.is_initialized() and plan.dims.world_size > 1:
-        dist.all_reduce(partial, group=group)  # world_size * PRIME stays far below 2^63
+    if dist.is_initialized() and plan.num_gpus > 1:
+        dist.all_reduce(partial, group=group)  # num_gpus * PRIME stays far below 2^63
     first = row[rank, per_gpu[rank][0]] if per_gpu[rank] else 0
     return partial[first:first + len(per_gpu[rank])] % PRIME
 

@@ -9,7 +9,9 @@ same in in-engine mode (this side sends and lands remote bytes, the engine's Han
 round by round when the landing buffer holds one bucket, at once when it holds all), whose result the
 hand-over checksums (megarl.reshard.verify) must confirm, and whose corruption they must name. Plans put
 2 GPUs on a node, so that with PP2 in the tp-dp-pp order each stage has its nodes: bytes of the other stage
-cross into a node once and are relayed inside it.
+cross into a node once and are relayed inside it. Last, engines on ranks of their own (async_rl separate): a
+trainer mesh on the first ranks, read from HF through the mapping, refits into engines on the others, which must
+equal the same reference, verified, each having received exactly its engine rank's bytes.
 """
 
 import json
@@ -34,9 +36,10 @@ from megarl.distributed.parallel import (  # noqa: E402
     model_parallel_seed,
 )
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights  # noqa: E402
+from megarl.models.mapping import param_rules, pipeline_stage, to_mcore_shard  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.reshard.aliasing import aliased_views  # noqa: E402
-from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
+from megarl.reshard.executor import Resharder, engine_tensor_allocations, padding_rows  # noqa: E402
 from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
 from megarl.reshard.verify import mismatched, tensor_checksum  # noqa: E402
@@ -199,6 +202,64 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
     return results
 
 
+def trainer_shards(spec, dims: ParallelDims, rank: int, hf: dict, dtype: torch.dtype, padded_vocab: int) -> dict:
+    """A trainer rank's Megatron tensors by canonical name, read from HF through the mapping (Megatron's own
+    layout is checked against it above); none on an engine's rank."""
+    if rank >= dims.world_size:
+        return {}
+    at = dims.coords(rank)
+
+    def read(name, dim, start, stop):
+        return hf[name].narrow(dim, start, stop - start).to(dtype)
+
+    return {r.mcore: to_mcore_shard(r, spec, read, at["tp"], dims.tp, padded_vocab).contiguous()
+            for r in param_rules(spec) if pipeline_stage(r.mcore, spec, dims.pp) == at["pp"]}
+
+
+def check_separate(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype: torch.dtype) -> list[dict]:
+    """Engines on the ranks after the trainer's ``dims``: every rollout TP that divides them."""
+    spec, rank, world = load_spec(model_dir), dist.get_rank(), dist.get_world_size()
+    engine_gpus, cpu = world - dims.world_size, torch.device("cpu")
+    results = []
+    for R in (r for r in (1, 2, 4) if engine_gpus % r == 0):
+        plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=dtype.itemsize, bucket_bytes=48 * 1024,
+                         engine_gpus=engine_gpus)
+        src = trainer_shards(spec, dims, rank, hf, dtype, plan.padded_vocab)
+        engine = plan.engine_rank(rank) >= 0
+        ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, R, plan.engine_rank(rank)).items()} if engine \
+            else {}
+        dst = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
+        for t in dst.values():
+            t.fill_(float("nan"))
+        Resharder(plan, rank, src, dst, device=cpu).refit()
+        exact = sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref)
+        # The engine's own process lands the bytes and copies them into its parameters, round by round.
+        side = Resharder(plan, rank, src, None, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes)
+        params = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
+        for t in params.values():
+            t.fill_(float("nan"))
+        state, model = HandoverState(), EngineModel(params)
+        if engine:
+            state.handle(model, side.engine_copy().to_wire("actor"))
+        for r in range(side.num_rounds):
+            side.refit(r)
+            if engine:
+                state.handle(model, apply_message("actor", torch.zeros(1), r))
+        in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
+        expected = side.expected_checksums()  # collective: every rank, the engines' with nothing to add
+        verified = torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected) \
+            if engine else len(expected) == 0
+        received = sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank)
+        results.append({"model": Path(model_dir).name, "separate": True, "tp": dims.tp, "pp": dims.pp,
+                        "dp": dims.dp, "R": R, "rank": rank, "engine": engine, "exact": exact, "in_engine": in_engine,
+                        "verified": verified, "received": received,
+                        "needed": sum(t.numel() * t.element_size() for t in ref.values()) - sum(
+                            (ref[n].shape[0] - start) * ref[n][0].numel() * ref[n].element_size()
+                            for n, start in padding_rows(plan, rank).items()),
+                        "rounds": side.num_rounds})
+    return results
+
+
 def main() -> None:
     out_dir, model_dirs = Path(sys.argv[1]), sys.argv[2:]
     init_distributed(platform)
@@ -222,6 +283,9 @@ def main() -> None:
                                         torch.float32)
         # 16-bit training: every trainer tensor (norm weights included) is in the training dtype.
         results += check_layout(model_dir, hf, cfg, ParallelDims(tp=2, pp=2, dp=world // 4), torch.bfloat16)
+        if not spec.is_moe:
+            for tp, pp, dp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)):
+                results += check_separate(model_dir, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=dp), torch.bfloat16)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
