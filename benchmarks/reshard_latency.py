@@ -2,14 +2,16 @@
 
   torchrun --nproc-per-node W benchmarks/reshard_latency.py --model PRESET_OR_HF_DIR \
       --train-tp N --train-pp M --rollout-tp R [--in-engine [--landing-mb MB]] [--dump DIR] [--json OUT]
-      [--plot OUT.png] [--no-relay]
+      [--plot OUT.png] [--no-relay] [--engine-gpus E]
 
 Trainer shards hold the model in Megatron's layout (from the HF weights when --model is a
 directory, random otherwise); engine tensors are the engines' per-rank layout. Both sides share
-the GPUs (colocation). Per refit the slowest rank's time counts. The baseline does what verl and
+the GPUs (colocation), or with --engine-gpus E the engines have the last E of the world's GPUs
+(async_rl separate). Per refit the slowest rank's time counts. The baseline does what verl and
 slime do: per tensor, all-gather over TP, broadcast over PP, convert to full HF tensors, then
-slice every engine rank's part out of the full tensor. --plan-only prints the plan for a world
-size without running anything (e.g. 8 GPUs when fewer are at hand).
+slice every engine rank's part out of the full tensor; to engines of their own, trainer rank 0
+broadcasts every full tensor to them. --plan-only prints the plan for a world size without
+running anything (e.g. 8 GPUs when fewer are at hand; the trainer's GPUs, with --engine-gpus).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-iters", type=int, default=3)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--plan-only", type=int, metavar="WORLD", help="print the plan for WORLD GPUs and exit")
+    p.add_argument("--engine-gpus", type=int, default=0, metavar="E",
+                   help="engines on E GPUs of their own after the trainer's (0: colocated on the trainer's)")
     p.add_argument("--verify", action="store_true",
                    help="also time the hand-over check (rollout.verify_every): trainer and engine checksums")
     p.add_argument("--in-engine", action="store_true",
@@ -74,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.iters < 10:
         raise UserError(f"--iters {args.iters}: at least 10 warm refits are needed for p50/p99.")
+    if args.engine_gpus < 0 or args.engine_gpus % args.rollout_tp:
+        raise UserError(f"--engine-gpus {args.engine_gpus} must be a multiple of --rollout-tp {args.rollout_tp} "
+                        "(0: the engines share the trainer's GPUs).")
+    if args.engine_gpus and (args.in_engine or args.dump):
+        raise UserError("--engine-gpus runs the direct refit only: drop --in-engine and --dump.")
     return args
 
 
@@ -119,7 +128,10 @@ class NaiveRefit:
     def __init__(self, spec, plan: Plan, rank: int, src: dict, dst: dict, device: torch.device):
         self.spec, self.plan, self.rank, self.src, self.dst, self.device = spec, plan, rank, src, dst, device
         dims = plan.dims
-        self.coords = dims.coords(rank)
+        self.trainer = rank < dims.world_size
+        self.coords = dims.coords(rank) if self.trainer else {}
+        # Engines of their own: trainer rank 0 broadcasts every full tensor to them (a group every rank creates).
+        self.to_engines = dist.new_group([0, *range(dims.world_size, plan.num_gpus)]) if plan.separate else None
         self.tp_group = self.pp_group = None
         self.pp_ranks: list[int] = []
         for dp in range(dims.dp):
@@ -133,29 +145,27 @@ class NaiveRefit:
                 group = dist.new_group(ranks) if dims.pp > 1 else None
                 if rank in ranks:
                     self.pp_group, self.pp_ranks = group, ranks
-        self.engine = engine_tensors(spec, plan.rollout_tp, plan.engine_rank(rank))
+        self.engine = engine_tensors(spec, plan.rollout_tp, plan.engine_rank(rank)) if plan.engine_rank(rank) >= 0 \
+            else []
         self.rules = param_rules(spec)
         self.shapes = hf_shapes(spec)
-        self.dtype = next(iter(src.values())).dtype
+        self.dtype = next(iter((src or dst).values())).dtype
 
     @torch.no_grad()
     def refit(self) -> None:
-        dims, spec = self.plan.dims, self.spec
         hf_full: dict[str, torch.Tensor] = {}
         wanted = {p.hf for t in self.engine for p in t.pieces}
         for rule in self.rules:
-            stage = pipeline_stage(rule.mcore, spec, dims.pp)
-            shape = self.plan.src_shapes[rule.mcore]
-            local = (self.src[rule.mcore] if self.coords["pp"] == stage
-                     else torch.empty(shape, dtype=self.dtype, device=self.device))
-            if dims.pp > 1:
-                dist.broadcast(local, src=self.pp_ranks[stage], group=self.pp_group)
-            shards = [local]
-            if dims.tp > 1:
-                shards = [torch.empty_like(local) for _ in range(dims.tp)]
-                dist.all_gather(shards, local, group=self.tp_group)
-            for name, full in to_hf(rule, spec, shards, self.shapes).items():
-                if name in wanted:
+            if self.trainer:
+                for name, full in self._gather(rule).items():
+                    if self.to_engines is not None and self.rank == 0:
+                        dist.broadcast(full, src=0, group=self.to_engines)
+                    if name in wanted:
+                        hf_full[name] = full
+            else:
+                for name in rule.hf:
+                    full = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+                    dist.broadcast(full, src=0, group=self.to_engines)
                     hf_full[name] = full
             # Engine-style loading: each engine tensor takes its slices of the full HF tensors.
             for tensor in self.engine:
@@ -166,6 +176,21 @@ class NaiveRefit:
             for name in rule.hf:
                 hf_full.pop(name, None)
         sync(self.device)
+
+    def _gather(self, rule) -> dict[str, torch.Tensor]:
+        """The full HF tensors of ``rule`` on this trainer rank: PP broadcast, TP all-gather, conversion."""
+        dims = self.plan.dims
+        stage = pipeline_stage(rule.mcore, self.spec, dims.pp)
+        shape = self.plan.src_shapes[rule.mcore]
+        local = (self.src[rule.mcore] if self.coords["pp"] == stage
+                 else torch.empty(shape, dtype=self.dtype, device=self.device))
+        if dims.pp > 1:
+            dist.broadcast(local, src=self.pp_ranks[stage], group=self.pp_group)
+        shards = [local]
+        if dims.tp > 1:
+            shards = [torch.empty_like(local) for _ in range(dims.tp)]
+            dist.all_gather(shards, local, group=self.tp_group)
+        return to_hf(rule, self.spec, shards, self.shapes)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
@@ -210,17 +235,20 @@ def main(argv: list[str] | None = None) -> None:
                             order=args.rank_order)
         t0 = time.perf_counter()
         plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=args.gpus_per_node, element_size=es,
-                         bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links)
-        report = plan_report(plan, links) | {"plan_ms": (time.perf_counter() - t0) * 1e3, "world": world}
+                         bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links,
+                         engine_gpus=args.engine_gpus)
+        report = plan_report(plan, links) | {"plan_ms": (time.perf_counter() - t0) * 1e3, "world": world,
+                                             "engine_gpus": args.engine_gpus}
         print(json.dumps(report, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (args.train_tp * args.train_pp):
-        raise UserError(f"--train-tp {args.train_tp} x --train-pp {args.train_pp} must divide the world size "
-                        f"{world} (torchrun --nproc-per-node).")
+    trainers = world - args.engine_gpus
+    if trainers < 1 or trainers % (args.train_tp * args.train_pp):
+        raise UserError(f"--train-tp {args.train_tp} x --train-pp {args.train_pp} must divide the trainer's GPUs: "
+                        f"the world size {world} (torchrun --nproc-per-node) less --engine-gpus {args.engine_gpus}.")
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -228,23 +256,24 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank()
-    dims = ParallelDims(tp=args.train_tp, pp=args.train_pp, dp=world // (args.train_tp * args.train_pp),
+    dims = ParallelDims(tp=args.train_tp, pp=args.train_pp, dp=trainers // (args.train_tp * args.train_pp),
                         order=args.rank_order)
 
     t0 = time.perf_counter()
     plan = make_plan(spec, dims, args.rollout_tp, gpus_per_node=min(args.gpus_per_node, world), element_size=es,
-                     bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links)
+                     bucket_bytes=args.bucket_mb * 2**20, relay=not args.no_relay, links=links,
+                     engine_gpus=args.engine_gpus)
     plan_ms = (time.perf_counter() - t0) * 1e3
     from megarl.reshard.executor import Resharder, engine_tensor_allocations
 
-    src = trainer_shards(spec, plan, rank, dtype, device, hf_dir)
+    src = trainer_shards(spec, plan, rank, dtype, device, hf_dir) if rank < dims.world_size else {}
     dst = engine_tensor_allocations(plan, rank, dtype, device)
     sync(device)
     base_mem = torch.cuda.memory_allocated(device) if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    resharder = Resharder(plan, rank, src, dst)
+    resharder = Resharder(plan, rank, src, dst, device=device)
     setup_ms = (time.perf_counter() - t0) * 1e3
     for _ in range(3):
         resharder.refit()
@@ -282,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
             expected = resharder.expected_checksums()
             sync(device)
             t1 = time.perf_counter()
-            reported = torch.stack([tensor_checksum(dst[n]) for n in resharder.dst_names])
+            reported = torch.stack([tensor_checksum(dst[n]) for n in resharder.dst_names]) if resharder.dst_names \
+                else expected  # a trainer GPU of engines of their own: no engine rank to check
             sync(device)
             runs.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
         ok = torch.tensor([float(torch.equal(expected, reported))], device=device)
@@ -305,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     p50, p99 = percentile(times, 50), percentile(times, 99)
     result = {
         "model": args.model, "num_layers": spec.num_layers, "dtype": args.dtype, "world": world,
+        "engine_gpus": args.engine_gpus,
         "train_tp": dims.tp, "train_pp": dims.pp, "train_dp": dims.dp, "rollout_tp": args.rollout_tp,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "plan_ms": plan_ms, "setup_ms": setup_ms, "refit_ms": times, "phases_serialized_ms": phases,
@@ -372,7 +403,8 @@ def print_table(r: dict) -> None:
     rows = [
         ("model", f"{r['model']} ({r['num_layers']} layers, {r['dtype']})"),
         ("layout", f"train TP{r['train_tp']} PP{r['train_pp']} DP{r['train_dp']} -> rollout TP{r['rollout_tp']} "
-                   f"on {r['world']} x {r['device']}"),
+                   f"on {r['world']} x {r['device']}" + (f", the engines on {r['engine_gpus']} of their own"
+                                                         if r["engine_gpus"] else ", colocated")),
         ("refit p50 / p99", f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f} ms over {len(r['refit_ms'])} warm refits"),
         ("phases, serialized", ", ".join(f"{k} {v:.2f}" for k, v in r["phases_serialized_ms"].items()) + " ms"),
         ("plan / setup (once)", f"{r['plan_ms']:.1f} / {r['setup_ms']:.1f} ms, {r['num_buckets']} buckets"),
@@ -393,8 +425,9 @@ def print_table(r: dict) -> None:
                      f"{gib(r['in_engine_peak_extra_bytes'])} (landing {gib(r['in_engine_landing_bytes'])}), "
                      f"same result: {r['in_engine_matches']}"))
     if r["baseline_p50_ms"] is not None:
-        rows.append(("naive all-gather p50", f"{r['baseline_p50_ms']:.1f} ms -> speedup {r['speedup']:.1f}x, "
-                                             f"same result: {r['baseline_matches']}"))
+        name = "naive all-gather" + (" + broadcast" if r["engine_gpus"] else "") + " p50"
+        rows.append((name, f"{r['baseline_p50_ms']:.1f} ms -> speedup {r['speedup']:.1f}x, "
+                           f"same result: {r['baseline_matches']}"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
 
