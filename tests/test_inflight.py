@@ -461,6 +461,37 @@ def test_an_engine_that_fails_after_the_last_batch_is_named_when_the_run_closes(
         producer.close()
 
 
+def test_an_engine_that_hangs_after_the_last_batch_is_named_when_the_run_closes():
+    """The round after the last batch never returns: closing waits rollout.timeout_minutes for it, then names the
+    hung engine instead of ending the run as a success with the thread still inside the engine."""
+    hang, calls = threading.Event(), []
+
+    def hanging(prompts, params):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            hang.wait(30)
+        return [Completion(prompt_index=i, token_ids=[1], logprobs=[-0.1], finish_reason="stop")
+                for i in range(len(prompts))]
+
+    pool = InFlight(n=1, budget=4, chunk=4, max_staleness=1, batch=1, capacity=2, stale="drop", seed=None)
+    admitted = iter(range(100))
+    producer = Producer(pool, hanging, SamplingParams(), lambda v: pool.admit(
+        [([1], str(next(admitted))) for _ in range(pool.room(v))], v), timeout_s=0.5)
+    producer.start(0)
+    assert [g.answer for g in producer.take(1, 0)[0]] == ["0"]
+    with producer.pushing(1):  # the last step's push: the next round, for a step that never comes, hangs
+        pass
+    for _ in range(500):
+        if len(calls) > 1:
+            break
+        time.sleep(0.01)
+    try:
+        with pytest.raises(UserError, match="did not end in 0.5 s"):
+            producer.close()
+    finally:
+        hang.set()
+
+
 def test_async_layouts_the_run_cannot_serve_are_refused_before_any_worker(tmp_path):
     from helpers import REPO
     from megarl.config.yaml_io import FieldError

@@ -221,6 +221,11 @@ class Producer:
         if self._thread.is_alive() and self.error is None:
             self._post(_Request(kind="stop"))
             self._thread.join(timeout=self.timeout_s)
+            if self._thread.is_alive() and self.error is None and not self._abandoned:
+                raise UserError(f"the end of the run: the engine's round in progress did not end in {self.timeout_s:g}"
+                                " s (rollout.timeout_minutes); the engine is hung. The last checkpoint is complete. "
+                                "Fix: see its log (engine_*.log in the run directory), or raise "
+                                "rollout.timeout_minutes.")
         if not self._abandoned and not self._met:
             self._raise()
 
