@@ -21,7 +21,7 @@
 #   async_abort, gsm8k_async_abort   colocated_async without chunks: SGLang aborts the unfinished requests once a
 #             batch is done (async_rl.chunk_tokens null)
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
-#   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 32768)
+#   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
 # PROFILE=STEP traces that step of every GSM8K run (train.py --profile) and writes its per-phase summary
@@ -37,7 +37,7 @@ EVAL_EVERY=${EVAL_EVERY:-5}
 CHUNK=${CHUNK:-64}
 GSM8K_STEPS=${GSM8K_STEPS:-8}
 GSM8K_EVAL_EVERY=${GSM8K_EVAL_EVERY:-0}
-WIDE=${WIDE:-65536}
+WIDE=${WIDE:-131072}
 RUNS=${RUNS:-sync async opd gsm8k_sync gsm8k_async}
 source benchmarks/h200_common.sh
 h200_session
