@@ -39,7 +39,8 @@ from megarl.errors import UserError
 from megarl.reshard.engine_layout import matrix_shape
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.kernels import Segment, extension, segment_table
-from megarl.reshard.planner import Plan, Transfer, row_bytes
+from megarl.reshard.planner import Plan
+from megarl.reshard.transfers import Transfer, row_bytes
 from megarl.reshard.verify import check_reports, expected_checksums, mismatched
 
 

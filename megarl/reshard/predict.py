@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megarl.reshard.planner import LinkModel, Plan, Transfer
+from megarl.reshard.planner import LinkModel, Plan
+from megarl.reshard.transfers import Transfer
 
 
 def describe_plan(plan: Plan, predict: bool = True, links: LinkModel | None = None) -> str:

@@ -22,7 +22,8 @@ from megarl.errors import HandoverMismatch
 from megarl.reshard.kernels import extension
 
 if TYPE_CHECKING:
-    from megarl.reshard.planner import Plan, Transfer
+    from megarl.reshard.planner import Plan
+    from megarl.reshard.transfers import Transfer
 
 PRIME = 2**31 - 1
 MULTIPLIERS = (16807, 48271)
