@@ -32,12 +32,14 @@ def test_the_ranks_that_lose_a_failed_rank_say_so_in_one_line_under_its_error(tm
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], cwd=REPO, env=env | {"RANK": str(r)},
                               stderr=subprocess.PIPE, text=True) for r in range(3)]
     errs = [p.communicate(timeout=120)[1] for p in procs]
+    # Rank 0 ends with its own error's code however fast the others close their connections (gloo's destructor
+    # would abort it, SIGABRT, under a sys.exit).
     assert [p.returncode for p in procs] == [2, 1, 1], errs
     assert errs[0] == "megarl error: data.train_path = 'x.jsonl': line 3 is not JSON. Fix: mend or remove that line.\n"
     for rank in (1, 2):
         assert re.fullmatch(rf"megarl: rank {rank} stopped: another rank closed its connection, most likely because "
                             r"it ended first with the error above \(MEGARL_DEBUG=1 shows this rank's traceback\)\. "
-                            r".*Connection closed by peer.*\n", errs[rank]), errs[rank]
+                            r".*Connection (closed|reset) by peer.*\n", errs[rank]), errs[rank]
 
 
 def test_one_process_keeps_its_traceback_for_the_same_error(tmp_path):

@@ -1,4 +1,5 @@
-"""How a command ends: a UserError as one paragraph and exit code 2, an interrupt as 128 + the signal, a rank that
+"""How a command ends: a UserError as one paragraph and exit code 2 (under several ranks without C++ destructors,
+which would abort once the others close their connections), an interrupt as 128 + the signal, a rank that
 lost another rank in one line and exit code 1, a finished run on a GPU without C++ static destructors."""
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def run_main(main: Callable[[], object]) -> None:
         if rank in (None, "0") or not err.on_every_rank:
             prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
             report(prefix + " ".join(str(err).split()))
+        if _in_process_group():  # other ranks may close their connections first: gloo's destructor would abort
+            exit_now(2)
         sys.exit(2)
     except BaseException as err:  # a bug or an unforeseen error: its traceback, and the run marked failed
         if not isinstance(err, SystemExit) or err.code not in (None, 0):
@@ -69,6 +72,14 @@ def run_main(main: Callable[[], object]) -> None:
                   f"{' '.join(str(err).split())}", file=sys.stderr, flush=True)
             exit_now(1)
         raise
+
+
+def _in_process_group() -> bool:
+    """Whether this process is one rank of several in an initialized torch.distributed process group (without
+    importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist is not None and dist.is_available()
+            and dist.is_initialized())
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "ncclRemoteError")
