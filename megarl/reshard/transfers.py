@@ -110,12 +110,9 @@ class _Filling:
         self.recv: list[dict[int, int]] = []
         self.network: list[dict[tuple[int, str], int]] = []
         """(GPU, "out" or "in") -> bytes across nodes."""
-        # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow);
-        # before first_out[g] (first_in[g]), full across nodes.
+        # Buckets before first_send[g] (first_recv[g]) are full for GPU g in that direction (budgets only grow).
         self.first_send: dict[int, int] = defaultdict(int)
         self.first_recv: dict[int, int] = defaultdict(int)
-        self.first_out: dict[int, int] = defaultdict(int)
-        self.first_in: dict[int, int] = defaultdict(int)
         self.placed: dict[tuple[tuple[int, int, int], ...], int] = {}
         """Where the last piece of the same ends and sizes (and relays') went: none of them fits before it."""
 
@@ -125,8 +122,6 @@ class _Filling:
         # sender feeding many engine GPUs would otherwise rescan every bucket for each of its pieces.
         shape = tuple((t.sender, t.dst_rank, t.nbytes) for t in (piece, *relays))
         k = max(self.placed.get(shape, 0), self.first_send[piece.sender], self.first_recv[piece.dst_rank])
-        if self._crosses(piece):
-            k = max(k, self.first_out[piece.sender], self.first_in[piece.dst_rank])
         while not (self._fits(k, [piece]) and (not relays or self._fits(k + 1, relays))):
             k += 1
         self.placed[shape] = k
@@ -170,8 +165,3 @@ class _Filling:
             self.first_send[g] += 1
         while self.first_recv[h] < len(self.buckets) and self.recv[self.first_recv[h]][h] >= self.limit:
             self.first_recv[h] += 1
-        n = len(self.buckets)
-        while self.first_out[g] < n and self.network[self.first_out[g]][g, "out"] >= self.network_limit:
-            self.first_out[g] += 1
-        while self.first_in[h] < n and self.network[self.first_in[h]][h, "in"] >= self.network_limit:
-            self.first_in[h] += 1
