@@ -431,28 +431,38 @@ def test_a_hung_or_failed_engine_round_is_a_named_error_not_a_hang():
     producer.close()
 
 
-def test_an_engine_that_fails_after_the_last_batch_is_named_when_the_run_closes():
-    """The learner takes its last batch and pushes; the thread's next round fails. No later request meets the
-    error, so closing the producer (the end of the run) raises it: the run does not end as a success with a dead
-    engine unreported."""
-    calls = []
+def _past_the_last_batch(then, timeout_s: float) -> tuple[Producer, list[int]]:
+    """A producer whose learner took its last batch (one prompt, answered by the engine's first call) and pushed;
+    the engine's later calls, rounds for a step that never comes, run ``then()`` first. The engine's calls too."""
+    calls: list[int] = []
 
-    def failing(prompts, params):
+    def generate(prompts, params):
         calls.append(len(prompts))
         if len(calls) > 1:
-            raise RuntimeError("engine process died")
+            then()
         return [Completion(prompt_index=i, token_ids=[1], logprobs=[-0.1], finish_reason="stop")
                 for i in range(len(prompts))]
 
     pool = InFlight(n=1, budget=4, chunk=4, max_staleness=1, batch=1, capacity=2, stale="drop", seed=None)
     admitted = iter(range(100))
-    producer = Producer(pool, failing, SamplingParams(), lambda v: pool.admit(
-        [([1], str(next(admitted))) for _ in range(pool.room(v))], v), timeout_s=5)
+    producer = Producer(pool, generate, SamplingParams(), lambda v: pool.admit(
+        [([1], str(next(admitted))) for _ in range(pool.room(v))], v), timeout_s=timeout_s)
     producer.start(0)
-    groups, _ = producer.take(1, 0)
-    assert [g.answer for g in groups] == ["0"]
-    with producer.pushing(1):  # the last step's push: the next round, for a step that never comes, fails
+    assert [g.answer for g in producer.take(1, 0)[0]] == ["0"]
+    with producer.pushing(1):  # the last step's push
         pass
+    return producer, calls
+
+
+def test_an_engine_that_fails_after_the_last_batch_is_named_when_the_run_closes():
+    """The learner takes its last batch and pushes; the thread's next round fails. No later request meets the
+    error, so closing the producer (the end of the run) raises it: the run does not end as a success with a dead
+    engine unreported."""
+
+    def die():
+        raise RuntimeError("engine process died")
+
+    producer, _ = _past_the_last_batch(die, timeout_s=5)
     for _ in range(500):
         if producer.error is not None:
             break
@@ -464,23 +474,8 @@ def test_an_engine_that_fails_after_the_last_batch_is_named_when_the_run_closes(
 def test_an_engine_that_hangs_after_the_last_batch_is_named_when_the_run_closes():
     """The round after the last batch never returns: closing waits rollout.timeout_minutes for it, then names the
     hung engine instead of ending the run as a success with the thread still inside the engine."""
-    hang, calls = threading.Event(), []
-
-    def hanging(prompts, params):
-        calls.append(len(prompts))
-        if len(calls) > 1:
-            hang.wait(30)
-        return [Completion(prompt_index=i, token_ids=[1], logprobs=[-0.1], finish_reason="stop")
-                for i in range(len(prompts))]
-
-    pool = InFlight(n=1, budget=4, chunk=4, max_staleness=1, batch=1, capacity=2, stale="drop", seed=None)
-    admitted = iter(range(100))
-    producer = Producer(pool, hanging, SamplingParams(), lambda v: pool.admit(
-        [([1], str(next(admitted))) for _ in range(pool.room(v))], v), timeout_s=0.5)
-    producer.start(0)
-    assert [g.answer for g in producer.take(1, 0)[0]] == ["0"]
-    with producer.pushing(1):  # the last step's push: the next round, for a step that never comes, hangs
-        pass
+    hang = threading.Event()
+    producer, calls = _past_the_last_batch(lambda: hang.wait(30), timeout_s=0.5)
     for _ in range(500):
         if len(calls) > 1:
             break

@@ -161,9 +161,12 @@ class Producer:
         while not event.wait(0.01):
             self._raise()
             if deadline is not None and time.monotonic() > deadline:
-                raise UserError(f"{what}: the engine's round in progress did not end in {self.timeout_s:g} s "
-                                "(rollout.timeout_minutes); the engine is hung. Fix: see its log (engine_*.log in "
-                                "the run directory), or raise rollout.timeout_minutes.")
+                raise self._hung(what)
+
+    def _hung(self, what: str) -> UserError:
+        return UserError(f"{what}: the engine's round in progress did not end in {self.timeout_s:g} s "
+                         "(rollout.timeout_minutes); the engine is hung. Fix: see its log (engine_*.log in the run "
+                         "directory), or raise rollout.timeout_minutes.")
 
     @contextmanager
     def paused(self, what: str) -> Iterator[None]:
@@ -222,10 +225,7 @@ class Producer:
             self._post(_Request(kind="stop"))
             self._thread.join(timeout=self.timeout_s)
             if self._thread.is_alive() and self.error is None and not self._abandoned:
-                raise UserError(f"the end of the run: the engine's round in progress did not end in {self.timeout_s:g}"
-                                " s (rollout.timeout_minutes); the engine is hung. The last checkpoint is complete. "
-                                "Fix: see its log (engine_*.log in the run directory), or raise "
-                                "rollout.timeout_minutes.")
+                raise self._hung("the end of the run")
         if not self._abandoned and not self._met:
             self._raise()
 
