@@ -341,12 +341,10 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time.
     """
     world = dims.world_size
-    if engine_gpus and (rollout_tp < 1 or engine_gpus % rollout_tp):
-        raise UserError(f"rollout.tensor_parallel = {rollout_tp} must divide the engines' {engine_gpus} GPUs "
-                        "(each engine spans R of them).")
-    if not engine_gpus and (rollout_tp < 1 or world % rollout_tp):
-        raise UserError(f"rollout.tensor_parallel = {rollout_tp} must divide the world size {world} "
-                        "(each engine spans R colocated GPUs).")
+    if rollout_tp < 1 or (engine_gpus or world) % rollout_tp:
+        raise UserError(f"rollout.tensor_parallel = {rollout_tp} must divide " + (
+            f"the engines' {engine_gpus} GPUs (each engine spans R of them)." if engine_gpus else
+            f"the world size {world} (each engine spans R colocated GPUs)."))
     check_rollout_tp(spec, rollout_tp)
     if spec.num_kv_heads % dims.tp or spec.num_layers % dims.pp:
         raise UserError(f"trainer layout TP={dims.tp} PP={dims.pp} does not fit the model (num_key_value_heads="
