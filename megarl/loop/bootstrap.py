@@ -139,10 +139,11 @@ def setup(config_path: str, overrides: Sequence[str]
         skipped = f" ({dropped} longer than rollout.max_prompt_tokens skipped)" if dropped else ""
         print(f"megarl: {len(prompts)} prompts{skipped}; TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
               flush=True)
-        from megarl.loop.partial_rollouts import prefill_note
+        from megarl.loop.partial_rollouts import mps_note, prefill_note
 
-        if (note := prefill_note(cfg)) is not None:
-            print(note, flush=True)
+        for note in (prefill_note(cfg), mps_note(cfg, on_cuda=platform.device.type == "cuda")):
+            if note is not None:
+                print(note, flush=True)
     from megarl.loop.trainer import RLTrainer
 
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built

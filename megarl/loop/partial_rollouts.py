@@ -4,8 +4,10 @@ groups a step trains, generated in the step (colocated_async) or by a thread tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 from megarl.config import Config
@@ -32,6 +34,22 @@ def prefill_note(cfg: Config) -> str | None:
     return ("megarl: note: async_rl.chunk_tokens with rollout.engine_args.disable_radix_cache = true: every round "
             "prefills each unfinished sample's prompt and tokens so far again. Remove disable_radix_cache (the "
             "cache is flushed at every weight hand-over).")
+
+
+def mps_note(cfg: Config, on_cuda: bool, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What to say at start-up when `separate` shares a GPU with no MPS daemon serving it: the engine's and the
+    learner's kernels then take turns on the GPU, and the learner's passes run up to 2x slower beside the
+    generating engine (measured on an H200: 1.31x the sync loop's tokens/s on the GSM8K recipe, 1.55x under MPS,
+    benchmarks/results/h200/async_opd/session6). The daemon's control pipe is where CUDA's clients look for it."""
+    if cfg.async_rl.mode != "separate" or not on_cuda:
+        return None
+    pipe_dir = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+    if (pipe_dir / "control").exists():
+        return None
+    return (f"megarl: note: async_rl.mode = separate with no MPS daemon (no control pipe in {pipe_dir}): the "
+            "engine's and the learner's kernels take turns on each GPU. Start one before the run "
+            "(nvidia-cuda-mps-control -d) to let them run at once: 1.55x the sync loop's tokens/s against 1.31x "
+            "on one H200 (docs/async.md).")
 
 
 class PartialRollouts:
