@@ -98,6 +98,23 @@ def test_slurm_signal_becomes_a_stop_file(tmp_path):
     assert not (tmp_path / "stop").exists()
 
 
+def test_slurm_launchers_keep_compiled_kernels_beside_the_job(tmp_path):
+    """The caches of torch.compile and Triton go to .cache/ in the job's directory, shared by its nodes and kept for
+    a requeue, not each node's /tmp; a cache directory set by the user stays."""
+    def caches(env: dict[str, str]) -> list[str]:
+        clean = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        out = subprocess.run(["bash", "-c", f"source {REPO}/scripts/slurm/common.sh && "
+                              "echo $TORCHINDUCTOR_CACHE_DIR && echo $TRITON_CACHE_DIR"],
+                             cwd=tmp_path, env=clean | env, capture_output=True, text=True, check=True).stdout
+        return out.split()
+
+    # relative: the job's directory is /workspace inside the containers' launchers
+    assert caches({}) == [".cache/torchinductor", ".cache/triton"]
+    assert (tmp_path / ".cache/torchinductor").is_dir() and (tmp_path / ".cache/triton").is_dir()
+    mine = tmp_path / "shared"
+    assert caches({"TORCHINDUCTOR_CACHE_DIR": str(mine)})[0] == str(mine) and mine.is_dir()
+
+
 def test_launcher_checks_before_any_worker_starts(tmp_path):
     """A bad run directory, found in the launcher's own process: one paragraph, exit 2, no torchrun."""
     blocker = tmp_path / "file"

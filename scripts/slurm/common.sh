@@ -7,6 +7,13 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off unless th
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export MEGARL_RDZV_PORT=${MEGARL_RDZV_PORT:-29500}
+# Compiled kernels (torch.compile's FlexAttention in the trainer, Triton kernels in the engines) cached beside the job
+# rather than in each node's /tmp, so a requeued job or the next run does not compile them again (an H200's first
+# step: 25.7 s of scoring and 11.5 s of generation on a fresh machine, 5.5 s and 3.4 s with the caches warm).
+# Relative: the job's directory on bare metal and /workspace, the same directory, inside the containers.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-.cache/torchinductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-.cache/triton}
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
 
 # Slurm sends USR1 to this batch shell 10 minutes before the time limit or a preemption (the
 # launchers' --signal=B:USR1@600). train_until_signal runs the job step in the background, turns the
