@@ -16,8 +16,14 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     # qwen3: QK-norm, head_dim 32 with hidden 64 (attention wider than the residual stream).
     qwen3 = make_hf_model(tmp_path / "qwen3", "qwen3")
     rows = run_worker("reshard.py", tmp_path, llama, qwen2, qwen3)
+    regrouped = [r for r in rows if r.get("regrouped")]
     separate = [r for r in rows if r.get("separate")]
-    rows = [r for r in rows if not r.get("separate")]
+    rows = [r for r in rows if not r.get("separate") and not r.get("regrouped")]
+    # A hand-over group whose ranks are not the world's (world ranks 1-3 as group ranks 0-2, as engine workers
+    # outside a trainer's world would join one): the same exact, verified result, world rank 0 taking no part.
+    assert sorted((r["model"], r["rank"], r["engine"]) for r in regrouped) == [
+        (m, g, g > 0) for m in ("llama", "qwen2", "qwen3") for g in range(3)]
+    assert all(r["exact"] and r["in_engine"] and r["verified"] for r in regrouped), regrouped
     # Engines on ranks of their own (async_rl separate): trainer meshes of 1-2 ranks, engines on the other 2-3, every
     # rollout TP dividing them. Each engine rank equals the reference, written by the resharder or by the engine's
     # own copy, verified by checksum, having received exactly its bytes; a trainer rank receives nothing.

@@ -112,7 +112,9 @@ class Resharder:
     dict (freed during rollout, allocated again), and the next refit binds again. With
     ``in_engine`` there is no ``dst``: the engine rank writes its parameters itself from ``engine_copy()``.
     With the engines on GPUs of their own (``plan.separate``), a trainer GPU holds no engine tensors (``dst`` is
-    empty) and an engine GPU no trainer tensors (``src`` is empty; pass ``device``).
+    empty) and an engine GPU no trainer tensors (``src`` is empty; pass ``device``). ``group``: the process group
+    over the plan's GPUs, ``rank`` and every peer counted within it (None: the world), so the hand-over may span
+    processes whose world ranks differ from the plan's, such as engine workers beside a trainer's world.
     """
 
     def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
@@ -308,18 +310,18 @@ class Resharder:
         start = time.perf_counter()
         bad = mismatched(self.dst_names, self.expected_checksums(), engine.checksums(len(self.dst_names)))
         everyone: list[Any] = [bad]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, bad)
+        if dist.is_initialized() and self.plan.num_gpus > 1:
+            everyone = [None] * self.plan.num_gpus
+            dist.all_gather_object(everyone, bad, group=self.group)
         check_reports(handover, everyone)
         if self.rank == 0:
             print(f"megarl: hand-over {handover} verified: the engine's parameters match the actor's weights on "
                   f"every GPU ({time.perf_counter() - start:.2f} s)", flush=True)
 
     def _p2p(self, bucket: _Bucket) -> list[Any]:
-        ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), peer, self.group)
+        ops = [dist.P2POp(dist.isend, self._send(bucket.buffer).narrow(0, off, n), group=self.group, group_peer=peer)
                for peer, off, n in bucket.sends]
-        ops += [dist.P2POp(dist.irecv, self._recv(bucket).narrow(0, off, n), peer, self.group)
+        ops += [dist.P2POp(dist.irecv, self._recv(bucket).narrow(0, off, n), group=self.group, group_peer=peer)
                 for peer, off, n in bucket.recvs]
         return dist.batch_isend_irecv(ops) if ops else []
 

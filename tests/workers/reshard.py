@@ -260,6 +260,41 @@ def check_separate(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtyp
     return results
 
 
+def check_regrouped(model_dir: str, hf: dict, cfg: dict) -> list[dict]:
+    """A hand-over group whose ranks are not the world's: one trainer rank and two engine ranks on world ranks 1-3
+    (group ranks 0-2), as engine workers outside a trainer's world would join it. World rank 0 stays out."""
+    spec, world_rank, cpu, dtype = load_spec(model_dir), dist.get_rank(), torch.device("cpu"), torch.bfloat16
+    group = dist.new_group([1, 2, 3])  # collective over the world: every rank creates it
+    if world_rank == 0:
+        return []
+    rank, dims = world_rank - 1, ParallelDims(tp=1, pp=1, dp=1)
+    plan = make_plan(spec, dims, 1, gpus_per_node=2, element_size=dtype.itemsize, bucket_bytes=48 * 1024,
+                     engine_gpus=2)
+    src = trainer_shards(spec, dims, rank, hf, dtype, plan.padded_vocab)
+    engine = plan.engine_rank(rank) >= 0
+    ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, 1, plan.engine_rank(rank)).items()} if engine else {}
+    dst = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
+    for t in dst.values():
+        t.fill_(float("nan"))
+    Resharder(plan, rank, src, dst, group=group, device=cpu).refit()
+    side = Resharder(plan, rank, src, None, group=group, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes)
+    params = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
+    state, model = HandoverState(), EngineModel(params)
+    if engine:
+        state.handle(model, side.engine_copy().to_wire("actor"))
+    for r in range(side.num_rounds):
+        side.refit(r)
+        if engine:
+            state.handle(model, apply_message("actor", torch.zeros(1), r))
+    expected = side.expected_checksums()  # over the group: world rank 0 takes no part
+    verified = torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected) \
+        if engine else len(expected) == 0
+    return [{"model": Path(model_dir).name, "regrouped": True, "rank": rank, "engine": engine,
+             "exact": sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref),
+             "in_engine": all(torch.equal(params[n], ref[n]) for n in ref), "verified": verified,
+             "rounds": side.num_rounds}]
+
+
 def main() -> None:
     out_dir, model_dirs = Path(sys.argv[1]), sys.argv[2:]
     init_distributed(platform)
@@ -286,6 +321,8 @@ def main() -> None:
         if not spec.is_moe:
             for tp, pp, dp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)):
                 results += check_separate(model_dir, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=dp), torch.bfloat16)
+            if world == 4:
+                results += check_regrouped(model_dir, hf, cfg)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
