@@ -82,3 +82,55 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
         qkv = [n for n in r["aliased"] if n.endswith("qkv_proj.weight")]
         if matched:
             assert len(qkv) == (4 if kv_heads[r["model"]] == r["tp"] else 0), r
+
+
+def _handover_group(tmp_path, model, engines_started: int, timeout_s: float) -> dict[str, object]:
+    """Two trainer processes in a gloo world of their own (TP2) and ``engines_started`` of two engine workers in
+    none, joined by the hand-over group: each process's rows (or error), by role_index."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO, free_port
+
+    ports = [str(free_port()), str(free_port())]
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "tests/workers/handover_group.py", str(tmp_path), str(model), role,
+                               str(i), "2", "2", *ports, str(timeout_s)], cwd=REPO, env=env)
+             for role, i in [("trainer", 0), ("trainer", 1)] + [("engine", i) for i in range(engines_started)]]
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    return {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*_*.json")}
+
+
+def test_engine_workers_outside_the_trainers_world_receive_exactly_their_bytes(tmp_path):
+    """async_rl separate with engines on GPUs of their own: engine workers are not in the trainer's torchrun world.
+    Through the hand-over group, each engine GPU gets exactly its engine rank's tensors from the trainer's TP2 mesh,
+    directly and in-engine, equal to HF's slicing and verified by checksum over the group; the trainers send only,
+    and their own world still works."""
+    model = make_hf_model(tmp_path / "llama", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = _handover_group(out, model, engines_started=2, timeout_s=60)
+    assert sorted(rows) == ["engine_0", "engine_1", "trainer_0", "trainer_1"]
+    for name, part in rows.items():
+        assert [r["R"] for r in part] == [1, 2], name
+        for r in part:
+            assert r["exact"] and r["in_engine"] and r["verified"], (name, r)
+            assert r["engine"] == name.startswith("engine") and (r["received"] > 0) == r["engine"], (name, r)
+            assert r["src"] == (0 if r["engine"] else r["src"]) and (r["engine"] or r["src"] > 0), (name, r)
+            assert name.startswith("engine") or r["world"] == 2, (name, r)
+
+
+def test_an_engine_worker_that_never_joins_is_named_not_waited_for(tmp_path):
+    """A push must not hang on an engine worker that never came: every member that did come stops after the
+    timeout with an error naming the missing member."""
+    model = make_hf_model(tmp_path / "llama", "llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = _handover_group(out, model, engines_started=1, timeout_s=3)
+    assert sorted(rows) == ["engine_0", "trainer_0", "trainer_1"]
+    assert "member(s) 3 did not join within 3 s" in rows["trainer_0"]["error"]
+    for name, part in rows.items():  # the others time out too, or see rank 0's meeting point go first
+        assert "member(s) 3 " in part["error"] and "hand-over group" in part["error"], (name, part)

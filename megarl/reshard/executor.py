@@ -310,7 +310,7 @@ class Resharder:
         start = time.perf_counter()
         bad = mismatched(self.dst_names, self.expected_checksums(), engine.checksums(len(self.dst_names)))
         everyone: list[Any] = [bad]
-        if dist.is_initialized() and self.plan.num_gpus > 1:
+        if (self.group is not None or dist.is_initialized()) and self.plan.num_gpus > 1:
             everyone = [None] * self.plan.num_gpus
             dist.all_gather_object(everyone, bad, group=self.group)
         check_reports(handover, everyone)

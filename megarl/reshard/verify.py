@@ -68,8 +68,8 @@ def engine_names(plan: Plan) -> list[list[str]]:
 def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
                        group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> torch.Tensor:
     """int64 [num names, 2]: the checksums this rank's engine rank must report, in ``engine_names(plan)[rank]``
-    order. Collective over the world (``group``): every rank adds the slices it is the origin of. ``device``: where
-    the sums are made (None: that of ``src``, which an engine's own GPU does not have)."""
+    order. Collective over ``group`` (None: the world): every rank adds the slices it is the origin of.
+    ``device``: where the sums are made (None: that of ``src``, which an engine's own GPU does not have)."""
     per_gpu = engine_names(plan)
     row: dict[tuple[int, str], int] = {}
     for g, names in enumerate(per_gpu):
@@ -83,7 +83,7 @@ def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
                 shape = plan.engine_shapes(t.dst_rank)[t.dst_name]
                 k = row[t.dst_rank, t.dst_name]
                 partial[k] = (partial[k] + slice_checksum(src[t.src_name], t, shape)) % PRIME
-    if dist.is_initialized() and plan.num_gpus > 1:
+    if (group is not None or dist.is_initialized()) and plan.num_gpus > 1:  # an engine worker has no world
         dist.all_reduce(partial, group=group)  # num_gpus * PRIME stays far below 2^63
     first = row[rank, per_gpu[rank][0]] if per_gpu[rank] else 0
     return partial[first:first + len(per_gpu[rank])] % PRIME
