@@ -97,10 +97,16 @@ def _handover_group(tmp_path, model, engines_started: int, timeout_s: float) -> 
     ports = [str(free_port()), str(free_port())]
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "tests/workers/handover_group.py", str(tmp_path), str(model), role,
-                               str(i), "2", "2", *ports, str(timeout_s)], cwd=REPO, env=env)
+                               str(i), "2", "2", *ports, str(timeout_s)], cwd=REPO, env=env, stderr=subprocess.PIPE,
+                              text=True)
              for role, i in [("trainer", 0), ("trainer", 1)] + [("engine", i) for i in range(engines_started)]]
-    for p in procs:
-        assert p.wait(timeout=300) == 0
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
     return {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*_*.json")}
 
 
@@ -129,8 +135,7 @@ def test_an_engine_worker_that_never_joins_is_named_not_waited_for(tmp_path):
     model = make_hf_model(tmp_path / "llama", "llama")
     out = tmp_path / "out"
     out.mkdir()
-    rows = _handover_group(out, model, engines_started=1, timeout_s=3)
+    rows = _handover_group(out, model, engines_started=1, timeout_s=15)
     assert sorted(rows) == ["engine_0", "trainer_0", "trainer_1"]
-    assert "member(s) 3 did not join within 3 s" in rows["trainer_0"]["error"]
-    for name, part in rows.items():  # the others time out too, or see rank 0's meeting point go first
-        assert "member(s) 3 " in part["error"] and "hand-over group" in part["error"], (name, part)
+    for name, part in rows.items():  # rank 0's verdict, which every member present reads before it goes
+        assert "member(s) 3 did not join within 15 s" in part["error"], (name, part)

@@ -44,7 +44,10 @@ def mps_note(cfg: Config, on_cuda: bool, environ: Mapping[str, str] = os.environ
     if cfg.async_rl.mode != "separate" or not on_cuda:
         return None
     pipe_dir = Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
-    if (pipe_dir / "control").exists():
+    try:
+        if (pipe_dir / "control").exists():
+            return None
+    except OSError:  # another user's daemon, whose directory this one may not search: a note is not worth a crash
         return None
     return (f"megarl: note: async_rl.mode = separate with no MPS daemon (no control pipe in {pipe_dir}): the "
             "engine's and the learner's kernels take turns on each GPU. Start one before the run "

@@ -103,7 +103,7 @@ def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
 
 
 class Resharder:
-    """Executes ``plan`` on global rank ``rank``: reads trainer tensors, writes engine tensors.
+    """Executes ``plan`` on rank ``rank`` of ``group``: reads trainer tensors, writes engine tensors.
 
     ``src`` maps canonical Megatron names to this rank's trainer parameters; ``dst`` maps engine
     names to this rank's engine parameters (the engine's own tensors, written in place). Both stay
@@ -126,6 +126,8 @@ class Resharder:
         still checksummed by the engine (a stale mapping would show)."""
         assert (dst is None) == in_engine, "pass engine tensors (dst) exactly when the engine does not copy itself"
         assert in_engine or not aliased, "only an engine that copies itself can map the trainer's tensors"
+        assert group is None or dist.get_world_size(group) == plan.num_gpus, (
+            f"the hand-over group has {dist.get_world_size(group)} members for a plan over {plan.num_gpus} GPUs")
         self.plan, self.rank, self.group, self.in_engine = plan, rank, group, in_engine
         limit = 2 * plan.bucket_bytes if landing_bytes is None else landing_bytes
         self.rounds = landing_rounds(plan, limit) if in_engine else [(0, len(plan.buckets))]
@@ -301,7 +303,7 @@ class Resharder:
     @torch.no_grad()
     def expected_checksums(self) -> torch.Tensor:
         """int64 [len(dst_names), 2]: what this GPU's engine rank must report after the refit of the trainer's
-        current weights (megarl.reshard.verify; collective over the world)."""
+        current weights (megarl.reshard.verify; collective over the Resharder's group)."""
         return expected_checksums(self.plan, self.rank, self._src_dict, self.group, self.device)
 
     def verify(self, engine: ReportsChecksums, handover: int) -> None:

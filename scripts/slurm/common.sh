@@ -8,7 +8,7 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export MEGARL_RDZV_PORT=${MEGARL_RDZV_PORT:-29500}
 # Compiled kernels (torch.compile's FlexAttention in the trainer, Triton kernels in the engines) cached beside the job
-# rather than in each node's /tmp, so a requeued job or the next run does not compile them again (an H200's first
+# rather than in each node's /tmp or home directory, so a requeued job or the next run does not compile them again (an H200's first
 # step: 25.7 s of scoring and 11.5 s of generation on a fresh machine, 5.5 s and 3.4 s with the caches warm).
 # Relative: the job's directory on bare metal and /workspace, the same directory, inside the containers.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-.cache/torchinductor}

@@ -28,6 +28,18 @@ from megarl.reshard.planner import make_plan
 from megarl.reshard.verify import tensor_checksum
 
 
+class Reports:
+    """An engine rank's checksums of its parameters, as the engine reports them (megarl.reshard.verify)."""
+
+    def __init__(self, names: list[str], params: dict) -> None:
+        self.names, self.params = names, params
+
+    def checksums(self, num_tensors: int) -> torch.Tensor:
+        assert num_tensors == len(self.names)
+        return torch.stack([tensor_checksum(self.params[n]) for n in self.names]) if self.names \
+            else torch.zeros(0, 2, dtype=torch.int64)
+
+
 def refits(model_dir: str, rank: int, trainers: int, engines: int, group) -> list[dict]:
     spec, cpu, dtype = load_spec(model_dir), torch.device("cpu"), torch.bfloat16
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -58,6 +70,7 @@ def refits(model_dir: str, rank: int, trainers: int, engines: int, group) -> lis
             if engine:
                 state.handle(model, apply_message("actor", torch.zeros(1), r))
         expected = side.expected_checksums()  # over the hand-over group
+        side.verify(Reports(side.dst_names, params), 0)  # every member's report, gathered over the group
         results.append({
             "R": R, "rank": rank, "engine": engine, "src": len(src),
             "exact": sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref),
