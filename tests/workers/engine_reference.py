@@ -1,13 +1,28 @@
 """Engine tensors the way an engine's weight loader slices full HF tensors, and a trainer rank's Megatron shards
-read from HF through the mapping: the references of the resharding workers, without megatron-core (engine workers
-outside the trainer's world import only this)."""
+read from HF through the mapping: the references of the resharding workers, and their check of a hand-over to
+engines on GPUs of their own, without megatron-core (engine workers outside the trainer's world import only this)."""
 
 import math
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 from megarl.distributed.parallel import ParallelDims
 from megarl.models.mapping import param_rules, pipeline_stage, to_mcore_shard
+from megarl.reshard.executor import Resharder, engine_tensor_allocations, padding_rows
+from megarl.reshard.handover import HandoverState, apply_message
+from megarl.reshard.planner import Plan
+from megarl.reshard.verify import tensor_checksum
+
+
+def load_hf(model_dir: str) -> dict:
+    """Every tensor of an HF checkpoint's safetensors files, by name."""
+    hf = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        hf |= load_file(f)
+    return hf
 
 
 def reference_engine(hf: dict, cfg: dict, R: int, r: int) -> dict:
@@ -84,3 +99,58 @@ class EngineModel:
 
     def named_parameters(self):
         return iter(self.params.items())
+
+
+class Reports:
+    """An engine rank's checksums of its parameters, as the engine reports them (megarl.reshard.verify)."""
+
+    def __init__(self, names: list[str], params: dict) -> None:
+        self.names, self.params = names, params
+
+    def checksums(self, num_tensors: int) -> torch.Tensor:
+        assert num_tensors == len(self.names)
+        return torch.stack([tensor_checksum(self.params[n]) for n in self.names]) if self.names \
+            else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def check_engines_apart(plan: Plan, rank: int, hf: dict, cfg: dict, dtype: torch.dtype,
+                        group: dist.ProcessGroup | None = None) -> dict:
+    """A hand-over to engines on GPUs of their own (``plan.separate``) as GPU ``rank`` of ``group`` sees it: a
+    direct refit into NaN-filled engine tensors, then the engine's own copy round by round (it lands the bytes and
+    copies them into its parameters), both against HF slicing, the checksums (expected, and ``verify``'s gather of
+    every member's report) over the group, and the bytes received against those the engine rank needs."""
+    cpu = torch.device("cpu")
+    src = trainer_shards(plan.spec, plan.dims, rank, hf, dtype, plan.padded_vocab)
+    engine = plan.engine_rank(rank) >= 0
+    ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, plan.rollout_tp, plan.engine_rank(rank)).items()} \
+        if engine else {}
+
+    def nans() -> dict[str, torch.Tensor]:
+        tensors = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
+        for t in tensors.values():
+            t.fill_(float("nan"))
+        return tensors
+
+    dst = nans()
+    Resharder(plan, rank, src, dst, group=group, device=cpu).refit()
+    side = Resharder(plan, rank, src, None, group=group, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes)
+    params = nans()
+    state, model = HandoverState(), EngineModel(params)
+    if engine:
+        state.handle(model, side.engine_copy().to_wire("actor"))
+    for r in range(side.num_rounds):
+        side.refit(r)
+        if engine:
+            state.handle(model, apply_message("actor", torch.zeros(1), r))
+    expected = side.expected_checksums()  # collective: every member, the engines' with nothing to add
+    side.verify(Reports(side.dst_names, params), 0)
+    return {"R": plan.rollout_tp, "rank": rank, "engine": engine, "src": len(src),
+            "exact": sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref),
+            "in_engine": all(torch.equal(params[n], ref[n]) for n in ref),
+            "verified": torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected)
+            if engine else len(expected) == 0,
+            "received": sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank),
+            "needed": sum(t.numel() * t.element_size() for t in ref.values()) - sum(
+                (ref[n].shape[0] - start) * ref[n][0].numel() * ref[n].element_size()
+                for n, start in padding_rows(plan, rank).items()),
+            "rounds": side.num_rounds}

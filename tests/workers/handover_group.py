@@ -15,70 +15,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_reference import EngineModel, reference_engine, trainer_shards
-from safetensors.torch import load_file
+from engine_reference import check_engines_apart, load_hf
 
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.spec import load_spec
-from megarl.reshard.executor import Resharder, engine_tensor_allocations
-from megarl.reshard.handover import HandoverState, apply_message
 from megarl.reshard.handover_group import handover_group
 from megarl.reshard.planner import make_plan
-from megarl.reshard.verify import tensor_checksum
-
-
-class Reports:
-    """An engine rank's checksums of its parameters, as the engine reports them (megarl.reshard.verify)."""
-
-    def __init__(self, names: list[str], params: dict) -> None:
-        self.names, self.params = names, params
-
-    def checksums(self, num_tensors: int) -> torch.Tensor:
-        assert num_tensors == len(self.names)
-        return torch.stack([tensor_checksum(self.params[n]) for n in self.names]) if self.names \
-            else torch.zeros(0, 2, dtype=torch.int64)
 
 
 def refits(model_dir: str, rank: int, trainers: int, engines: int, group) -> list[dict]:
-    spec, cpu, dtype = load_spec(model_dir), torch.device("cpu"), torch.bfloat16
+    spec, dtype, hf = load_spec(model_dir), torch.bfloat16, load_hf(model_dir)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    hf = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        hf |= load_file(f)
-    dims = ParallelDims(tp=trainers, pp=1, dp=1)
-    results = []
-    for R in (r for r in (1, 2) if engines % r == 0):
-        plan = make_plan(spec, dims, R, gpus_per_node=8, element_size=dtype.itemsize, bucket_bytes=48 * 1024,
-                         engine_gpus=engines)
-        src = trainer_shards(spec, dims, rank, hf, dtype, plan.padded_vocab)
-        engine = plan.engine_rank(rank) >= 0
-        ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, R, plan.engine_rank(rank)).items()} if engine \
-            else {}
-        dst = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
-        for t in dst.values():
-            t.fill_(float("nan"))
-        Resharder(plan, rank, src, dst, group=group, device=cpu).refit()
-        side = Resharder(plan, rank, src, None, group=group, device=cpu, in_engine=True,
-                         landing_bytes=plan.bucket_bytes)
-        params = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
-        state, model = HandoverState(), EngineModel(params)
-        if engine:
-            state.handle(model, side.engine_copy().to_wire("actor"))
-        for r in range(side.num_rounds):
-            side.refit(r)
-            if engine:
-                state.handle(model, apply_message("actor", torch.zeros(1), r))
-        expected = side.expected_checksums()  # over the hand-over group
-        side.verify(Reports(side.dst_names, params), 0)  # every member's report, gathered over the group
-        results.append({
-            "R": R, "rank": rank, "engine": engine, "src": len(src),
-            "exact": sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref),
-            "in_engine": all(torch.equal(params[n], ref[n]) for n in ref),
-            "verified": torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected)
-            if engine else len(expected) == 0,
-            "received": sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank)})
-    return results
+    return [check_engines_apart(make_plan(spec, ParallelDims(tp=trainers, pp=1, dp=1), R, gpus_per_node=8,
+                                          element_size=dtype.itemsize, bucket_bytes=48 * 1024, engine_gpus=engines),
+                                rank, hf, cfg, dtype, group)
+            for R in (1, 2) if engines % R == 0]
 
 
 def main() -> None:

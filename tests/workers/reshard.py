@@ -25,8 +25,7 @@ from megarl.platform import init_platform
 platform = init_platform()
 
 import torch.distributed as dist  # noqa: E402
-from engine_reference import EngineModel, reference_engine, trainer_shards  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from engine_reference import EngineModel, check_engines_apart, load_hf, reference_engine  # noqa: E402
 
 from megarl.distributed.parallel import (  # noqa: E402
     ParallelDims,
@@ -38,7 +37,7 @@ from megarl.distributed.parallel import (  # noqa: E402
 from megarl.models.gpt import BuildOptions, build_model, canonical_params, load_hf_weights  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.reshard.aliasing import aliased_views  # noqa: E402
-from megarl.reshard.executor import Resharder, engine_tensor_allocations, padding_rows  # noqa: E402
+from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
 from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
 from megarl.reshard.verify import mismatched, tensor_checksum  # noqa: E402
@@ -142,80 +141,24 @@ def check_layout(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype:
 def check_separate(model_dir: str, hf: dict, cfg: dict, dims: ParallelDims, dtype: torch.dtype) -> list[dict]:
     """Engines on the ranks after the trainer's ``dims``: every rollout TP that divides them."""
     spec, rank, world = load_spec(model_dir), dist.get_rank(), dist.get_world_size()
-    engine_gpus, cpu = world - dims.world_size, torch.device("cpu")
-    results = []
-    for R in (r for r in (1, 2, 4) if engine_gpus % r == 0):
-        plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=dtype.itemsize, bucket_bytes=48 * 1024,
-                         engine_gpus=engine_gpus)
-        src = trainer_shards(spec, dims, rank, hf, dtype, plan.padded_vocab)
-        engine = plan.engine_rank(rank) >= 0
-        ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, R, plan.engine_rank(rank)).items()} if engine \
-            else {}
-        dst = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
-        for t in dst.values():
-            t.fill_(float("nan"))
-        Resharder(plan, rank, src, dst, device=cpu).refit()
-        exact = sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref)
-        # The engine's own process lands the bytes and copies them into its parameters, round by round.
-        side = Resharder(plan, rank, src, None, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes)
-        params = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
-        for t in params.values():
-            t.fill_(float("nan"))
-        state, model = HandoverState(), EngineModel(params)
-        if engine:
-            state.handle(model, side.engine_copy().to_wire("actor"))
-        for r in range(side.num_rounds):
-            side.refit(r)
-            if engine:
-                state.handle(model, apply_message("actor", torch.zeros(1), r))
-        in_engine = all(torch.equal(params[n], ref[n]) for n in ref)
-        expected = side.expected_checksums()  # collective: every rank, the engines' with nothing to add
-        verified = torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected) \
-            if engine else len(expected) == 0
-        received = sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank)
-        results.append({"model": Path(model_dir).name, "separate": True, "tp": dims.tp, "pp": dims.pp,
-                        "dp": dims.dp, "R": R, "rank": rank, "engine": engine, "exact": exact, "in_engine": in_engine,
-                        "verified": verified, "received": received,
-                        "needed": sum(t.numel() * t.element_size() for t in ref.values()) - sum(
-                            (ref[n].shape[0] - start) * ref[n][0].numel() * ref[n].element_size()
-                            for n, start in padding_rows(plan, rank).items()),
-                        "rounds": side.num_rounds})
-    return results
+    engine_gpus = world - dims.world_size
+    return [{"model": Path(model_dir).name, "separate": True, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp}
+            | check_engines_apart(make_plan(spec, dims, R, gpus_per_node=2, element_size=dtype.itemsize,
+                                            bucket_bytes=48 * 1024, engine_gpus=engine_gpus), rank, hf, cfg, dtype)
+            for R in (1, 2, 4) if engine_gpus % R == 0]
 
 
 def check_regrouped(model_dir: str, hf: dict, cfg: dict) -> list[dict]:
     """A hand-over group whose ranks are not the world's: one trainer rank and two engine ranks on world ranks 1-3
     (group ranks 0-2), as engine workers outside a trainer's world would join it. World rank 0 stays out."""
-    spec, world_rank, cpu, dtype = load_spec(model_dir), dist.get_rank(), torch.device("cpu"), torch.bfloat16
     group = dist.new_group([1, 2, 3])  # collective over the world: every rank creates it
-    if world_rank == 0:
+    if dist.get_rank() == 0:
         return []
-    rank, dims = world_rank - 1, ParallelDims(tp=1, pp=1, dp=1)
-    plan = make_plan(spec, dims, 1, gpus_per_node=2, element_size=dtype.itemsize, bucket_bytes=48 * 1024,
-                     engine_gpus=2)
-    src = trainer_shards(spec, dims, rank, hf, dtype, plan.padded_vocab)
-    engine = plan.engine_rank(rank) >= 0
-    ref = {n: t.to(dtype) for n, t in reference_engine(hf, cfg, 1, plan.engine_rank(rank)).items()} if engine else {}
-    dst = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
-    for t in dst.values():
-        t.fill_(float("nan"))
-    Resharder(plan, rank, src, dst, group=group, device=cpu).refit()
-    side = Resharder(plan, rank, src, None, group=group, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes)
-    params = engine_tensor_allocations(plan, rank, dtype, cpu) if engine else {}
-    state, model = HandoverState(), EngineModel(params)
-    if engine:
-        state.handle(model, side.engine_copy().to_wire("actor"))
-    for r in range(side.num_rounds):
-        side.refit(r)
-        if engine:
-            state.handle(model, apply_message("actor", torch.zeros(1), r))
-    expected = side.expected_checksums()  # over the group: world rank 0 takes no part
-    verified = torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected) \
-        if engine else len(expected) == 0
-    return [{"model": Path(model_dir).name, "regrouped": True, "rank": rank, "engine": engine,
-             "exact": sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref),
-             "in_engine": all(torch.equal(params[n], ref[n]) for n in ref), "verified": verified,
-             "rounds": side.num_rounds}]
+    dtype = torch.bfloat16
+    plan = make_plan(load_spec(model_dir), ParallelDims(tp=1, pp=1, dp=1), 1, gpus_per_node=2,
+                     element_size=dtype.itemsize, bucket_bytes=48 * 1024, engine_gpus=2)
+    return [{"model": Path(model_dir).name, "regrouped": True}
+            | check_engines_apart(plan, dist.get_rank() - 1, hf, cfg, dtype, group)]
 
 
 def main() -> None:
@@ -226,9 +169,7 @@ def main() -> None:
     for model_dir in model_dirs:
         spec = load_spec(model_dir)
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        hf = {}
-        for f in sorted(Path(model_dir).glob("*.safetensors")):
-            hf |= load_file(f)
+        hf = load_hf(model_dir)
         for tp in (1, 2, 4):
             for pp in (1, 2):
                 if spec.num_kv_heads % tp or world % (tp * pp):
