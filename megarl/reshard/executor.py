@@ -41,7 +41,7 @@ from megarl.reshard.handover import EngineCopy
 from megarl.reshard.kernels import Segment, extension, segment_table
 from megarl.reshard.planner import Plan
 from megarl.reshard.transfers import Transfer, row_bytes
-from megarl.reshard.verify import check_reports, expected_checksums, mismatched
+from megarl.reshard.verify import check_reports, expected_checksums, mismatched, spans_processes
 
 
 class ReportsChecksums(Protocol):
@@ -312,7 +312,7 @@ class Resharder:
         start = time.perf_counter()
         bad = mismatched(self.dst_names, self.expected_checksums(), engine.checksums(len(self.dst_names)))
         everyone: list[Any] = [bad]
-        if (self.group is not None or dist.is_initialized()) and self.plan.num_gpus > 1:
+        if spans_processes(self.plan, self.group):
             everyone = [None] * self.plan.num_gpus
             dist.all_gather_object(everyone, bad, group=self.group)
         check_reports(handover, everyone)

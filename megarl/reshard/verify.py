@@ -65,6 +65,12 @@ def engine_names(plan: Plan) -> list[list[str]]:
     return [sorted(n) for n in names]
 
 
+def spans_processes(plan: Plan, group: dist.ProcessGroup | None) -> bool:
+    """Whether the hand-over's collectives have other processes to reach: over ``group``, or the world where there
+    is one (an engine worker outside the trainer's world has only its group)."""
+    return (group is not None or dist.is_initialized()) and plan.num_gpus > 1
+
+
 def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
                        group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> torch.Tensor:
     """int64 [num names, 2]: the checksums this rank's engine rank must report, in ``engine_names(plan)[rank]``
@@ -83,7 +89,7 @@ def expected_checksums(plan: Plan, rank: int, src: dict[str, torch.Tensor],
                 shape = plan.engine_shapes(t.dst_rank)[t.dst_name]
                 k = row[t.dst_rank, t.dst_name]
                 partial[k] = (partial[k] + slice_checksum(src[t.src_name], t, shape)) % PRIME
-    if (group is not None or dist.is_initialized()) and plan.num_gpus > 1:  # an engine worker has no world
+    if spans_processes(plan, group):
         dist.all_reduce(partial, group=group)  # num_gpus * PRIME stays far below 2^63
     first = row[rank, per_gpu[rank][0]] if per_gpu[rank] else 0
     return partial[first:first + len(per_gpu[rank])] % PRIME
