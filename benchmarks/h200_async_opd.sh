@@ -22,6 +22,7 @@
 #             batch is done (async_rl.chunk_tokens null)
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
+#   any async or separate run with _stale2 after its mode (e.g. gsm8k_separate_abort_stale2_mps): max_staleness 2
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
 # PROFILE=STEP traces that step of every GSM8K run (train.py --profile) and writes its per-phase summary
@@ -85,14 +86,16 @@ SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
 
 # The async_rl settings of run $1 (into sets), the same for an arith run and its gsm8k_ twin; none for sync.
 mode_sets() {
-  local run=${1#gsm8k_}
+  local run=${1#gsm8k_} stale=()
   run=${run%_mps}
+  [[ $run == *_stale2 ]] && { stale=(--set async_rl.max_staleness=2); run=${run%_stale2}; }
   case ${run%_wide} in
     async) sets=("${ASYNC[@]}") ;; async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
     async_abort) sets=("${ABORT[@]}") ;; separate) sets=("${SEPARATE[@]}") ;;
     separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
   esac
   [[ $run == *_wide ]] && sets+=(--set actor.max_tokens_per_gpu="$WIDE")
+  sets+=("${stale[@]}")
   return 0
 }
 
@@ -105,7 +108,7 @@ all_runs() {
           --set checkpoint.save_every="$STEPS"
         last=$(ls -d /tmp/runs/sync/step_*/actor | sort | tail -1)
         python3 -m megarl.convert mcore-to-hf --ckpt "$last" --out /tmp/teacher 2>&1 | tail -2 ;;
-      async|async_radix|separate|async_abort|separate_abort)
+      async|async_radix|separate|async_abort|separate_abort|*_stale2)
         mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every=0 ;;
