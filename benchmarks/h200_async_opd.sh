@@ -103,6 +103,11 @@ all_runs() {
   mkdir -p /tmp/runs
   for run in $RUNS; do
     case ${run%_mps} in
+      gsm8k_*)
+        mode_sets "$run"
+        learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
+          --set eval.before_train=false --set eval.every="$GSM8K_EVAL_EVERY" --set checkpoint.save_every=0 \
+          ${PROFILE:+--profile "$PROFILE"} ;;
       sync)
         learn sync recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every="$STEPS"
@@ -115,11 +120,6 @@ all_runs() {
       opd)
         learn opd recipes/smollm2_arith_opd.yaml --set distill.teacher=/tmp/teacher --set rollout.max_new_tokens=256 \
           --set eval.every="$EVAL_EVERY" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
-      gsm8k_*)
-        mode_sets "$run"
-        learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${sets[@]}" --set trainer.num_steps="$GSM8K_STEPS" \
-          --set eval.before_train=false --set eval.every="$GSM8K_EVAL_EVERY" --set checkpoint.save_every=0 \
-          ${PROFILE:+--profile "$PROFILE"} ;;
     esac
   done
 }
