@@ -53,8 +53,17 @@ def _gpus_per_node(env: Mapping[str, str]) -> int:
                     "is set. Request GPUs with `#SBATCH --gpus-per-node=8` (or set MEGARL_GPUS_PER_NODE).")
 
 
-def torchrun_command(script_args: list[str], env: Mapping[str, str]) -> list[str]:
-    """The torchrun command line for this node of the allocation."""
+def trainer_ranks(gpus: int, reserved: int, where: str) -> int:
+    """Trainer ranks on a node of ``gpus`` GPUs whose last ``reserved`` run the engines (async_rl.engine_gpus)."""
+    if gpus - reserved < 1:
+        raise UserError(f"async_rl.engine_gpus = {reserved} leaves no GPU for the trainer: {where} has {gpus}. "
+                        "Give the engines fewer GPUs, or run where there are more.")
+    return gpus - reserved
+
+
+def torchrun_command(script_args: list[str], env: Mapping[str, str], reserved: int = 0) -> list[str]:
+    """The torchrun command line for this node of the allocation (``reserved``: GPUs each node keeps for the
+    engines, async_rl.engine_gpus)."""
     missing = [k for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES") if not env.get(k)]
     if missing:
         raise UserError(f"{', '.join(missing)} not set: `python -m megarl.launch` must run inside a Slurm job "
@@ -65,25 +74,27 @@ def torchrun_command(script_args: list[str], env: Mapping[str, str]) -> list[str
         raise UserError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r} expands to {len(hosts)} hosts but "
                         f"SLURM_NNODES={nnodes}.")
     gpus = int(env["MEGARL_GPUS_PER_NODE"]) if env.get("MEGARL_GPUS_PER_NODE") else _gpus_per_node(env)
+    gpus = trainer_ranks(gpus, reserved, "each node of the allocation")
     port = env.get("MEGARL_RDZV_PORT", "29500")
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={env['SLURM_JOB_ID']}", "--max-restarts=0",
             *script_args]
 
 
-def standalone_command(script_args: list[str], env: Mapping[str, str]) -> list[str]:
+def standalone_command(script_args: list[str], env: Mapping[str, str], reserved: int = 0) -> list[str]:
     """torchrun on this machine alone: MEGARL_NPROC ranks, else one per visible GPU (CUDA_VISIBLE_DEVICES or
-    nvidia-smi), else one."""
+    nvidia-smi) but the ``reserved`` last (the engines', async_rl.engine_gpus), else one."""
     if env.get("MEGARL_NPROC"):
         nproc = int(env["MEGARL_NPROC"])
     elif env.get("CUDA_VISIBLE_DEVICES"):
-        nproc = len(env["CUDA_VISIBLE_DEVICES"].split(","))
+        nproc = trainer_ranks(len(env["CUDA_VISIBLE_DEVICES"].split(",")), reserved, "CUDA_VISIBLE_DEVICES")
     else:  # nvidia-smi, not torch: no CUDA context in the launcher
         try:
             out = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=60)
-            nproc = max(1, len(out.stdout.splitlines())) if out.returncode == 0 else 1
+            gpus = len(out.stdout.splitlines()) if out.returncode == 0 else 0
         except (OSError, subprocess.TimeoutExpired):
-            nproc = 1
+            gpus = 0
+        nproc = trainer_ranks(gpus, reserved, "this machine") if gpus else 1
     return ["torchrun", "--standalone", f"--nproc-per-node={nproc}", *script_args]
 
 
@@ -103,6 +114,17 @@ def precheck(script_args: list[str], world: int, per_node: int) -> None:
 
     args = parse_args(script_args[1:])
     check_run(args.config, args.set, world, per_node, gpu_bytes=gpu_memory_bytes())
+
+
+def engine_gpus(script_args: list[str]) -> int:
+    """The GPUs megarl/train.py's config keeps for its engines (async_rl.engine_gpus; 0 for other scripts)."""
+    if not script_args[0].endswith("train.py"):
+        return 0
+    from megarl.config import load_config
+    from megarl.train import parse_args
+
+    args = parse_args(script_args[1:])
+    return load_config(args.config, args.set).async_rl.engine_gpus
 
 
 def gpu_memory_bytes() -> int:
@@ -149,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError("usage: python -m megarl.launch [--print] SCRIPT [ARGS...], e.g. megarl/train.py "
                         "--config recipes/llama3_8b_ppo.yaml")
     env = os.environ
-    cmd = torchrun_command(args, env) if env.get("SLURM_JOB_ID") else standalone_command(args, env)
+    reserved = engine_gpus(args)
+    cmd = torchrun_command(args, env, reserved) if env.get("SLURM_JOB_ID") else standalone_command(args, env, reserved)
     print(shlex.join(cmd), flush=True)
     if show:
         return

@@ -19,6 +19,10 @@ SEEDS = ("trainer.seed=0", "rollout.seed=0", "data.seed=0")
 KEYS = ["reward_mean", "actor/loss", "actor/grad_norm", "response_length", "async/staleness_mean",
         "async/in_flight_prompts", "async/in_flight_tokens", "async/rounds"]
 
+SAME = [*(k for k in KEYS if k != "async/rounds"), "entropy", "rollout_correction/token_ratio_min",
+        "rollout_correction/token_ratio_max"]
+"""What two runs that sample the same tokens with the same weights and logprobs report alike."""
+
 
 def trains_as_one(one: list[dict], two: list[dict]) -> None:
     """A run over two data-parallel processes (an engine each) against the first steps of a run on one: chunked
@@ -83,10 +87,22 @@ def test_separate_generation_learns_the_tiny_task_one_step_off(tmp_path):
     assert all(r["async/mixed_version_share"] == 0 and r["async/dropped_stale"] == 0 for r in rows)
     # Over two training processes (data parallel, an engine each), every rank's generation thread runs the same
     # rounds and serves each batch and push at the same round boundary: the same samples, the same steps.
-    trains_as_one(rows, train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "two", "trainer.num_steps=6", *SEEDS,
-                                     *ASYNC, "async_rl.mode=separate", "async_rl.chunk_tokens=2",
-                                     "tracking.backend=none", "checkpoint.save_every=0", "trainer.reward_workers=1",
-                                     nproc=2))
+    two_run = ("trainer.num_steps=6", *SEEDS, *ASYNC, "async_rl.mode=separate", "async_rl.chunk_tokens=2",
+               "tracking.backend=none", "checkpoint.save_every=0", "trainer.reward_workers=1")
+    two = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "two", *two_run, nproc=2)
+    trains_as_one(rows, two)
+    # Engines on GPUs of their own (async_rl.engine_gpus), in processes outside the trainer's world: every push
+    # reaches their workers through the hand-over group, so they sample what the engines beside the trainer did,
+    # with the same logprobs (the importance ratios): two engines, one per rank, as the run above exactly; one
+    # engine that both ranks share (rank 0 drives it) as the run on one process.
+    apart = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "apart", *two_run, "async_rl.engine_gpus=2",
+                         nproc=2)
+    assert [{k: r[k] for k in SAME} for r in apart] == [{k: r[k] for k in SAME} for r in two]
+    shared = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path / "shared", *two_run, "async_rl.engine_gpus=1",
+                          nproc=2)
+    trains_as_one(rows, shared)
+    assert [r["rollout_correction/token_ratio_max"] for r in shared] == pytest.approx(
+        [r["rollout_correction/token_ratio_max"] for r in rows[:6]], rel=1e-5)
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     # Measured at seeds 0, 1, 2: 0.029 -> 0.127, 0.021 -> 0.058, 0.029 -> 0.179 (the sync loop: gains of 0.31-0.38).

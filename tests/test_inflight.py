@@ -503,6 +503,15 @@ def test_async_layouts_the_run_cannot_serve_are_refused_before_any_worker(tmp_pa
     separate = [*common, "async_rl.mode=separate", "async_rl.chunk_tokens=2"]
     assert check_run(recipe, separate, world=2, ranks_per_node=None, gpu_bytes=0)[0].async_rl.mode == "separate"
     assert check_run(recipe, aborting, world=1, ranks_per_node=None, gpu_bytes=0)[0].async_rl.chunk_tokens is None
+    # engines on GPUs of their own: an equal share of the trainer's ranks drives each, on one node
+    with pytest.raises(FieldError, match=r"engine_gpus` = 2, but it must make a number of engines .* that divides "
+                                         r"the trainer's 3 ranks.*use 3"):
+        check_run(recipe, [*separate, "async_rl.engine_gpus=2"], world=3, ranks_per_node=None, gpu_bytes=0)
+    with pytest.raises(FieldError, match=r"engine_gpus` = 2, but it must be 0 over 2 nodes"):
+        check_run(recipe, [*separate, "async_rl.engine_gpus=2"], world=2, ranks_per_node=1, gpu_bytes=0)
+    # one engine, however many ranks: no chunks needed for its abort to see the whole batch
+    apart = [*common, "async_rl.mode=separate", "async_rl.chunk_tokens=null", "async_rl.engine_gpus=1"]
+    assert check_run(recipe, apart, world=2, ranks_per_node=None, gpu_bytes=0)[0].num_engines(2) == 1
 
 
 def test_max_staleness_0_runs_the_sync_loops_rollout_itself():

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import REPO
 from megarl.errors import UserError
-from megarl.launch import expand_nodelist, torchrun_command
+from megarl.launch import engine_gpus, expand_nodelist, standalone_command, torchrun_command
 
 ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[007-009],dgx1", "SLURM_NNODES": "4",
        "SLURM_GPUS_ON_NODE": "8"}
@@ -30,6 +30,19 @@ def test_torchrun_arguments_from_slurm():
     cmd = torchrun_command(["x.py"], ENV | {"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "h100:4",
                                             "MEGARL_RDZV_PORT": "1234"})
     assert "--nproc-per-node=4" in cmd and "--rdzv-endpoint=gpu007:1234" in cmd
+
+
+def test_gpus_kept_for_the_engines_are_not_given_trainer_ranks():
+    """async_rl.engine_gpus: torchrun starts one trainer rank per GPU of the rest, on a Slurm node or here."""
+    assert "--nproc-per-node=6" in torchrun_command(["x.py"], ENV, reserved=2)
+    assert standalone_command(["x.py"], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, reserved=1)[2] == "--nproc-per-node=3"
+    assert standalone_command(["x.py"], {"MEGARL_NPROC": "2"}, reserved=2)[2] == "--nproc-per-node=2"  # as asked
+    with pytest.raises(UserError, match=r"async_rl.engine_gpus = 8 leaves no GPU for the trainer: each node"):
+        torchrun_command(["x.py"], ENV, reserved=8)
+    recipe = str(REPO / "recipes/tiny_cpu_grpo.yaml")
+    assert engine_gpus(["megarl/train.py", "--config", recipe, "--set", "async_rl.mode=separate", "--set",
+                        "async_rl.engine_gpus=2", "--set", "algorithm.rollout_correction=token_tis"]) == 2
+    assert engine_gpus(["megarl/train.py", "--config", recipe]) == 0 and engine_gpus(["bench.py"]) == 0
 
 
 @pytest.mark.parametrize("env,needle", [

@@ -266,6 +266,22 @@ def test_separate_generation_keeps_the_engine_in_every_phase(tmp_path):
         assert separate.total(phase) - sync.total(phase) > 0.2 * H200
 
 
+def test_engines_on_gpus_of_their_own_leave_the_trainers_gpu_to_the_trainer(tmp_path):
+    """async_rl.engine_gpus: no phase of the trainer's GPU holds an engine or its weights' landing copy (the bytes
+    go to the engines' GPUs), and auto sizes the engine on a GPU of its own."""
+    spec = llama8b_body(tmp_path, layers=8)
+    dims = ParallelDims(tp=2, pp=1, dp=1)
+    sets = ("async_rl.mode=separate", "algorithm.rollout_correction=token_tis", "rollout.engine=vllm",
+            "rollout.gpu_memory_fraction=auto")
+    _, beside = plan_for("recipes/qwen3_8b_grpo.yaml", spec, dims, *sets)
+    _, apart = plan_for("recipes/qwen3_8b_grpo.yaml", spec, dims, *sets, "async_rl.engine_gpus=2")
+    for phase, parts in apart.phases.items():
+        assert not any(k.startswith("engine") for k in parts), (phase, parts)
+        assert parts.get("hand-over buffers", 0) < 2**30, (phase, parts)  # staging only, no landing copy
+        assert apart.total(phase) < beside.total(phase), phase
+    assert apart.engine_fraction == 0.9 > beside.engine_fraction
+
+
 def test_separate_auto_fraction_leaves_the_trainer_its_update(tmp_path):
     """The H200 run that stopped at the plan (benchmarks/results/h200/async_opd): SmolLM2's GSM8K recipe with
     async_rl separate and gpu_memory_fraction auto gave the engine what the trainer leaves at its start (126 GiB),

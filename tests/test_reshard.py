@@ -24,6 +24,8 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
     assert sorted((r["model"], r["rank"], r["engine"]) for r in regrouped) == [
         (m, g, g > 0) for m in ("llama", "qwen2", "qwen3") for g in range(3)]
     assert all(r["exact"] and r["in_engine"] and r["verified"] for r in regrouped), regrouped
+    receivers = {"in_place": True, "load": True}  # the engine worker's side (megarl.reshard.receiver), both ways in
+    assert all(r["receiver"] == (receivers if r["engine"] else {}) for r in regrouped), regrouped
     # Engines on ranks of their own (async_rl separate): trainer meshes of 1-2 ranks, engines on the other 2-3, every
     # rollout TP dividing them. Each engine rank equals the reference, written by the resharder or by the engine's
     # own copy, verified by checksum, having received exactly its bytes; a trainer rank receives nothing.
@@ -32,6 +34,7 @@ def test_refit_equals_engine_layout_from_hf(tmp_path):
         (m, *mesh, R) for m in ("llama", "qwen2", "qwen3") for mesh, rs in meshes.items() for R in rs}
     for r in separate:
         assert r["exact"] and r["in_engine"] and r["verified"], r
+        assert r["receiver"] == (receivers if r["engine"] else {}), r
         assert r["received"] == (r["needed"] if r["engine"] else 0), r
         assert r["engine"] == (r["rank"] >= r["tp"] * r["pp"] * r["dp"]), r
     assert max(r["rounds"] for r in separate) > 5
@@ -113,8 +116,8 @@ def _handover_group(tmp_path, model, engines_started: int, timeout_s: float) -> 
 def test_engine_workers_outside_the_trainers_world_receive_exactly_their_bytes(tmp_path):
     """async_rl separate with engines on GPUs of their own: engine workers are not in the trainer's torchrun world.
     Through the hand-over group, each engine GPU gets exactly its engine rank's tensors from the trainer's TP2 mesh,
-    directly and in-engine, equal to HF's slicing and verified by checksum over the group; the trainers send only,
-    and their own world still works."""
+    directly, in-engine and through the engine worker's receiver (megarl.reshard.receiver), equal to HF's slicing
+    and verified by checksum over the group; the trainers send only, and their own world still works."""
     model = make_hf_model(tmp_path / "llama", "llama")
     out = tmp_path / "out"
     out.mkdir()
@@ -124,6 +127,8 @@ def test_engine_workers_outside_the_trainers_world_receive_exactly_their_bytes(t
         assert [r["R"] for r in part] == [1, 2], name
         for r in part:
             assert r["exact"] and r["in_engine"] and r["verified"], (name, r)
+            # the engine worker's receiver, into its parameters and into tensors of its own
+            assert r["receiver"] == ({"in_place": True, "load": True} if r["engine"] else {}), (name, r)
             assert r["engine"] == name.startswith("engine") and (r["received"] > 0) == r["engine"], (name, r)
             assert r["src"] == (0 if r["engine"] else r["src"]) and (r["engine"] or r["src"] > 0), (name, r)
             assert name.startswith("engine") or r["world"] == 2, (name, r)

@@ -157,6 +157,16 @@ class Config:
         check(a.mode != "separate" or a.max_staleness >= 1, "async_rl.max_staleness", a.max_staleness,
               "be >= 1 with async_rl.mode = separate: the engine generates with the weights of the step before",
               "set async_rl.max_staleness: 1 (one-step-off) or more")
+        r = self.rollout
+        check(a.engine_gpus == 0 or a.mode == "separate", "async_rl.engine_gpus", a.engine_gpus,
+              f"be 0 with async_rl.mode = {a.mode}: only separate engines keep GPUs of their own",
+              "set async_rl.mode: separate, or async_rl.engine_gpus: 0")
+        check(a.engine_gpus == 0 or r.engine == "vllm", "async_rl.engine_gpus", a.engine_gpus,
+              "be 0 with rollout.engine = sglang: SGLang's schedulers do not join the hand-over group yet",
+              "set rollout.engine: vllm, or async_rl.engine_gpus: 0 (the engine beside the trainer)")
+        check(a.engine_gpus % r.tensor_parallel == 0, "async_rl.engine_gpus", a.engine_gpus,
+              f"be a multiple of rollout.tensor_parallel = {r.tensor_parallel}: each engine spans that many GPUs",
+              f"use {max(1, a.engine_gpus // r.tensor_parallel) * r.tensor_parallel}")
         for ok, key, value, why, fix in [
             (not self.agent.tools, "agent.tools", "[...]", "multi-turn samples do not resume from a partial turn yet",
              "use async_rl.mode: sync with tools"),
@@ -165,6 +175,11 @@ class Config:
             (not algo.routing_replay, "algorithm.routing_replay", True, "a resumed sample's experts are not joined "
              "across its chunks yet", "set algorithm.routing_replay: false, or async_rl.mode: sync")]:
             check(ok, key, value, f"be unset with async_rl.mode = {a.mode}: {why}", fix)
+
+    def num_engines(self, world: int) -> int:
+        """Rollout engines of a run of ``world`` trainer ranks: one per rollout.tensor_parallel GPUs, the trainer's
+        or (async_rl.engine_gpus) their own."""
+        return max(1, (self.async_rl.engine_gpus or world) // self.rollout.tensor_parallel)
 
     def response_budget(self) -> int:
         """Most tokens of a training response: agent.max_total_tokens with tools (policy and tool tokens), else

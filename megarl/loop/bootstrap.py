@@ -46,7 +46,14 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
           "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
     check_lora_rank(cfg.actor.lora, spec)
-    engines = world // cfg.rollout.tensor_parallel
+    engines, apart = cfg.num_engines(world), cfg.async_rl.engine_gpus
+    check(not apart or world % engines == 0, "async_rl.engine_gpus", apart,
+          f"make a number of engines (engine_gpus / rollout.tensor_parallel = {engines}) that divides the trainer's "
+          f"{world} ranks: each engine is driven by an equal share of them",
+          f"use {world * cfg.rollout.tensor_parallel} (one engine per trainer rank) or a divisor of that")
+    check(not apart or ranks_per_node in (None, world), "async_rl.engine_gpus", apart,
+          f"be 0 over {world // (ranks_per_node or world)} nodes: engines on GPUs of their own run on one node "
+          "for now", "run on one node, or set async_rl.engine_gpus: 0")
     check(cfg.async_rl.mode == "sync" or cfg.async_rl.chunk_tokens is not None or engines == 1,
           "async_rl.chunk_tokens", None, f"be set with {engines} engines (world {world} / rollout.tensor_parallel "
           f"{cfg.rollout.tensor_parallel}): an engine that aborts sees only its own requests finish, so no engine "

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import os
+import pickle
+import socket
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from megarl.config import Config, run_dir
 from megarl.distributed.parallel import ParallelGroups
@@ -19,9 +23,10 @@ from megarl.models.gpt import DTYPES
 from megarl.models.spec import ModelSpec
 from megarl.reshard.aliasing import aliased_views, aliases_weights, share_aliases
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
+from megarl.reshard.handover_group import handover_group
 from megarl.reshard.planner import LinkModel, make_plan
 from megarl.reshard.predict import describe_plan
-from megarl.rollout.group import EngineGroup, engine_group
+from megarl.rollout.group import EngineGroup, GroupEngine, engine_group, engine_group_apart
 
 
 class WeightSync:
@@ -29,12 +34,15 @@ class WeightSync:
         """The plan, made first: it places the engines (which GPUs form each, most bytes already local)."""
         self.cfg, self.groups, self.times = cfg, groups, times
         self.links = LinkModel(nvlink_gbps=cfg.parallel.nvlink_gbps, network_gbps=cfg.parallel.network_gbps)
+        self.apart = cfg.async_rl.engine_gpus
+        """Engines on GPUs of their own: the plan numbers them after the trainer's, on the same node."""
         self.plan = make_plan(spec, groups.dims, cfg.rollout.tensor_parallel,
                               gpus_per_node=cfg.parallel.gpus_per_node
-                              or int(os.environ.get("LOCAL_WORLD_SIZE", groups.dims.world_size)),
+                              or int(os.environ.get("LOCAL_WORLD_SIZE", groups.dims.world_size)) + self.apart,
                               element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                               bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
-                              vocab_pad_multiple=cfg.model.vocab_pad_multiple, links=self.links)
+                              vocab_pad_multiple=cfg.model.vocab_pad_multiple, links=self.links,
+                              engine_gpus=self.apart)
         self.aliased = aliases_weights(cfg, spec, groups.dims, self.plan)
         """The share of the engine's weights it maps from the actor's memory (0: none)."""
         self.weights_leave = cfg.actor.offload_weights and not self.aliased  # the engine then holds the only copy
@@ -56,6 +64,8 @@ class WeightSync:
 
     def engine_group(self) -> EngineGroup:
         """This rank's engine group, as the plan placed it."""
+        if self.apart:
+            return engine_group_apart(self.groups.rank, self.groups.dims.world_size, self.plan.engines())
         return engine_group(self.groups.rank, self.plan.engines())
 
     def share_aliases(self, learner: Learner, group: EngineGroup, kind: Any) -> Path | None:
@@ -74,6 +84,12 @@ class WeightSync:
         if self.weights_leave:
             rollout.sleep()  # the hand-over needs the actor's weights back on the GPU, next to the engine's
         learner.hold("handover")
+        if self.apart:
+            if self.adapters is None:  # adapters travel as files, without the group
+                self.resharder = Resharder(self.plan, self.groups.rank, learner.actor.named_params(), {},
+                                           group=self._join_handover(rollout.engine), device=self.groups.device)
+            self.push(learner, rollout)
+            return
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
         in_engine = rollout.engine.copies_in_engine
         self.engine_tensors = None if in_engine else self._allocate_engine_tensors()
@@ -87,6 +103,22 @@ class WeightSync:
             self.resharder.release()
             self.engine_tensors.clear()
         self.push(learner, rollout)
+
+    def _join_handover(self, engine: GroupEngine) -> ProcessGroup:
+        """Engines apart: the trainer's ranks and the engines' workers join one group, numbered as the plan numbers
+        their GPUs (megarl.reshard.handover_group), meeting at a port rank 0 picks."""
+        port = [free_port() if self.groups.rank == 0 else 0]
+        dist.broadcast_object_list(port, src=0)
+        host, timeout_s = os.environ.get("MASTER_ADDR", "127.0.0.1"), self.cfg.rollout.timeout_minutes * 60
+        device = self.groups.device if self.groups.device.type == "cuda" else None
+        backend = "nccl" if device is not None else "gloo"
+        joined: list[ProcessGroup] = []
+        assert engine.group.gpus is not None
+        engine.join_handover(
+            lambda: joined.append(handover_group(self.groups.rank, self.plan.num_gpus, host, port[0], backend=backend,
+                                                 timeout_s=timeout_s, device=device)),
+            pickle.dumps(self.plan), engine.group.gpus[0], host, port[0], backend, timeout_s, self.cfg.model.dtype)
+        return joined[0]
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:
         return engine_tensor_allocations(self.plan, self.groups.rank, DTYPES[self.cfg.model.dtype],
@@ -115,7 +147,9 @@ class WeightSync:
                 self.adapters()
             else:
                 learner.actor.refresh_merged()  # LoRA: the engine gets W + s B A
-                for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
+                if self.apart:  # the engines' workers receive while this rank sends
+                    engine.receive(self.resharder.refit)
+                for round in range(0 if self.apart else self.resharder.num_rounds):  # one landing buffer's worth
                     self.resharder.refit(round)
                     engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
@@ -137,3 +171,10 @@ class WeightSync:
             with timed("handover/wake_cache"):
                 rollout.wake("cache")
         rollout.state = "awake"
+
+
+def free_port() -> int:
+    """A TCP port no process here listens on now (the hand-over group's meeting point, served by rank 0)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])

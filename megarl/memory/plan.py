@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megarl.config import Config, UpdateConfig
@@ -265,7 +266,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             landing = min(landing, cfg.rollout.landing_buffer_mb * 2**20)
     else:
         landing = engine_rank
-    pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing else 0  # staging for bytes that cross GPUs
+    if cfg.async_rl.engine_gpus:  # engines apart: the bytes go straight to their GPUs
+        landing = 0
+    # staging for bytes that cross GPUs
+    pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing or cfg.async_rl.engine_gpus else 0
     def buffers(phase: str) -> dict[str, int]:
         if phase == "generate" and weights_leave:
             return {}
@@ -298,8 +302,14 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
     at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
     separate = cfg.async_rl.mode == "separate"
+    apart = cfg.async_rl.engine_gpus > 0
     beside = max(sum(parts.values()) for parts in plan.phases.values()) if separate else at_start
-    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, at_start, beside)
+    # engines apart size themselves on GPUs of their own
+    plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, 0, 0) if apart else \
+        resolved_fraction(cfg, gpu_bytes, at_start, beside)
+    if apart:
+        plan.phases["generate"] = with_overhead(resident("generate"), "generate")
+        return _with_host(plan, resident)
     if cfg.rollout.engine == "sglang":
         engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
     else:
@@ -313,7 +323,11 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     plan.phases["handover"] |= {"engine awake": engine} if separate else {
         "engine weights": int(engine_rank * (1 - aliased)), "engines asleep": ENGINE_ASLEEP}
     plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
-    # Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer.
+    return _with_host(plan, resident)
+
+
+def _with_host(plan: MemoryPlan, resident: Callable[[str], dict[str, int]]) -> MemoryPlan:
+    """Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer."""
     held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "teacher",
                                           "generate")]
     plan.host = {k: v for parts in held for k, v in parts.items()

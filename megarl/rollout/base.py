@@ -212,6 +212,16 @@ class FileLoading(Protocol):
     def load_files(self, paths: Sequence[str]) -> None: ...
 
 
+class ReceivesWeights(Protocol):
+    """Engines on GPUs of their own (async_rl.engine_gpus), whose workers receive each hand-over through the
+    hand-over group (megarl.reshard.receiver)."""
+
+    def join_handover(self, plan: bytes, first_gpu: int, host: str, port: int, backend: str, timeout_s: float,
+                      dtype: str) -> str: ...
+
+    def receive_weights(self) -> None: ...
+
+
 def visible_devices_env(devices: list[int] | None) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES for an engine on ``devices`` (indices among this process's visible devices)."""
     if devices is None:

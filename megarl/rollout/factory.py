@@ -22,9 +22,9 @@ def engine_class(cfg: Config) -> Any:
 
 def max_batch(cfg: Config, world_size: int) -> int:
     """The most sequences one engine generates at once in a rollout: its share of the prompts in flight (a step's,
-    or with async_rl the pool's, dealt out round-robin over the engines, one per rollout.tensor_parallel ranks)
+    or with async_rl the pool's, dealt out round-robin over the engines, Config.num_engines)
     times the samples each."""
-    engines = max(1, world_size // cfg.rollout.tensor_parallel)
+    engines = cfg.num_engines(world_size)
     prompts = cfg.async_rl.prompts_in_flight(cfg.data.num_prompts_per_step)
     return -(-prompts // engines) * cfg.rollout.num_samples_per_prompt
 

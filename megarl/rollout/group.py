@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class EngineGroup:
     """The engine's global ranks in engine-rank order."""
     group: dist.ProcessGroup | None
     """gloo group of the engine's ranks; None when R is 1."""
+    gpus: tuple[int, ...] | None = None
+    """Engines on GPUs of their own (async_rl.engine_gpus): the engine's GPUs as the plan numbers them, which on
+    its one node are their device indices; ``members`` are then the trainer ranks that share the engine's
+    samples, its driver first, and no rank holds an engine rank."""
 
     @property
     def driver(self) -> bool:
@@ -60,6 +65,8 @@ class EngineGroup:
         """The engine's GPUs as indices among this process's visible devices (None on CPU)."""
         if not torch.cuda.is_available():
             return None
+        if self.gpus is not None:
+            return list(self.gpus)
         here = torch.cuda.current_device()  # GPU = local rank: members of one node differ as their ranks do
         me = self.members[self.rank_in_group]
         return [here + m - me for m in self.members]
@@ -116,6 +123,21 @@ def engine_group(rank: int, engines: list[list[int]]) -> EngineGroup:
     members = engines[index]
     return EngineGroup(index=index, num_groups=len(engines), size=size, rank_in_group=members.index(rank),
                        members=tuple(members), group=mine)
+
+
+def engine_group_apart(rank: int, world: int, engines: list[list[int]]) -> EngineGroup:
+    """This rank's group when the engines (their plan GPUs in ``engines``) have GPUs of their own: engine e is
+    driven by trainer ranks e * m ... (e + 1) * m - 1, m = world / len(engines), its driver first. Every rank must
+    call it (it collectively creates all groups)."""
+    m = world // len(engines)
+    index = rank // m
+    mine = None
+    for i in range(len(engines)):
+        created = dist.new_group(list(range(i * m, (i + 1) * m)), backend="gloo") if m > 1 else None
+        if i == index:
+            mine = created
+    return EngineGroup(index=index, num_groups=len(engines), size=m, rank_in_group=rank - index * m,
+                       members=tuple(range(index * m, (index + 1) * m)), group=mine, gpus=tuple(engines[index]))
 
 
 def start_engine(group: EngineGroup, make: Callable[[], RolloutEngine], timeout_s: float) -> RolloutEngine | None:
@@ -192,6 +214,37 @@ class GroupEngine:
             self.group.barrier()  # every file is read before it goes
         finally:
             os.remove(path)
+
+    def join_handover(self, join: Callable[[], None], *args: Any) -> None:
+        """Engines apart: this rank joins the hand-over group (``join``) while the driver's engine workers join it
+        (``ReceivesWeights.join_handover(*args)``), beside it in a thread: both block until every member is in."""
+        self._beside(join, "hand-over group", lambda engine: engine.join_handover(*args))
+
+    def receive(self, send: Callable[[], None]) -> None:
+        """Engines apart: this rank sends its part of a hand-over (``send``) while the driver's engine workers
+        receive theirs."""
+        self._beside(send, "hand-over", lambda engine: engine.receive_weights())
+
+    def _beside(self, here: Callable[[], None], phase: str, engine_side: Callable[[Any], Any]) -> None:
+        if self.engine is None:
+            here()
+            return
+        failure: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                with self._call(phase):
+                    engine_side(self.engine)
+            except BaseException as err:  # raised on this rank's own thread, below
+                failure.append(err)
+
+        # A vLLM call blocks its caller until every worker returns, and the workers wait for this rank's part.
+        thread = threading.Thread(target=call, name=f"megarl-engine-{phase}", daemon=True)
+        thread.start()
+        here()  # an error here ends the run, and the daemon thread's call with it
+        thread.join()
+        if failure:
+            raise failure[0]
 
     def load_adapter(self, path: str | Path | None) -> None:
         """The engine serves the PEFT adapter its driver wrote at ``path`` (None on the other ranks)."""

@@ -323,6 +323,21 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
+    def join_handover(self, plan: bytes, first_gpu: int, host: str, port: int, backend: str, timeout_s: float,
+                      dtype: str) -> str:
+        """Engines on GPUs of their own: every worker joins the hand-over group (its TP rank's plan GPU is
+        ``first_gpu`` + that rank; megarl.reshard.receiver). Returns where hand-overs land."""
+        return str(self.llm.collective_rpc("megarl_join_handover",
+                                           args=(plan, first_gpu, host, port, backend, timeout_s, dtype))[0])
+
+    def receive_weights(self) -> None:
+        """Every worker receives one hand-over through the group (while the trainer's ranks send it) and loads it;
+        then the prefix cache computed with the old weights goes."""
+        self._check_awake("update_weights")
+        self.llm.collective_rpc("megarl_receive_weights", args=(self._hf_layouts,))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
     def sleep(self) -> None:
         """Free weights and KV cache for training (level 1: weights kept in host memory)."""
         if self._closed:

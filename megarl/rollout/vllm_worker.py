@@ -1,4 +1,5 @@
-"""megarl's weight loader inside vLLM's workers (imported there by name, so it imports no megarl module).
+"""megarl's weight loader inside vLLM's workers (imported there by name; only the engines-apart methods import
+megarl, megarl.reshard.receiver, when called).
 
 ``VLLMEngine`` passes ``worker_extension_cls="megarl.rollout.vllm_worker.MegarlWorkerExtension"``:
 vLLM mixes this class into every worker, and ``LLM.collective_rpc("megarl_load_weights", ...)``
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -132,6 +134,47 @@ class MegarlWorkerExtension:
                 worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
             return load_engine_tensors(model, shapes, f.get_tensor, layouts[rank], reload)
+
+    def megarl_join_handover(self, plan: bytes, first_gpu: int, host: str, port: int, backend: str,
+                             timeout_s: float, dtype: str) -> str:
+        """Engines on GPUs of their own: join the hand-over group as plan GPU ``first_gpu`` + this worker's TP rank
+        (megarl.reshard.receiver); returns where hand-overs land ("in_place": the parameters, or "load")."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from megarl.reshard.handover_group import handover_group
+        from megarl.reshard.receiver import EngineReceiver
+
+        worker: Any = self
+        model = worker.model_runner.get_model()
+        params = dict(model.named_parameters())
+        by_engine_name = params | {n.replace(".mlp.experts.routed_experts.", ".mlp.experts."): t
+                                   for n, t in params.items()}
+        device, gpu = next(model.parameters()).device, first_gpu + get_tensor_model_parallel_rank()
+        plan_object = pickle.loads(plan)
+        group = handover_group(gpu, plan_object.num_gpus, host, port, backend=backend, timeout_s=timeout_s,
+                               device=device if device.type == "cuda" else None)
+        worker.megarl_receiver = EngineReceiver(plan_object, gpu, group, params=by_engine_name,
+                                                dtype=getattr(torch, dtype), device=device)
+        return "in_place" if worker.megarl_receiver.in_place else "load"
+
+    def megarl_receive_weights(self, layouts: list[Layout]) -> str:
+        """Receive one hand-over through the group joined in ``megarl_join_handover`` and load it; returns the path
+        taken (``load_engine_tensors``)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        worker: Any = self
+        tensors = worker.megarl_receiver.receive()
+        if worker.megarl_receiver.in_place:
+            return "in_place"
+        model = worker.model_runner.get_model()
+
+        def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+        # sorted names keep each layer's tensors together, as the file path's safetensors order does
+        shapes = {name: tuple(tensors[name].shape) for name in sorted(tensors)}
+        return load_engine_tensors(model, shapes, tensors.__getitem__, layouts[get_tensor_model_parallel_rank()],
+                                   reload)
 
     def megarl_rss(self) -> int:
         """Resident memory of this worker process (tests and diagnostics)."""

@@ -3,6 +3,7 @@ read from HF through the mapping: the references of the resharding workers, and 
 engines on GPUs of their own, without megatron-core (engine workers outside the trainer's world import only this)."""
 
 import math
+import pickle
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from megarl.models.mapping import param_rules, pipeline_stage, to_mcore_shard
 from megarl.reshard.executor import Resharder, engine_tensor_allocations, padding_rows
 from megarl.reshard.handover import HandoverState, apply_message
 from megarl.reshard.planner import Plan
+from megarl.reshard.receiver import EngineReceiver
 from megarl.reshard.verify import tensor_checksum
 
 
@@ -144,9 +146,21 @@ def check_engines_apart(plan: Plan, rank: int, hf: dict, cfg: dict, dtype: torch
             state.handle(model, apply_message("actor", torch.zeros(1), r))
     expected = side.expected_checksums()  # collective: every member, the engines' with nothing to add
     side.verify(Reports(side.dst_names, params), 0)
+    # The engine worker's own side (megarl.reshard.receiver), sent as the trainer does: into the engine's
+    # parameters where they all match the layout, else into tensors of its own.
+    received = {}
+    for mode, own in (("in_place", nans), ("load", dict)):
+        if engine:
+            receiver = EngineReceiver(pickle.dumps(plan), rank, group, params=own(), dtype=dtype, device=cpu)
+            got = receiver.receive()
+            received[mode] = receiver.in_place == (mode == "in_place") and all(torch.equal(got[n], ref[n])
+                                                                               for n in ref)
+        else:
+            Resharder(plan, rank, src, {}, group=group, device=cpu).refit()
     return {"R": plan.rollout_tp, "rank": rank, "engine": engine, "src": len(src),
             "exact": sorted(ref) == sorted(dst) and all(torch.equal(dst[n], ref[n]) for n in ref),
             "in_engine": all(torch.equal(params[n], ref[n]) for n in ref),
+            "receiver": received,
             "verified": torch.equal(torch.stack([tensor_checksum(params[n]) for n in side.dst_names]), expected)
             if engine else len(expected) == 0,
             "received": sum(t.nbytes for b in plan.buckets for t in b if t.dst_rank == rank),
