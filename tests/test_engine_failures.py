@@ -220,6 +220,38 @@ def test_an_engine_that_hangs_while_starting_ends_the_run_at_the_deadline(tmp_pa
     assert error_file.read_text() == line + "\n" and marker.read_text() == "marked failed"
 
 
+DEAD_RECEIVER = """
+import sys, threading
+from megarl.rollout.group import EngineGroup, GroupEngine
+
+class Dead:  # an engine whose worker process died: its receiving call fails, the trainer's send never returns
+    def receive_weights(self):
+        raise RuntimeError("vLLM's engine core process ended (EngineCore_DP0 exit code -9)")
+
+group = EngineGroup(index=0, num_groups=1, size=1, rank_in_group=0, members=(0,), group=None, gpus=(1,))
+GroupEngine(group, Dead(), kind=None, timeout_s=600).receive(threading.Event().wait)
+"""
+
+
+def test_an_engine_apart_that_dies_during_a_push_ends_the_run_at_once_naming_it(tmp_path):
+    """async_rl.engine_gpus: the trainer sends its part of a hand-over while its engine's workers receive theirs.
+    A worker that dies leaves the send waiting on bytes nobody takes; the run ends at once with the engine's error
+    (not after rollout.timeout_minutes, and not as the send's timeout), exit code 2, the run marked failed."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    error_file = tmp_path / "errors"
+    proc = subprocess.run([sys.executable, "-c", DEAD_RECEIVER], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(REPO), "MEGARL_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("megarl error: the rollout engine failed during hand-over: RuntimeError: vLLM's engine "
+                           "core process ended (EngineCore_DP0 exit code -9) Memory: host: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and error_file.read_text() == line + "\n"
+
+
 @pytest.fixture
 def engine_loggers():
     """The engines' loggers ("sglang", "vllm") with no handlers, as a test sets them up; restored afterwards (an

@@ -51,17 +51,21 @@ CLEANUP_S = 60.0
 
 
 def _hung(phase: str, timeout_s: float) -> None:
-    """The deadline of an engine call passed: the main thread is stuck inside it, where no exception reaches it
-    (a wait in C, a loop that swallows what signal handlers raise), so this thread reports the error as run_main
-    would (stderr, the launcher's error file), marks the run failed (errors.at_failure) and ends the process;
-    the engine's watchdog then ends the engine's processes (megarl.rollout.watchdog)."""
+    """The deadline of an engine call passed: the main thread is stuck inside it."""
+    end_run(f"the rollout engine did not finish {phase} within {timeout_s:.0f} s (rollout.timeout_minutes = "
+            f"{timeout_s / 60:.3g}). Memory: {memory_summary()}. Training stopped; the last complete checkpoint is "
+            "intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
+            f"rollout.timeout_minutes if {phase} is legitimately that slow.")
+
+
+def end_run(message: str) -> None:
+    """From a thread other than the main one, which is stuck where no exception reaches it (a wait in C, a loop
+    that swallows what signal handlers raise, a collective whose peer is gone): report ``message`` as run_main
+    would (stderr, the launcher's error file), mark the run failed (errors.at_failure) and end the process; the
+    engine's watchdog then ends the engine's processes (megarl.rollout.watchdog)."""
     rank = os.environ.get("RANK")
     with os.fdopen(os.dup(console()), "w") as stderr:  # not into the log of an engine that hangs while it starts
-        report(("megarl error: " if rank in (None, "0") else f"megarl error (rank {rank}): ")
-               + f"the rollout engine did not finish {phase} within {timeout_s:.0f} s (rollout.timeout_minutes = "
-               f"{timeout_s / 60:.3g}). Memory: {memory_summary()}. Training stopped; the last complete checkpoint "
-               "is intact. Look at the engine's log (engine_*.log in the run directory) for the cause, or raise "
-               f"rollout.timeout_minutes if {phase} is legitimately that slow.", stderr)
+        report(("megarl error: " if rank in (None, "0") else f"megarl error (rank {rank}): ") + message, stderr)
     backstop = threading.Timer(CLEANUP_S, os._exit, args=(2,))
     backstop.daemon = True
     backstop.start()

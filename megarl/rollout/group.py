@@ -35,7 +35,7 @@ from megarl.rollout.base import (
     SamplingParams,
     Wake,
 )
-from megarl.rollout.failures import engine_call
+from megarl.rollout.failures import end_run, engine_call
 from megarl.run.interrupt import terminal_signals_kept_from_children
 
 
@@ -226,22 +226,29 @@ class GroupEngine:
         self._beside(send, "hand-over", lambda engine: engine.receive_weights())
 
     def _beside(self, here: Callable[[], None], phase: str, engine_side: Callable[[Any], Any]) -> None:
+        """``here()`` on this thread and, on the driver, ``engine_side(engine)`` beside it: a vLLM call blocks its
+        caller until every worker returns, and the workers wait for this rank's part. An engine that fails while
+        ``here()`` still waits for it (a send its dead worker never receives) ends the run at once, naming the
+        engine's error, instead of after the group's timeout; an error of ``here()`` ends the run as any other."""
         if self.engine is None:
             here()
             return
         failure: list[BaseException] = []
+        here_done = threading.Event()
 
         def call() -> None:
             try:
                 with self._call(phase):
                     engine_side(self.engine)
-            except BaseException as err:  # raised on this rank's own thread, below
-                failure.append(err)
+            except BaseException as err:
+                if not here_done.is_set():
+                    end_run(str(err))
+                failure.append(err)  # raised on this rank's own thread, below
 
-        # A vLLM call blocks its caller until every worker returns, and the workers wait for this rank's part.
         thread = threading.Thread(target=call, name=f"megarl-engine-{phase}", daemon=True)
         thread.start()
-        here()  # an error here ends the run, and the daemon thread's call with it
+        here()
+        here_done.set()
         thread.join()
         if failure:
             raise failure[0]
