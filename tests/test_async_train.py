@@ -146,9 +146,11 @@ def test_a_resume_with_samples_in_flight_loses_nothing(tmp_path):
 def test_separate_resumes_with_the_next_batch_in_flight_as_the_uninterrupted_run(tmp_path):
     """separate's checkpoint after step 2 is written while its thread has generated step 3's batch (under the
     weights of version 2, one step off): the resumed run trains it, and every step after, as the uninterrupted one.
-    chunk_tokens = max_new_tokens makes both independent of timing (test_separate_generation_learns_...)."""
+    chunk_tokens = max_new_tokens makes both independent of timing (test_separate_generation_learns_...). The engine
+    runs on a GPU of its own (async_rl.engine_gpus), so the resumed run's first push, before its generation thread
+    starts, goes through the hand-over group too (pushes beside the trainer: the test above)."""
     common = ("trainer.num_steps=6", "checkpoint.save_every=3", "tracking.backend=none", *SEEDS, *ASYNC,
-              "async_rl.mode=separate", "async_rl.chunk_tokens=2")
+              "async_rl.mode=separate", "async_rl.chunk_tokens=2", "async_rl.engine_gpus=1")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train_recipe("recipes/tiny_cpu_grpo.yaml", full, *common)
     pool = json.loads((full / "step_000002" / "trainer.json").read_text())["rollout"]["in_flight"]
