@@ -36,8 +36,9 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
     r = cfg.rollout
     batch = {"max_batch": max_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))} if r.engine == "sglang" else {}
     log_file = run_dir(cfg) / f"engine_{index}.log"
-    print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}); its output goes to "
-          f"{log_file}", flush=True)
+    where = f" on GPUs {devices}" if devices is not None else ""
+    print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}){where}; its output goes "
+          f"to {log_file}", flush=True)
     engine: RolloutEngine = engine_class(cfg)(
         cfg.model.hf_path, tensor_parallel=r.tensor_parallel, gpu_memory_fraction=r.gpu_memory_fraction,
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
