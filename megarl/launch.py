@@ -117,8 +117,9 @@ def precheck(script_args: list[str], world: int, per_node: int) -> None:
 
 
 def engine_gpus(script_args: list[str]) -> int:
-    """The GPUs megarl/train.py's config keeps for its engines (async_rl.engine_gpus; 0 for other scripts)."""
-    if not script_args[0].endswith("train.py"):
+    """The GPUs megarl/train.py's config keeps for its engines (async_rl.engine_gpus; 0 for other scripts, and
+    without a config, which the precheck then asks for)."""
+    if not script_args[0].endswith("train.py") or not any(a.startswith("--config") for a in script_args[1:]):
         return 0
     from megarl.config import load_config
     from megarl.train import parse_args

@@ -40,6 +40,7 @@ def trainer_at_step(events, weights_leave):
     sync.resharder.num_rounds = 2  # the landing buffer holds half of what this GPU receives
     sync.engine_tensors = None
     sync.adapters = None  # actor.lora.handover: merged (or no LoRA)
+    sync.apart = 0  # the engine beside the trainer (async_rl.engine_gpus: 0)
     t = object.__new__(RLTrainer)
     t.rollout, t.learner, t.sync, t.times = rollout, learner, sync, times
     return t
