@@ -264,10 +264,7 @@ def standalone_env() -> None:
     """Without torchrun (``python megarl/train.py``), run as a world of one process."""
     if "RANK" in os.environ:
         return
-    import socket
+    from megarl.distributed.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(free_port("127.0.0.1")))

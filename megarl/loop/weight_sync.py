@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch.distributed import ProcessGroup
 
 from megarl.config import Config, run_dir
 from megarl.distributed.parallel import ParallelGroups
+from megarl.distributed.ports import free_port
 from megarl.loop.learner import Learner
 from megarl.loop.rollout_manager import RolloutManager
 from megarl.loop.timing import PartTimes
@@ -149,9 +149,10 @@ class WeightSync:
                 learner.actor.refresh_merged()  # LoRA: the engine gets W + s B A
                 if self.apart:  # the engines' workers receive while this rank sends
                     engine.receive(self.resharder.refit)
-                for round in range(0 if self.apart else self.resharder.num_rounds):  # one landing buffer's worth
-                    self.resharder.refit(round)
-                    engine.deliver(self.engine_tensors, round)
+                else:
+                    for round in range(self.resharder.num_rounds):  # the landing buffer holds one round (in-engine)
+                        self.resharder.refit(round)
+                        engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
         if every and self.num_handovers % every == 0 and self.adapters is None:
             with timed("handover/verify"):
@@ -171,10 +172,3 @@ class WeightSync:
             with timed("handover/wake_cache"):
                 rollout.wake("cache")
         rollout.state = "awake"
-
-
-def free_port() -> int:
-    """A TCP port no process here listens on now (the hand-over group's meeting point, served by rank 0)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])

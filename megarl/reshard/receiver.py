@@ -11,7 +11,6 @@ its linear weights) they land in tensors of the engine layout, which the engine'
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 
 import torch
@@ -22,21 +21,18 @@ from megarl.reshard.planner import Plan
 
 
 class EngineReceiver:
-    def __init__(self, plan: Plan | bytes, gpu: int, group: dist.ProcessGroup, *, params: Mapping[str, torch.Tensor],
+    def __init__(self, plan: Plan, gpu: int, group: dist.ProcessGroup, *, params: Mapping[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device) -> None:
         """Plan GPU ``gpu``'s side of every hand-over over ``group`` (megarl.reshard.handover_group). ``params``:
         the engine's parameters by engine-layout name (received into where they all match)."""
-        self.plan = pickle.loads(plan) if isinstance(plan, bytes) else plan
-        self.gpu = gpu
-        shapes = self.plan.engine_shapes(gpu)
+        shapes = plan.engine_shapes(gpu)
         if not shapes:
-            raise ValueError(f"plan GPU {gpu} holds no engine rank: engines start at GPU "
-                             f"{self.plan.dims.world_size}")
+            raise ValueError(f"plan GPU {gpu} holds no engine rank: engines start at GPU {plan.dims.world_size}")
         self.in_place = all(name in params and tuple(params[name].shape) == tuple(shape)
                             and params[name].dtype == dtype for name, shape in shapes.items())
         self.tensors = {name: params[name] for name in shapes} if self.in_place else \
-            engine_tensor_allocations(self.plan, gpu, dtype, device)
-        self.resharder = Resharder(self.plan, gpu, {}, self.tensors, group=group, device=device)
+            engine_tensor_allocations(plan, gpu, dtype, device)
+        self.resharder = Resharder(plan, gpu, {}, self.tensors, group=group, device=device)
 
     @torch.no_grad()
     def receive(self) -> dict[str, torch.Tensor]:

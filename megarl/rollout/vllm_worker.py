@@ -147,10 +147,10 @@ class MegarlWorkerExtension:
         worker: Any = self
         model = worker.model_runner.get_model()
         params = dict(model.named_parameters())
-        by_engine_name = params | {n.replace(".mlp.experts.routed_experts.", ".mlp.experts."): t
-                                   for n, t in params.items()}
         device, gpu = next(model.parameters()).device, first_gpu + get_tensor_model_parallel_rank()
         plan_object = pickle.loads(plan)
+        by_engine_name = {name: params[_own_name(name, params)] for name in plan_object.engine_shapes(gpu)
+                          if _own_name(name, params) in params}
         group = handover_group(gpu, plan_object.num_gpus, host, port, backend=backend, timeout_s=timeout_s,
                                device=device if device.type == "cuda" else None)
         worker.megarl_receiver = EngineReceiver(plan_object, gpu, group, params=by_engine_name,

@@ -3,7 +3,6 @@ read from HF through the mapping: the references of the resharding workers, and 
 engines on GPUs of their own, without megatron-core (engine workers outside the trainer's world import only this)."""
 
 import math
-import pickle
 from pathlib import Path
 
 import torch
@@ -151,7 +150,7 @@ def check_engines_apart(plan: Plan, rank: int, hf: dict, cfg: dict, dtype: torch
     received = {}
     for mode, own in (("in_place", nans), ("load", dict)):
         if engine:
-            receiver = EngineReceiver(pickle.dumps(plan), rank, group, params=own(), dtype=dtype, device=cpu)
+            receiver = EngineReceiver(plan, rank, group, params=own(), dtype=dtype, device=cpu)
             got = receiver.receive()
             received[mode] = receiver.in_place == (mode == "in_place") and all(torch.equal(got[n], ref[n])
                                                                                for n in ref)
