@@ -13,6 +13,7 @@ import datetime, sys, torch.distributed as dist
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=3))
 print("ok")
+dist.destroy_process_group()
 """
 
 

@@ -17,7 +17,13 @@ platform = init_platform()
 
 from megarl.algos.losses import token_weights  # noqa: E402
 from megarl.config import AlgorithmConfig, OptimizerConfig  # noqa: E402
-from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
+    ParallelDims,
+    init_distributed,
+    init_model_parallel,
+    model_parallel_seed,
+    shutdown_distributed,
+)
 from megarl.loop.rl_step import Batch, actor_loss  # noqa: E402
 from megarl.models.gpt import BuildOptions  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
@@ -54,6 +60,7 @@ def main() -> None:
         metrics = actor.train_step(batch.sequences, {n: batch.rows(v) for n, v in extras.items()}, loss, 256)
         rows.append({"lr": metrics["lr"], "update_skipped": metrics["update_skipped"]})
     (out_dir / "rank0.json").write_text(json.dumps(rows))
+    shutdown_distributed()  # gloo's threads left to C++ static destructors can abort the exit
 
 
 if __name__ == "__main__":

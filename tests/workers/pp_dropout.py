@@ -17,7 +17,13 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: E402
 
-from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed  # noqa: E402
+from megarl.distributed.parallel import (  # noqa: E402
+    ParallelDims,
+    init_distributed,
+    init_model_parallel,
+    model_parallel_seed,
+    shutdown_distributed,
+)
 
 out, pp = sys.argv[1], int(sys.argv[2])
 init_distributed(platform)
@@ -30,3 +36,4 @@ with get_cuda_rng_tracker().fork():
 rank = ps.get_pipeline_model_parallel_rank()
 with open(f"{out}/rank{rank}_pp{pp}.json", "w") as f:
     json.dump({"stage": rank, "pp": pp, "default": default, "tracked": tracked}, f)
+shutdown_distributed()
