@@ -29,12 +29,21 @@ def max_batch(cfg: Config, world_size: int) -> int:
     return -(-prompts // engines) * cfg.rollout.num_samples_per_prompt
 
 
+def host_share(cfg: Config, index: int, world: int, local_world: int) -> tuple[int, int]:
+    """Engine ``index``'s place among the engines on its host, and their number: engines are numbered in the
+    order of their ranks' hosts (one node only when they have GPUs of their own, async_rl.engine_gpus)."""
+    per_host = max(1, cfg.num_engines(world) // max(1, world // local_world))
+    return index % per_host, per_host
+
+
 def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:
     """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory; ``aliases``: the
     file of its parameters that map the actor's memory (rollout.alias_weights). An SGLang engine captures decode
     CUDA graphs up to its rollout batch (``max_batch``; megarl.rollout.sglang.decode_graph_args)."""
     r = cfg.rollout
-    batch = {"max_batch": max_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))} if r.engine == "sglang" else {}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_engine = {"max_batch": max_batch(cfg, world)} if r.engine == "sglang" else {
+        "cpu_share": host_share(cfg, index, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))}
     log_file = run_dir(cfg) / f"engine_{index}.log"
     where = f" on GPUs {devices}" if devices is not None else ""
     print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}){where}; its output goes "
@@ -46,5 +55,5 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
                                | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
                                | ({"lora_rank": cfg.actor.lora.rank}  # type: ignore[union-attr]
                                   if cfg.actor.adapter_handover() else {})
-                               | ({"aliases": aliases} if aliases is not None else {}) | batch))
+                               | ({"aliases": aliases} if aliases is not None else {}) | per_engine))
     return engine

@@ -81,17 +81,17 @@ def engine_rank_layout(spec: ModelSpec, tensor_parallel: int, rank: int) -> dict
     return {"hf_shapes": {k: list(v) for k, v in hf_shapes(spec).items()}, "pieces": pieces}
 
 
-def cpu_binding(tensor_parallel: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for this rank's engine. vLLM binds each CPU worker to a NUMA node of its own and
-    refuses when there are fewer ("nobind" then); a lone worker it binds to the first core, so the engines of
-    several ranks on one host would all compute on that one core: each takes its own share of the cores instead."""
-    engines = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // tensor_parallel
+def cpu_binding(tensor_parallel: int, index: int, engines: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for engine ``index`` of the ``engines`` on this host. vLLM binds each CPU worker to
+    a NUMA node of its own and refuses when there are fewer ("nobind" then); a lone worker it binds to the first
+    core, so several engines on one host would all compute on that one core: each takes its own share of the
+    cores instead."""
     if tensor_parallel > 1 or engines <= 1:
         return "nobind" if tensor_parallel > 1 else "auto"
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < engines:
         return "nobind"
-    index, share = int(os.environ.get("LOCAL_RANK", "0")) // tensor_parallel, len(cores) // engines
+    share = len(cores) // engines
     return ",".join(map(str, cores[index * share:(index + 1) * share]))
 
 
@@ -108,14 +108,15 @@ class VLLMEngine:
     def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  dtype: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
-                 lora_rank: int | None = None, **engine_args: Any) -> None:
+                 lora_rank: int | None = None, cpu_share: tuple[int, int] = (0, 1), **engine_args: Any) -> None:
         """``gpu_memory_fraction``: see DEFAULT_MEMORY_FRACTION (None: 0.2 on CPU, 0.5 on GPU).
         ``max_model_len``: prompt + completion tokens per sequence (None: the model's max_position_embeddings).
         ``dtype``: "auto" is vLLM's choice: the checkpoint's, except that float32 checkpoints run in bfloat16
         (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``devices``: the GPUs
         (this node's indices) the engine's workers run on (None: the first ``tensor_parallel`` visible ones).
         ``log_file``: where the engine's processes log (None: the console). ``lora_rank``: serve LoRA adapters
-        of up to this rank (``load_adapter``). ``engine_args`` go to ``vllm.LLM`` unchanged."""
+        of up to this rank (``load_adapter``). ``cpu_share``: (this engine's index, the engines) on this host, whose
+        cores a CPU engine divides (cpu_binding). ``engine_args`` go to ``vllm.LLM`` unchanged."""
         # Everything the engine would reject, rejected here, before a process starts.
         self.spec = spec = load_spec(hf_dir)
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -167,7 +168,7 @@ class VLLMEngine:
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
             if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, *cpu_share)
         args |= engine_args
         self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one
         try:
