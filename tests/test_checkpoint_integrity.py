@@ -218,3 +218,55 @@ def test_any_other_failure_during_a_save_is_raised_as_it_is_and_leaves_nothing_h
     with pytest.raises(RuntimeError, match="a bug"):
         save(world, 2)
     assert not (world / ".step_000002.tmp").exists() and (world / "latest").read_text() == good.name
+
+
+BASE_CHECK = """
+import json, sys, torch.distributed as dist
+from megarl.checkpoint import manifest
+from megarl.errors import UserError
+from megarl.lora.checkpoint import check_base_model
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank > 0:  # only rank 0 may read the base's weights
+    manifest.files_differ = lambda *a: (_ for _ in ()).throw(AssertionError(f"rank {rank} read the weights"))
+verdicts = []
+for base in sys.argv[2:]:
+    try:
+        check_base_model(__import__("pathlib").Path(sys.argv[1]), base, rank)
+        verdicts.append(None)
+    except UserError as err:
+        verdicts.append(str(err))
+print(json.dumps(verdicts))
+dist.destroy_process_group()
+"""
+
+
+def test_a_lora_resume_checksums_the_base_on_rank_0_alone_and_every_rank_refuses_alike(tmp_path):
+    """A LoRA actor's base weights are checked against the checkpoint's record at a resume: rank 0 reads them
+    (a 70B base is 140 GB: once, not once per rank) and every rank gets its verdict."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, free_port
+    from megarl.checkpoint.manifest import weight_files
+
+    base, other = tmp_path / "base", tmp_path / "other"
+    base.mkdir()
+    other.mkdir()
+    (base / "model.safetensors").write_bytes(b"\0" * 4096)
+    (other / "model.safetensors").write_bytes(b"\0" * 4095 + b"\1")
+    record = tmp_path / "base_model.json"
+    record.write_text(json.dumps(weight_files(str(base))))
+    (tmp_path / "check.py").write_text(BASE_CHECK)
+    env = os.environ | {"PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                        "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "check.py"), str(record), str(base), str(other)],
+                              cwd=REPO, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    verdicts = [json.loads(out) for out, _ in outs]
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0][0] is None
+    assert "model.hf_path = " + str(other) in verdicts[0][1] and "model.safetensors" in verdicts[0][1]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.checkpoint import manifest
+from megarl.checkpoint.resume_check import weights_differ
 from megarl.config.lora import LoraConfig
 from megarl.errors import UserError
 from megarl.lora import shards as lora_shards
@@ -33,6 +34,8 @@ class AdapterState:
     def __init__(self, cfg: LoraConfig, params: Callable[[], dict[str, torch.nn.Parameter]],
                  refresh: Callable[[], None]) -> None:
         self.cfg, self.params, self.refresh = cfg, params, refresh
+        self._base: dict[str, Any] | None = None
+        """base_model's record, read at the first save (a 70B base is 140 GB to checksum: once a run)."""
 
     def save(self, out: Path, model: ModelState) -> list[Path]:
         assert model.optimizer is not None
@@ -47,7 +50,9 @@ class AdapterState:
         written = [path]
         if dist.get_rank() == 0:
             written.append(out / LORA_DIR / BASE_MODEL)
-            written[-1].write_text(json.dumps(base_model(model.hf_dir), indent=1) + "\n")
+            if self._base is None:
+                self._base = base_model(model.hf_dir)
+            written[-1].write_text(json.dumps(self._base, indent=1) + "\n")
         save_file(tensors | state, str(path), metadata={
             "format": FORMAT, "offsets": json.dumps(offsets), "tp_rank": str(g.tp_rank), "tp": str(g.dims.tp),
             "dp_rank": str(g.dp_rank), "lora": json.dumps(dataclasses.asdict(self.cfg))})
@@ -63,7 +68,7 @@ class AdapterState:
         if not files:
             raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/ is missing): it was saved without "
                             "actor.lora. Resume it without actor.lora, or set checkpoint.resume to `none`.")
-        check_base_model(ckpt / LORA_DIR / BASE_MODEL, model.hf_dir)
+        check_base_model(ckpt / LORA_DIR / BASE_MODEL, model.hf_dir, dist.get_rank())
         saved = SavedAdapters(files)
         theirs = {k: saved.lora.get(k) for k in ("rank", "target_modules")}
         ours = {"rank": self.cfg.rank, "target_modules": list(self.cfg.target_modules)}
@@ -92,8 +97,9 @@ def base_model(hf_dir: str | None) -> dict[str, Any]:
     return {"path": None, "files": {}} if hf_dir is None else manifest.weight_files(hf_dir)
 
 
-def check_base_model(record: Path, hf_dir: str | None) -> None:
-    """The adapters resume only onto the base weights they were trained on."""
+def check_base_model(record: Path, hf_dir: str | None, rank: int = 0) -> None:
+    """The adapters resume only onto the base weights they were trained on: rank 0 checksums the base's files and
+    every rank refuses alike (megarl.checkpoint.resume_check.weights_differ); every rank calls it."""
     if not record.is_file():  # a checkpoint written before the base was recorded
         return
     try:
@@ -102,7 +108,7 @@ def check_base_model(record: Path, hf_dir: str | None) -> None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{record} is unreadable ({type(err).__name__}: {err}): the checkpoint is damaged. Resume "
                         "from another step_* directory or set checkpoint.resume to `none`.") from None
-    differ = manifest.files_differ(files, hf_dir) if hf_dir is not None else sorted(files)
+    differ = weights_differ(files, hf_dir, rank) if hf_dir is not None else sorted(files)
     if differ:
         raise UserError(f"the LoRA adapters in {record.parent.parent} were trained on the base model at "
                         f"{saved.get('path')}, whose weight files differ from model.hf_path = {hf_dir} ({differ[:3]}: "
