@@ -10,11 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from megarl.checkpoint import manifest
 from megarl.config import Config
 from megarl.config.experiment import allowed_changes, defines_experiment
+from megarl.distributed.rank0 import from_rank0
 from megarl.errors import UserError
 
 
@@ -68,23 +67,15 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
               + " (checkpoint.allow_changes); the resumed mlflow run keeps the params it started with", flush=True)
 
 
-def weights_differ(files: dict[str, Any], hf_dir: str, rank: int) -> list[str]:
-    """manifest.files_differ, read by rank 0 alone and sent to the other ranks (a 70B model is 140 GB to read: once,
-    not once per rank), so that every rank refuses alike. Every rank of the default group calls it."""
-    found = [manifest.files_differ(files, hf_dir) if rank == 0 else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(found, src=0)
-    return found[0] or []
-
-
 def check_teacher_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str],
                             rank: int = 0) -> None:
     """A distillation run resumes only with the teacher it learned from: its weight files (size and CRC-32) as the
     checkpoint recorded them, wherever they now live (the same path may hold another teacher). Rank 0 reads the
     files, as it recorded them at the start (a 70B teacher is 140 GB to read), and every rank refuses alike."""
-    if cfg.distill.teacher is None or not saved or "distill.teacher" in allowed:
+    teacher = cfg.distill.teacher
+    if teacher is None or not saved or "distill.teacher" in allowed:
         return
-    differ = weights_differ(saved["files"], cfg.distill.teacher, rank)
+    differ = from_rank0(lambda: manifest.files_differ(saved["files"], teacher), rank)
     if differ:
         raise UserError(f"checkpoint {path} learned from the teacher at {saved.get('path')}, whose weight files "
                         f"differ from distill.teacher = {cfg.distill.teacher} ({differ[:3]}: size or CRC-32). "

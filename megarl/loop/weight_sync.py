@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megarl.config import Config, run_dir
 from megarl.distributed.parallel import ParallelGroups
 from megarl.distributed.ports import free_port
+from megarl.distributed.rank0 import from_rank0
 from megarl.loop.learner import Learner
 from megarl.loop.rollout_manager import RolloutManager
 from megarl.loop.timing import PartTimes
@@ -107,17 +107,16 @@ class WeightSync:
     def _join_handover(self, engine: GroupEngine) -> ProcessGroup:
         """Engines apart: the trainer's ranks and the engines' workers join one group, numbered as the plan numbers
         their GPUs (megarl.reshard.handover_group), meeting at a port rank 0 picks."""
-        port = [free_port() if self.groups.rank == 0 else 0]
-        dist.broadcast_object_list(port, src=0)
+        port = from_rank0(free_port, self.groups.rank)
         host, timeout_s = os.environ.get("MASTER_ADDR", "127.0.0.1"), self.cfg.rollout.timeout_minutes * 60
         device = self.groups.device if self.groups.device.type == "cuda" else None
         backend = "nccl" if device is not None else "gloo"
         joined: list[ProcessGroup] = []
         assert engine.group.gpus is not None
         engine.join_handover(
-            lambda: joined.append(handover_group(self.groups.rank, self.plan.num_gpus, host, port[0], backend=backend,
+            lambda: joined.append(handover_group(self.groups.rank, self.plan.num_gpus, host, port, backend=backend,
                                                  timeout_s=timeout_s, device=device)),
-            pickle.dumps(self.plan), engine.group.gpus[0], host, port[0], backend, timeout_s, self.cfg.model.dtype)
+            pickle.dumps(self.plan), engine.group.gpus[0], host, port, backend, timeout_s, self.cfg.model.dtype)
         return joined[0]
 
     def _allocate_engine_tensors(self) -> dict[str, torch.Tensor]:

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.checkpoint import manifest
-from megarl.checkpoint.resume_check import weights_differ
 from megarl.config.lora import LoraConfig
+from megarl.distributed.rank0 import from_rank0
 from megarl.errors import UserError
 from megarl.lora import shards as lora_shards
 from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
@@ -99,7 +99,7 @@ def base_model(hf_dir: str | None) -> dict[str, Any]:
 
 def check_base_model(record: Path, hf_dir: str | None, rank: int = 0) -> None:
     """The adapters resume only onto the base weights they were trained on: rank 0 checksums the base's files and
-    every rank refuses alike (megarl.checkpoint.resume_check.weights_differ); every rank calls it."""
+    every rank refuses alike (a 70B base is 140 GB to read: once, not once per rank); every rank calls it."""
     if not record.is_file():  # a checkpoint written before the base was recorded
         return
     try:
@@ -108,7 +108,7 @@ def check_base_model(record: Path, hf_dir: str | None, rank: int = 0) -> None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{record} is unreadable ({type(err).__name__}: {err}): the checkpoint is damaged. Resume "
                         "from another step_* directory or set checkpoint.resume to `none`.") from None
-    differ = weights_differ(files, hf_dir, rank) if hf_dir is not None else sorted(files)
+    differ = from_rank0(lambda: manifest.files_differ(files, hf_dir), rank) if hf_dir is not None else sorted(files)
     if differ:
         raise UserError(f"the LoRA adapters in {record.parent.parent} were trained on the base model at "
                         f"{saved.get('path')}, whose weight files differ from model.hf_path = {hf_dir} ({differ[:3]}: "

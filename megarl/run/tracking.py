@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import Config
+from megarl.distributed.rank0 import from_rank0
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
 
@@ -189,14 +190,15 @@ def open_store(cfg: Config, out_dir: Path) -> Any:
 
 def logged(out_dir: Path, step: int, rank: int) -> bool:
     """Whether metrics.jsonl holds step ``step``'s row: rank 0 reads it, every rank gets its answer."""
-    found = [False]
     path = out_dir / "metrics.jsonl"
-    if rank == 0 and path.is_file():
+
+    def read() -> bool:
+        if not path.is_file():
+            return False
         rows, _ = read_jsonl_rows(path, [line for line in path.read_text().splitlines() if line.strip()])
-        found[0] = any(row["step"] == step for row in rows)
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    return found[0]
+        return any(row["step"] == step for row in rows)
+
+    return from_rank0(read, rank)
 
 
 def forget_jsonl_steps(out_dir: Path, start_step: int) -> None:
