@@ -149,8 +149,8 @@ class MegarlWorkerExtension:
         params = dict(model.named_parameters())
         device, gpu = next(model.parameters()).device, first_gpu + get_tensor_model_parallel_rank()
         plan_object = pickle.loads(plan)
-        by_engine_name = {name: params[_own_name(name, params)] for name in plan_object.engine_shapes(gpu)
-                          if _own_name(name, params) in params}
+        own = {name: _own_name(name, params) for name in plan_object.engine_shapes(gpu)}
+        by_engine_name = {name: params[mine] for name, mine in own.items() if mine in params}
         group = handover_group(gpu, plan_object.num_gpus, host, port, backend=backend, timeout_s=timeout_s,
                                device=device if device.type == "cuda" else None)
         worker.megarl_receiver = EngineReceiver(plan_object, gpu, group, params=by_engine_name,
