@@ -222,6 +222,7 @@ def test_any_other_failure_during_a_save_is_raised_as_it_is_and_leaves_nothing_h
 
 BASE_CHECK = """
 import json, sys, torch.distributed as dist
+from pathlib import Path
 from megarl.checkpoint import manifest
 from megarl.errors import UserError
 from megarl.lora.checkpoint import check_base_model
@@ -233,7 +234,7 @@ if rank > 0:  # only rank 0 may read the base's weights
 verdicts = []
 for base in sys.argv[2:]:
     try:
-        check_base_model(__import__("pathlib").Path(sys.argv[1]), base, rank)
+        check_base_model(Path(sys.argv[1]), base, rank)
         verdicts.append(None)
     except UserError as err:
         verdicts.append(str(err))
