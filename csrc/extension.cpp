@@ -4,6 +4,7 @@
 
 namespace megarl {
 void register_copy(pybind11::module& m);
+void register_quant(pybind11::module& m);
 void register_reshard(pybind11::module& m);
 void register_verify(pybind11::module& m);
 }
@@ -23,6 +24,7 @@ PYBIND11_MODULE(_C, m) {
       },
       "Whether this build contains the CUDA kernels.");
   megarl::register_copy(m);
+  megarl::register_quant(m);
   megarl::register_reshard(m);
   megarl::register_verify(m);
 }

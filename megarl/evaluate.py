@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -26,6 +27,8 @@ import yaml
 
 from megarl.rollout.base import RolloutEngine
 from megarl.run.command import run_main
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,9 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-prefix", help="text every response starts with, as prompt (data.response_prefix)")
     parser.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
     parser.add_argument("--engine", choices=["vllm", "sglang"], help="default: sglang on a GPU, else vllm")
-    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="the engine's precision (default: the recipe's model.dtype with --config, a training "
-                             "checkpoint's model.dtype, else auto: a HF directory's own, float32 in bfloat16)")
+                             "checkpoint's model.dtype, else a HF directory's own, auto where its config.json names "
+                             "none)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.8)
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", dest="engine_arg",
                         help="an argument of the engine itself, its value read as YAML (e.g. "
@@ -178,7 +182,26 @@ def trained_dtype(step_dir: Path) -> str | None:
     return config.get("model.dtype")
 
 
-def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngine:
+def own_dtype(hf_dir: Path) -> str:
+    """The dtype a HF directory's config.json names ("dtype", "torch_dtype" before transformers 5), else auto.
+    Not auto for all: vLLM's auto runs float32 weights in bfloat16, of which a CPU engine without bfloat16
+    instructions dies (exit -4). An engine that supports no such dtype refuses it as it starts, by name."""
+    try:
+        config = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"  # the engine's start names what is wrong with the directory
+    named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return named if named in DTYPES[1:] else "auto"
+
+
+def engine_failed(log: Path) -> str:
+    """Where the engine's log is, and what to do, after the engine failed during the evaluation."""
+    return (f"The engine's log is {log}. Evaluation stopped; nothing was written. If the engine ran out of memory, "
+            "lower --gpu-memory-fraction; a CPU engine whose worker died at once (exit -4) may lack the instructions "
+            "of its --dtype: try --dtype float32.")
+
+
+def make_engine(kind: str, model: str, args: argparse.Namespace, log_file: Path | None = None) -> RolloutEngine:
     from megarl.models.spec import load_spec
 
     max_len = min(args.max_prompt_tokens + args.max_new_tokens, load_spec(model).max_position_embeddings)
@@ -188,11 +211,11 @@ def make_engine(kind: str, model: str, args: argparse.Namespace) -> RolloutEngin
         from megarl.rollout.vllm import VLLMEngine
 
         return VLLMEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len, seed=args.seed,
-                          dtype=args.dtype, **engine_args)
+                          dtype=args.dtype, log_file=log_file, **engine_args)
     from megarl.rollout.sglang import SGLangEngine
 
     return SGLangEngine(model, gpu_memory_fraction=args.gpu_memory_fraction, max_model_len=max_len,
-                        seed=args.seed, enable_sleep=False, dtype=args.dtype, **engine_args)
+                        seed=args.seed, enable_sleep=False, dtype=args.dtype, log_file=log_file, **engine_args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.rewards.registry import load_reward
     from megarl.rollout.agent import AgentLoop
     from megarl.rollout.base import SamplingParams
+    from megarl.rollout.failures import engine_errors
     from megarl.tools.inert import InertText
 
     if args.prompt_template is not None:
@@ -218,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = load_reward(args.reward, "--reward")
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as scratch:
         hf_dir, trained = hf_model(Path(args.model), Path(scratch))
-        model, args.dtype = str(hf_dir), args.dtype or trained or "auto"
+        model, args.dtype = str(hf_dir), args.dtype or trained or own_dtype(hf_dir)
         tokenizer = load_tokenizer(model, "--model")
         # Tools load (and bad specs stop) before the data is read and an engine starts.
         loop = None if cfg is None or not cfg.agent.tools else AgentLoop(
@@ -231,17 +255,30 @@ def main(argv: list[str] | None = None) -> None:
                                       response_prefix=args.response_prefix, field="--data",
                                       limit_field="--max-prompt-tokens")
         kind = args.engine or ("sglang" if torch.cuda.is_available() else "vllm")
-        engine = make_engine(kind, model, args)
+        # The engine's output goes to a file, as in training: a dying engine's own tracebacks would bury the
+        # paragraph that names its failure. Kept when the evaluation fails, whose message names it.
+        handle, log_name = tempfile.mkstemp(prefix="megarl-eval-engine-", suffix=".log")
+        os.close(handle)
+        engine_log = Path(log_name)
+        print(f"megarl: the {kind} engine's output goes to {engine_log} (removed after a successful evaluation)",
+              file=sys.stderr, flush=True)
+        engine = make_engine(kind, model, args, engine_log)
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         params = SamplingParams(n=args.num_samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 stop_token_ids=stop, seed=args.seed)
+        calls = engine.generate if loop is None else functools.partial(loop.generate, engine)
+
+        def generate(*call: Any, **options: Any) -> Any:
+            with engine_errors("the evaluation's generation", engine_failed(engine_log)):
+                return calls(*call, **options)
+
         try:
-            generate = engine.generate if loop is None else functools.partial(loop.generate, engine)
             result, samples = evaluate(generate, prompts, reward_fn, params, decoder(tokenizer))
         finally:
             engine.shutdown()
             if loop is not None:
                 loop.close()
+        engine_log.unlink()
     print(json.dumps({"model": args.model, "data": args.data, "engine": kind, "num_samples": args.num_samples}
                      | result), flush=True)
     if args.output is not None:  # after the metrics: a failed write does not lose them

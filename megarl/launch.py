@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,36 @@ def torchrun_command(script_args: list[str], env: Mapping[str, str], reserved: i
             *script_args]
 
 
+def check_rendezvous_host(cmd: list[str], env: Mapping[str, str]) -> None:
+    """On a node of a job of several nodes, before torchrun: torchrun's c10d rendezvous lets the node that takes the
+    endpoint (the job's first node, by its Slurm name) for itself host the store, judging by this node's hostname
+    and the address it resolves to. Where the first node does not, every node waits for a store no node starts and
+    the rendezvous times out with no word on why; where a name does not resolve, torchrun fails with a traceback
+    about name resolution (and a worker's MASTER_ADDR can be that name). Both named here, at once."""
+    option = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cmd if a.startswith("--") and "=" in a}
+    if int(option.get("--nnodes", "1")) < 2 or "--rdzv-endpoint" not in option:
+        return
+    host = option["--rdzv-endpoint"].rsplit(":", 1)[0]
+    here, node, node_id = socket.gethostname(), env.get("SLURMD_NODENAME", "?"), env.get("SLURM_NODEID", "?")
+    fix = ("Each node's hostname must be its Slurm node name (or resolve to the address the node name resolves to) "
+           "for torchrun's rendezvous to find the first node: set the hostnames, or the NodeName/NodeHostname "
+           "entries of slurm.conf, to match.")
+    for name, what in ((host, f"the rendezvous endpoint {host!r} (the job's first node)"),
+                       (here, f"this node's hostname {here!r}")):
+        try:
+            socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError) as err:
+            raise UserError(f"{what} does not resolve on node {node!r} (SLURM_NODEID={node_id}): {err}. "
+                            f"{fix}") from None
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    if node_id == "0" and not _matches_machine_hostname(host):
+        raise UserError(f"node {node!r} is the job's first node (SLURM_NODEID=0), where torchrun's rendezvous store "
+                        f"must run, but torchrun would not start it: its hostname {here!r} is not the endpoint "
+                        f"{host!r}, nor does it resolve to the endpoint's address. Every node would wait for a store "
+                        f"no node starts. {fix}")
+
+
 def standalone_command(script_args: list[str], env: Mapping[str, str], reserved: int = 0) -> list[str]:
     """torchrun on this machine alone: MEGARL_NPROC ranks, else one per visible GPU (CUDA_VISIBLE_DEVICES or
     nvidia-smi) but the ``reserved`` last (the engines', async_rl.engine_gpus), else one."""
@@ -140,6 +171,41 @@ def gpu_memory_bytes() -> int:
     return int(fields[0]) * 2**20 if out.returncode == 0 and fields and fields[0].isdigit() else 0
 
 
+# torchrun of this interpreter (whether or not its bin/ is on PATH), its tracebacks left out of the job's log. Ended by
+# a signal (scancel's SIGTERM, forwarded below), it stops its workers and raises SignalException: it exits 128 + the
+# signal's number instead, as a process the signal ended would, leaving the trainer's own line saying how to resume
+# last. A worker killed by a signal (the OOM killer, a kill of the job step) writes no error of its own: torchrun's
+# report is printed without its traceback, then one paragraph saying so. torchrun acts on the first signal only:
+# under scancel it gets SIGTERM twice (from slurmstepd and from this launcher), and a second SignalException raised
+# inside its shutdown (in the middle of its own log line) would print a traceback and cut the shutdown short.
+TORCHRUN = """import signal, sys
+from torch.distributed.elastic.multiprocessing import api
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+received = []
+def first_signal_only(signum, frame):
+    if received:
+        return
+    received.append(signum)
+    raise SignalException(f"torchrun got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+api._terminate_process_handler = first_signal_only
+try:
+    main()
+except SignalException as e:
+    sys.exit(128 + int(e.sigval))
+except ChildFailedError as e:
+    print(e, file=sys.stderr)
+    rank, failure = e.get_first_failure()
+    if failure.exitcode < 0:
+        print(f"megarl error: rank {rank} of {e.name} was killed by {failure.signal_name()}, not stopped by an error "
+              "of its own: by the kernel's OOM killer (see dmesg), a kill of the job step, or its node's failure. A "
+              "training run resumes from its newest complete checkpoint with checkpoint.resume: auto.",
+              file=sys.stderr, flush=True)
+    sys.exit(1)
+"""
+
+
 def run(cmd: list[str]) -> int:
     """Run torchrun with an error file; forward SIGTERM (Slurm, scancel) and SIGHUP (a closed terminal or
     ssh session) to it and let Ctrl-C reach the workers, which share the terminal. A worker's error paragraph
@@ -147,8 +213,7 @@ def run(cmd: list[str]) -> int:
     with tempfile.NamedTemporaryFile(prefix="megarl-error-", delete=False) as f:
         error_file = f.name
     try:
-        # torchrun of this interpreter, whether or not its bin/ is on PATH
-        argv = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
+        argv = [sys.executable, "-c", TORCHRUN, *cmd[1:]]
         child = subprocess.Popen(argv, env=os.environ | {ERROR_FILE: error_file})
         for forwarded in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(forwarded, lambda signum, frame: child.send_signal(signum))
@@ -177,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     print(shlex.join(cmd), flush=True)
     if show:
         return
+    check_rendezvous_host(cmd, env)
     precheck(args, *_world(cmd))
     sys.exit(run(cmd))
 

@@ -41,7 +41,7 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     def mean(part: list[dict[str, float]], key: str) -> float:
         return sum(r[key] for r in part) / len(part)
 
-    phases = sorted({k for r in rows for k in r if k.startswith("time/")})
+    phases = ran_phases(rows)
     times = ", ".join(f"{k[5:]} {statistics.median(r[k] for r in rows if k in r):.2f}s" for k in phases)
     lines = [f"megarl: {len(rows)} steps (steps {rows[0]['step']}-{rows[-1]['step']}) in {run_dir}",
              f"  reward {mean(first, 'reward_mean'):.3f} (first {len(first)} steps) -> "
@@ -61,6 +61,13 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
         lines.append(f"  checkpoints: {', '.join(p.name for p in checkpoints)} in {run_dir} "
                      f"(export: python -m megarl.convert mcore-to-hf --ckpt {checkpoints[-1] / 'actor'} --out DIR)")
     return "\n".join(lines)
+
+
+def ran_phases(rows: list[dict[str, float]]) -> list[str]:
+    """The time/* keys of phases that did work in some step: a phase entered with nothing to do (the critic of a
+    GRPO run, the teacher without distillation) takes microseconds."""
+    keys = sorted({k for r in rows for k in r if k.startswith("time/")})
+    return [k for k in keys if max(r.get(k, 0.0) for r in rows) >= 0.005]
 
 
 def eval_curve(rows: list[dict[str, float]], name: str) -> list[tuple[int, float]]:
@@ -125,8 +132,17 @@ def _draw(run_dir: Path, rows: list[dict[str, float]]) -> Path:
         axes[1].legend(fontsize="small")
     axes[-2].semilogy(steps, [max(r.get("logprob_diff_max", 0.0), 1e-12) for r in rows])
     axes[-2].set_ylabel("max |rollout - trainer|\nlogprob")
-    for key in sorted({k for r in rows for k in r if k.startswith("time/")}):
-        axes[-1].plot(steps, [r.get(key, float("nan")) for r in rows], label=key[5:])
+    # The first step (compilation, graph capture, an empty pool) is drawn apart, as a point, so that it does not
+    # flatten the steady steps; phases that never ran (a GRPO run's critic) are left out.
+    for key in ran_phases(rows):
+        values = [r.get(key, float("nan")) for r in rows]
+        line, = axes[-1].plot(steps[1:], values[1:], label=key[5:], linewidth=2.5 if key == "time/step" else 1.0,
+                              color="black" if key == "time/step" else None)
+        axes[-1].plot(steps[:1], values[:1], marker="x", linestyle="none", color=line.get_color())
+    if len(rows) > 1:
+        axes[-1].set_ylim(0, 1.15 * max(r.get(k, 0.0) for r in rows[1:] for k in ran_phases(rows)))
+        first = rows[0].get("time/step", sum(rows[0].get(k, 0.0) for k in ran_phases(rows)))
+        axes[-1].set_title(f"first step (x, may lie above): {first:.1f} s", fontsize="small")
     axes[-1].set_ylabel("seconds")
     axes[-1].set_xlabel("step")
     axes[-1].legend(fontsize="small", ncol=3)

@@ -33,13 +33,16 @@ def main(argv: list[str] | None = None) -> None:
     from megarl import checkpoint
     from megarl.algos.correction import rollout_correction
     from megarl.algos.distill import reverse_kl_advantages
+    from megarl.loop import samples
     from megarl.loop.rl_step import (
         actor_loss_mask,
         advantages_and_returns,
         check_drift,
         critic_loss_mask,
         logprob_drift,
+        offpolicy_weights,
     )
+    from megarl.run import startup
     from megarl.run.profiling import check_profile_step, profiled, trace_path
 
     algo = cfg.algorithm
@@ -52,10 +55,13 @@ def main(argv: list[str] | None = None) -> None:
         tracker.write(tracker.unlogged["row"] | trainer.step_metrics() | held_out)
     with tracker.phase("eval"):  # held-out accuracy of the starting weights, which the engines hold now
         held_out = evals.run(trainer, decode, "initial") if evals.before_train and tracker.start_step == 0 else {}
+    startup.mark("resume and initial eval")
     for step in range(tracker.start_step, cfg.trainer.num_steps):
         with profiled(step == args.profile, trace_path(tracker.out_dir, step, trainer.groups.rank)):
             with tracker.phase("generate"):  # sample responses with the current policy and score them
                 batch, sampling = trainer.generate(lambda: next(loader), step)
+            with tracker.phase("reward_model"):  # reward_model.path: its score joins the rule reward
+                sampling |= trainer.score_rewards(batch)
             with tracker.phase("score"):  # old logprobs: the trainer's view of the sampled tokens
                 old = trainer.score(batch, trainer.actor)
             with tracker.phase("reference"):
@@ -66,25 +72,29 @@ def main(argv: list[str] | None = None) -> None:
                 teacher = trainer.score(batch, trainer.teacher)
             drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
             check_drift(drift, cfg.rollout.logprob_diff_max, step)
+            # Importance weights pi_old / pi_rollout (truncated, or rejecting sequences): the engine's sampler is
+            # not the trainer's. Async: the same weights correct the KL, distillation and entropy terms (offpolicy).
+            is_weights, kept, correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
+            offpolicy = offpolicy_weights(batch, is_weights, kept)
             advantages, returns, kl_metrics = advantages_and_returns(
                 batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
-                cfg.response_budget())
+                cfg.response_budget(), offpolicy=offpolicy)
             distill: dict[str, float] = {}
             if teacher is not None:  # each token's reverse KL to the teacher: its own negative advantage (or a loss)
-                distilled, distill = reverse_kl_advantages(old, teacher, batch.mask, cfg.distill.coef)
+                distilled, distill = reverse_kl_advantages(old, teacher, batch.mask, cfg.distill.coef, offpolicy)
                 distill["distill/top1_agreement"] = trainer.top1_agreement(batch)
                 if cfg.distill.form == "advantage":
                     advantages = advantages + distilled
+            samples.write(cfg, tracker.out_dir, trainer.groups.rank, step, batch, decode, advantages)  # log_samples
             extras = {"old_logprobs": old, "advantages": advantages}
             if teacher is not None and cfg.distill.form == "loss":
                 extras["teacher_logprobs"] = teacher
             if ref is not None:
                 extras["ref_logprobs"] = ref
-            # Importance weights pi_old / pi_rollout (truncated, or rejecting sequences): the engine's sampler is
-            # not the trainer's.
-            is_weights, kept, correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
             if algo.rollout_correction != "none":
                 extras["is_weights"] = is_weights
+            if offpolicy is not None:
+                extras["offpolicy_weights"] = offpolicy[0]
             with tracker.phase("update"):  # clipped policy updates, epochs x shuffled mini-batches
                 metrics = trainer.update_actor(batch, extras, step, actor_loss_mask(batch, kept))
             with tracker.phase("critic"):
@@ -104,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                 # evaluation below, by a signal or an error) finishes and logs it when it resumes.
                 state = trainer.rollout.snapshot(loader) | {  # the data cursor and the samples in flight
                          "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
+                         "reward_model": trainer.reward_model.state_dict() if trainer.reward_model else None,
                          "config": cfg.to_flat_dict(), "teacher": trainer.teacher_files,  # a resume compares them
                          "unlogged": {"row": tracker.row(step, batch, trained), "evaluate": evaluate}}
                 checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             with tracker.phase("eval"):  # the weights the engines just received, on the held-out sets
                 held_out = evals.run(trainer, decode, f"step_{step}") if evaluate else {}
             evals.keep_best(step, held_out)
-            tracker.log(step, batch, trained | trainer.step_metrics() | held_out)
+            tracker.log(step, batch, trained | trainer.step_metrics() | held_out | startup.step_ended())
             held_out = {}
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)

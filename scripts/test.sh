@@ -11,7 +11,7 @@ export PATH="$(cd "$VENV/bin" && pwd):$PATH"  # hadolint and torchrun from the v
 set +e
 # Two workers (pytest-xdist); a test file stays in one worker, so its module fixtures (engines) start once. Files are
 # handed out in the order tests/conftest.py gives them (the most slow tests first), not by their number of tests.
-"$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40 "$@"
+"$VENV/bin/python" -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=40 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

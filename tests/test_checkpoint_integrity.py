@@ -21,6 +21,8 @@ from safetensors import SafetensorError
 from helpers import run_worker, zero_data
 from megarl import checkpoint
 from megarl.checkpoint import manifest, model_files, saving
+from megarl.checkpoint.best_on_resume import check_best
+from megarl.checkpoint.keep_best import best_step, mark_best
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 
@@ -271,3 +273,47 @@ def test_a_lora_resume_checksums_the_base_on_rank_0_alone_and_every_rank_refuses
     assert verdicts[0] == verdicts[1]
     assert verdicts[0][0] is None
     assert "model.hf_path = " + str(other) in verdicts[0][1] and "model.safetensors" in verdicts[0][1]
+
+
+@pytest.mark.parametrize("also_damaged", [False, True])
+def test_a_damaged_best_gives_way_to_the_best_checkpoint_left_which_rotation_keeps(world, capsys, also_damaged):
+    """The issue's run: keep_last 2, held-out accuracy 0.25 / 0.5 / 0.125 / 0.0625 / 0.875 over steps 0-4, the best
+    (step 4) damaged, resumed. Step 1's 0.5, in metrics.jsonl, is the best left: the retrained step 4 (0.1875) must
+    not take its place, nor rotation delete it. A best left that is itself damaged is set aside in its turn."""
+    metric, scores = "eval/arith/accuracy", [0.25, 0.5, 0.125, 0.0625, 0.875]
+    world.mkdir()
+    with open(world / "metrics.jsonl", "w") as rows:
+        for step, score in enumerate(scores):
+            save(world, step, keep_last=2)
+            mark_best(world, metric, step, {metric: score})
+            rows.write(json.dumps({"step": step, "reward_mean": 0.1, metric: score}) + "\n")
+    assert sorted(checkpoint.checkpoints(world)) == [1, 3, 4] and best_step(world) == 4
+    zero_data(world / "step_000004" / "actor" / "tp00_pp00.safetensors")
+    if also_damaged:
+        zero_data(world / "step_000001" / "actor" / "tp00_pp00.safetensors")
+    assert checkpoint.find("auto", str(world)) == world / "step_000003"
+    check_best(world, metric, 4, 0)
+    best, value = (3, 0.0625) if also_damaged else (1, 0.5)
+    assert best_step(world) == best
+    out = capsys.readouterr().out
+    assert f"the best is now step {best} ({metric} = {value})" in out
+    assert ("step_000001, the best left on eval/arith/accuracy (0.5), is damaged" in out) == also_damaged
+    save(world, 4, keep_last=2)
+    assert best in checkpoint.checkpoints(world)
+    assert mark_best(world, metric, 4, {metric: 0.1875}) == (0.1875 > value)  # the retrained step 4
+
+
+def test_with_keep_best_off_a_stale_best_is_set_aside_and_no_best_rebuilt(world, capsys):
+    """A best.json left by an earlier run with keep_best on, its step gone: with keep_best now off it is set aside
+    and nothing is rebuilt (a rebuilt record would spare its step from rotation forever)."""
+    metric = "eval/arith/accuracy"
+    world.mkdir()
+    with open(world / "metrics.jsonl", "w") as rows:
+        for step, score in enumerate([0.5, 0.25, 0.75]):
+            save(world, step, keep_last=3)
+            mark_best(world, metric, step, {metric: score})
+            rows.write(json.dumps({"step": step, metric: score}) + "\n")
+    assert best_step(world) == 2
+    check_best(world, None, 2, 0)  # step 2 is trained again
+    assert best_step(world) is None and (world / "best.json.stale").is_file()
+    assert "checkpoint.keep_best is off, so no best is rebuilt" in capsys.readouterr().out

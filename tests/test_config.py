@@ -364,6 +364,13 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
          ["`async_rl.in_flight_prompts`", "= 3", "multiple of data.num_prompts_per_step"]),
         (with_changes(async_rl={"mode": "separate"}, rollout={"alias_weights": True},
                       algorithm={"rollout_correction": "token_tis"}), ["`rollout.alias_weights`", "own copy"]),
+        (with_changes(async_rl={"mode": "separate"}),  # the fix it names must be one this mode accepts
+         ["`algorithm.rollout_correction`", "token_tis (or seq_geomean_tis)", "!max_staleness: 0"]),
+        (with_changes(async_rl={"mode": "colocated_async"}),
+         ["`algorithm.rollout_correction`", "token_tis", "or async_rl.max_staleness: 0"]),
+        (with_changes(rollout={"engine_args": {"dtype": "float16"}}),
+         ["`rollout.engine_args.dtype`", '= "float16"', "model.dtype = bfloat16", "remove rollout.engine_args.dtype"]),
+        (with_changes(rollout={"engine_args": {"dtype": "auto"}}), ["`rollout.engine_args.dtype`", '= "auto"']),
         (with_changes(async_rl={"mode": "separate", "max_staleness": 0}),
          ["`async_rl.max_staleness`", "= 0", "weights of the step before"]),
         (with_changes(async_rl={"engine_gpus": -1}), ["`async_rl.engine_gpus`", "= -1", ">= 0"]),
@@ -384,7 +391,10 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
 def test_bad_values(data: dict[str, Any], expected: list[str]) -> None:
     message = error_of(data)
     for part in expected:
-        assert part in message, f"{part!r} not in: {message}"
+        if part.startswith("!"):
+            assert part[1:] not in message, f"{part[1:]!r} in: {message}"
+        else:
+            assert part in message, f"{part!r} not in: {message}"
     assert "\n" not in message
 
 

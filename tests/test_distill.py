@@ -134,12 +134,15 @@ def test_a_teacher_with_another_tokenizer_or_fewer_rows_is_refused_at_start_up(t
     with pytest.raises(UserError, match=r"has 10 output rows .* fewer than the student's 18"):
         _check(_teacher_with(tmp_path / "b", shrink), tmp_path)
     assert _check(str(TEACHER), tmp_path)[0].distill.teacher == str(TEACHER)
+    with pytest.raises(UserError, match=r'^config key `distill.teacher` = ".*/nowhere", but it must be a HuggingFace '
+                                        r"model directory .* \(there is no such directory\)"):
+        _check(str(tmp_path / "nowhere"), tmp_path)  # it said "model directory ... does not exist", of which model?
 
 
 def test_no_reward_needs_a_teacher_and_evaluation_its_own_reward():
     base = {"model": {"hf_path": str(TINY)}, "data": {"train_path": "x.jsonl"}}
     with pytest.raises(UserError, match=r"`trainer.reward` = null, but it must name a reward function unless "
-                                        r"distill.teacher is set"):
+                                        r"distill.teacher or reward_model.path is set"):
         build_config(base | {"trainer": {"reward": None}})
     with pytest.raises(UserError, match=r"`eval.datasets\[0\].reward` = null"):
         build_config(base | {"trainer": {"reward": None}, "distill": {"teacher": str(TEACHER)},
@@ -197,3 +200,50 @@ def test_a_student_learns_the_echo_task_from_the_teacher_alone(tmp_path):
     _flip_a_weight_byte(teacher)
     with pytest.raises(UserError, match=r"distill.teacher = .*'model.safetensors'.*allow_changes=distill.teacher"):
         check_unchanged(cfg, step, 0)
+
+
+class ScriptedScorer:
+    """A model's scoring pass that returns ``short`` fewer values per sequence than it predicts (with the most
+    likely token beside each logprob, as distillation asks of the actor and the teacher)."""
+
+    replay = None
+
+    def __init__(self, short: int = 0) -> None:
+        self.short = short
+
+    def score(self, sequences, max_tokens, micro_batch_size, routing=None, top1=False):
+        return [torch.stack([torch.full((len(s) - 1 - self.short,), -0.5),
+                             torch.zeros(len(s) - 1 - self.short)], dim=-1) for s in sequences]
+
+
+def scoring_learner(teacher: ScriptedScorer):
+    """The learner's scoring on one CPU rank, with scripted models in place of the actor and the teacher."""
+    from types import SimpleNamespace
+
+    from megarl.loop.learner import Learner
+
+    learner = Learner.__new__(Learner)
+    section = SimpleNamespace(dynamic_batch=False, max_tokens_per_gpu=None, micro_batch_size=1)
+    learner.cfg = SimpleNamespace(actor=section, critic=section)  # type: ignore[assignment]
+    learner.groups = SimpleNamespace(dp_rank=0, dims=SimpleNamespace(dp=1, pp=1),  # type: ignore[assignment]
+                                     device=torch.device("cpu"))
+    learner.actor, learner.teacher, learner.critic = ScriptedScorer(), teacher, None  # type: ignore[assignment]
+    learner.top1 = {}
+    learner.hold = lambda phase: None  # type: ignore[method-assign]
+    return learner
+
+
+def test_a_teacher_that_returns_logprobs_of_the_wrong_length_stops_the_step_naming_it():
+    """Rows shorter than their sequences were padded with zeros into the batch, and trained on as a teacher
+    certain of every token past them (reverse KL log pi_student - 0); longer ones failed deep in a tensor copy."""
+    from megarl.loop.learner import ScoringFailed
+    from megarl.loop.rl_step import Batch
+
+    batch = Batch.build([[1, 2], [3]], [[4, 5, 6], [7]], [[-0.5] * 3, [-0.5]], [0.0, 1.0])
+    whole = scoring_learner(ScriptedScorer())
+    assert whole.score(batch, whole.teacher).tolist() == [[-0.5] * 4, [-0.5, 0.0, 0.0, 0.0]]
+    for short in (1, -1):
+        learner = scoring_learner(ScriptedScorer(short))
+        with pytest.raises(ScoringFailed, match=r"the teacher's scoring pass returned (3|5) values for sequence 0 "
+                                                r"of the batch, which predicts 4 tokens"):
+            learner.score(batch, learner.teacher)

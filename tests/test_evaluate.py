@@ -38,7 +38,7 @@ def test_greedy_evaluation_equals_a_transformers_decode_scored_by_the_same_rewar
     proc = subprocess.run([sys.executable, "-m", "megarl.evaluate", "--model", str(model_dir), "--data",
                            "recipes/tiny/echo.jsonl", "--reward", "megarl.rewards.echo:reward", "--no-chat-template",
                            "--max-new-tokens", "3", "--max-prompt-tokens", "16", "--max-prompts", "24",
-                           "--engine", "vllm", "--dtype", "float32", "--gpu-memory-fraction", "0.1",
+                           "--engine", "vllm", "--gpu-memory-fraction", "0.1",  # the model's own dtype: float32
                            "--output", str(samples)],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=os.environ | {"PYTHONPATH": str(REPO)})
@@ -188,3 +188,79 @@ def test_a_full_disk_while_samples_are_written_is_one_paragraph_and_leaves_no_pa
     assert f"writing the evaluation's samples to {out} failed (File too large); the partial file is removed. " \
            "Fix: free space and resume the run." in proc.stderr
     assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_a_float32_model_runs_in_float32_and_an_engine_that_dies_is_one_paragraph(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    """The issue's command, left to its defaults: vLLM's auto ran the float32 tiny model in bfloat16, of which a CPU
+    worker without bfloat16 instructions died (exit -4), and that death reached the user as EngineDeadError
+    tracebacks. An engine here that dies in its first generate stands in for it."""
+    import types
+
+    from megarl.evaluate import main
+    from megarl.rollout.failures import EngineFailed
+
+    seen: dict = {}
+
+    class DyingEngine:
+        def __init__(self, model: str, **kwargs: object) -> None:
+            seen.update(kwargs)
+
+        def generate(self, prompts: object, params: object) -> list:
+            raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+        def shutdown(self) -> None:
+            seen["shut down"] = True
+
+    fake = types.ModuleType("megarl.rollout.vllm")
+    fake.VLLMEngine = DyingEngine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megarl.rollout.vllm", fake)
+    with pytest.raises(EngineFailed) as failed:
+        main(["--model", str(REPO / "recipes/tiny/model"), "--data", str(REPO / "recipes/tiny/echo.jsonl"),
+              "--reward", "megarl.rewards.echo:reward", "--no-chat-template", "--max-new-tokens", "2",
+              "--max-prompt-tokens", "16", "--engine", "vllm"])
+    assert seen["dtype"] == "float32" and seen["shut down"]
+    assert str(failed.value).startswith("the rollout engine failed during the evaluation's generation: RuntimeError: "
+                                        "EngineCore encountered an issue.")
+    log = seen["log_file"]  # the engine's own tracebacks go there, not over the paragraph
+    assert f"The engine's log is {log}. Evaluation stopped" in str(failed.value) and log.is_file()
+    assert "--dtype float32" in str(failed.value)
+    log.unlink()
+
+
+@pytest.mark.parametrize("saved", ["this step", "an earlier step", "nothing"])
+def test_a_full_disk_in_an_evaluation_during_training_says_where_the_run_goes_on_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: str) -> None:
+    """The samples of step 7's evaluation cannot be written. It always said "the checkpoint of this step is saved",
+    also under checkpoint.save_every: 0, where no checkpoint exists."""
+    import errno
+    from types import SimpleNamespace
+
+    from megarl.config import build_config
+    from megarl.eval import in_training
+    from megarl.eval.harness import Sample
+
+    cfg = build_config({"model": {"hf_path": "m"}, "data": {"train_path": "x.jsonl"},
+                        "checkpoint": {"dir": str(tmp_path), "save_every": 0 if saved == "nothing" else 4},
+                        "eval": {"datasets": [{"name": "echo", "path": "x.jsonl"}]}})
+    if saved != "nothing":
+        (tmp_path / "latest").write_text("step_000007" if saved == "this step" else "step_000003")
+
+    class FullDisk(list):
+        def __iter__(self):  # as the samples are written
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(in_training, "evaluate", lambda *args: ({"accuracy": 1.0, "num_prompts": 1.0},
+                                                                 FullDisk([Sample("p", "c", 1.0, 1, False)])))
+    sets = [in_training.EvalSet("echo", [], lambda c, a: [1.0] * len(c), None)]  # type: ignore[arg-type]
+    with pytest.raises(UserError) as failed:
+        in_training.InTrainingEval(cfg, sets, tmp_path, 0).run(SimpleNamespace(generate_all=None), None, "step_7")
+    fix = str(failed.value).split("Fix: ", 1)[1]
+    assert fix == {
+        "this step": "free space on the run directory's disk (df -h) and resume the run: the checkpoint of this step "
+                     "is saved, and its evaluation runs again.",
+        "an earlier step": "free space on the run directory's disk (df -h) and resume the run: no checkpoint of this "
+                           "step was saved (checkpoint.save_every = 4), so it resumes from step_000003, the last one, "
+                           "and trains the steps after it again.",
+        "nothing": "free space on the run directory's disk (df -h) and run again: no checkpoint of this step was saved "
+                   "(checkpoint.save_every = 0) nor of any before it, so the run starts anew."}[saved]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megarl.distributed.parallel import ParallelDims
+from megarl.errors import UserError
 from megarl.models.presets import preset_or_hf_spec
 from megarl.reshard.executor import Resharder, engine_tensor_allocations
 from megarl.reshard.handover import HandoverState, apply_message, checksum_message, detach_message
@@ -70,6 +71,24 @@ def test_engine_side_errors_name_the_problem():
         state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1), 1))
 
 
+def test_an_engine_in_another_dtype_of_the_same_size_is_refused_by_name():
+    """bf16 bits read as fp16 are other numbers while every checksum of the raw bits agrees: both sides refuse."""
+    plan = make_plan(TINY, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=2)
+    src = {name: torch.randn(shape).bfloat16() for name, shape in plan.src_shapes.items()}
+    params = engine_tensor_allocations(plan, 0, torch.float16, torch.device("cpu"))
+    copy = Resharder(plan, 0, src, None, in_engine=True).engine_copy()
+    assert copy.dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"engine parameter `.*` is float16, but the trainer hands over bfloat16"):
+        HandoverState().handle(FakeEngineModel(params), copy.to_wire("k"))
+    with pytest.raises(UserError, match=r"engine, rank 0: tensor `.*` is torch.float16, but the trainer hands over"):
+        Resharder(plan, 0, src, params)
+    mixed = dict(src, **{"decoder.final_layernorm.weight": src["decoder.final_layernorm.weight"].half()})
+    with pytest.raises(UserError, match=r"mix dtypes \['torch.bfloat16', 'torch.float16'\]"):
+        Resharder(plan, 0, mixed, None, in_engine=True)
+    HandoverState().handle(FakeEngineModel(engine_tensor_allocations(plan, 0, torch.bfloat16, torch.device("cpu"))),
+                           copy.to_wire("k"))
+
+
 def test_engine_ranks_read_their_own_entries_of_padded_payloads():
     """An engine over R GPUs takes the same names from every rank: ranks with fewer trainer tensors pad
     theirs (to_wire num_sources), and each engine rank unpacks only its own entries."""
@@ -82,6 +101,20 @@ def test_engine_ranks_read_their_own_entries_of_padded_payloads():
     state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
     assert all(torch.equal(params[n], expected[n]) for n in expected)
     assert len(state.appliers["k"].sources) == len(copy.sources)  # the placeholders were dropped
+
+
+def test_an_engine_parameter_offloaded_after_attaching_is_refused_by_its_name():
+    """An engine that frees a parameter's memory (resize_(0)) after the copy was compiled: the replay and the checksum
+    refuse by the parameter's name instead of writing or reading freed memory."""
+    plan, src, _, params = _setup()
+    state = HandoverState()
+    state.handle(FakeEngineModel(params), Resharder(plan, 0, src, None, in_engine=True).engine_copy().to_wire("k"))
+    params["model.norm.weight"].untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
+    result = torch.zeros(len(state.appliers["k"].params), 2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        state.handle(FakeEngineModel(params), checksum_message("k", result))
 
 
 def _flat_views(shapes):

@@ -564,3 +564,206 @@ def test_separate_on_a_gpu_without_mps_is_named_at_start_up(tmp_path):
     assert mps_note(load_config(recipe), on_cuda=True, environ=env) is None
     os.mkfifo(tmp_path / "control")
     assert mps_note(separate, on_cuda=True, environ=env) is None
+
+
+EOS = 2
+
+
+class SGLangOrderEngine:
+    """Finishes a request as SGLang does: an abort first, then the budget, then a stop token, checked after each
+    token. ``scripts[prompt[0]]`` is the response the model writes (its EOS included); a request resumed past it
+    writes token 9s, as a model resumed after its EOS would write text. Every request decodes a token per engine
+    step; once ``enough`` says so, the rest are aborted and each decodes the one more token SGLang lets it keep."""
+
+    def __init__(self, scripts: dict[int, list[int]]) -> None:
+        self.scripts, self.calls = scripts, 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, enough=None) -> list[Completion]:
+        self.calls += 1
+        made: list[list[int]] = [[] for _ in prompts]
+        finish: list[str | None] = [None] * len(prompts)
+        finished: list[int] = []
+        aborting = False
+        while None in finish:
+            for i, prompt in enumerate(prompts):
+                if finish[i] is not None:
+                    continue
+                at, script = len(prompt) - 1 + len(made[i]), self.scripts[prompt[0]]
+                made[i].append(script[at] if at < len(script) else 9)
+                if aborting:
+                    finish[i] = "abort"
+                elif len(made[i]) >= request_budget(params, i):
+                    finish[i] = "length"
+                elif made[i][-1] in params.stop_token_ids:
+                    finish[i] = "stop"
+                if finish[i] in ("length", "stop"):
+                    finished.append(i)
+            aborting = aborting or (enough is not None and None in finish and enough(finished))
+        return [Completion(prompt_index=i, token_ids=t, logprobs=[-0.5] * len(t), finish_reason=f)  # type: ignore[arg-type]
+                for i, (t, f) in enumerate(zip(made, finish, strict=True))]
+
+
+def test_a_chunk_that_ends_on_eos_completes_the_sample_on_an_engine_that_says_length():
+    """SGLang reports "length" for an EOS that is a chunk's last token: the sample is complete there, not resumed
+    into text after its EOS (which would be scored, trained and counted in its length)."""
+    pool = InFlight(n=2, budget=9, chunk=3, max_staleness=1, batch=1, capacity=2, stale="drop", seed=1)
+    pool.admit([([100], "a"), ([101], "b")], 0)
+    engine = SGLangOrderEngine({100: [7, 7, EOS], 101: [7, 7, 7, 7, 7, EOS]})
+    pool.fill(engine.generate, SamplingParams(seed=3, stop_token_ids=[EOS]), 2, 0)
+    taken = {g.answer: [s.tokens for s in g.samples] for g in pool.take(2)}
+    assert taken == {"a": [[7, 7, EOS]] * 2, "b": [[7, 7, 7, 7, 7, EOS]] * 2}
+
+
+def test_an_aborted_request_that_kept_an_eos_is_complete():
+    """Without chunks SGLang aborts the rest once a batch is done, and a running request keeps the token it
+    decodes meanwhile: when that token is EOS the sample is complete, not resumed past it at the next step."""
+    pool = InFlight(n=1, budget=9, chunk=None, max_staleness=1, batch=1, capacity=2, stale="drop", seed=1)
+    pool.admit([([100], "fast"), ([101], "slow")], 0)
+    engine = SGLangOrderEngine({100: [EOS], 101: [7, EOS]})
+    params = SamplingParams(seed=3, stop_token_ids=[EOS])
+    pool.fill(engine.generate, params, 1, 0)
+    assert [g.answer for g in pool.take(1)] == ["fast"]
+    slow = pool.groups[0].samples[0]
+    assert (slow.tokens, slow.done, slow.truncated) == ([7, EOS], True, False)
+    pool.fill(engine.generate, params, 1, 1)
+    assert engine.calls == 1 and pool.take(1)[0].samples[0].tokens == [7, EOS]
+
+
+def test_a_sample_cut_by_its_budget_is_truncated_and_one_that_ends_on_eos_there_is_not():
+    pool = InFlight(n=1, budget=3, chunk=2, max_staleness=1, batch=2, capacity=2, stale="drop", seed=1)
+    pool.admit([([100], "eos"), ([101], "cut")], 0)
+    pool.fill(SGLangOrderEngine({100: [7, 7, EOS], 101: [7, 7, 7, EOS]}).generate,
+              SamplingParams(seed=3, stop_token_ids=[EOS]), 2, 0)
+    assert {g.answer: (g.samples[0].tokens, g.samples[0].truncated) for g in pool.take(2)} == \
+        {"eos": ([7, 7, EOS], False), "cut": ([7, 7, 7], True)}
+
+
+def test_a_checkpoints_pool_with_samples_past_their_eos_is_cut_at_it_on_resume():
+    """A checkpoint written before the stop rule may hold samples resumed past their EOS (done or still in flight)
+    and ones SGLang left "length"/"abort" on an EOS: the resumed pool ends each at its first EOS, complete, with its
+    logprobs and versions cut alike; a sample that stopped there, or holds no EOS, is untouched."""
+    pool = InFlight(n=1, budget=9, chunk=2, max_staleness=2, batch=1, capacity=8, stale="drop", seed=1)
+    pool.admit([([100 + i], str(i)) for i in range(5)], 0)
+    tokens = {"0": ([7, EOS, 9, 9], True, True),  # resumed past its EOS to its budget: done, "truncated"
+              "1": ([7, EOS, 9], False, False),  # resumed past its EOS, still in flight
+              "2": ([7, 7, EOS], False, False),  # a chunk ended on EOS, SGLang said "length"
+              "3": ([7, EOS], True, False),  # stopped at EOS: as it should be
+              "4": ([7, 7], False, False)}  # in flight, no EOS yet
+    for g in pool.groups:
+        s = g.samples[0]
+        s.tokens, s.done, s.truncated = list(tokens[g.answer][0]), tokens[g.answer][1], tokens[g.answer][2]
+        s.logprobs, s.versions = [-0.5] * len(s.tokens), list(range(len(s.tokens)))
+    state = json.loads(json.dumps(pool.state_dict()))
+    resumed = InFlight(n=1, budget=9, chunk=2, max_staleness=2, batch=1, capacity=8, stale="drop", seed=1)
+    assert resumed.load_state_dict(state, frozenset([EOS])) == 3
+    got = {g.answer: (g.samples[0].tokens, g.samples[0].done, g.samples[0].truncated, g.samples[0].logprobs,
+                      g.samples[0].versions) for g in resumed.groups}
+    assert got == {"0": ([7, EOS], True, False, [-0.5] * 2, [0, 1]), "1": ([7, EOS], True, False, [-0.5] * 2, [0, 1]),
+                   "2": ([7, 7, EOS], True, False, [-0.5] * 3, [0, 1, 2]),
+                   "3": ([7, EOS], True, False, [-0.5] * 2, [0, 1]), "4": ([7, 7], False, False, [-0.5] * 2, [0, 1])}
+
+
+def test_a_push_that_fails_halfway_ends_generation_before_a_round_reads_the_half_written_weights():
+    """separate: a push that fails after writing part of the new weights (a worker that died, a copy that raised)
+    ends the run with its error; the generation thread, released from the push's pause, starts no round on the
+    engine's mix of old and new weights, whose tokens would carry the old version."""
+    wanted, cursor = 1, [0]
+    pool = InFlight(n=1, budget=10**6, chunk=1, max_staleness=1, batch=wanted, capacity=2, stale="drop", seed=1)
+    engine, half_written, read = LengthEngine({0: 1} | {k: 10**6 for k in range(1, 9)}), [False], []
+
+    def generate(prompts, params, enough=None):
+        read.append(half_written[0])
+        time.sleep(0.001)
+        return engine.generate(prompts, params, enough)
+
+    def admit(version: int) -> None:
+        while pool.room(version) >= wanted:
+            pool.admit([([cursor[0]], str(cursor[0]))], version)
+            cursor[0] += 1
+
+    producer = Producer(pool, generate, SamplingParams(seed=3), admit, timeout_s=30)
+    producer.start(0)
+    assert [g.answer for g in producer.take(wanted, 0)[0]] == ["0"]  # prompt 1 generates on, without end
+    with pytest.raises(RuntimeError, match="worker died"):
+        with producer.pushing(wanted):
+            half_written[0] = True
+            raise RuntimeError("the engine's worker died halfway through the push")
+    time.sleep(0.1)  # rounds, had they gone on
+    assert True not in read and producer.version == 0
+    producer.close()  # the run ends with the push's error, not a second one
+
+
+def test_a_separate_resume_from_a_checkpoint_taken_mid_generation_trains_every_prompt_once():
+    """separate's checkpoint pauses the generation thread, saves the pool and the data cursor, and generation goes on
+    until the push. A run resumed from it regenerates what was made after the checkpoint, under the next version:
+    its samples may differ from the uninterrupted run's, but it trains every prompt the uninterrupted run trains,
+    none twice, and each batch within the staleness bound."""
+    wanted, steps, saved_at = 2, 8, 3
+
+    def run_steps(pool: InFlight, cursor: list[int], first: int, last: int, snapshot=None) -> list[int]:
+        def admit(version: int) -> None:
+            while pool.room(version) >= wanted:
+                pool.admit([([5] * (1 + (cursor[0] + i) % 3), str(cursor[0] + i)) for i in range(wanted)], version)
+                cursor[0] += wanted
+
+        engine = SlowEngine(stop=0.05, seed=first)
+        producer = Producer(pool, engine.generate, SamplingParams(seed=3), admit, timeout_s=30)
+        producer.start(first)
+        trained: list[int] = []
+        try:
+            for step in range(first, last):
+                groups, metrics = producer.take(wanted, step)
+                assert metrics["async/staleness_max"] <= 1
+                trained += [int(g.answer) for g in groups]
+                if step == saved_at and snapshot is not None:
+                    with producer.paused("the checkpoint"):  # as RolloutManager.snapshot reads them
+                        snapshot.update(pool=json.loads(json.dumps(pool.state_dict())), cursor=cursor[0])
+                    time.sleep(0.02)  # generation goes on between the checkpoint and the push
+                with producer.pushing(wanted):
+                    pass
+        finally:
+            producer.close()
+        assert producer.error is None
+        return trained
+
+    def make() -> InFlight:
+        return InFlight(n=2, budget=40, chunk=2, max_staleness=1, batch=wanted, capacity=2 * wanted, stale="drop",
+                        seed=1)
+
+    snapshot: dict = {}
+    whole = run_steps(make(), [0], 0, steps, snapshot)
+    assert any(not s["done"] for g in snapshot["pool"]["groups"] for s in g["samples"])  # cut mid-generation
+    resumed_pool = make()
+    resumed_pool.load_state_dict(snapshot["pool"])
+    resumed = whole[:(saved_at + 1) * wanted] + run_steps(resumed_pool, [snapshot["cursor"]], saved_at + 1, steps)
+    assert len(resumed) == len(set(resumed)) == steps * wanted
+    assert sorted(resumed) == sorted(whole) == list(range(steps * wanted))
+
+
+def test_an_engine_killed_mid_round_is_named_and_leaves_the_pool_as_the_last_whole_call_made_it():
+    """colocated_async: the engine dies in a round's second call (one call per budget left). Its error is what the
+    run ends with (EngineFailed: one paragraph, exit 2), no token of the failed call is joined, and the pool still
+    holds every admitted group, so the samples a checkpoint holds are whole and none is lost or doubled."""
+    from megarl.rollout.failures import EngineFailed
+
+    pool = InFlight(n=2, budget=5, chunk=3, max_staleness=1, batch=2, capacity=4, stale="drop", seed=1)
+    pool.admit([([1], "a"), ([2], "b")], 0)
+    params = SamplingParams(seed=3)
+    pool.round(LengthEngine({1: 4, 2: 5}).generate, params, 0)  # 3 tokens each: budgets of 2 left
+    pool.admit([([3], "c")], 0)  # a fresh group: a budget of 3, so the round makes two calls
+    calls: list[int] = []
+
+    def dies_second(prompts, params, enough=None):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise EngineFailed("the rollout engine failed during generate: its scheduler process was killed")
+        return LengthEngine({1: 4, 2: 5, 3: 9}).generate(prompts, params, enough)
+
+    with pytest.raises(EngineFailed, match="scheduler process was killed"):
+        pool.round(dies_second, params, 1)
+    state = pool.state_dict()
+    assert [g["answer"] for g in state["groups"]] == ["a", "b", "c"]
+    lengths = {g["answer"]: [len(s["tokens"]) for s in g["samples"]] for g in state["groups"]}
+    assert lengths == {"a": [4, 4], "b": [5, 5], "c": [0, 0]}  # a, b: the first call; c: untouched
+    assert all(len(s["versions"]) == len(s["tokens"]) == len(s["logprobs"])
+               for g in state["groups"] for s in g["samples"])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from megarl.checkpoint import checkpoints, rotate
-from megarl.checkpoint.keep_best import best_step, check_best, mark_best
+from megarl.checkpoint.best_on_resume import check_best
+from megarl.checkpoint.keep_best import best_step, mark_best
 from megarl.config import build_config
 from megarl.errors import UserError
 

@@ -1,16 +1,19 @@
 """`python -m megarl.launch` and the Slurm scripts: torchrun arguments from SLURM variables."""
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from helpers import REPO
 from megarl.errors import UserError
-from megarl.launch import engine_gpus, expand_nodelist, standalone_command, torchrun_command
+from megarl.launch import check_rendezvous_host, engine_gpus, expand_nodelist, standalone_command, torchrun_command
 
 ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[007-009],dgx1", "SLURM_NNODES": "4",
        "SLURM_GPUS_ON_NODE": "8"}
@@ -53,6 +56,42 @@ def test_gpus_kept_for_the_engines_are_not_given_trainer_ranks():
 def test_bad_slurm_environment(env, needle):
     with pytest.raises(UserError, match=needle):
         torchrun_command(["x.py"], env)
+
+
+TWO = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1"}
+
+
+@pytest.mark.parametrize("node_id,hostname,error", [
+    ("0", "n1", None),
+    ("1", "n2", None),
+    ("0", "n1.cluster", None),  # another name of the first node's address: torchrun takes it for the endpoint too
+    ("0", "n2", "is the job's first node (SLURM_NODEID=0), where torchrun's rendezvous store must run"),
+    ("0", "login", "this node's hostname 'login' does not resolve"),
+    ("1", "login", "this node's hostname 'login' does not resolve"),
+])
+def test_the_first_node_must_take_the_rendezvous_endpoint_for_itself(monkeypatch, node_id, hostname, error):
+    """What torchrun's c10d rendezvous needs of the nodes' names (the two-node Slurm cluster showed it: a first node
+    whose hostname is not its Slurm name starts no store, and every node waits for one), checked before torchrun."""
+    names = {"n1": "10.0.0.1", "n1.cluster": "10.0.0.1", "n2": "10.0.0.2"}
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, host, (names[host], 0))]
+
+    monkeypatch.setattr(socket, "gethostname", lambda: hostname)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    env = TWO | {"SLURM_NODEID": node_id, "SLURMD_NODENAME": f"n{int(node_id) + 1}"}
+    cmd = torchrun_command(["x.py"], env)
+    if error is None:
+        check_rendezvous_host(cmd, env)
+    else:
+        with pytest.raises(UserError, match=re.escape(error)):
+            check_rendezvous_host(cmd, env)
+    names.pop("n1")
+    with pytest.raises(UserError, match="the rendezvous endpoint 'n1' .the job's first node. does not resolve"):
+        check_rendezvous_host(cmd, env)
+    check_rendezvous_host(torchrun_command(["x.py"], ENV | {"SLURM_JOB_NODELIST": "x1", "SLURM_NNODES": "1"}), env)
 
 
 def test_cli_prints_command_and_exits_2_outside_slurm():
@@ -191,7 +230,7 @@ time.sleep(120)
 
 def test_sighup_of_the_launcher_ends_the_workers(tmp_path):
     """A closed terminal or ssh session sends the launcher SIGHUP; unforwarded, it killed the launcher and left
-    torchrun and its workers running on, orphaned."""
+    torchrun and its workers running on, orphaned. The launcher then exits as the signal's, with no traceback."""
     script, out = tmp_path / "worker.py", tmp_path / "signal.txt"
     script.write_text(SIGNAL_WORKER)
     proc = subprocess.Popen([sys.executable, "-m", "megarl.launch", str(script), str(out)], cwd=REPO,
@@ -203,9 +242,71 @@ def test_sighup_of_the_launcher_ends_the_workers(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.2)
         proc.send_signal(signal.SIGHUP)
-        proc.wait(timeout=60)
+        _, err = proc.communicate(timeout=60)
         assert out.exists(), "torchrun did not end the worker"
+        # torchrun's SignalException is no traceback in the job's log (scancel sends SIGTERM the same way)
+        assert "Traceback" not in err.decode() and proc.returncode == 128 + signal.SIGHUP, err.decode()[-3000:]
         assert out.read_text() in (str(int(signal.SIGTERM)), str(int(signal.SIGHUP)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_worker_killed_by_a_signal_is_named_last_without_a_traceback(tmp_path):
+    """SIGKILL (the OOM killer, a kill of the job step) leaves a worker no time to write its error: torchrun's report,
+    then one paragraph naming the rank and the signal, no traceback, exit 1."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-m", "megarl.launch", str(script)], cwd=REPO, capture_output=True,
+                          text=True, env=os.environ | {"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1"}, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{script} FAILED" in proc.stderr  # torchrun's report
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl error: rank 0 of {script} was killed by SIGKILL")
+
+
+
+# A worker that writes its parent's (torchrun's) pid, then counts the SIGTERMs it gets and does not stop.
+COUNTING_WORKER = """
+import os, pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def count(signum, frame):
+    with out.open("a") as f:
+        f.write("SIGTERM\\n")
+signal.signal(signal.SIGTERM, count)
+out.with_suffix(".ppid").write_text(str(os.getppid()))
+while True:
+    time.sleep(1)
+"""
+
+
+def test_torchrun_acts_on_the_first_signal_only(tmp_path):
+    """scancel signals every process of the job step, and the launcher forwards the signal too: torchrun gets
+    SIGTERM twice, the second while it waits for its workers to stop. It used to start its shutdown again (signalling
+    the workers again), and a second signal landing in its own log line printed a traceback into the job's log."""
+    script, out = tmp_path / "worker.py", tmp_path / "signals.txt"
+    script.write_text(COUNTING_WORKER)
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.launch", str(script), str(out)], cwd=REPO,
+                            env=os.environ | {"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1",
+                                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    def wait_for(path: Path) -> None:
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+
+    try:
+        wait_for(out.with_suffix(".ppid"))
+        torchrun = int(out.with_suffix(".ppid").read_text())
+        os.kill(torchrun, signal.SIGTERM)
+        wait_for(out)  # torchrun is in its shutdown: it has signalled the worker and waits (10 s) for it to end
+        os.kill(torchrun, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        text = err.decode()
+        assert out.read_text().splitlines() == ["SIGTERM"], "torchrun shut its workers down more than once"
+        assert "Traceback" not in text and "Logging error" not in text, text[-3000:]
+        assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

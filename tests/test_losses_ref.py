@@ -155,7 +155,8 @@ def test_ppo_advantages_are_whitened_gae_of_kl_penalised_rewards(estimator: str,
     gamma, lam, coef = 0.95, 0.6, 0.3
     algo = AlgorithmConfig(name="ppo", gamma=gamma, gae_lambda=lam, kl_coef=coef, kl_in_reward=kl_in_reward,
                            kl_estimator=estimator)  # type: ignore[arg-type]
-    adv, ret, metrics = advantages_and_returns(batch, algo, 1, coef, ref, old, values, max_new_tokens=8)
+    adv, ret, metrics = advantages_and_returns(batch, algo, 1, coef, ref, old, values, max_new_tokens=8,
+                                               offpolicy=None)
     mask, lp, rf, v = batch.mask.tolist(), old.tolist(), ref.tolist(), values.tolist()
     rewards = [[0.0] * len(row) for row in mask]
     kl_sum = 0.0
@@ -188,7 +189,8 @@ def test_grpo_advantages_match_loops(group: int, std_normalize: bool, kl_in_rewa
     coef = 0.2
     algo = AlgorithmConfig(name="grpo", kl_coef=coef, kl_in_reward=kl_in_reward, kl_estimator="k2",
                            grpo_std_normalize=std_normalize)
-    adv, ret, _ = advantages_and_returns(batch, algo, group, coef, ref, old, None, max_new_tokens=8)
+    adv, ret, _ = advantages_and_returns(batch, algo, group, coef, ref, old, None, max_new_tokens=8,
+                                         offpolicy=None)
     assert ret is None
     mask, lp, rf = batch.mask.tolist(), old.tolist(), ref.tolist()
     shaped = [s - coef * sum(ref_kl(lp[i][t], rf[i][t], "k2")[0] for t, m in enumerate(mask[i]) if m)

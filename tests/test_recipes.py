@@ -6,6 +6,7 @@ import pytest
 
 from helpers import REPO
 from megarl.config import load_config, validate_layout
+from megarl.config.reward_training import load_reward_training
 from megarl.models.presets import PRESETS, preset_or_hf_spec
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -13,7 +14,12 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_loads(recipe):
-    load_config(recipe)
+    """Every recipe loads: a reward model's (*_rm.yaml, `python -m megarl.train_rm`) as its command reads it, the others
+    as RL runs."""
+    if recipe.stem.endswith("_rm"):
+        load_reward_training(recipe)
+    else:
+        load_config(recipe)
 
 
 @pytest.mark.parametrize("recipe,preset", [("llama3_8b_ppo.yaml", "llama3-8b"), ("qwen2_7b_grpo.yaml", "qwen2-7b"),

@@ -25,6 +25,33 @@ def test_report_from_metrics(tmp_path):
     assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
 
 
+def test_the_summary_and_plot_leave_out_phases_that_never_ran_and_set_the_first_step_apart(tmp_path):
+    from megarl.report import plot, ran_phases, summary
+
+    rows = [{"step": s, "reward_mean": 0.1, "time/generate": 2.0, "time/critic": 2e-6, "time/teacher": 0.0,
+             "time/step": 60.0 if s == 0 else 3.5} for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ran_phases(rows) == ["time/generate", "time/step"]
+    text = summary(tmp_path, rows)
+    assert "generate 2.00s, step 3.50s" in text and "critic" not in text and "teacher" not in text
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    drawn: list = []
+    original = Figure.savefig
+    Figure.savefig = lambda fig, *a, **k: (drawn.append(fig), original(fig, *a, **k))[1]  # type: ignore[method-assign]
+    try:
+        plot(tmp_path, rows)
+    finally:
+        Figure.savefig = original  # type: ignore[method-assign]
+    timing = drawn[0].axes[-1]
+    assert timing.get_ylim()[1] < 10  # the 60 s first step does not flatten the steady 3.5 s ones
+    assert "first step" in timing.get_title() and "60.0 s" in timing.get_title()
+    assert sorted(t.get_text() for t in timing.get_legend().get_texts()) == ["generate", "step"]
+
+
 def test_a_broken_plotting_library_does_not_fail_the_run(tmp_path):
     """The summary still prints, says why the plot is missing, and the exit code stays 0 (a GPU image
     had a matplotlib that could not plot, and a finished 10-step run exited 1)."""

@@ -179,8 +179,49 @@ def test_a_reward_failing_in_a_worker_is_the_paragraph_naming_trainer_reward(tmp
         assert scorer(["1", "2"], ["", ""]) == [1.0, 2.0]
         with pytest.raises(UserError, match=r"^trainer.reward = 'picky_w:reward' raised ValueError: could not"):
             scorer.result(scorer.submit(["1", "two"], ["", ""]))
-        with pytest.raises(RuntimeError, match=r"a reward worker process died \(trainer.reward_workers = 1\)"):
-            scorer(["die"], [""])
+        with pytest.raises(UserError, match=r"^a reward worker process died \(exit code 3\) while scoring samples "
+                                            r"again that a worker's death had lost before \(trainer.reward_workers "
+                                            r"= 1, trainer.reward = 'picky_w:reward'\).*checkpoint.resume: auto"):
+            scorer(["die"], [""])  # dies again in the fresh pool
+    finally:
+        scorer.close()
+
+
+def test_a_reward_worker_killed_mid_step_costs_a_fresh_pool_and_the_samples_scored_again(tmp_path, monkeypatch,
+                                                                                          capsys) -> None:
+    """A user's reward can die of its own memory use (the OOM killer's SIGKILL): the run goes on, with one line,
+    whether the death breaks samples being scored or comes between two calls (the next submit found the pool
+    broken: the issue's traceback)."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "slow_w.py").write_text("import os, time\n"
+                                        "def reward(completions, answers):\n"
+                                        "    open(os.path.join(os.environ['MARKS'], str(os.getpid())), 'w').close()\n"
+                                        "    time.sleep(0.5)\n"
+                                        "    return [float(len(c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    scorer = RewardScorer("slow_w:reward", 2)
+    try:
+        parts = [scorer.submit(["a"], [""]), scorer.submit(["bb"], [""])]
+        while not list(marks.iterdir()):
+            time.sleep(0.02)
+        scoring = int(next(marks.iterdir()).name)
+        assert scoring in scorer._pool._processes  # a worker of the pool, inside the reward
+        os.kill(scoring, signal.SIGKILL)
+        assert [scorer.result(part) for part in parts] == [[1.0], [2.0]]
+        lines = [x for x in capsys.readouterr().out.splitlines() if "reward worker" in x]
+        assert len(lines) == 1 and lines[0].startswith("megarl: a reward worker process died (killed by SIGKILL); "
+                                                       "scoring its ")
+        idle = next(iter(scorer._pool._processes))
+        os.kill(idle, signal.SIGKILL)
+        time.sleep(0.5)  # the pool sees it die between calls
+        assert scorer(["ccc", "dddd"], ["", ""]) == [3.0, 4.0]
+        assert "megarl: a reward worker process died (killed by SIGKILL)" in capsys.readouterr().out
     finally:
         scorer.close()
 
@@ -288,3 +329,31 @@ class _Counting:
 
     def result(self, part):
         return self.scorer.result(part)
+
+
+def test_an_error_with_reward_workers_ends_with_its_paragraph_alone(tmp_path) -> None:
+    """A reward that raises in a worker: the paragraph and exit code 2, then nothing (the pool, still referenced by
+    the trainer's objects at exit, printed "Exception ignored ... weakref_cb" as the interpreter tore it down)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "raising_w.py").write_text("def reward(completions, answers):\n    raise KeyError('answer')\n")
+    script = tmp_path / "trainer.py"
+    script.write_text("import torch\n"  # as in training: without it, the interpreter tore things down in an order
+                      "from megarl.rewards.scorer import RewardScorer\n"  # that hid the noise
+                      "from megarl.run.command import run_main\n"
+                      "kept = []\n"
+                      "def main():\n"
+                      "    kept.append(RewardScorer('raising_w:reward', 2))\n"
+                      "    kept[0](['a', 'b', 'c'], ['', '', ''])\n"
+                      "if __name__ == '__main__':\n"
+                      "    run_main(main)\n")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{root}"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "megarl error: trainer.reward = 'raising_w:reward' raised KeyError: 'answer' (scoring 2 completions). Fix: "
+        "make it return a score for every completion, e.g. 0.0 for one it cannot parse; MEGARL_DEBUG=1 shows the "
+        "traceback."]

@@ -302,3 +302,147 @@ def test_cuda_rejects_mixed_devices_and_cpu_table_only() -> None:
         C.copy_segments([torch.zeros(32, device="cuda")], [torch.zeros(32)], table)
     with pytest.raises(RuntimeError, match="CPU tensor"):
         C.copy_segments([torch.zeros(32, device="cuda")], [torch.zeros(32, device="cuda")], table.cuda())
+
+
+OVERLAPPING = [
+    pytest.param([Segment(0, 0, 0, 0, 0, 0, 1, 16), Segment(0, 20, 0, 0, 15, 0, 1, 4)], id="one-shared-byte"),
+    pytest.param([Segment(0, 0, 8, 0, 0, 10, 8, 4), Segment(0, 0, 8, 0, 23, 10, 3, 4)], id="same-stride-rows"),
+    pytest.param([Segment(0, 0, 8, 0, 0, 10, 8, 4), Segment(0, 0, 8, 0, 71, 7, 3, 2)], id="other-strides"),
+    pytest.param([Segment(0, 0, 0, 0, 70, 0, 1, 2), Segment(0, 0, 0, 1, 0, 0, 1, 16)], id="two-views-of-one-storage"),
+]
+
+
+def overlap_case(device: str = "cpu") -> tuple[Tensors, Tensors]:
+    dst = torch.zeros(256, dtype=torch.uint8, device=device)
+    return [torch.arange(256, dtype=torch.uint8, device=device)], [dst, dst[64:128]]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("segments", OVERLAPPING)
+def test_segments_writing_the_same_bytes_are_refused(runner: Runner, segments: list[Segment]) -> None:
+    """Rows are written in parallel (on the GPU they race), so a byte two segments write is refused, by name."""
+    srcs, dsts = overlap_case()
+    with pytest.raises(RuntimeError, match=r"segment 0 .* and segment 1 .*write the same bytes of dsts\[0\]"):
+        runner(srcs, dsts, kernels.segment_table(segments))
+    with pytest.raises(RuntimeError, match="`model.embed_tokens.weight`"):
+        kernels.make_segment_copy(srcs, dsts, segments, dst_names=["model.embed_tokens.weight", "landing"])
+    assert not dsts[0].any()
+
+
+READ_WHILE_WRITTEN = [
+    pytest.param([Segment(0, 0, 0, 0, 8, 0, 1, 16)], "it writes itself", id="a-shifted-copy-within-one-buffer"),
+    pytest.param([Segment(0, 0, 0, 0, 64, 0, 1, 8), Segment(0, 60, 0, 0, 200, 0, 1, 8)], "segment 0 .* writes",
+                 id="a-read-of-another-segments-writes"),
+    pytest.param([Segment(0, 32, 0, 0, 100, 4, 4, 4), Segment(0, 0, 0, 0, 30, 0, 1, 4)], "segment 1 .* writes",
+                 id="a-row-read-again-stride-0"),
+    pytest.param([Segment(0, 0, 16, 0, 128, 16, 4, 8), Segment(0, 0, 0, 0, 36, 0, 1, 2)], "segment 1 .* writes",
+                 id="strided-rows-read-by-strided-writes"),
+]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize(("segments", "writer"), READ_WHILE_WRITTEN)
+def test_a_segment_reading_bytes_a_segment_writes_is_refused(runner: Runner, segments: list[Segment],
+                                                             writer: str) -> None:
+    """Rows are copied in parallel, so a byte one segment reads while another (or itself) writes it could be read
+    before or after it changes: refused, naming both, before any byte moves."""
+    buffer = torch.arange(256, dtype=torch.uint8)
+    before = buffer.clone()
+    with pytest.raises(RuntimeError, match=rf"segment \d .* reads bytes of srcs\[0\] \(`staging`\) that {writer}"):
+        kernels.make_segment_copy([buffer], [buffer], segments, src_names=["staging"], dst_names=["staging"])
+    with pytest.raises(RuntimeError, match="reads bytes of srcs"):
+        runner([buffer], [buffer], kernels.segment_table(segments))
+    assert torch.equal(buffer, before)
+
+
+def test_reads_beside_writes_in_one_buffer_and_a_copy_onto_itself_are_accepted() -> None:
+    """Interleaved rows of one buffer, read and written without sharing a byte, and a segment that copies bytes onto
+    themselves (source and destination the same tensor), which changes nothing."""
+    buffer = torch.arange(64, dtype=torch.uint8)
+    expect = buffer.clone()
+    expect.view(8, 8)[:, 4:] = expect.view(8, 8)[:, :4]
+    kernels.make_segment_copy([buffer], [buffer], [Segment(0, 0, 8, 0, 4, 8, 8, 4),
+                                                   Segment(0, 0, 0, 0, 0, 0, 1, 0)]).run()
+    assert torch.equal(buffer, expect)
+    kernels.make_segment_copy([buffer], [buffer], [Segment(0, 8, 16, 0, 8, 16, 3, 4)]).run()
+    assert torch.equal(buffer, expect)
+
+
+def test_interleaved_column_slices_are_accepted() -> None:
+    """Two sources' column slices of one matrix (a row-parallel weight gathered from TP ranks): their extents
+    overlap, their bytes do not."""
+    left, right = torch.arange(64, dtype=torch.uint8), torch.arange(64, 128, dtype=torch.uint8)
+    dst = torch.zeros(16, 8, dtype=torch.uint8)
+    kernels.make_segment_copy([left, right], [dst], [Segment(0, 0, 4, 0, 0, 8, 16, 4),
+                                                     Segment(1, 0, 4, 0, 4, 8, 16, 4)]).run()
+    assert torch.equal(dst, torch.cat([left.view(16, 4), right.view(16, 4)], dim=1))
+
+
+def offloaded(t: torch.Tensor) -> torch.Tensor:
+    t.untyped_storage().resize_(0)  # what megarl.memory.offload does to a tensor it moved off the device
+    return t
+
+
+def test_a_storage_freed_after_the_copy_was_built_is_refused_at_run() -> None:
+    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    copier = kernels.make_segment_copy([src], [dst], [Segment(0, 0, 0, 0, 0, 0, 1, 64)],
+                                       src_names=["decoder.layers.0.mlp.linear_fc1.weight"],
+                                       dst_names=["model.layers.0.mlp.gate_up_proj.weight"])
+    copier.run()
+    offloaded(dst)
+    with pytest.raises(RuntimeError, match=r"dsts\[0\] \(`model.layers.0.mlp.gate_up_proj.weight`\) no longer has "
+                                           "the memory the copy was built on"):
+        copier.run()
+    dst.untyped_storage().resize_(64)  # back, in other memory: still not what the plan writes to
+    src.data = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] \(`decoder.layers.0.mlp.linear_fc1.weight`\) no longer"):
+        copier.run()
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_an_offloaded_tensor_is_refused_by_name(runner: Runner) -> None:
+    table = kernels.segment_table([Segment(0, 0, 0, 0, 0, 0, 1, 64)])
+    with pytest.raises(RuntimeError, match=r"dsts\[0\] has no memory behind it"):
+        runner([torch.zeros(64, dtype=torch.uint8)], [offloaded(torch.zeros(64, dtype=torch.uint8))], table)
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] \(`lm_head.weight`\) has no memory behind it"):
+        kernels.copy_segments([offloaded(torch.zeros(64, dtype=torch.uint8))], [torch.zeros(64, dtype=torch.uint8)],
+                              table, src_names=["lm_head.weight"])
+
+
+def test_names_must_match_the_tensors() -> None:
+    with pytest.raises(RuntimeError, match="1 dsts names for 2 tensors"):
+        kernels.make_segment_copy([], [torch.zeros(4), torch.zeros(4)], [], dst_names=["only-one"])
+
+
+@pytest.mark.parametrize(("num_buffers", "buffer_bytes"), [(4, 2**62), (2, 2**63 - 1)])
+def test_a_buffer_pool_whose_size_overflows_is_refused(num_buffers: int, buffer_bytes: int) -> None:
+    """4 * 2^62 wrapped to 0: the pool allocated 256 bytes and handed out buffers far past them."""
+    with pytest.raises(RuntimeError, match="overflow a 64-bit size"):
+        C.BufferPool(num_buffers, buffer_bytes, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("segments", OVERLAPPING)
+def test_cuda_refuses_segments_writing_the_same_bytes(runner: Runner, segments: list[Segment]) -> None:
+    srcs, dsts = overlap_case("cuda")
+    with pytest.raises(RuntimeError, match="write the same bytes"):
+        runner(srcs, dsts, kernels.segment_table(segments))
+    assert not dsts[0].any()
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_freed_and_offloaded_storage() -> None:
+    src = torch.arange(1 << 20, device="cuda").view(torch.uint8)
+    dst = torch.zeros(1 << 23, dtype=torch.uint8, device="cuda")
+    segments = [Segment(0, 0, 0, 0, 0, 0, 1, 1 << 23)]
+    copier = kernels.make_segment_copy([src], [dst], segments, dst_names=["model.embed_tokens.weight"])
+    copier.run()
+    offloaded(dst)
+    with pytest.raises(RuntimeError, match="`model.embed_tokens.weight`.* no longer has the memory"):
+        copier.run()
+    with pytest.raises(RuntimeError, match="`model.embed_tokens.weight`.* has no memory behind it"):
+        kernels.make_segment_copy([src], [dst], segments, dst_names=["model.embed_tokens.weight"])
+    with pytest.raises(RuntimeError, match="overflow a 64-bit size"):
+        C.BufferPool(4, 2**62, "cuda")
+    torch.cuda.synchronize()

@@ -3,7 +3,9 @@ tool's report, the refusal of a machine that cannot isolate, and the unsafe-none
 What it holds against hostile code is tests/test_sandbox_attacks.py."""
 
 import asyncio
-import time
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -52,22 +54,31 @@ def test_output_is_truncated_with_a_marker():
 
 @pytest.mark.parametrize("make", [config, unsafe], ids=["bwrap", "unsafe-none"])
 def test_an_endless_loop_ends_at_its_cpu_limit(make):
-    start = time.monotonic()
     result = run_python("while True: pass", make(cpu_s=1))
-    assert result.observation == "[killed: CPU time limit]" and time.monotonic() - start < 8  # slack: a loaded host
+    assert result.observation == "[killed: CPU time limit]"  # not the 5 s wall clock's timeout
 
 
 def test_a_sleeping_call_ends_at_its_wall_clock_limit():
-    start = time.monotonic()
     result = run_python("import time\nprint('started', flush=True)\ntime.sleep(100)", config(timeout_s=0.5))
-    assert result.observation == "started\n[timeout after 0.5 s]" and time.monotonic() - start < 4
+    assert result.observation == "started\n[timeout after 0.5 s]"
     assert result.layers, "the layers are reported even when the call is killed"
 
 
 @pytest.mark.parametrize("make", [config, unsafe], ids=["bwrap", "unsafe-none"])
-def test_a_memory_hog_is_stopped_and_says_memory(make):
+def test_an_allocation_beyond_the_limit_raises_memory_error(make):
     result = run_python("hog = bytearray(512 << 20)\nprint('allocated')", make())
-    assert "allocated" not in result.output and result.end == "killed: memory limit"
+    assert result.observation.endswith("MemoryError\n[exit code 1]") and "allocated" not in result.output
+
+
+def test_a_call_over_its_memory_is_killed_and_says_memory():
+    if run_python("pass", config()).layers["limits"].startswith("none"):
+        pytest.skip("no cgroup here: memory is limited per process only (docs/tools.md)")
+    # 180 MiB on the call's tmpfs and 150 MiB in a process: each within the process's address space limit, the
+    # two together over the call's 256 MiB
+    code = ("for where in ('.', '/tmp', '/dev/shm'):\n    open(f'{where}/fill', 'wb').write(b'x' * (60 << 20))\n"
+            "hog = b'y' * (150 << 20)\nprint('allocated')\n")
+    result = run_python(code, config(disk_bytes=64 << 20, file_bytes=64 << 20))
+    assert result.end == "killed: memory limit" and "allocated" not in result.output, result.observation
 
 
 def test_the_python_tool_reports_how_the_call_ended_and_what_confined_it():
@@ -103,16 +114,24 @@ def test_a_machine_that_cannot_isolate_is_refused_when_the_tool_is_built(monkeyp
         assert tool.run("print(1)").text == "1"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="host_uid is for a root trainer")
+def test_a_host_uid_that_cannot_reach_the_interpreter_is_refused_naming_the_path():
+    uid, python = 61236, os.path.realpath(sys.executable)
+    if subprocess.run(["test", "-x", python], user=uid, group=uid, extra_groups=[]).returncode == 0:
+        pytest.skip(f"uid {uid} can run {python} here")
+    with pytest.raises(UserError, match=r"printed \"bwrap: Can't find source path /.*: Permission denied.*`host_uid`"):
+        PythonExecutor(host_uid=uid)
+
+
 def test_sandboxed_calls_run_side_by_side_in_a_pool():
     pool = ToolPool([PythonExecutor(timeout_s=5.0)], max_workers=4)
 
     async def main():
-        start = time.monotonic()
-        results = await asyncio.gather(*(pool.run("python", f"import time\ntime.sleep(2)\nprint({i})")
-                                         for i in range(4)))
-        return results, time.monotonic() - start
+        return await asyncio.gather(*(pool.run("python", f"import time\nprint({i}, time.time(), flush=True)\n"
+                                               "time.sleep(2)\nprint(time.time())") for i in range(4)))
 
-    results, took = asyncio.run(main())
-    # One after another they would take 8 s; side by side 2 s and the sandboxes' start-up (seconds of slack: a
-    # loaded host)
-    assert [r.observation for r in results] == ["0", "1", "2", "3"] and took < 5
+    results = asyncio.run(main())
+    lines = [r.observation.split() for r in results]
+    assert [line[0] for line in lines] == ["0", "1", "2", "3"]
+    # Side by side, every call starts before any ends (the host's clock is theirs); one after another none would.
+    assert max(float(line[1]) for line in lines) < min(float(line[2]) for line in lines)

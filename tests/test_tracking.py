@@ -202,3 +202,51 @@ def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how
     if code > 128:
         name = signal.Signals(code - 128).name
         assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl: interrupted by {name}"), proc.stderr
+
+
+def test_a_steps_time_is_its_wall_time_and_throughput_leaves_out_only_its_evaluation(tmp_path, monkeypatch):
+    """The sum of the phases misses what runs between them (advantages, a save, the loop itself): time/step is the
+    wall clock from the step's first phase to its row, and tokens_per_s divides by it less the evaluation."""
+    import megarl.run.tracking as tracking
+
+    clock = [100.0]
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
+    tracker = Tracker(load_config(GRPO, ["tracking.backend=none"]), rank=0, out_dir=tmp_path / "run")
+
+    def phase(name: str, seconds: float) -> None:
+        with tracker.phase(name):
+            clock[0] += seconds
+
+    for step, (gap, eval_s) in enumerate([(1.5, 3.0), (0.5, 0.0)]):
+        phase("generate", 2.0)
+        clock[0] += gap  # work between phases
+        phase("update", 1.0)
+        phase("eval", eval_s)
+        clock[0] += 0.25  # before the row is made
+        tracker.log(step, tiny_batch(step), {"logprob_diff_max": 0.0})
+        clock[0] += 10.0  # after a row and before the next step's first phase: not the next step's
+    tracker.close()
+    first, second = tracker.history
+    tokens = sum(len(s) for s in tiny_batch(0).sequences)
+    assert first["time/step"] == pytest.approx(7.75) and second["time/step"] == pytest.approx(3.75)
+    assert first["tokens"] == tokens
+    assert first["tokens_per_s"] == pytest.approx(tokens / 4.75)
+    assert second["tokens_per_s"] == pytest.approx(tokens / 3.75)
+
+
+def test_a_resumed_rows_wall_time_adds_this_processs_part_to_the_checkpoints(tmp_path, monkeypatch):
+    """A run stopped in the evaluation after its save finishes that step's row when it resumes: the row's time/step
+    (up to the save) gains the resumed evaluation, so time/step - time/eval is the trained part, never negative."""
+    import megarl.run.tracking as tracking
+
+    clock = [50.0]
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
+    saved = {"step": 3, "time/step": 6.0, "tokens_per_s": 100.0, "reward_mean": 0.0, "response_length": 1.0}
+    tracker = Tracker(load_config(GRPO, ["tracking.backend=none"]), rank=0, out_dir=tmp_path / "run", start_step=4,
+                      unlogged={"row": saved, "evaluate": True})
+    with tracker.phase("eval"):
+        clock[0] += 4.0
+    tracker.write(tracker.unlogged["row"] | {"logprob_diff_max": 0.0})
+    tracker.close()
+    [row] = tracker.history
+    assert row["time/step"] == pytest.approx(10.0) and row["time/eval"] == pytest.approx(4.0)

@@ -69,6 +69,16 @@ def test_engine_death_stops_training_with_an_error_and_keeps_the_checkpoint(tmp_
     assert "megarl error: the rollout engine failed during hand-over" in proc.stderr, proc.stderr[-3000:]
     assert "host:" in proc.stderr and "GiB in use" in proc.stderr  # the memory numbers
     assert (ckpt / "latest").read_text().strip() == "step_000001"  # step 1 finished before the hand-over
+    # Where the start-up went, after the first step: every part, adding up to the total (megarl.run.startup).
+    startup = re.search(r"megarl: start-up ([\d.]+) s: (.*)", proc.stdout)
+    assert startup, proc.stdout[-3000:]
+    parts = dict(re.findall(r"(\w[\w ]*?) ([\d.]+) s", startup[2]))
+    assert list(parts) == ["imports", "config and data", "process groups", "models built", "engine start",
+                           "first weight push", "resume and initial eval", "first step"], startup[0]
+    assert abs(sum(map(float, parts.values())) - float(startup[1])) <= 0.05 * len(parts), startup[0]
+    first = json.loads((ckpt / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["startup/total_s"] == pytest.approx(float(startup[1]), abs=0.05)
+    assert first["startup/engine_start_s"] > 0
     assert (ckpt / "step_000001" / "trainer.json").is_file() and not list(ckpt.glob(".step_*.tmp"))
     # --profile 0: step 0's trace, with the phases of the step in it.
     trace = json.loads((ckpt / "profile_step0_rank0.json").read_text())

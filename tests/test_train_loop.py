@@ -40,6 +40,11 @@ class RecordingTrainer:
     def generate(self, next_prompts, step):
         return self.batch, {}
 
+    reward_model = None  # reward_model.path null
+
+    def score_rewards(self, batch):
+        return {}
+
     def score(self, batch, model):
         if model is None:
             return None

@@ -203,8 +203,22 @@ def test_dapo_sampling_and_rollout_correction_at_a_temperature(tmp_path):
     rows = train_recipe("recipes/tiny_cpu_grpo.yaml", tmp_path, f"trainer.num_steps={steps}",
                         "rollout.temperature=0.8", "algorithm.dynamic_sampling=true",
                         "algorithm.overlong_buffer_tokens=1", "algorithm.rollout_correction=token_tis",
-                        "algorithm.rollout_correction_cap=1.5")
+                        "algorithm.rollout_correction_cap=1.5", "trainer.log_samples=2")
     assert [r["step"] for r in rows] == list(range(steps))
+    # trainer.log_samples: steps 0 and 2 as text, each sample's reward, penalty and advantage, as the step used them
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == ["step_0.jsonl", "step_2.jsonl"]
+    for step in (0, 2):
+        samples = [json.loads(line) for line in (tmp_path / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(samples) == 32 * 8 and {s["group"] for s in samples} == set(range(32))
+        assert math.isclose(sum(s["reward"] for s in samples) / len(samples), rows[step]["reward_mean"], abs_tol=1e-6)
+        assert math.isclose(sum(s["overlong_penalty"] for s in samples) / len(samples), rows[step]["overlong_penalty"],
+                            abs_tol=1e-6)
+        assert all(s["prompt"] and 1 <= s["response_tokens"] <= 2 for s in samples)
+        for first in range(0, len(samples), 8):  # GRPO: the group's advantages are its rewards, centred
+            group = samples[first:first + 8]
+            assert abs(sum(s["advantage"] for s in group)) < 1e-4
+            best = max(group, key=lambda s: s["reward"] + s["overlong_penalty"])
+            assert best["advantage"] == max(s["advantage"] for s in group)
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
     for r in rows:
         # The echo task's first steps: about a third of the prompts have a sample that scores.
@@ -239,8 +253,12 @@ def test_multi_turn_tool_rollouts_train_ppo_and_evaluate_as_in_training(tmp_path
                         f"distill.teacher={REPO / 'recipes/tiny/teacher'}", "distill.coef=0.1",
                         "eval.temperature=1.0",  # the random model calls the tool only when it samples
                         "eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, max_prompts: 16, "
-                        'reward: "megarl.rewards.echo:reward"}]')
+                        'reward: "megarl.rewards.echo:reward"}]', "trainer.log_samples=1")
     assert [r["step"] for r in rows] == list(range(steps))
+    for step in range(steps):  # trainer.log_samples: the multi-turn statistics of each sample, as the step logged them
+        samples = [json.loads(line) for line in (run / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+        calls = sum(s["agent/tool_calls"] for s in samples) / len(samples)
+        assert math.isclose(calls, rows[step]["agent/tool_calls"], rel_tol=1e-6), (calls, rows[step])
     assert max(r["logprob_diff_max"] for r in rows) < 0.05
     for r in rows:
         assert r["agent/tool_calls"] > 0 and 1 < r["agent/turns"] <= 3, r

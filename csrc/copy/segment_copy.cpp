@@ -4,10 +4,13 @@
 #include "segment_copy.h"
 
 #include "backends.h"
+#include "storage.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/safe_numerics.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -24,14 +27,25 @@ std::string describe(int64_t i, const int64_t* row) {
   return out.str();
 }
 
-void check_tensors(const std::vector<at::Tensor>& tensors, const char* name, c10::Device device) {
+std::string label(const char* side, size_t index, const std::vector<std::string>& names) {
+  std::string text = std::string(side) + "[" + std::to_string(index) + "]";
+  return index < names.size() && !names[index].empty() ? text + " (`" + names[index] + "`)" : text;
+}
+
+void check_tensors(const std::vector<at::Tensor>& tensors, const char* side, c10::Device device,
+                   const std::vector<std::string>& names) {
+  TORCH_CHECK(names.empty() || names.size() == tensors.size(), "copy_segments: ", names.size(), " ", side,
+              " names for ", tensors.size(), " tensors; pass one name per tensor or none");
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.defined(), "copy_segments: ", name, "[", i, "] is an undefined tensor");
-    TORCH_CHECK(t.device() == device, "copy_segments: all tensors must be on one device, but ", name,
-                "[", i, "] is on ", t.device(), " and the first tensor on ", device);
-    TORCH_CHECK(t.is_contiguous(), "copy_segments: ", name, "[", i,
-                "] is not contiguous; pass a contiguous tensor (strides belong in the table)");
+    TORCH_CHECK(t.defined(), "copy_segments: ", label(side, i, names), " is an undefined tensor");
+    TORCH_CHECK(t.device() == device, "copy_segments: all tensors must be on one device, but ",
+                label(side, i, names), " is on ", t.device(), " and the first tensor on ", device);
+    TORCH_CHECK(t.is_contiguous(), "copy_segments: ", label(side, i, names),
+                " is not contiguous; pass a contiguous tensor (strides belong in the table)");
+    TORCH_CHECK(holds_memory(t), "copy_segments: ", label(side, i, names), " has no memory behind it: its storage holds ",
+                t.storage().nbytes(), " bytes, fewer than its ", t.nbytes(),
+                " (offloaded with storage resize_(0)?); bring it back before building the copy");
   }
 }
 
@@ -43,17 +57,17 @@ bool span_end(int64_t offset, int64_t stride, int64_t rows, int64_t row_bytes, i
          !c10::add_overflows(offset, span, end);
 }
 
-void check_range(int64_t i, const int64_t* row, const char* name, int64_t index, int64_t offset,
-                 int64_t stride, const at::Tensor& t) {
+void check_range(int64_t i, const int64_t* row, const std::string& tensor, int64_t offset, int64_t stride,
+                 const at::Tensor& t) {
   int64_t end = 0;
   const bool fits = span_end(offset, stride, row[kNumRows], row[kRowBytes], &end);
   TORCH_CHECK(fits && end <= static_cast<int64_t>(t.nbytes()), "copy_segments: ", describe(i, row),
               " needs bytes [", offset, ", ", fits ? std::to_string(end) : std::string("overflow"),
-              ") of ", name, "[", index, "], which has ", t.nbytes(), " bytes");
+              ") of ", tensor, ", which has ", t.nbytes(), " bytes");
 }
 
 Segment resolve_one(int64_t i, const int64_t* row, const std::vector<at::Tensor>& srcs,
-                    const std::vector<at::Tensor>& dsts) {
+                    const std::vector<at::Tensor>& dsts, const Labels& names) {
   const int64_t si = row[kSrcIndex];
   const int64_t di = row[kDstIndex];
   TORCH_CHECK(si >= 0 && si < static_cast<int64_t>(srcs.size()), "copy_segments: ", describe(i, row),
@@ -73,8 +87,8 @@ Segment resolve_one(int64_t i, const int64_t* row, const std::vector<at::Tensor>
   if (rows == 0 || row_bytes == 0) {
     return s;
   }
-  check_range(i, row, "srcs", si, row[kSrcOffset], row[kSrcStride], srcs[si]);
-  check_range(i, row, "dsts", di, row[kDstOffset], row[kDstStride], dsts[di]);
+  check_range(i, row, label("srcs", si, names.srcs), row[kSrcOffset], row[kSrcStride], srcs[si]);
+  check_range(i, row, label("dsts", di, names.dsts), row[kDstOffset], row[kDstStride], dsts[di]);
   s.src = static_cast<const uint8_t*>(srcs[si].const_data_ptr()) + row[kSrcOffset];
   s.dst = static_cast<uint8_t*>(dsts[di].data_ptr()) + row[kDstOffset];
   // Densely packed rows on both sides are one long row: fewer, larger chunks and no row math.
@@ -109,6 +123,105 @@ int64_t sum_bytes(const std::vector<Segment>& segments) {
   return total;
 }
 
+// Where a non-empty segment writes (or reads): rows [start + k * stride, start + k * stride + row_bytes), k < rows.
+struct Writes {
+  uintptr_t start;
+  int64_t rows;
+  int64_t stride;
+  int64_t row_bytes;
+  int64_t index;  // its row of the table
+  int64_t dst;    // its dst_index (src_index for a read)
+  bool read = false;
+  uintptr_t end() const { return start + static_cast<uintptr_t>((rows - 1) * stride + row_bytes); }
+};
+
+// A segment's reads: rows that touch or overlap (a stride up to row_bytes, 0 included: one row read again) are
+// one contiguous range.
+Writes reads_of(const Segment& s, int64_t index, int64_t src) {
+  if (s.num_rows > 1 && s.src_stride <= s.row_bytes) {
+    const int64_t extent = (s.num_rows - 1) * s.src_stride + s.row_bytes;
+    return {reinterpret_cast<uintptr_t>(s.src), 1, extent, extent, index, src, true};
+  }
+  return {reinterpret_cast<uintptr_t>(s.src), s.num_rows, s.src_stride, s.row_bytes, index, src, true};
+}
+
+bool same_bytes(const Writes& a, const Writes& b) {
+  return a.start == b.start && a.rows == b.rows && a.row_bytes == b.row_bytes && (a.rows == 1 || a.stride == b.stride);
+}
+
+int64_t floor_div(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return q * b > a ? q - 1 : q;
+}
+
+// Whether rows [k * stride, k * stride + a_bytes), k < a_rows, meet rows [d + k * stride, d + k * stride + b_bytes),
+// k < b_rows, of the same stride (>= 1): is there an m = (a's row - b's row) in [-(b_rows - 1), a_rows - 1] with
+// d - a_bytes < m * stride < d + b_bytes?
+bool rows_meet(int64_t d, int64_t a_rows, int64_t a_bytes, int64_t b_rows, int64_t b_bytes, int64_t stride) {
+  const int64_t m = std::max(floor_div(d - a_bytes, stride) + 1, -(b_rows - 1));
+  return m <= a_rows - 1 && m * stride < d + b_bytes;
+}
+
+// Exact, not by extents: column slices of one matrix interleave without sharing a byte. O(1) where the strides
+// agree (or a side has one row), else O(rows of the shorter).
+bool overlap(const Writes& a, const Writes& b) {
+  const int64_t d = static_cast<int64_t>(b.start - a.start);  // same device memory: far below 2^63 apart
+  if (a.rows == 1 || b.rows == 1 || a.stride == b.stride) {
+    const int64_t stride = a.rows > 1 ? a.stride : (b.rows > 1 ? b.stride : 1);
+    return rows_meet(d, a.rows, a.row_bytes, b.rows, b.row_bytes, stride);
+  }
+  const Writes& few = a.rows <= b.rows ? a : b;
+  const Writes& many = a.rows <= b.rows ? b : a;
+  for (int64_t k = 0; k < few.rows; ++k) {
+    const int64_t gap = static_cast<int64_t>(many.start - few.start) - k * few.stride;
+    if (rows_meet(gap, 1, few.row_bytes, many.rows, many.row_bytes, many.stride)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Rows of a copy are written in parallel, so a byte two segments write holds whichever landed last, and a byte one
+// segment reads while another writes it may be read before or after. Sorted by where they start, each range is
+// compared only with those whose extent it starts inside. A segment that copies bytes onto themselves (a tensor
+// given as both its source and its destination) changes nothing and passes.
+void check_no_overlap(std::vector<Writes> writes, const int64_t* table, const Labels& names) {
+  std::sort(writes.begin(), writes.end(), [](const Writes& x, const Writes& y) { return x.start < y.start; });
+  std::vector<const Writes*> open;
+  for (const Writes& w : writes) {
+    open.erase(std::remove_if(open.begin(), open.end(), [&](const Writes* o) { return o->end() <= w.start; }),
+               open.end());
+    for (const Writes* o : open) {
+      if (o->read && w.read) {
+        continue;
+      }
+      if (o->read != w.read) {
+        const Writes& r = o->read ? *o : w;
+        const Writes& wr = o->read ? w : *o;
+        if ((r.index == wr.index && same_bytes(r, wr)) || !overlap(*o, w)) {
+          continue;
+        }
+        TORCH_CHECK(false, "copy_segments: ", describe(r.index, table + r.index * kNumColumns), " reads bytes of ",
+                    label("srcs", static_cast<size_t>(r.dst), names.srcs), " that ",
+                    r.index == wr.index ? std::string("it writes itself") :
+                    describe(wr.index, table + wr.index * kNumColumns) + " writes",
+                    " (", label("dsts", static_cast<size_t>(wr.dst), names.dsts), " shares their memory); rows are "
+                    "copied in parallel, so it could read them before or after they change. Copy from a buffer "
+                    "that no segment writes");
+      }
+      const Writes& a = o->index < w.index ? *o : w;  // named in table order
+      const Writes& b = o->index < w.index ? w : *o;
+      TORCH_CHECK(!overlap(a, b), "copy_segments: ", describe(a.index, table + a.index * kNumColumns), " and ",
+                  describe(b.index, table + b.index * kNumColumns), " write the same bytes of ",
+                  label("dsts", static_cast<size_t>(a.dst), names.dsts),
+                  a.dst == b.dst ? std::string() : " and " + label("dsts", static_cast<size_t>(b.dst), names.dsts),
+                  "; rows are written in parallel, so the result would be whichever landed last. Give every "
+                  "destination byte one segment");
+    }
+    open.push_back(&w);
+  }
+}
+
 }  // namespace
 
 c10::Device common_device(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts) {
@@ -122,11 +235,11 @@ c10::Device common_device(const std::vector<at::Tensor>& srcs, const std::vector
   return c10::Device(c10::kCPU);
 }
 
-std::vector<Segment> resolve_segments(const std::vector<at::Tensor>& srcs,
-                                      const std::vector<at::Tensor>& dsts, const at::Tensor& table) {
+std::vector<Segment> resolve_segments(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
+                                      const at::Tensor& table, const Labels& names) {
   const c10::Device device = common_device(srcs, dsts);
-  check_tensors(srcs, "srcs", device);
-  check_tensors(dsts, "dsts", device);
+  check_tensors(srcs, "srcs", device, names.srcs);
+  check_tensors(dsts, "dsts", device, names.dsts);
   TORCH_CHECK(table.defined() && table.device().is_cpu(),
               "copy_segments: the segment table must be a CPU tensor (it is read on the host)");
   TORCH_CHECK(table.scalar_type() == at::kLong, "copy_segments: the segment table must be int64, got ",
@@ -136,21 +249,27 @@ std::vector<Segment> resolve_segments(const std::vector<at::Tensor>& srcs,
   const at::Tensor rows = table.contiguous();
   const int64_t* data = rows.const_data_ptr<int64_t>();
   std::vector<Segment> segments;
+  std::vector<Writes> writes;
   segments.reserve(rows.size(0));
+  writes.reserve(rows.size(0));
   for (int64_t i = 0; i < rows.size(0); ++i) {
-    const Segment s = resolve_one(i, data + i * kNumColumns, srcs, dsts);
+    const int64_t* row = data + i * kNumColumns;
+    const Segment s = resolve_one(i, row, srcs, dsts, names);
     if (s.num_rows > 0 && s.row_bytes > 0) {
       segments.push_back(s);
+      writes.push_back({reinterpret_cast<uintptr_t>(s.dst), s.num_rows, s.dst_stride, s.row_bytes, i, row[kDstIndex]});
+      writes.push_back(reads_of(s, i, row[kSrcIndex]));
     }
   }
+  check_no_overlap(std::move(writes), data, names);
   return segments;
 }
 
-SegmentCopy::SegmentCopy(std::vector<at::Tensor> srcs, std::vector<at::Tensor> dsts,
-                         const at::Tensor& table) {
+SegmentCopy::SegmentCopy(std::vector<at::Tensor> srcs, std::vector<at::Tensor> dsts, const at::Tensor& table,
+                         const Labels& names) {
   const c10::Device device = common_device(srcs, dsts);
   check_backend(device);
-  std::vector<Segment> segments = resolve_segments(srcs, dsts, table);
+  std::vector<Segment> segments = resolve_segments(srcs, dsts, table, names);
   num_segments_ = table.size(0);
   total_bytes_ = sum_bytes(segments);
   if (device.is_cuda()) {
@@ -160,16 +279,42 @@ SegmentCopy::SegmentCopy(std::vector<at::Tensor> srcs, std::vector<at::Tensor> d
   } else {
     cpu_ = std::make_unique<CpuPlan>(make_cpu_plan(std::move(segments)));
   }
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    labels_.push_back(label("srcs", i, names.srcs));
+  }
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    labels_.push_back(label("dsts", i, names.dsts));
+  }
   tensors_ = std::move(srcs);
   tensors_.insert(tensors_.end(), std::make_move_iterator(dsts.begin()),
                   std::make_move_iterator(dsts.end()));
+  for (const at::Tensor& t : tensors_) {
+    places_.push_back({t.storage().data(), t.storage().nbytes(), t.storage_offset()});
+  }
 }
 
 SegmentCopy::~SegmentCopy() = default;
 SegmentCopy::SegmentCopy(SegmentCopy&&) noexcept = default;
 SegmentCopy& SegmentCopy::operator=(SegmentCopy&&) noexcept = default;
 
+// The plan writes to the addresses of construction: memory that is no longer the tensor's once its storage
+// was freed (an offload's resize_(0)), moved or replaced. A few loads per tensor, nothing next to the copy.
+void SegmentCopy::check_places() const {
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const c10::Storage& s = tensors_[i].storage();
+    const Place& p = places_[i];
+    if (C10_UNLIKELY(s.data() != p.storage || s.nbytes() != p.nbytes ||
+                     tensors_[i].storage_offset() != p.storage_offset)) {
+      TORCH_CHECK(false, "SegmentCopy.run: ", labels_[i], " no longer has the memory the copy was built on (its ",
+                  "storage was ", p.nbytes, " bytes at ", p.storage, ", now ", s.nbytes(), " bytes at ", s.data(),
+                  ": offloaded with resize_(0), resized, or replaced by set_ or `.data =`). Nothing was copied; "
+                  "build the copy again once the tensor is back");
+    }
+  }
+}
+
 void SegmentCopy::run() const {
+  check_places();
   if (cpu_) {
     run_cpu_plan(*cpu_);
   }
@@ -181,10 +326,10 @@ void SegmentCopy::run() const {
 }
 
 void copy_segments(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
-                   const at::Tensor& table) {
+                   const at::Tensor& table, const Labels& names) {
   const c10::Device device = common_device(srcs, dsts);
   check_backend(device);
-  std::vector<Segment> segments = resolve_segments(srcs, dsts, table);
+  std::vector<Segment> segments = resolve_segments(srcs, dsts, table, names);
   if (device.is_cuda()) {
 #ifdef MEGARL_WITH_CUDA
     run_cuda_plan(make_cuda_plan(segments, device, /*wait=*/false));

@@ -1,11 +1,13 @@
 // C++ tests of the CPU segment copy (run by ctest; see CMakeLists.txt). Results are checked
 // against a byte-by-byte loop, so they never depend on the chunking under test.
 
+#include "tests/run_tests.h"
 #include "copy/chunking.h"
 #include "copy/segment_copy.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -183,24 +185,102 @@ void test_bad_segment_is_named_before_any_copy() {
   expect(at::equal(dsts[0], at::zeros({64}, at::kByte)), "nothing may be copied when a segment is bad");
 }
 
+// The error's text, or "" if `f` does not throw.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& text, const std::string& words) {
+  return text.find(words) != std::string::npos;
+}
+
+void test_overlapping_destinations_are_refused() {
+  const std::vector<at::Tensor> srcs{at::arange(256, at::kByte)};
+  const at::Tensor dst = at::zeros({256}, at::kByte);
+  // Views of one storage: the overlap is in memory, whatever the tensors are called.
+  const std::vector<at::Tensor> dsts{dst, dst.narrow(0, 64, 64)};
+  const megarl::copy::Labels names{{"src"}, {"model.embed_tokens.weight", "landing"}};
+  const std::vector<std::vector<Spec>> overlapping{
+      {{0, 0, 0, 0, 0, 0, 1, 16}, {0, 100, 0, 0, 15, 0, 1, 4}},                  // one byte shared
+      {{0, 0, 8, 0, 0, 10, 8, 4}, {0, 0, 8, 0, 23, 10, 3, 4}},                   // same stride, rows 2..4 of each
+      {{0, 0, 8, 0, 0, 10, 8, 4}, {0, 0, 8, 0, 71, 7, 3, 2}},                    // other strides: [71, 73) in [70, 74)
+      {{0, 0, 0, 0, 70, 0, 1, 2}, {0, 0, 0, 1, 0, 0, 1, 16}},                    // through the second view
+  };
+  for (const std::vector<Spec>& specs : overlapping) {
+    const std::string text = error_of([&] { megarl::copy::SegmentCopy(srcs, dsts, table_of(specs), names); });
+    expect(contains(text, "segment 0") && contains(text, "segment 1") && contains(text, "write the same bytes") &&
+               contains(text, "`model.embed_tokens.weight`"),
+           "overlapping destinations are not refused by name: " + text);
+    expect(contains(error_of([&] { megarl::copy::copy_segments(srcs, dsts, table_of(specs)); }), "write the same"),
+           "copy_segments takes overlapping destinations");
+  }
+  expect(at::equal(dst, at::zeros({256}, at::kByte)), "nothing may be copied when segments overlap");
+}
+
+void test_interleaved_destinations_are_accepted() {
+  // Column slices of one matrix from several sources (a row-parallel weight from TP ranks): extents overlap,
+  // bytes do not.
+  const std::vector<at::Tensor> srcs{at::arange(64, at::kByte), at::arange(64, at::kByte).add(64)};
+  const std::vector<at::Tensor> dsts{at::zeros({128}, at::kByte)};
+  const std::vector<Spec> specs{{0, 0, 4, 0, 0, 8, 16, 4}, {1, 0, 4, 0, 4, 8, 16, 4},
+                                {0, 0, 0, 0, 127, 0, 0, 0}};
+  megarl::copy::SegmentCopy(srcs, dsts, table_of(specs)).run();
+  expect(at::equal(dsts[0].view({16, 2, 4}).select(1, 1).reshape(-1), srcs[1]), "interleaved columns");
+  const std::vector<at::Tensor> other{at::zeros({128}, at::kByte)};
+  // Bytes 12k, 12k + 1, 12k + 2 against bytes 4j + 3: other strides, extents overlapping, no byte shared.
+  const std::vector<Spec> strided{{0, 0, 0, 0, 0, 12, 10, 3}, {0, 0, 0, 0, 3, 4, 30, 1}, {0, 0, 0, 0, 121, 0, 1, 7}};
+  const std::string text = error_of([&] { megarl::copy::SegmentCopy(srcs, other, table_of(strided)); });
+  expect(text.empty(), "segments of other strides that share no byte are refused: " + text);
+}
+
+void test_a_moved_storage_is_refused_at_run() {
+  const std::vector<at::Tensor> srcs{at::arange(64, at::kByte)};
+  at::Tensor dst = at::zeros({64}, at::kByte);
+  const std::vector<Spec> specs{{0, 0, 0, 0, 0, 0, 1, 64}};
+  const megarl::copy::Labels names{{"trainer.fc1"}, {"model.layers.0.mlp.gate_up_proj.weight"}};
+  const megarl::copy::SegmentCopy copier(srcs, {dst}, table_of(specs), names);
+  copier.run();
+  // An offload frees the storage (resize_(0)); the copy still held its old address.
+  at::native::resize_bytes_cpu(dst.storage().unsafeGetStorageImpl(), 0);
+  std::string text = error_of([&] { copier.run(); });
+  expect(contains(text, "`model.layers.0.mlp.gate_up_proj.weight`") && contains(text, "no longer has the memory"),
+         "a freed destination is written: " + text);
+  // Brought back: memory again, but not the memory the copy was built on.
+  at::native::resize_bytes_cpu(dst.storage().unsafeGetStorageImpl(), 64);
+  const at::Tensor src = srcs[0];
+  src.set_(at::zeros({64}, at::kByte));
+  text = error_of([&] { copier.run(); });
+  expect(contains(text, "`trainer.fc1`") || contains(text, "`model.layers.0.mlp.gate_up_proj.weight`"),
+         "a replaced storage is read or written: " + text);
+}
+
+void test_a_tensor_without_memory_is_refused_by_name() {
+  at::Tensor dst = at::zeros({64}, at::kByte);
+  at::native::resize_bytes_cpu(dst.storage().unsafeGetStorageImpl(), 0);
+  const std::vector<Spec> specs{{0, 0, 0, 0, 0, 0, 1, 64}};
+  const megarl::copy::Labels names{{}, {"lm_head.weight"}};
+  const std::string text = error_of([&] {
+    megarl::copy::SegmentCopy({at::arange(64, at::kByte)}, {dst}, table_of(specs), names);
+  });
+  expect(contains(text, "dsts[0] (`lm_head.weight`) has no memory"), "an offloaded destination is taken: " + text);
+}
+
 }  // namespace
 
 int main() {
-  const std::vector<std::pair<const char*, std::function<void()>>> tests{
+  return megarl::testing::run_tests({
       {"small_divider", test_small_divider},
       {"chunks_tile_each_segment_once", test_chunks_tile_each_segment_once},
       {"random_tables", test_random_tables},
       {"bad_segment_is_named_before_any_copy", test_bad_segment_is_named_before_any_copy},
-  };
-  int failed = 0;
-  for (const auto& [name, run] : tests) {
-    try {
-      run();
-      std::cout << "ok     " << name << "\n";
-    } catch (const std::exception& e) {
-      ++failed;
-      std::cout << "FAILED " << name << ": " << e.what() << "\n";
-    }
-  }
-  return failed == 0 ? 0 : 1;
+      {"overlapping_destinations_are_refused", test_overlapping_destinations_are_refused},
+      {"interleaved_destinations_are_accepted", test_interleaved_destinations_are_accepted},
+      {"a_moved_storage_is_refused_at_run", test_a_moved_storage_is_refused_at_run},
+      {"a_tensor_without_memory_is_refused_by_name", test_a_tensor_without_memory_is_refused_by_name},
+  });
 }

@@ -8,7 +8,7 @@
 
 namespace megarl::verify::cuda {
 
-// Adds the block's two sums (not yet reduced mod p) to `out` (device, zeroed) on `stream`.
+// Adds the block's two sums (each below 2^32, not yet reduced mod its prime) to `out` (device, zeroed) on `stream`.
 cudaError_t launch(const Block& block, int device, unsigned long long* out, cudaStream_t stream);
 
 }  // namespace megarl::verify::cuda

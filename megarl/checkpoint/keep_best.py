@@ -42,29 +42,6 @@ def best_step(root: Path) -> int | None:
     return None if best is None else int(best["step"])
 
 
-def check_best(root: Path, metric: str | None, start_step: int, rank: int) -> None:
-    """At start-up: ``best.json`` must be about checkpoint.keep_best's ``metric`` (values of two metrics do not
-    compare); one naming a step this run trains again (from ``start_step``: its checkpoint was damaged and passed
-    over, or the run starts anew) or a checkpoint no longer there is forgotten, with a line (rank 0 moves it to
-    best.json.stale)."""
-    best = read_best(root)
-    if best is None:
-        return
-    if metric is not None and best["metric"] != metric:
-        raise UserError(f"{root / BEST} names the best checkpoint on {best['metric']!r}, but checkpoint.keep_best = "
-                        f"{metric!r}: values of two metrics do not compare, and the best would be mislabelled or "
-                        f"deleted. Fix: set checkpoint.keep_best back to {best['metric']!r}, or move {BEST} away to "
-                        f"start a new record (step {best['step']}'s checkpoint then rotates like any other).")
-    step = best["step"]
-    if step < start_step and (root / f"step_{step:06d}").is_dir():
-        return
-    if rank == 0:
-        (root / BEST).replace(root / f"{BEST}.stale")
-        why = "this run trains that step again" if step >= start_step else "that checkpoint is gone"
-        print(f"megarl: {BEST} named step {step} ({best['metric']} = {best['value']}) as the best, but {why}; it is "
-              f"forgotten (moved to {BEST}.stale) and the best is recorded anew", flush=True)
-
-
 def mark_best(root: Path, metric: str, step: int, metrics: dict[str, float]) -> bool:
     """After step ``step``'s evaluation: record its checkpoint as the best when it exists and ``metric`` beats
     the recorded best (rank 0 only). Returns whether it did."""
@@ -74,10 +51,15 @@ def mark_best(root: Path, metric: str, step: int, metrics: dict[str, float]) -> 
     best = read_best(root)
     if best is not None and value <= best["value"]:
         return False
+    write_best(root, metric, value, step)
+    return True
+
+
+def write_best(root: Path, metric: str, value: float, step: int) -> None:
+    """Replace ``best.json`` atomically: a crash leaves the old one or the new one, never half of one."""
     partial = root / f".{BEST}.partial"
     with open(partial, "w") as f:
         json.dump({"metric": metric, "value": value, "step": step}, f)
         f.flush()
         os.fsync(f.fileno())
     partial.replace(root / BEST)
-    return True

@@ -45,6 +45,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
     state = json.loads((path / "trainer.json").read_text())
     allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
     check_teacher_unchanged(cfg, state.get("teacher"), path, allowed, rank)
+    check_reward_model_unchanged(cfg, (state.get("reward_model") or {}).get("files"), path, allowed, rank)
     saved = state.get("config")
     if saved is None:
         if rank == 0:
@@ -69,16 +70,32 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
 
 def check_teacher_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str],
                             rank: int = 0) -> None:
-    """A distillation run resumes only with the teacher it learned from: its weight files (size and CRC-32) as the
-    checkpoint recorded them, wherever they now live (the same path may hold another teacher). Rank 0 reads the
-    files, as it recorded them at the start (a 70B teacher is 140 GB to read), and every rank refuses alike."""
-    teacher = cfg.distill.teacher
-    if teacher is None or not saved or "distill.teacher" in allowed:
+    """A distillation run resumes only with the teacher it learned from (``check_weights_unchanged``); a 70B
+    teacher is 140 GB to read, which rank 0 alone does."""
+    check_weights_unchanged("distill.teacher", cfg.distill.teacher, saved, path, allowed, rank, "teacher",
+                            "learned from")
+
+
+def check_reward_model_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str],
+                                 rank: int = 0) -> None:
+    """A run with a reward model resumes only with the reward model it was trained against
+    (``check_weights_unchanged``)."""
+    check_weights_unchanged("reward_model.path", cfg.reward_model.path, saved, path, allowed, rank, "reward model",
+                            "was trained against")
+
+
+def check_weights_unchanged(field: str, current: str | None, saved: dict[str, Any] | None, path: Path,
+                            allowed: set[str], rank: int, role: str, verb: str) -> None:
+    """A frozen model's weight files (size and CRC-32) as the checkpoint recorded them (``saved``: their path and
+    files), against those at ``field`` now, wherever they live (the same path may hold other weights). Rank 0 reads
+    the files, as it recorded them at the start, and every rank refuses alike; ``checkpoint.allow_changes`` naming
+    ``field`` lets it pass."""
+    if current is None or not saved or field in allowed:
         return
-    differ = from_rank0(lambda: manifest.files_differ(saved["files"], teacher), rank)
+    differ = from_rank0(lambda: manifest.files_differ(saved["files"], current), rank)
     if differ:
-        raise UserError(f"checkpoint {path} learned from the teacher at {saved.get('path')}, whose weight files "
-                        f"differ from distill.teacher = {cfg.distill.teacher} ({differ[:3]}: size or CRC-32). "
-                        "Another teacher is another experiment. Fix: point distill.teacher at the teacher the run "
-                        "started with; or, to continue with this one deliberately, --set "
-                        "checkpoint.allow_changes=distill.teacher; or checkpoint.resume: none to start a new run.")
+        raise UserError(f"checkpoint {path} {verb} the {role} at {saved.get('path')}, whose weight files differ from "
+                        f"{field} = {current} ({differ[:3]}: size or CRC-32). Another {role} is another experiment. "
+                        f"Fix: point {field} at the {role} the run started with; or, to continue with this one "
+                        f"deliberately, --set checkpoint.allow_changes={field}; or checkpoint.resume: none to start a "
+                        "new run.")

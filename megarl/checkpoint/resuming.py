@@ -47,7 +47,7 @@ def find(resume: str, directory: str | None) -> Path | None:
         problem = verify(path) if (path / TRAINER).is_file() else f"{path} is missing or incomplete (no {TRAINER})"
         if problem is None:
             if damaged and dist.get_rank() == 0:
-                kept = ", ".join(f"{p.name} ({why}; kept as {_quarantine(p)})" for p, why in damaged)
+                kept = ", ".join(f"{p.name} ({why}; kept as {set_aside(p)})" for p, why in damaged)
                 print(f"megarl: resuming from {path.name}, the newest checkpoint in {root} that verifies, instead "
                       f"of the damaged {kept}", flush=True)
             return path
@@ -72,7 +72,8 @@ def _candidates(root: Path) -> list[Path]:
     return [named] + [found[s] for s in sorted(found, reverse=True) if s < below and found[s] != named]
 
 
-def _quarantine(path: Path) -> str:
+def set_aside(path: Path) -> str:
+    """Rename a damaged checkpoint *.damaged (out of every later resume's and rotation's sight); its new name."""
     if not path.exists():
         return "nothing: it is missing"
     target = path.with_name(path.name + ".damaged")

@@ -7,7 +7,8 @@ set. Checks that need the world size or the model's shape live in `validate_layo
 `__post_init__` errors name fields relative to their own section; `yaml_io.build` prefixes the path
 (`lr` -> `actor.optimizer.lr`), so construct configs through `load_config`/`build_config` for full paths.
 
-One module per group of sections (model, training, rollout, algorithm, data, run, eval, lora, async_rl, distill);
+One module per group of sections (model, training, rollout, algorithm, data, run, eval, lora, async_rl, distill,
+reward_model);
 `root` holds `Config`, `layout` the checks against the world size, `yaml_io` the mapping of YAML onto
 dataclasses, `reference` the generated docs/configuration.md, `experiment` the keys a resume must not change.
 """
@@ -20,6 +21,7 @@ from megarl.config.eval import EvalConfig, EvalDatasetConfig
 from megarl.config.layout import validate_layout
 from megarl.config.lora import LoraConfig
 from megarl.config.model import ModelConfig, ParallelConfig
+from megarl.config.reward_model import RewardModelConfig
 from megarl.config.rollout import AgentConfig, RolloutConfig, ToolConfig
 from megarl.config.root import Config, build_config, load_config, run_dir
 from megarl.config.run import CheckpointConfig, TrackingConfig, TrainerConfig
@@ -28,7 +30,8 @@ from megarl.config.training import ActorConfig, CriticConfig, OptimizerConfig, R
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "CriticConfig",
     "DataConfig", "DistillConfig", "EvalConfig", "EvalDatasetConfig", "LoraConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelConfig", "ReferenceConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig", "ToolConfig",
+    "ParallelConfig", "ReferenceConfig", "RewardModelConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig",
+    "ToolConfig",
     "UpdateConfig",
     "build_config", "load_config", "run_dir", "validate_layout",
 ]

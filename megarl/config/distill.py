@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from megarl.config.checks import within
+from megarl.config.yaml_io import check
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,3 +30,14 @@ class DistillConfig:
     def __post_init__(self) -> None:
         within(self, "coef", "(0, inf)", "use 1.0 (Thinking Machines' on-policy distillation), or less to mix it "
                "with the task reward")
+
+    def check_teacher_dir(self) -> None:
+        """At start-up, before anything reads the teacher: a model directory, or an error naming this field (the
+        model loader's own names the path alone). Not when the config loads: recipes are also checked where their
+        models are not."""
+        teacher = self.teacher
+        missing = "" if teacher is None or Path(teacher).is_dir() else " (there is no such directory)"
+        check(teacher is None or (Path(teacher) / "config.json").is_file(), "distill.teacher", teacher,
+              f"be a HuggingFace model directory holding config.json, *.safetensors and the student's tokenizer "
+              f"files{missing}", "point it at the teacher's directory, or set distill.teacher: null for no "
+              "distillation")

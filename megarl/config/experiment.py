@@ -13,7 +13,9 @@ DEFINING = ("model.hf_path", "model.dtype", "model.moe_aux_loss_coeff", "algorit
             "rollout.top_k", "rollout.max_new_tokens", "rollout.max_prompt_tokens", "rollout.seed",
             "actor.optimizer.", "actor.num_ppo_epochs", "actor.mini_batch_size", "actor.lora.",
             "critic.hf_path", "critic.optimizer.", "critic.num_ppo_epochs", "critic.mini_batch_size", "agent.",
-            "async_rl.", "distill.teacher", "distill.coef")
+            "async_rl.", "distill.teacher", "distill.coef", "reward_model.path", "reward_model.weight",
+            "reward_model.rule_weight", "reward_model.normalize", "reward_model.clip",
+            "reward_model.judge.")
 """Keys (and, ending in a dot, sections) of the config that define the experiment."""
 LAYOUT = ("actor.optimizer.use_distributed_optimizer", "critic.optimizer.use_distributed_optimizer",
           "agent.tool_workers", "agent.tool_wait_s", "agent.pause_at_call_end", "actor.lora.handover")

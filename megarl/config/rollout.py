@@ -53,18 +53,26 @@ class RolloutConfig:
     weights (rollout.tensor_parallel equal to parallel.tensor_parallel, pipeline_parallel 1), or any of them with
     actor.offload_weights: false, never with actor.lora (the engine needs the merged weights); true = required (an
     error where the layouts differ); false = never."""
+    weight_dtype: Literal["bf16", "fp8"] = "bf16"
+    """The engine's weights: bf16 = the trainer's (model.dtype), bit for bit; fp8 = its linear layers' weights (qkv,
+    o, gate_up, down) block-quantized on the way (float8_e4m3fn values, one float32 scale per 128 x 128 block, the
+    engines' `weight_scale_inv`), embeddings, norms and the output head as trained (docs/handover.md, "FP8
+    weights"). The sampler then differs from the trainer: use algorithm.rollout_correction (token_tis). Refused at
+    start-up with vLLM, with LoRA adapters handed over as adapters, for shapes the engines' FP8 loaders refuse at
+    rollout.tensor_parallel, and, until its engine side is hooked, with SGLang (issue 54)."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
     """An engine call (start-up, wake, generate, hand-over, sleep, shutdown) that takes longer stops training with
-    an error naming it (exit code 2, the mlflow run FAILED; at start-up there is no mlflow run yet)."""
+    an error naming it (exit code 2, the mlflow run FAILED, at start-up too)."""
     verify_every: int = 0
     """Check the hand-over every N updates (the first, then every N-th; 0 = never): every engine rank checksums its
     parameters inside the engine and the trainer compares them with checksums of its own weights; a mismatch
     stops training naming the tensors. Needs rollout.engine = sglang (the in-engine hand-over)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed unchanged to sglang.Engine or vllm.LLM, e.g.
-    {attention_backend: triton}; they override megarl's own engine settings."""
+    {attention_backend: triton}; they override megarl's own engine settings. A `dtype` among them must equal
+    model.dtype: the hand-over moves the trainer's bits unchanged."""
 
     def __post_init__(self) -> None:
         positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")
@@ -83,6 +91,12 @@ class RolloutConfig:
         check(self.alias_weights is not True or self.engine == "sglang", "alias_weights", self.alias_weights,
               "be auto or false with rollout.engine = vllm (only SGLang's engine maps the trainer's memory)",
               "use rollout.engine: sglang, or alias_weights: auto")
+        check(self.weight_dtype in ("bf16", "fp8"), "weight_dtype", self.weight_dtype, "be bf16 or fp8",
+              "use bf16 (the trainer's weights as they are) or fp8 (block-quantized linear layers)")
+        check(self.weight_dtype == "bf16" or self.engine == "sglang", "weight_dtype", self.weight_dtype,
+              "be bf16 with rollout.engine = vllm (megarl's vLLM path hands over files of engine-layout tensors that "
+              "its CPU backend repacks; it has no FP8 block-quantized loading)",
+              "use rollout.engine: sglang, or weight_dtype: bf16")
         check(self.verify_every >= 0, "verify_every", self.verify_every, "be >= 0", "use 0 (off) or N >= 1")
         check(self.verify_every == 0 or self.engine == "sglang", "verify_every", self.verify_every,
               "be 0 with rollout.engine = vllm (its checksums need the in-engine hand-over; vLLM's CPU backend "

@@ -15,10 +15,11 @@ from megarl.config.distill import DistillConfig
 from megarl.config.eval import EvalConfig
 from megarl.config.experiment import allowed_changes, defines_experiment
 from megarl.config.model import ModelConfig, ParallelConfig
+from megarl.config.reward_model import RewardModelConfig
 from megarl.config.rollout import AgentConfig, RolloutConfig
 from megarl.config.run import CheckpointConfig, TrackingConfig, TrainerConfig
 from megarl.config.training import ActorConfig, CriticConfig, ReferenceConfig, UpdateConfig
-from megarl.config.yaml_io import FieldError, apply_overrides, build, check, locate, read_yaml
+from megarl.config.yaml_io import FieldError, apply_overrides, build, check, flatten, locate, read_yaml
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +54,8 @@ class Config:
     """Rollouts that overlap the updates (megarl.rollout.inflight, docs/async.md); sync by default."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from a teacher model (docs/algorithms.md); off by default."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A learned reward model scoring every sample beside trainer.reward (docs/reward_models.md); off by default."""
 
     REFUSED_KEYS: ClassVar[dict[str, str]] = {
         "async": "the section is `async_rl` (async is a Python keyword, which no field can be named)."}
@@ -104,11 +107,18 @@ class Config:
         check(budget is None or budget <= self.rollout.max_new_tokens, "agent.max_total_tokens", budget,
               f"be <= rollout.max_new_tokens = {self.rollout.max_new_tokens}: the engine's context holds no more",
               "raise rollout.max_new_tokens, or use null")
+        engine_dtype = self.rollout.engine_args.get("dtype", self.model.dtype)
+        check(engine_dtype == self.model.dtype, "rollout.engine_args.dtype", engine_dtype,
+              f"equal model.dtype = {self.model.dtype}: the hand-over moves the trainer's bits unchanged, so an engine "
+              "in another dtype would read them as other numbers", "remove rollout.engine_args.dtype (the engine "
+              "then runs in model.dtype), or change model.dtype")
         self._check_truncation()
         self._check_async()
-        check(self.trainer.reward is not None or self.distill.teacher is not None, "trainer.reward", None,
-              "name a reward function unless distill.teacher is set: without either, no sample has a signal",
-              'write it like "megarl.rewards.gsm8k:reward", or set distill.teacher')
+        check(self.trainer.reward is not None or self.distill.teacher is not None or self.reward_model.enabled(),
+              "trainer.reward", None, "name a reward function unless distill.teacher or reward_model.path is set: "
+              "without any, no sample has a signal", 'write it like "megarl.rewards.gsm8k:reward", or set '
+              "distill.teacher or reward_model.path")
+        self._check_reward_model()
         for i, d in enumerate(self.eval.datasets):
             check(d.reward is not None or self.trainer.reward is not None, f"eval.datasets[{i}].reward", None,
                   "name a reward function when trainer.reward is null: held-out accuracy needs one",
@@ -135,6 +145,20 @@ class Config:
                 f"raise it to at least {longest} or shorten the rollout limits",
             )
 
+    def _check_reward_model(self) -> None:
+        """What the reward model's phase (after generation, before advantages) does not serve yet (the checks that
+        need its tokenizer: megarl.loop.bootstrap)."""
+        if not self.reward_model.enabled():
+            return
+        which = "reward_model.path" if self.reward_model.path is not None else "reward_model.judge"
+        check(not self.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True, f"be false with "
+              f"{which}: dynamic sampling selects groups by their rewards during generation, before the "
+              f"reward model scores them", f"set algorithm.dynamic_sampling: false, or {which}: null")
+        check(self.reward_model.judge is None or self.async_rl.mode == "sync", "async_rl.mode", self.async_rl.mode,
+              "be sync with reward_model.judge: the judge asks about a step's samples by their prompts' text, which "
+              "samples carried across steps do not keep, and its engine would need GPUs beside a generating one",
+              "set async_rl.mode: sync, or reward_model.judge: null")
+
     def _check_async(self) -> None:
         """colocated_async: what its partial rollouts support, and the correction its stale samples need."""
         a, algo = self.async_rl, self.algorithm
@@ -146,11 +170,13 @@ class Config:
               f"be a multiple of data.num_prompts_per_step = {wanted} and at most (max_staleness + 1) x that = "
               f"{(a.max_staleness + 1) * wanted}: more could not finish within the staleness bound",
               "use null (the most the bound allows)")
+        # separate mode needs max_staleness >= 1 (checked below), so only the correction is a fix there.
+        fix = "set algorithm.rollout_correction: token_tis (or seq_geomean_tis)" + (
+            "" if a.mode == "separate" else ", or async_rl.max_staleness: 0")
         check(a.max_staleness == 0 or algo.rollout_correction != "none", "algorithm.rollout_correction", "none",
               f"name a correction with async_rl.mode = {a.mode} and max_staleness = {a.max_staleness}: a sample "
               "drawn by older weights needs its importance weight to the policy being trained (decoupled PPO: the "
-              "engine's logprobs are the behaviour policy, the trainer's old logprobs the proximal one)",
-              "set algorithm.rollout_correction: token_tis (or seq_geomean_tis), or async_rl.max_staleness: 0")
+              "engine's logprobs are the behaviour policy, the trainer's old logprobs the proximal one)", fix)
         check(a.mode != "separate" or self.rollout.alias_weights is not True, "rollout.alias_weights", True,
               "be auto or false with async_rl.mode = separate: the engine generates while the learner updates, so "
               "it must hold its own copy of the weights", "set rollout.alias_weights: auto (off in this mode)")
@@ -249,17 +275,7 @@ class Config:
 
     def to_flat_dict(self) -> dict[str, Any]:
         """{"actor.optimizer.lr": 1e-06, ...}: one entry per leaf, e.g. for mlflow params."""
-        flat: dict[str, Any] = {}
-
-        def walk(node: Mapping[str, Any], prefix: str) -> None:
-            for key, value in node.items():
-                if isinstance(value, Mapping):
-                    walk(value, f"{prefix}{key}.")
-                else:
-                    flat[prefix + key] = value
-
-        walk(self.to_dict(), "")
-        return flat
+        return flatten(self.to_dict())
 
 
 def build_config(

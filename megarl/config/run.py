@@ -26,10 +26,15 @@ class TrainerConfig:
     (math-verify: about 1.6 ms a GSM8K sample, 0.8 s a step of 512); each worker imports the reward's module."""
     log_every: int = 1
     """Console progress every this many steps (metrics go to tracking every step)."""
+    log_samples: int = 0
+    """Every this many steps (from the first), the step's samples go to RUN/samples/step_N.jsonl (N from 0; RUN is
+    checkpoint.dir, else runs/latest), one JSON line each: prompt, response, response_tokens, each reward, the
+    multi-turn statistics and the advantage, to read what the policy is rewarded for; 0 = never."""
 
     def __post_init__(self) -> None:
         positive(self, "num_steps", "log_every")
         within(self, "reward_workers", "[0, inf)", "use 0 to score in the training process")
+        within(self, "log_samples", "[0, inf)", "use 0 to write no samples")
         check(self.reward is not None or self.reward_workers == 0, "reward_workers", self.reward_workers,
               "be 0 without trainer.reward (there is nothing to score)", "remove trainer.reward_workers")
         check(

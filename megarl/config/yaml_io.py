@@ -249,6 +249,17 @@ def build(cls: type[T], data: object, path: str = "") -> T:
         raise err.under(path) from None
 
 
+def flatten(node: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config as a dict (dataclasses.asdict) to {"actor.optimizer.lr": 1e-06, ...}: one entry per leaf."""
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
 def _mark(err: yaml.YAMLError) -> str:
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
     return f" line {mark.line + 1} column {mark.column + 1}" if mark else ""

@@ -67,9 +67,9 @@ def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: st
             f"or one of {sorted(_VENDORED)}."
         )
     if path.suffix == ".jsonl":
-        rows = _read_jsonl(path, field)
+        rows = read_jsonl(path, field)
     elif path.suffix == ".parquet":
-        rows = _read_parquet(path, field)
+        rows = read_parquet(path, field)
     else:
         raise UserError(
             f"{field} = {path_or_name!r} has suffix {path.suffix!r}. Fix: convert it to .jsonl "
@@ -81,7 +81,7 @@ def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: st
     return records
 
 
-def _read_jsonl(path: Path, field: str) -> list[tuple[str, Any]]:
+def read_jsonl(path: Path, field: str) -> list[tuple[str, Any]]:
     rows = []
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -104,7 +104,7 @@ def _read_jsonl(path: Path, field: str) -> list[tuple[str, Any]]:
     return rows
 
 
-def _read_parquet(path: Path, field: str) -> list[tuple[str, Any]]:
+def read_parquet(path: Path, field: str) -> list[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,18 +74,27 @@ def evaluate(generate: Callable[[list[list[int]], SamplingParams], list[Completi
 
 
 def write_samples(path: Path, samples: Sequence[Sample], fix: str) -> None:
-    """One JSON object per sample (prompt, completion, reward, tokens, truncated), written atomically; a write
-    that fails (a full disk) removes its partial file and is one paragraph ending in ``fix``."""
+    """One JSON object per sample (prompt, completion, reward, tokens, truncated): ``write_jsonl``."""
+
+    def rows() -> Iterator[dict[str, Any]]:  # read as they are written, inside write_jsonl's handling of errors
+        for s in samples:
+            yield {"prompt": s.prompt, "completion": s.completion, "reward": s.reward, "tokens": s.tokens,
+                   "truncated": s.truncated}
+
+    write_jsonl(path, rows(), "the evaluation's samples", fix)
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]], what: str, fix: str) -> None:
+    """One JSON object per line, written atomically; a write that fails (a full disk) removes its partial file and
+    is one paragraph naming ``what`` was written and ending in ``fix``."""
     partial = path.with_name(path.name + ".partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(partial, "w") as f:
-            for s in samples:
-                row: dict[str, Any] = {"prompt": s.prompt, "completion": s.completion, "reward": s.reward,
-                                       "tokens": s.tokens, "truncated": s.truncated}
+            for row in rows:
                 f.write(json.dumps(row) + "\n")
         partial.replace(path)
     except OSError as err:
         partial.unlink(missing_ok=True)
-        raise UserError(f"writing the evaluation's samples to {path} failed ({err.strerror or err}); the partial "
+        raise UserError(f"writing {what} to {path} failed ({err.strerror or err}); the partial "
                         f"file is removed. Fix: {fix}") from None

@@ -64,6 +64,7 @@ class InTrainingEval:
         self.before_train = cfg.eval.before_train and bool(sets)
         self.out_dir, self.rank = out_dir, rank
         self.best_metric = cfg.checkpoint.keep_best
+        self.saves, self.save_every = cfg.checkpoint.dir is not None, cfg.checkpoint.save_every
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` are evaluated."""
@@ -83,7 +84,21 @@ class InTrainingEval:
             row, samples = evaluate(trainer.generate_all, s.prompts, s.reward_fn, s.params, decode)
             out |= {f"eval/{s.name}/{prefix}{key}": value for key, value in row.items() if key != "num_prompts"}
             if self.rank == 0:
-                write_samples(self.out_dir / "eval" / s.name / f"{label}.jsonl", samples,
-                              "free space on the run directory's disk (df -h) and resume the run: the checkpoint "
-                              "of this step is saved, and its evaluation runs again.")
+                write_samples(self.out_dir / "eval" / s.name / f"{label}.jsonl", samples, self._after_full_disk(label))
         return out
+
+    def _after_full_disk(self, label: str) -> str:
+        """How a run whose samples filled the disk goes on: from the checkpoint saved just before this evaluation
+        (`latest` names it), else from an earlier one or anew; no message may promise a checkpoint not there."""
+        free = "free space on the run directory's disk (df -h) and"
+        if label == "initial":
+            return f"{free} run again: this evaluation of the starting weights comes before the first step."
+        latest = self.out_dir / "latest"
+        last = latest.read_text().strip() if self.saves and latest.is_file() else None
+        if last == f"step_{int(label.removeprefix('step_')):06d}":
+            return f"{free} resume the run: the checkpoint of this step is saved, and its evaluation runs again."
+        unsaved = f"no checkpoint of this step was saved (checkpoint.save_every = {self.save_every})"
+        if last is None:
+            return f"{free} run again: {unsaved} nor of any before it, so the run starts anew."
+        return (f"{free} resume the run: {unsaved}, so it resumes from {last}, the last one, and trains the steps "
+                "after it again.")

@@ -8,31 +8,37 @@ from pathlib import Path
 from typing import Any
 
 from megarl import checkpoint
-from megarl.checkpoint.keep_best import check_best
+from megarl.checkpoint.best_on_resume import check_best
 from megarl.checkpoint.resume_check import check_unchanged
 from megarl.config import load_config, run_dir, validate_layout
 from megarl.config.imports import import_spec
 from megarl.config.yaml_io import check
 from megarl.errors import UserError
-from megarl.run import interrupt
+from megarl.run import interrupt, startup
 from megarl.run.lock import lock_run
-from megarl.run.tracking import Tracker, logged, open_store
+from megarl.run.tracking import Tracker, logged, open_store, record_if_it_ends
 
 
 def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_node: int | None,
-              gpu_bytes: int | None = None) -> tuple[Any, Any, int, list[Any], int, Any, list[Any]]:
+              gpu_bytes: int | None = None, loaded: Any = None) -> tuple[Any, Any, int, list[Any], int, Any, list[Any]]:
     """Everything that can be checked in one process before any worker starts: the config, the run
     directory, the layout against the model's shape, the memory plan and the prompts. Returns (config,
     model spec, data-parallel size, tokenized prompts, number skipped, tokenizer, eval sets). ``gpu_bytes``: one
-    GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context)."""
-    cfg = load_config(config_path, overrides)
+    GPU's memory (0: no GPU); None asks torch, which a launcher must not do (it would hold a CUDA context).
+    ``loaded``: the config, when the caller has read it already."""
+    cfg = loaded if loaded is not None else load_config(config_path, overrides)
     out_dir = run_dir(cfg)
     check_writable(out_dir, "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)")
     from megarl.models.spec import load_spec
     from megarl.reshard.engine_layout import check_rollout_tp
 
-    spec = load_spec(cfg.model.hf_path)
+    spec = load_spec(cfg.model.hf_path, "model.hf_path")
+    cfg.distill.check_teacher_dir()  # before the memory plan reads it
+    cfg.reward_model.check_dir()
     check_rollout_tp(spec, cfg.rollout.tensor_parallel)
+    from megarl.reshard.planner import check_fp8_rollout
+
+    check_fp8_rollout(cfg, spec)
     p = cfg.parallel
     check(not spec.is_moe or p.tensor_parallel == 1 or p.sequence_parallel, "parallel.sequence_parallel",
           p.sequence_parallel, f"be true for an MoE model ({spec.hf_config.get('architectures')}) with "
@@ -79,6 +85,10 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
         except UserError as err:
             raise UserError(f"distill.teacher = {cfg.distill.teacher!r} does not fit the trainer's layout: {err}") \
                 from None
+    if cfg.reward_model.path is not None:
+        check_reward_model_run(cfg, spec, tokenizer, world, ranks_per_node)
+    if cfg.reward_model.judge is not None:
+        check_judge(cfg.reward_model.judge)
     if cfg.critic.hf_path:
         check_hf_config(cfg.critic.hf_path, "critic.hf_path")
     d = cfg.data
@@ -89,6 +99,47 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
 
     eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))
     return cfg, spec, dp, prompts, dropped, tokenizer, eval_sets
+
+
+def check_reward_model_run(cfg: Any, spec: Any, tokenizer: Any, world: int, ranks_per_node: int | None) -> None:
+    """reward_model.path: its architecture, labels, head and vocabulary (megarl.models.reward_model), its shape in
+    the trainer's layout, and what another tokenizer cannot render yet."""
+    from megarl.models.reward_model import check_reward_model
+
+    path = cfg.reward_model.path
+    found = check_reward_model(path, cfg.model.hf_path, tokenizer, spec)
+    rm = found.spec
+    try:
+        validate_layout(cfg, world, num_layers=rm.num_layers, num_attention_heads=rm.num_attention_heads,
+                        num_kv_heads=rm.num_kv_heads, vocab_size=rm.vocab_size, ranks_per_node=ranks_per_node)
+    except UserError as err:
+        raise UserError(f"reward_model.path = {path!r} does not fit the trainer's layout: {err}") from None
+    check(found.shares_tokens or not cfg.agent.tools, "reward_model.path", path,
+          "share the policy's tokenizer and chat template with agent.tools: a multi-turn sample's tool turns are not "
+          "rendered again for another tokenizer yet", "use a reward model of the policy's family, or no tools")
+    check(found.shares_tokens or cfg.async_rl.mode == "sync", "reward_model.path", path,
+          f"share the policy's tokenizer and chat template with async_rl.mode = {cfg.async_rl.mode}: samples carried "
+          "across steps are not rendered again for another tokenizer yet (their prompts' text is not kept)",
+          "use a reward model of the policy's family, or async_rl.mode: sync")
+
+
+def check_judge(judge: Any) -> None:
+    """reward_model.judge: its model directory and tokenizer, its context against the model's positions, its engine
+    layout, and the parse function (imported here, before any worker starts)."""
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.models.spec import load_spec
+    from megarl.reshard.engine_layout import check_rollout_tp
+    from megarl.rewards.judge import load_parse
+
+    load_tokenizer(judge.model, "reward_model.judge.model")
+    found = load_spec(judge.model, "reward_model.judge.model")
+    longest = judge.max_prompt_tokens + judge.max_new_tokens
+    check(longest <= found.max_position_embeddings, "reward_model.judge.max_prompt_tokens", judge.max_prompt_tokens,
+          f"leave, with max_new_tokens = {judge.max_new_tokens}, at most the judge's max_position_embeddings = "
+          f"{found.max_position_embeddings} tokens ({judge.model})",
+          f"set it to at most {found.max_position_embeddings - judge.max_new_tokens}")
+    check_rollout_tp(found, judge.tensor_parallel, field="reward_model.judge.tensor_parallel")
+    load_parse(judge.parse)
 
 
 def stop_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -116,12 +167,16 @@ def quiet_expected_warnings() -> None:
 
 def setup(config_path: str, overrides: Sequence[str]
           ) -> tuple[Any, Any, Any, Callable[[list[int]], str], Any, Any]:
+    startup.mark("imports")
     quiet_expected_warnings()
     standalone_env()
     interrupt.install()
     local = os.environ.get("LOCAL_WORLD_SIZE")
+    cfg = load_config(config_path, overrides)
+    hand_over = record_if_it_ends(cfg, run_dir(cfg))  # the mlflow run of a start-up that fails or is interrupted
     cfg, spec, dp, prompts, dropped, tokenizer, eval_sets = check_run(
-        config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None)
+        config_path, overrides, int(os.environ["WORLD_SIZE"]), int(local) if local else None, loaded=cfg)
+    startup.mark("config and data")
     out_dir = run_dir(cfg)
     from megarl.data.loader import PromptLoader
 
@@ -146,6 +201,10 @@ def setup(config_path: str, overrides: Sequence[str]
         skipped = f" ({dropped} longer than rollout.max_prompt_tokens skipped)" if dropped else ""
         print(f"megarl: {len(prompts)} prompts{skipped}; TP={p.tensor_parallel} PP={p.pipeline_parallel} DP={dp}",
               flush=True)
+        from megarl.reshard.planner import fp8_rollout_warning
+
+        if (warning := fp8_rollout_warning(cfg)) is not None:
+            print(warning, flush=True)
         from megarl.loop.partial_rollouts import mps_note, prefill_note
 
         for note in (prefill_note(cfg), mps_note(cfg, on_cuda=platform.device.type == "cuda")):
@@ -156,13 +215,17 @@ def setup(config_path: str, overrides: Sequence[str]
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
     if resume_from is not None:
         check_unchanged(cfg, resume_from, groups.rank)
-    trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)
+    startup.mark("process groups")
+    trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)  # models, engine (factory's marks), first push
+    startup.mark("first weight push")
     start_step, run_id, unlogged = 0, None, None
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
         loader.load_state_dict(state["loader"])
         trainer.kl.load_state_dict(state["kl"])
+        if trainer.reward_model is not None:  # reward_model.normalize's running statistics
+            trainer.reward_model.load_state_dict(state.get("reward_model"))
         trainer.rollout.load_state_dict(state.get("rollout", {}))  # samples in flight (async_rl)
         trainer.push_weights()  # the engine must generate with the restored weights
         start_step = state["step"] + 1
@@ -172,10 +235,11 @@ def setup(config_path: str, overrides: Sequence[str]
             unlogged = None
         if groups.rank == 0:
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
-    check_best(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_best, start_step, groups.rank)
+    check_best(out_dir, cfg.checkpoint.keep_best, start_step, groups.rank)
     tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id, unlogged)
     interrupt.at_interrupt(trainer.close)
     tracker.end_with_the_process()
+    hand_over()
 
     from megarl.eval.in_training import InTrainingEval
 

@@ -1,5 +1,5 @@
-"""The learner: the actor, the critic, the reference and a distillation teacher, what each holds on the device in
-each phase, scoring a batch, and the clipped updates of its epochs x mini-batches."""
+"""The learner: the actor, the critic, the reference, a distillation teacher and a reward model, what each holds on
+the device in each phase, scoring a batch, and the clipped updates of its epochs x mini-batches."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from megarl.algos.minibatches import mean_metrics, mini_batches
 from megarl.checkpoint import manifest
 from megarl.config import Config, UpdateConfig
 from megarl.distributed.parallel import ParallelGroups
+from megarl.errors import UserError
 from megarl.loop.rl_step import Batch, actor_loss, critic_loss
 from megarl.lora.training import BaseModel, LoraAdapters
 from megarl.memory.offload import PARTS, Part, Residency
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
+from megarl.models.reward_model import RewardModel, load_reward_spec, scores_on_every_rank
 from megarl.models.spec import ModelSpec, load_spec
 from megarl.models.trainable import MegatronModel
 
@@ -51,6 +53,10 @@ class Learner:
                                          temperature=temperature)
             if groups.rank == 0:
                 self.teacher_files = manifest.weight_files(cfg.distill.teacher)
+        self.reward_model = None  # reward_model.path: frozen, in the trainer's layout, a scalar head
+        if cfg.reward_model.path is not None:
+            self.reward_model = RewardModel(load_reward_spec(cfg.reward_model.path), cfg.reward_model.path, groups,
+                                            opts)
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)
@@ -70,6 +76,7 @@ class Learner:
         only what generation needs."""
         reference = {"reference": self.reference} if isinstance(self.reference, MegatronModel) else {}
         teacher = {"teacher": self.teacher} if self.teacher is not None else {}
+        teacher |= {"reward_model": self.reward_model.model} if self.reward_model is not None else {}
         self.residency = Residency(self.trained_models() | reference | teacher,
                                    offloadable_parts(self.cfg, actor_weights_stay=actor_weights_stay))
         self.hold("generate")
@@ -112,11 +119,23 @@ class Learner:
         top1 = self.teacher is not None and role is not None  # distillation: whose most likely token agrees
         rows = model.score([batch.sequences[i] for i in mine], *_batching(section),
                            routing=_routing(model, batch, mine), **({"top1": True} if top1 else {}))
+        if rows is not None:
+            _check_rows(rows, [batch.sequences[i] for i in mine], mine, role or ("critic" if model is self.critic
+                                                                              else "reference"))
         if top1 and role is not None:
             self.top1[role] = self._share_rows(dict(zip(mine, [r[:, 1] for r in rows], strict=True))
                                                if rows is not None else None, batch)
             rows = None if rows is None else [r[:, 0] for r in rows]
         return self._share_rows(dict(zip(mine, rows, strict=True)) if rows is not None else None, batch)
+
+    def reward_scores(self, sequences: list[list[int]]) -> torch.Tensor:
+        """The reward model's [N] scores of ``sequences`` (its token ids) on every rank; each data-parallel replica
+        scores its share, in the actor's micro-batches."""
+        assert self.reward_model is not None, "reward_model.path is null"
+        self.hold("reward_model")
+        model = self.reward_model
+        return scores_on_every_rank(lambda mine: model.score(mine, *_batching(self.cfg.actor)), sequences,
+                                    self.groups)
 
     def top1_agreement(self, batch: Batch) -> float:
         """Distillation: the share of the batch's policy tokens at which the actor's most likely next token is the
@@ -148,7 +167,7 @@ class Learner:
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
                      ) -> dict[str, float]:
         """Clipped policy updates; extras: old_logprobs, advantages[, ref_logprobs][, is_weights][, teacher_logprobs]
-        as [N, T];
+        [, offpolicy_weights] as [N, T];
         ``mask`` [N, T]: the response tokens the loss counts (rl_step.actor_loss_mask)."""
         algo, actor = self.cfg.algorithm, self.actor
         entropy_on = algo.entropy_coef > 0
@@ -194,6 +213,7 @@ PHASE_NEEDS: dict[str, dict[str, set[Part]]] = {
     "reference": {"actor": {"weights"}, "reference": {"weights"}},
     "values": {"actor": {"weights"}, "critic": {"weights"}},
     "teacher": {"actor": {"weights"}, "teacher": {"weights"}},
+    "reward_model": {"actor": {"weights"}, "reward_model": {"weights"}},
     "actor_update": {"actor": {"weights", "grads", "optimizer"}},
     "critic_update": {"actor": {"weights"}, "critic": {"weights", "grads", "optimizer"}},
 }
@@ -212,7 +232,26 @@ def offloadable_parts(cfg: Config, actor_weights_stay: bool = False) -> dict[str
             "critic": grads | (optimizer if cfg.critic.offload_optimizer else set())
             | (weights if cfg.critic.offload_weights else set()),
             "reference": weights if cfg.reference.offload_weights else set(),
-            "teacher": weights if cfg.distill.offload_weights else set()}
+            "teacher": weights if cfg.distill.offload_weights else set(),
+            "reward_model": weights if cfg.reward_model.offload_weights else set()}
+
+
+class ScoringFailed(UserError):
+    """A model's scoring pass returned outputs that do not fit the batch it scored."""
+
+    on_every_rank = False  # the ranks that hold the rows (each replica's last pipeline stage) see it
+
+
+def _check_rows(rows: list[torch.Tensor], sequences: list[list[int]], index: list[int], role: str) -> None:
+    """Every sequence's scored row has one value per predicted token (len - 1): a shorter one would be padded with
+    zeros into the batch's [N, T] and trained on as logprobs (a teacher's as a reverse KL of log pi_student - 0)."""
+    for i, row, seq in zip(index, rows, sequences, strict=True):
+        if row.shape[0] != len(seq) - 1:
+            raise ScoringFailed(f"the {role}'s scoring pass returned {row.shape[0]} values for sequence {i} of the "
+                                f"batch, which predicts {len(seq) - 1} tokens ({len(seq)} tokens long). Training "
+                                "stopped before the step's update; the last complete checkpoint is intact. This is "
+                                "a fault in the scoring pass (its micro-batching or packing), not in the data: "
+                                "report it with the run's config.yaml.")
 
 
 def _routing(model: MegatronModel | BaseModel, batch: Batch, index: list[int]) -> list[Any] | None:

@@ -109,7 +109,11 @@ class PartialRollouts:
         return self.pool.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pool.load_state_dict(state)
+        cut = self.pool.load_state_dict(state, frozenset(self.params.stop_token_ids))
+        if cut:
+            print(f"megarl: {cut} sample(s) in flight in the checkpoint ran past an EOS (written before megarl "
+                  "completed a sample at its EOS whatever the engine's finish reason): each is cut after it and "
+                  "done", flush=True)
 
     def close(self) -> None:
         if self.producer is not None:

@@ -45,6 +45,9 @@ class Batch:
     current: torch.Tensor | None = None
     """async_rl: [N, T] 1.0 on the response tokens that the weights being trained sampled (the others came from
     older ones); None = all of them (the sync loop)."""
+    rewards: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Per-sample [N] parts of ``scores`` by source when several make them up (reward_model.path: "rule", the
+    rule reward, and "reward_model", the model's raw score); empty otherwise."""
 
     def as_filler(self) -> Batch:
         """These samples as filler: in the batch, out of the actor's loss."""
@@ -92,7 +95,8 @@ class Batch:
                      self.rollout_logprobs[rows, :width], self.scores[rows], self.informative[rows],
                      None if self.routing is None else [self.routing[i] for i in index],
                      {k: v[rows] for k, v in self.stats.items()},
-                     None if self.current is None else self.current[rows, :width])
+                     None if self.current is None else self.current[rows, :width],
+                     {k: v[rows] for k, v in self.rewards.items()})
 
     @staticmethod
     def concat(parts: Sequence[Batch]) -> Batch:
@@ -110,7 +114,8 @@ class Batch:
                      torch.cat([p.informative for p in parts]),
                      None if any(r is None for r in routed) else [x for r in routed if r is not None for x in r],
                      {k: torch.cat([p.stats[k] for p in parts]) for k in parts[0].stats},
-                     None if any(p.current is None for p in parts) else cat("current"))
+                     None if any(p.current is None for p in parts) else cat("current"),
+                     {k: torch.cat([p.rewards[k] for p in parts]) for k in parts[0].rewards})
 
 
 def actor_loss_mask(batch: Batch, kept: torch.Tensor) -> torch.Tensor:
@@ -160,6 +165,20 @@ def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
                         "engine's numerics are known to differ that much.")
 
 
+def offpolicy_weights(batch: Batch, is_weights: torch.Tensor, kept: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """async_rl: ([N, T] importance weights pi_prox / pi_behav of the response tokens, [N, T] the tokens kept), for
+    the terms of the step that average over sampled tokens and that the policy loss's correction does not reach: the
+    KL to the reference (its loss and the ``kl`` metric, which adaptive_kl steers on), distill.form: loss, and the
+    entropy metric. A stale token was drawn by an older policy, so a plain mean over the batch estimates these terms
+    under that policy; weighted, under the proximal one. The weights are the policy's own: the step's
+    algorithm.rollout_correction (``is_weights`` and ``kept`` from megarl.algos.correction.rollout_correction of the
+    trainer's ``old_logprobs``, computed once a step), truncated or masked alike, so the terms and the policy
+    gradient see one distribution. None in the sync loop (``batch.current`` None): there the sampler is the
+    trainer's policy up to the engine's numerics, and these terms stay as they were, bit for bit."""
+    return None if batch.current is None else (is_weights, kept)
+
+
 def shaped_scores(batch: Batch, algo: AlgorithmConfig, max_new_tokens: int) -> torch.Tensor:
     """[N] outcome rewards plus DAPO's soft overlong penalty (off unless algorithm.overlong_buffer_tokens > 0).
 
@@ -171,22 +190,35 @@ def shaped_scores(batch: Batch, algo: AlgorithmConfig, max_new_tokens: int) -> t
 
 def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int, kl_coef: float,
                            ref_logprobs: torch.Tensor | None, trainer_logprobs: torch.Tensor,
-                           values: torch.Tensor | None, max_new_tokens: int
+                           values: torch.Tensor | None, max_new_tokens: int, *,
+                           offpolicy: tuple[torch.Tensor, torch.Tensor] | None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Advantages [N, T] (and returns for the critic) for GRPO or KL-PPO with GAE.
 
     With kl_in_reward the KL estimate (algorithm.kl_estimator) times kl_coef is a reward: per token for
     PPO, and for GRPO summed over each response and subtracted from its score before the group
-    normalisation (as verl does).
+    normalisation (as verl does). Metrics: ``kl`` (the mean KL estimate per response token) and, with async_rl,
+    ``entropy`` (-log pi_prox of the sampled tokens, mean per token), both weighted by ``offpolicy``
+    (``offpolicy_weights``: None in the sync loop).
     """
     metrics: dict[str, float] = {}
     scores = shaped_scores(batch, algo, max_new_tokens)
     if algo.overlong_buffer_tokens:
         metrics["overlong_penalty"] = float((scores - batch.scores).mean())
+    tokens = batch.mask.sum().clamp(min=1)
+    weights = None
+    if offpolicy is not None:  # the proximal policy's, not a mean of the stale samplers' (megarl.run.tracking's)
+        # A mean over the tokens the correction keeps, as the loss takes: a sequence it rejects (weight 0) is not
+        # a sample of the proximal policy, and counting its tokens would bias both metrics low.
+        weights, kept = offpolicy
+        tokens = kept.sum().clamp(min=1)
+        metrics["entropy"] = float(-(trainer_logprobs * weights).sum() / tokens)
     kl = None
     if ref_logprobs is not None:
+        # In the reward the KL is a reward like the score, corrected by the policy loss's weights; the metric is an
+        # average over sampled tokens, so it takes the weights itself.
         kl = kl_estimate(trainer_logprobs, ref_logprobs, algo.kl_estimator) * batch.mask
-        metrics["kl"] = float(kl.sum() / batch.mask.sum().clamp(min=1))
+        metrics["kl"] = float((kl if weights is None else kl * weights).sum() / tokens)
     coef = kl_coef if (kl is not None and algo.kl_in_reward) else 0.0
     if algo.name == "grpo":
         if kl is not None and coef:
@@ -205,10 +237,11 @@ def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: Al
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted PPO/GRPO actor loss of one micro-batch.
 
-    extras: old_logprobs, advantages, weights[, ref_logprobs][, is_weights][, teacher_logprobs] as [b, L-1].
-    With teacher_logprobs (distill.form: loss), distill_coef x the k2 estimate of the reverse KL to the teacher is
-    added. Metrics are sums over micro-batches and ranks: the weighted losses, and clipped_tokens / num_tokens
-    (counts).
+    extras: old_logprobs, advantages, weights[, ref_logprobs][, is_weights][, teacher_logprobs][, offpolicy_weights]
+    as [b, L-1]. With teacher_logprobs (distill.form: loss), distill_coef x the k2 estimate of the reverse KL to the
+    teacher is added. offpolicy_weights (async_rl: ``offpolicy_weights``) weight each token's KL and distillation
+    terms, which the policy's is_weights do not reach. Metrics are sums over micro-batches and ranks: the weighted
+    losses, and clipped_tokens / num_tokens (counts).
     """
     w = extras["weights"]
     loss, _ = policy_loss(logprobs, extras["old_logprobs"], extras["advantages"], w, algo.clip_ratio_low,
@@ -220,12 +253,17 @@ def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: Al
     on = w > 0
     metrics = {"policy_loss": loss.detach(), "clipped_tokens": (clipped & on).sum().float(),
                "num_tokens": on.sum().float()}
+    offpolicy = extras.get("offpolicy_weights")
+
+    def sampled(term: torch.Tensor) -> torch.Tensor:
+        return term if offpolicy is None else term * offpolicy
+
     if "ref_logprobs" in extras and not algo.kl_in_reward:  # in the reward, it is in the advantages already
-        kl_loss = aggregate(kl_estimate(logprobs, extras["ref_logprobs"], algo.kl_estimator), w, "weighted")
+        kl_loss = aggregate(sampled(kl_estimate(logprobs, extras["ref_logprobs"], algo.kl_estimator)), w, "weighted")
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     if "teacher_logprobs" in extras:
-        distill_loss = aggregate(kl_estimate(logprobs, extras["teacher_logprobs"], "k2"), w, "weighted")
+        distill_loss = aggregate(sampled(kl_estimate(logprobs, extras["teacher_logprobs"], "k2")), w, "weighted")
         loss = loss + distill_coef * distill_loss
         metrics["distill_loss"] = distill_loss.detach()
     if entropy is not None:

@@ -30,6 +30,7 @@ from megarl.rollout.factory import make_engine
 from megarl.rollout.failures import EngineFailed
 from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
 from megarl.rollout.inflight import Group
+from megarl.rollout.stops import model_eos_ids
 
 EngineState = Literal["asleep", "weights", "awake"]
 
@@ -37,7 +38,10 @@ EngineState = Literal["asleep", "weights", "awake"]
 class RolloutManager:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...], tokenizer: Any,
                  times: PartTimes) -> None:
-        self.cfg, self.groups, self.stop_ids, self.times = cfg, groups, stop_ids, times
+        self.cfg, self.groups, self.times = cfg, groups, times
+        # The model's own EOS ids end a sample as the tokenizer's does (the engines stop at both): async_rl's pool
+        # completes a sample by them whatever finish reason the engine gives (megarl.rollout.stops).
+        self.stop_ids = tuple(dict.fromkeys((*stop_ids, *model_eos_ids(cfg.model.hf_path))))
         self._rollout_loop = make_rollout(cfg, tokenizer)  # tools load and are checked before any model is built
         self.scorer = RewardScorer(cfg.trainer.reward, cfg.trainer.reward_workers)
         self.decode = decoder(tokenizer)
@@ -56,7 +60,7 @@ class RolloutManager:
         # an engine call may take.
         self._thread_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.rollout.timeout_minutes)) \
             if self.separate and groups.dims.world_size > 1 else None
-        self.partial = PartialRollouts(cfg, stop_ids, times, self._score_early,
+        self.partial = PartialRollouts(cfg, self.stop_ids, times, self._score_early,
                                        self._agree if self._thread_group is not None else None) \
             if carries_samples(cfg) else None
 

@@ -18,7 +18,9 @@ import torch
 from megarl.config import Config
 from megarl.data.batching import TokenizedPrompt
 from megarl.distributed.parallel import ParallelGroups
+from megarl.loop.judge_phase import JudgePhase
 from megarl.loop.learner import Learner
+from megarl.loop.reward_phase import RewardModelPhase
 from megarl.loop.rl_step import Batch
 from megarl.loop.rollout_manager import RolloutManager
 from megarl.loop.timing import PartTimes
@@ -36,6 +38,10 @@ class RLTrainer:
         self.rollout = RolloutManager(cfg, groups, stop_ids, tokenizer, self.times)  # tools and reward load first
         spec = load_spec(cfg.model.hf_path)
         self.learner = Learner(cfg, groups, spec)
+        self.reward_model: RewardModelPhase | JudgePhase | None = \
+            RewardModelPhase(cfg, self.learner, tokenizer, spec) if cfg.reward_model.path else None
+        if cfg.reward_model.judge is not None:  # an LLM judge in an engine of its own (rank 0's)
+            self.reward_model = JudgePhase(cfg, groups.rank, groups.dims.world_size, tokenizer)
         self.sync = WeightSync(cfg, groups, spec, self.times)
         self.learner.place(actor_weights_stay=bool(self.sync.aliased))  # the engine sizes itself next to it
         self.sync.describe()
@@ -45,6 +51,8 @@ class RLTrainer:
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.sync.connect(self.learner, self.rollout)
+        if isinstance(self.reward_model, JudgePhase):
+            self.reward_model.start()  # beside the rollout engine, which has sized itself; asleep until its phase
         self.times.take()  # steps report their own hand-overs, not the first one's start-up
 
     @property
@@ -74,12 +82,20 @@ class RLTrainer:
 
     def close(self) -> None:
         self.rollout.close()
+        if isinstance(self.reward_model, JudgePhase):
+            self.reward_model.close()
 
     def sleep_engine(self) -> None:
         self.rollout.sleep()
 
     def generate(self, next_prompts: Callable[[], list[TokenizedPrompt]], step: int) -> tuple[Batch, dict[str, float]]:
+        if self.reward_model is not None and not self.reward_model.shares_tokens:  # (sync only: bootstrap)
+            next_prompts = self.reward_model.step_prompts.remembering(next_prompts)
         return self.rollout.generate(next_prompts, step)
+
+    def score_rewards(self, batch: Batch) -> dict[str, float]:
+        """reward_model.path or judge: its score joins the rule reward in ``batch.scores``; its metrics."""
+        return self.reward_model(batch) if self.reward_model is not None else {}
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         return self.rollout.generate_all(prompts, params)

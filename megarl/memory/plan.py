@@ -230,6 +230,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     teacher = None if teacher_spec is None else model_state(
         busiest_stage_params(teacher_spec, dims, cfg.model.vocab_pad_multiple), dtype, False, dims.dp, False,
         stage_expert_params(teacher_spec, dims), dims.ep)
+    rm_spec = reward_spec(cfg)
+    reward_model = None if rm_spec is None else model_state(  # frozen, with a scalar head in place of the LM head
+        busiest_stage_params(rm_spec, dims, cfg.model.vocab_pad_multiple, critic=True), dtype, False, dims.dp, False,
+        stage_expert_params(rm_spec, dims), dims.ep)
 
     def resident(phase: str, started: bool = True) -> dict[str, int]:
         """Trainer tensors kept on the device in ``phase`` (what the offload flags let leave, leaves)."""
@@ -253,6 +257,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             parts["reference weights"] = reference.weights
         if teacher is not None and (phase == "teacher" or not cfg.distill.offload_weights):
             parts["teacher weights"] = teacher.weights
+        if reward_model is not None and (phase == "reward_model" or not cfg.reward_model.offload_weights):
+            parts["reward model weights"] = reward_model.weights
         return parts
 
     # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
@@ -298,6 +304,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     if teacher_spec is not None:  # a larger teacher's scoring can be the peak: bounded by a training micro-batch's
         plan.phases["teacher"] = with_overhead(resident("teacher") | {"scoring activations (bound)": activation_bytes(
             teacher_spec, cfg, cfg.actor, dims, False, segment_mask=masked)})
+    if rm_spec is not None:  # scored in the actor's micro-batches, without grads: bounded by a training one's
+        plan.phases["reward_model"] = with_overhead(resident("reward_model") | {
+            "scoring activations (bound)": activation_bytes(rm_spec, cfg, cfg.actor, dims, False, logits=False,
+                                                            segment_mask=masked)})
     plan.phases["handover"] = with_overhead(resident("handover"), "handover")
     # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
     at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
@@ -316,23 +326,41 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         engine = int(plan.engine_fraction * gpu_bytes)
     # Engines never share a GPU (engine g spans its group's GPUs); async_rl separate's never sleeps.
     asleep = {"engine awake": engine} if separate else {"engines asleep": ENGINE_ASLEEP}
-    for phase in ("actor_update", "critic_update", "teacher"):  # the optimizer step comes after the last backward
+    # the optimizer step comes after the last backward
+    for phase in ("actor_update", "critic_update", "teacher", "reward_model"):
         if phase in plan.phases:
             plan.phases[phase] |= asleep
     # The hand-over: the engine's weights awake (its KV cache not yet), next to the actor's.
     plan.phases["handover"] |= {"engine awake": engine} if separate else {
         "engine weights": int(engine_rank * (1 - aliased)), "engines asleep": ENGINE_ASLEEP}
     plan.phases["generate"] = with_overhead(resident("generate"), "generate") | {"engine awake": engine}
+    if cfg.reward_model.judge is not None:  # rank 0's judge engine (a sync run's): asleep but in its own phase
+        fraction = cfg.reward_model.judge.gpu_memory_fraction
+        judge = int(fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD if cfg.rollout.engine == "sglang" else \
+            int(fraction * gpu_bytes)
+        for parts in plan.phases.values():
+            parts["judge asleep"] = ENGINE_ASLEEP
+        plan.phases["judge"] = with_overhead(resident("reward_model")) | asleep | {"judge awake": judge}
     return _with_host(plan, resident)
 
 
 def _with_host(plan: MemoryPlan, resident: Callable[[str], dict[str, int]]) -> MemoryPlan:
     """Grads are freed, never copied; every other part that leaves the GPU in some phase has a host buffer."""
     held = [resident(phase) for phase in ("actor_update", "critic_update", "values", "reference", "teacher",
-                                          "generate")]
+                                          "reward_model", "generate")]
     plan.host = {k: v for parts in held for k, v in parts.items()
                  if not k.endswith("grads") and any(k not in other for other in held)}
     return plan
+
+
+def reward_spec(cfg: Config) -> ModelSpec | None:
+    """The reward model's body (reward_model.path), or None without one."""
+    if cfg.reward_model.path is None:  # none, or a judge (an engine: plan_memory's judge phase)
+        return None
+    from megarl.models.reward_model import load_reward_spec
+
+    assert cfg.reward_model.path is not None
+    return load_reward_spec(cfg.reward_model.path)
 
 
 def resolved_fraction(cfg: Config, gpu_bytes: int, trainer_at_start: int, trainer_beside: int) -> float:
@@ -363,7 +391,7 @@ def check_host_memory(plan: MemoryPlan, cfg: Config, gpus_per_node: int, host_by
     flags = {"actor optimizer": "actor.offload_optimizer", "actor weights": "actor.offload_weights",
              "critic optimizer": "critic.offload_optimizer",
              "critic weights": "critic.offload_weights", "reference weights": "reference.offload_weights",
-             "teacher weights": "distill.offload_weights"}
+             "teacher weights": "distill.offload_weights", "reward model weights": "reward_model.offload_weights"}
     keep = [f"{flags[k]}: false" for k in sorted(plan.host, key=lambda k: -plan.host[k]) if k in flags]
     raise UserError(f"this config does not fit its node's host memory: offloading needs {need / GIB:.1f} GiB "
                     f"on a node of {gpus_per_node} GPUs ({plan.host_bytes() / GIB:.1f} GiB of pinned buffers per "
@@ -384,10 +412,14 @@ def check_memory(plan: MemoryPlan, cfg: Config, num_gpus: int) -> None:
     ways = []
     if "generate" in over:
         ways.append("lower rollout.gpu_memory_fraction (or set it to auto)")
+    if "judge" in over:
+        ways.append("lower reward_model.judge.gpu_memory_fraction")
     if not (cfg.actor.offload_optimizer and cfg.actor.offload_weights and cfg.critic.offload_weights
-            and cfg.critic.offload_optimizer and cfg.reference.offload_weights and cfg.distill.offload_weights):
+            and cfg.critic.offload_optimizer and cfg.reference.offload_weights and cfg.distill.offload_weights
+            and cfg.reward_model.offload_weights):
         ways.append("enable offloading (actor.offload_optimizer, actor.offload_weights, critic.offload_weights, "
-                    "critic.offload_optimizer, reference.offload_weights, distill.offload_weights)")
+                    "critic.offload_optimizer, reference.offload_weights, distill.offload_weights, "
+                    "reward_model.offload_weights)")
     if any(phase.endswith("update") for phase in over):
         ways.append("lower actor/critic.max_tokens_per_gpu")
         if not cfg.model.recompute_activations:

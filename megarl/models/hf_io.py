@@ -140,6 +140,6 @@ def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], s
             total = sum(t.numel() * t.element_size() for part in shards for t in part.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2))
+        if source_dir is not None:  # its tokenizer and generation config; config.json is the spec's (a critic's
+            copy_model_files(Path(source_dir), tmp)  # checkpoint exports as a reward model)
         (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
-        if source_dir is not None:
-            copy_model_files(Path(source_dir), tmp)

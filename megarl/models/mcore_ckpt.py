@@ -13,6 +13,7 @@ and split again, and names are found in whichever PP file holds them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader, atomic_dir, copy_model_files
 from megarl.models.mapping import VOCAB, ParamRule, hf_shapes, param_rules, pipeline_stage, to_hf, to_mcore_shard
+from megarl.models.reward_format import HEAD, reward_config
 from megarl.models.spec import ModelSpec, load_spec
 
 META = "megarl_checkpoint.json"
@@ -124,15 +126,22 @@ def saved_shards(ckpt_dir: str | Path) -> Callable[[int, str], torch.Tensor]:
 
 def open_mcore(ckpt_dir: str | Path) -> tuple[ModelSpec, Iterator[tuple[str, torch.Tensor]]]:
     """The model spec of a megarl Megatron checkpoint and its HF tensors, merged from the TP shards
-    one parameter at a time. The checkpoint is validated before this returns."""
-    tp = read_meta(ckpt_dir)["tp"]
+    one parameter at a time. The checkpoint is validated before this returns. A critic's or reward model's
+    checkpoint (a scalar head) comes out as its `*ForSequenceClassification` with one label: the body's tensors
+    and ``score.weight``."""
+    meta = read_meta(ckpt_dir)
+    tp, critic = meta["tp"], bool(meta.get("critic"))
     spec, get = load_spec(ckpt_dir), saved_shards(ckpt_dir)
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
         shapes = hf_shapes(spec)
-        for rule in param_rules(spec):
+        for rule in param_rules(spec, include_output=not critic):
             yield from to_hf(rule, spec, [get(t, rule.mcore) for t in range(tp)], shapes).items()
+        if critic:  # the value head, replicated over TP
+            yield HEAD, get(0, "output_layer.weight")
 
+    if critic:
+        return dataclasses.replace(spec, hf_config=reward_config(spec.hf_config, f"checkpoint `{ckpt_dir}`")), merged()
     return spec, merged()
 
 

@@ -115,8 +115,21 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
     return theta, scaling
 
 
-def load_spec(hf_dir: str | Path) -> ModelSpec:
-    """Read ``hf_dir/config.json``; a missing, corrupt or unsupported config is a UserError."""
+def load_spec(hf_dir: str | Path, field: str | None = None) -> ModelSpec:
+    """Read ``hf_dir/config.json``; a missing, corrupt or unsupported config is a UserError (naming ``field``, the
+    config key that gave the directory, where there is one)."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        return spec_from_config(read_config(hf_dir), path)
+    except UserError as err:
+        if field is None:
+            raise
+        raise UserError(f"{field} = {str(hf_dir)!r}: {err}") from None
+
+
+def read_config(hf_dir: str | Path) -> dict[str, Any]:
+    """``hf_dir/config.json`` as a dict; a missing directory or file, or one that is not a JSON object, is a
+    UserError."""
     path = Path(hf_dir) / "config.json"
     if not Path(hf_dir).is_dir():
         raise UserError(f"model directory `{hf_dir}` does not exist. Pass a HuggingFace model directory "
@@ -130,6 +143,11 @@ def load_spec(hf_dir: str | Path) -> ModelSpec:
         raise UserError(f"{path} is not valid JSON ({err}). Re-download the model.") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{path} must hold a JSON object. Re-download the model.")
+    return cfg
+
+
+def spec_from_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
+    """The spec of a config.json read from ``path`` (named in errors)."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:

@@ -53,8 +53,8 @@ class MegatronModel:
 
     def __init__(self, spec: ModelSpec, hf_dir: str | None, groups: ParallelGroups, opts: BuildOptions,
                  optim: OptimizerConfig | None = None, num_steps: int = 1, temperature: float = 1.0,
-                 routing_replay: bool = False, updates_per_step: int = 1, adapters: Adapters | None = None
-                 ) -> None:
+                 routing_replay: bool = False, updates_per_step: int = 1, adapters: Adapters | None = None,
+                 load: Callable[[list[torch.nn.Module]], None] | None = None) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -69,7 +69,9 @@ class MegatronModel:
         """How sequences share rows under a token budget (BuildOptions.packing): "thd", "segments" or "off" (one
         each, right-padded)."""
         self.chunks = build_model(spec, groups, opts)
-        if hf_dir is not None:  # None: Megatron's random initialisation, for benchmarks of a model's shape
+        if load is not None:  # weights of another form (a reward model's body and head), before the optimizer's copy
+            load(self.chunks)
+        elif hf_dir is not None:  # None: Megatron's random initialisation, for benchmarks of a model's shape
             load_hf_weights(self.chunks, spec, hf_dir, groups, opts)
         self.adapters = adapters
         """actor.lora: adapters train, the base weights are frozen (megarl.lora.training.LoraAdapters)."""

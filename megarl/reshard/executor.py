@@ -22,6 +22,17 @@ from the trainer tensors, unpacking from the landing buffer) as segment tables, 
 runs into its own parameters. The landing buffer holds at most ``landing_bytes`` (whatever the model's
 size): the buckets form rounds (``landing_rounds``, the same on every rank) in which no rank receives more,
 and a hand-over is ``refit(r)`` then the engine's copy of round r, for every round in order.
+
+FP8 rollout (``plan.fp8``, rollout.weight_dtype = fp8): the engine holds its linear layers' weights as float8_e4m3fn
+``...weight`` and float32 ``...weight_scale_inv``. The copies write such a tensor's window of the trainer's weights
+(trainer dtype, engine layout) into a staging arena instead, and once its last bucket is in, one pass of
+megarl._C.fp8_block_quantize per part quantizes it into the engine's two parameters (``Fp8Tensor.quantize``); a
+staging region is reused by tensors of later buckets, so the arena holds the tensors in flight, never the engine's
+weights. A tensor this GPU's trainer tensors fill alone within one bucket is copied into one scratch buffer and
+quantized at once, one such tensor after the other. Where the window is byte for byte one of this GPU's trainer
+tensors (engine TP = trainer TP: o_proj, gate_up, down_proj of its pipeline stage, QKV with one kv head per rank, as
+``planner.aliases`` finds them), it is quantized from the trainer's tensor directly, with no copy at all. Not in
+``in_engine`` mode yet: the engine process would have to run the quantization.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -37,11 +48,12 @@ import torch.distributed as dist
 
 from megarl.errors import UserError
 from megarl.reshard.engine_layout import matrix_shape
+from megarl.reshard.fp8 import Fp8Tensor
 from megarl.reshard.handover import EngineCopy
 from megarl.reshard.kernels import Segment, extension, segment_table
-from megarl.reshard.planner import Plan
+from megarl.reshard.planner import Plan, aliases
 from megarl.reshard.transfers import Transfer, row_bytes
-from megarl.reshard.verify import check_reports, expected_checksums, mismatched, spans_processes
+from megarl.reshard.verify import check_reports, engine_names, expected_checksums, mismatched, spans_processes
 
 
 class ReportsChecksums(Protocol):
@@ -64,6 +76,7 @@ class _BucketSpec:
     buffer: int
     landing: int | None = None
     forward: torch.Tensor | None = None
+    fp8_local: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +93,9 @@ class _Bucket:
     forward: Any | None = None
     """Copies of bytes the bucket before received (from the other receive buffer, or the landing buffer) into
     this bucket's send buffer, for relayed transfers."""
+    fp8_local: list[tuple[str, Any]] = field(default_factory=list)
+    """FP8 tensors this GPU's trainer tensors fill alone in this bucket: each copied into the scratch buffer and
+    quantized from it at once, one after the other."""
 
 
 def _segment(t: Transfer, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], element_size: int,
@@ -119,8 +135,11 @@ class Resharder:
 
     def __init__(self, plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None, *,
-                 in_engine: bool = False, landing_bytes: int | None = None, aliased: Collection[str] = ()) -> None:
-        """``landing_bytes`` (``in_engine``): the most the landing buffer holds (None: twice the bucket size, the
+                 in_engine: bool = False, landing_bytes: int | None = None, aliased: Collection[str] = (),
+                 dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the trainer's, which the engine's tensors must hold (the copy moves bits); taken from ``src``
+        and checked against it where this rank holds trainer tensors, needed where it holds none.
+        ``landing_bytes`` (``in_engine``): the most the landing buffer holds (None: twice the bucket size, the
         receive buffers the other mode has; 0: every remote byte, one round). ``aliased`` (``in_engine``): this
         rank's engine tensors that are views of its trainer tensors (megarl.reshard.aliasing): never copied, but
         still checksummed by the engine (a stale mapping would show)."""
@@ -133,10 +152,44 @@ class Resharder:
         self.rounds = landing_rounds(plan, limit) if in_engine else [(0, len(plan.buckets))]
         """Bucket ranges [start, end): ``refit(r)`` runs round r; outside ``in_engine`` one round holds them all."""
         self.device = device or next(iter((dst or src).values())).device
-        self._check(src, dst)
+        self.fp8 = plan.fp8_tensors(rank)
+        """This GPU's engine tensors held in FP8, quantized on the way (module docstring)."""
+        if self.fp8 and in_engine:
+            raise UserError("rollout.weight_dtype = fp8: the in-engine hand-over (SGLang's) does not quantize yet; "
+                            "the engine process would have to run the quantization (docs/handover.md, \"FP8 "
+                            "weights\"). Set rollout.weight_dtype: bf16.")
+        self._check(src, dst, dtype)
         self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
         self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank})
+        self.checksum_names = engine_names(plan)[rank]
+        """The engine tensors whose checksums ``verify`` compares: ``dst_names``, and the FP8 ones' scales."""
         self.aliased = frozenset(aliased)
+        # FP8: tensors quantized straight from a trainer tensor of this GPU (name -> (trainer name, element
+        # offset)); those this GPU's trainer tensors fill alone within one bucket, copied one at a time into the
+        # scratch buffer and quantized at once; the others through the staging arena (name -> byte offset), each
+        # quantized after its last bucket (_quantize_after).
+        self._direct = {n: a for n, a in aliases(plan)[rank].items() if n in self.fp8} if self.fp8 else {}
+        into: dict[str, list[tuple[int, Transfer]]] = {}
+        for k, bucket in enumerate(plan.buckets):
+            for t in bucket:
+                if t.dst_rank == rank and t.dst_name in self.fp8 and t.dst_name not in self._direct:
+                    into.setdefault(t.dst_name, []).append((k, t))
+        self._scratched = {n for n, ts in into.items() if len({k for k, _ in ts}) == 1 and all(
+            t.local and t.src_rank == rank for _, t in ts)}
+        self._scratch_bytes = max((math.prod(self.fp8[n].shape) * plan.element_size for n in self._scratched),
+                                  default=0)
+        self._staged, self._staging_bytes = _staging(plan, rank, set(into) - self._scratched)
+        self._quantize_after: dict[int, list[str]] = {}
+        for k, bucket in enumerate(plan.buckets):
+            for t in bucket:
+                if t.dst_rank == rank and t.dst_name in self.fp8 and t.dst_name not in self._scratched:
+                    last = self._quantize_after.setdefault(k, [])
+                    if t.dst_name not in last:
+                        last.append(t.dst_name)
+        seen: set[str] = set()  # a tensor is quantized after its last bucket only
+        for k in sorted(self._quantize_after, reverse=True):
+            self._quantize_after[k] = [n for n in self._quantize_after[k] if n not in seen]
+            seen |= set(self._quantize_after[k])
         src_index = {n: i for i, n in enumerate(self.src_names)}
         dst_index = {n: i for i, n in enumerate(self.dst_names)}
         es = plan.element_size
@@ -154,11 +207,17 @@ class Resharder:
             if k == self.rounds[round_of[k]][0]:
                 landed = 0  # a round lands at the buffer's start: the engine copied the last one out
             local, packs, unpacks, forwards = [], [], [], []
+            scratched: dict[str, list[Segment]] = {}
             sends: dict[int, list[Transfer]] = {}
             recvs: dict[int, list[Transfer]] = {}
             for t in transfers:
                 if t.dst_rank == rank and t.dst_name in self.aliased:
                     assert t.local, (t, "an aliased engine tensor comes from this GPU")
+                elif t.dst_rank == rank and t.dst_name in self._direct:
+                    assert t.local, (t, "an FP8 tensor quantized from the trainer's comes from this GPU")
+                elif t.dst_rank == rank and t.dst_name in self._scratched:
+                    scratched.setdefault(t.dst_name, []).append(_segment(
+                        t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es, src_index[t.src_name], 0))
                 elif t.local and t.src_rank == rank:
                     local.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es,
                                           src_index[t.src_name], dst_index[t.dst_name]))
@@ -200,11 +259,15 @@ class Resharder:
                 landing_size = max(landing_size, landed)
                 continue
             self._specs.append(_BucketSpec(_table(local), _table(packs), _table(unpacks), send_regions, recv_regions,
-                                           k % 2, forward=_table(forwards)))
+                                           k % 2, forward=_table(forwards),
+                                           fp8_local=[(n, segment_table(x)) for n, x in scratched.items()]))
         self._landing_bytes = landing_size
         self._engine_segments = engine_segments
         self.pool: Any = None
         self.landing: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+        self.scratch: torch.Tensor | None = None
+        self._sources: dict[str, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
         self.bound = False
         self.bind()
@@ -223,18 +286,27 @@ class Resharder:
         if self._landing_bytes:
             self.landing = torch.empty(self._landing_bytes, dtype=torch.uint8, device=self.device)
         self._src = [self._src_dict[n] for n in self.src_names]
-        self._dst = [self._dst_dict[n] for n in self.dst_names] if self._dst_dict is not None else []
+        self._sources = self._fp8_sources()
+        self._dst = [self._sources[n] if n in self._staged else
+                     torch.empty(0, dtype=torch.uint8, device=self.device) if n in self._direct or n in self._scratched
+                     else self._dst_dict[n] for n in self.dst_names] if self._dst_dict is not None else []
         if self._dst_dict is not None:  # (maybe new) engine tensors: their vocab padding is never sent
             _zero_padding(self._dst_dict, padding_rows(self.plan, self.rank))
 
-        def compiled(table: torch.Tensor | None, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> Any:
-            return None if table is None else ext.SegmentCopy(srcs, dsts, table)
+        def compiled(table: torch.Tensor | None, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
+                     src_names: list[str], dst_names: list[str]) -> Any:
+            return None if table is None else ext.SegmentCopy(srcs, dsts, table, src_names, dst_names)
 
+        # Names in the copies' errors (an in-engine rank writes no engine tensors itself).
+        src, dst, staging = self.src_names, self.dst_names if self._dst else [], ["staging buffer"]
         self.buckets = [_Bucket(
-            local=compiled(b.local, self._src, self._dst),
-            pack=compiled(b.pack, self._src, [self._send(b.buffer)] if b.pack is not None else []),
-            unpack=compiled(b.unpack, [self._recv_buffer(b.buffer)] if b.unpack is not None else [], self._dst),
-            sends=b.sends, recvs=b.recvs, buffer=b.buffer, landing=b.landing, forward=self._forward(b))
+            local=compiled(b.local, self._src, self._dst, src, dst),
+            pack=compiled(b.pack, self._src, [self._send(b.buffer)] if b.pack is not None else [], src, staging),
+            unpack=compiled(b.unpack, [self._recv_buffer(b.buffer)] if b.unpack is not None else [], self._dst,
+                            staging, dst),
+            sends=b.sends, recvs=b.recvs, buffer=b.buffer, landing=b.landing, forward=self._forward(b),
+            fp8_local=[(n, ext.SegmentCopy(self._src, [self._sources[n]], table, src, [f"{n} (scratch)"]))
+                       for n, table in b.fp8_local])
             for b in self._specs]
         self.bound = True
 
@@ -254,7 +326,56 @@ class Resharder:
         """Free the staging and landing buffers and forget every address, so that the trainer's tensors may
         leave the device (megarl.memory.offload) until the next ``bind``."""
         self.buckets, self.pool, self.landing, self._src, self._dst = [], None, None, [], []
+        self.staging, self.scratch, self._sources = None, None, {}
         self.bound = False
+
+    def _fp8_sources(self) -> dict[str, torch.Tensor]:
+        """Each FP8 tensor's window in the trainer's dtype: a view of the staging arena (allocated here), or of
+        the trainer's tensor it is byte for byte."""
+        if not self.fp8:
+            return {}
+        assert self.dtype is not None
+        element = self.plan.element_size
+        if self._staging_bytes:
+            self.staging = torch.empty(self._staging_bytes, dtype=torch.uint8, device=self.device)
+        if self._scratch_bytes:
+            self.scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.device)
+        out = {}
+        for name in self._scratched:
+            assert self.scratch is not None
+            shape = self.fp8[name].shape
+            out[name] = self.scratch.narrow(0, 0, math.prod(shape) * element).view(self.dtype).view(shape)
+        for name, offset in self._staged.items():
+            assert self.staging is not None
+            shape = self.fp8[name].shape
+            out[name] = self.staging.narrow(0, offset, math.prod(shape) * element).view(self.dtype).view(shape)
+        for name, (src_name, offset) in self._direct.items():
+            shape = self.fp8[name].shape
+            out[name] = self._src_dict[src_name].view(-1).narrow(0, offset, math.prod(shape)).view(shape)
+        return out
+
+    def _quantize_local(self, bucket: _Bucket) -> None:
+        """The FP8 tensors this GPU's trainer tensors fill alone in ``bucket``: each copied into the scratch buffer,
+        then quantized from it, in order (one stream: the next copy waits for the last quantization)."""
+        for name, copy in bucket.fp8_local:
+            assert self._dst_dict is not None
+            copy.run()
+            geometry = self.fp8[name]
+            geometry.quantize(self._sources[name], self._dst_dict[name], self._dst_dict[geometry.scale_name])
+
+    def _quantize(self, k: int) -> None:
+        """Quantize the FP8 tensors whose last bytes bucket ``k`` wrote into the engine's parameters."""
+        for name in self._quantize_after.get(k, ()):
+            assert self._dst_dict is not None
+            geometry = self.fp8[name]
+            geometry.quantize(self._sources[name], self._dst_dict[name], self._dst_dict[geometry.scale_name])
+
+    @property
+    def staging_bytes(self) -> int:
+        """Memory the FP8 quantization takes besides the engine's parameters: the staging arena (the windows of the
+        FP8 tensors in flight at once) and the scratch buffer (the largest filled by this GPU alone), in the
+        trainer's dtype."""
+        return self._staging_bytes + self._scratch_bytes
 
     def _send(self, buf: int) -> torch.Tensor:
         assert self.pool is not None
@@ -270,12 +391,27 @@ class Resharder:
             return self.landing[bucket.landing:]
         return self._recv_buffer(bucket.buffer)
 
-    def _check(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None) -> None:
+    def _check(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor] | None,
+               dtype: torch.dtype | None) -> None:
         plan, rank = self.plan, self.rank
         expected_src = {t.src_name for b in plan.buckets for t in b if t.src_rank == rank}
         check_tensors(src, {n: plan.src_shapes[n] for n in expected_src}, plan.element_size, f"trainer, rank {rank}")
+        held = one_dtype(src, f"trainer, rank {rank}")
+        if held is not None and dtype is not None and held != dtype:
+            raise UserError(f"trainer, rank {rank}: the tensors to hand over are {held}, not the {dtype} expected")
+        self.dtype = held or dtype
         if dst is not None:
-            check_tensors(dst, plan.engine_shapes(rank), plan.element_size, f"engine, rank {rank}")
+            fp8 = plan.fp8_tensors(rank)
+            check_tensors(dst, {n: s for n, s in plan.engine_shapes(rank).items() if n not in fp8}, plan.element_size,
+                          f"engine, rank {rank}")
+            check_fp8_tensors(dst, fp8, f"engine, rank {rank}")
+            for name in sorted(plan.engine_shapes(rank)):
+                if name in fp8:
+                    continue
+                if self.dtype is not None and dst[name].dtype != self.dtype:
+                    raise UserError(f"engine, rank {rank}: tensor `{name}` is {dst[name].dtype}, but the trainer "
+                                    f"hands over {self.dtype}; the bits would be read as other numbers. Give the "
+                                    "engine the trainer's dtype (model.dtype).")
 
     def engine_copy(self) -> EngineCopy:
         """The engine rank's share of the refit on this GPU (``in_engine`` mode): from ``sources`` (this
@@ -288,8 +424,14 @@ class Resharder:
             bounds.append(bounds[-1] + len(segments))
         rows = [s for segments in self._engine_segments for s in segments]
         return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else []),
-                          dst_names=self.dst_names, dst_shapes=shapes, element_size=self.plan.element_size,
+                          dst_names=self.dst_names, dst_shapes=shapes, dtype=self._dtype_name(),
                           table=segment_table(rows), zero_rows=padding_rows(self.plan, self.rank), rounds=bounds)
+
+    def _dtype_name(self) -> str:
+        if self.dtype is None:
+            raise UserError(f"rank {self.rank} holds no trainer tensor, so the dtype its engine must hold is unknown: "
+                            "pass the trainer's dtype to its Resharder")
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def num_rounds(self) -> int:
@@ -304,13 +446,14 @@ class Resharder:
     def expected_checksums(self) -> torch.Tensor:
         """int64 [len(dst_names), 2]: what this GPU's engine rank must report after the refit of the trainer's
         current weights (megarl.reshard.verify; collective over the Resharder's group)."""
-        return expected_checksums(self.plan, self.rank, self._src_dict, self.group, self.device)
+        return expected_checksums(self.plan, self.rank, self._src_dict, self.group, self.device, self.dtype)
 
     def verify(self, engine: ReportsChecksums, handover: int) -> None:
         """rollout.verify_every: every engine rank's parameters against the actor's weights, by checksum; raises
         HandoverMismatch naming what differs on every GPU."""
         start = time.perf_counter()
-        bad = mismatched(self.dst_names, self.expected_checksums(), engine.checksums(len(self.dst_names)))
+        names = self.checksum_names
+        bad = mismatched(names, self.expected_checksums(), engine.checksums(len(names)))
         everyone: list[Any] = [bad]
         if spans_processes(self.plan, self.group):
             everyone = [None] * self.plan.num_gpus
@@ -338,9 +481,10 @@ class Resharder:
         start, end = self.rounds[round]
         buckets = self.buckets[start:end]
         if self._streams is None:
-            for bucket in buckets:
+            for k, bucket in enumerate(buckets):
                 if bucket.local is not None:
                     bucket.local.run()
+                self._quantize_local(bucket)
                 if bucket.pack is not None:
                     bucket.pack.run()
                 if bucket.forward is not None:
@@ -349,10 +493,11 @@ class Resharder:
                     work.wait()
                 if bucket.unpack is not None:
                     bucket.unpack.run()
+                self._quantize(start + k)
             return
-        self._refit_streams(buckets)
+        self._refit_streams(buckets, start)
 
-    def _refit_streams(self, buckets: list[_Bucket]) -> None:
+    def _refit_streams(self, buckets: list[_Bucket], first: int) -> None:
         pack_s, comm_s, unpack_s = self._streams  # type: ignore[misc]
         caller = torch.cuda.current_stream(self.device)
         for s in (pack_s, comm_s, unpack_s):
@@ -364,8 +509,11 @@ class Resharder:
                 if k >= 2:
                     for work in sent[k - 2]:
                         work.wait()  # the send buffer this bucket reuses has left the GPU
+                if self.fp8 and k >= 1:
+                    pack_s.wait_event(unpacked[k - 1])  # the staging regions freed by the last quantization
                 if bucket.local is not None:
                     bucket.local.run()
+                self._quantize_local(bucket)
                 if bucket.pack is not None:
                     bucket.pack.run()
                 if bucket.forward is not None:
@@ -387,6 +535,9 @@ class Resharder:
                     work.wait()
                 if bucket.unpack is not None:
                     bucket.unpack.run()
+                if self._quantize_after.get(first + k):
+                    unpack_s.wait_event(packed)  # this bucket's local copies into the staging arena
+                    self._quantize(first + k)
                 done = torch.cuda.Event()
                 done.record(unpack_s)
                 unpacked.append(done)
@@ -412,9 +563,11 @@ class Resharder:
                 torch.cuda.synchronize(self.device)
             totals[phase] += (time.perf_counter() - start) * 1e3
 
-        for bucket in self.buckets:
+        for k, bucket in enumerate(self.buckets):
             if bucket.local is not None:
                 timed("local", bucket.local.run)
+            if bucket.fp8_local:
+                timed("local", lambda b=bucket: self._quantize_local(b))  # FP8: counted with the local copies
             if bucket.pack is not None:
                 timed("pack", bucket.pack.run)
             if bucket.forward is not None:
@@ -422,6 +575,8 @@ class Resharder:
             timed("transfer", lambda b=bucket: [w.wait() for w in self._p2p(b)])
             if bucket.unpack is not None:
                 timed("unpack", bucket.unpack.run)
+            if self._quantize_after.get(k):
+                timed("unpack", lambda k=k: self._quantize(k))  # FP8: counted with the unpack it follows
         return totals
 
     @property
@@ -487,11 +642,74 @@ def check_tensors(given: dict[str, torch.Tensor], shapes: dict[str, tuple[int, .
             raise UserError(f"{side}: tensor `{name}` is not contiguous.")
 
 
+def check_fp8_tensors(given: dict[str, torch.Tensor], fp8: dict[str, Fp8Tensor], side: str) -> None:
+    """Every FP8 engine tensor of the plan is present as float8_e4m3fn ``weight`` and float32 ``weight_scale_inv``
+    of the planned shapes, contiguous (rollout.weight_dtype = fp8)."""
+    for name in sorted(fp8):
+        geometry = fp8[name]
+        for n, shape, dtype in ((name, geometry.shape, torch.float8_e4m3fn),
+                                (geometry.scale_name, geometry.scale_shape, torch.float32)):
+            tensor = given.get(n)
+            if tensor is None:
+                raise UserError(f"{side}: tensor `{n}` is missing; rollout.weight_dtype = fp8 needs the engine's "
+                                "FP8 linear layers (weight and weight_scale_inv) as the plan lays them out.")
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or not tensor.is_contiguous():
+                raise UserError(f"{side}: tensor `{n}` is {tensor.dtype} of shape {list(tensor.shape)}"
+                                f"{'' if tensor.is_contiguous() else ', not contiguous'}; rollout.weight_dtype = "
+                                f"fp8 needs {dtype} of shape {list(shape)}, contiguous (128 x 128 blocks).")
+
+
+def _staging(plan: Plan, rank: int, names: set[str]) -> tuple[dict[str, int], int]:
+    """Byte offsets in one staging arena for the trainer-dtype windows of FP8 tensors ``names`` (of GPU ``rank``),
+    and the arena's size: a tensor's region is live from its first bucket to its last, and tensors whose buckets do
+    not overlap share memory (first fit), so the arena holds the tensors in flight at once."""
+    if not names:
+        return {}, 0
+    live: dict[str, list[int]] = {}
+    for k, bucket in enumerate(plan.buckets):
+        for t in bucket:
+            if t.dst_rank == rank and t.dst_name in names:
+                live.setdefault(t.dst_name, [k, k])[1] = k
+    fp8 = plan.fp8_tensors(rank)
+    placed: list[tuple[int, int, int, int]] = []  # first bucket, last bucket, offset, bytes
+    offsets: dict[str, int] = {}
+    for name in sorted(live, key=lambda n: (live[n][0], n)):
+        first, last = live[name]
+        nbytes = -(-math.prod(fp8[name].shape) * plan.element_size // 256) * 256
+        busy = sorted((o, o + b) for f, la, o, b in placed if not (la < first or last < f))
+        offset = 0
+        for lo, hi in busy:
+            if offset + nbytes <= lo:
+                break
+            offset = max(offset, hi)
+        placed.append((first, last, offset, nbytes))
+        offsets[name] = offset
+    return offsets, max(o + b for _, _, o, b in placed)
+
+
+def one_dtype(tensors: dict[str, torch.Tensor], side: str) -> torch.dtype | None:
+    """The one dtype of ``tensors`` (None for none): the copy moves bits, so bf16 and fp16 of the same size must not
+    mix unnoticed."""
+    dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    if len(dtypes) > 1:
+        raise UserError(f"{side}: the tensors to hand over mix dtypes {dtypes}; the hand-over moves bits unchanged "
+                        "and needs one dtype (model.dtype).")
+    return next(iter(tensors.values())).dtype if tensors else None
+
+
 def engine_tensor_allocations(plan: Plan, rank: int, dtype: torch.dtype, device: torch.device
                               ) -> dict[str, torch.Tensor]:
-    """Fresh engine-layout tensors for ``rank`` (tests, benchmarks, and engines without their own)."""
-    shapes = plan.engine_shapes(rank)
-    return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+    """Fresh engine-layout tensors for ``rank`` (tests, benchmarks, and engines without their own); with
+    ``plan.fp8``, its FP8 tensors as float8_e4m3fn weights and float32 ``weight_scale_inv``, SGLang's names."""
+    shapes, fp8 = plan.engine_shapes(rank), plan.fp8_tensors(rank)
+    out = {}
+    for name, shape in shapes.items():
+        if name in fp8:
+            out[name] = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+            out[fp8[name].scale_name] = torch.empty(fp8[name].scale_shape, dtype=torch.float32, device=device)
+        else:
+            out[name] = torch.empty(shape, dtype=dtype, device=device)
+    return out
 
 
 @dataclass

@@ -40,7 +40,11 @@ class EngineCopy:
     dst_names: list[str]
     dst_shapes: dict[str, tuple[int, ...]]
     """Every engine parameter of this rank the refit writes, with its shape (checked when attached)."""
-    element_size: int
+    dtype: str
+    """The dtype the engine's parameters must hold (``torch`` attribute name): the trainer's own, whose bits the
+    copy moves unchanged and both sides' checksums hash. A converting hand-over (FP8 rollout) would name its
+    target dtype here and check it the same way; an engine holding another dtype would read the bits as
+    different numbers with every checksum equal, so it is refused when attached."""
     table: torch.Tensor
     """int64 [num_segments, 8] CPU segment table."""
     zero_rows: dict[str, int]
@@ -54,7 +58,7 @@ class EngineCopy:
         ``num_sources`` pads the sources with placeholders (an engine over several GPUs takes the same
         names from every rank)."""
         meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes, "rounds": self.rounds,
-                "element_size": self.element_size, "zero_rows": self.zero_rows, "num_sources": len(self.sources)}
+                "dtype": self.dtype, "zero_rows": self.zero_rows, "num_sources": len(self.sources)}
         device = self.sources[0].device if self.sources else torch.device("cpu")
         encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         # Small tensors travel on the GPU too: CUDA tensors cross processes as IPC handles, CPU tensors
@@ -71,7 +75,7 @@ class EngineCopy:
         meta = json.loads(bytes(named[0][1].cpu().numpy()).decode())
         sources = [t for _, t in named[2:2 + meta["num_sources"]]]
         return meta["key"], EngineCopy(
-            sources=sources, dst_names=meta["dst_names"], element_size=meta["element_size"],
+            sources=sources, dst_names=meta["dst_names"], dtype=meta["dtype"],
             dst_shapes={n: tuple(s) for n, s in meta["dst_shapes"].items()},
             table=named[1][1].cpu(), zero_rows=meta["zero_rows"], rounds=meta["rounds"])
 
@@ -103,18 +107,24 @@ class EngineApplier:
                 raise ValueError(f"the engine has no parameter `{name}`; the engine's model and the trainer's "
                                  "resharding plan disagree")
             p = params[name]
-            if tuple(p.shape) != tuple(shape) or p.element_size() != copy.element_size or not p.is_contiguous():
-                raise ValueError(f"engine parameter `{name}` is {list(p.shape)} with {p.element_size()}-byte "
-                                 f"elements (contiguous: {p.is_contiguous()}); the plan writes a contiguous "
-                                 f"{list(shape)} of {copy.element_size}-byte elements")
+            if str(p.dtype) != f"torch.{copy.dtype}":
+                raise ValueError(f"engine parameter `{name}` is {str(p.dtype).removeprefix('torch.')}, but the "
+                                 f"trainer hands over {copy.dtype}: the engine would read the bits as other numbers. "
+                                 f"Start the engine in {copy.dtype} (leave rollout.engine_args.dtype unset, or set "
+                                 "it to model.dtype).")
+            if tuple(p.shape) != tuple(shape) or not p.is_contiguous():
+                raise ValueError(f"engine parameter `{name}` is {list(p.shape)} (contiguous: {p.is_contiguous()}); "
+                                 f"the plan writes a contiguous {list(shape)}")
         bounds = copy.rounds
         if bounds[0] != 0 or bounds[-1] != len(copy.table) or bounds != sorted(bounds):
             raise ValueError(f"round bounds {bounds} do not split a table of {len(copy.table)} segments")
         self.sources = copy.sources  # holds the IPC mappings open
         self.params = [params[n] for n in copy.dst_names]
+        self.names = copy.dst_names
         self.zero = [(params[n], start) for n, start in copy.zero_rows.items()]
         dsts = [p.data for p in self.params]
-        self.copies: list[SegmentCopy] = [make_segment_copy(copy.sources, dsts, copy.table[a:b])
+        self.copies: list[SegmentCopy] = [make_segment_copy(copy.sources, dsts, copy.table[a:b],
+                                                                    dst_names=copy.dst_names)
                                           for a, b in itertools.pairwise(bounds)]
 
     @torch.no_grad()
@@ -138,7 +148,7 @@ class EngineApplier:
             raise ValueError(f"checksum request for {result.shape[0]} parameters; this attachment writes "
                              f"{len(self.params)}")
         for i, param in enumerate(self.params):
-            result[i] = tensor_checksum(param.data)
+            result[i] = tensor_checksum(param.data, self.names[i])
         if result.is_cuda:
             torch.cuda.current_stream().synchronize()  # the trainer reads them once we return
 

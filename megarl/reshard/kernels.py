@@ -32,8 +32,9 @@ class Segment(NamedTuple):
 class SegmentCopy(Protocol):
     """A validated copy (megarl._C.SegmentCopy) that `run()` replays with no host work but the launch.
 
-    It keeps its tensors alive but reads their data pointers only when built: after anything that
-    swaps a tensor's storage, build a new one.
+    It keeps its tensors alive and the addresses they had when built; `run()` first checks that every
+    storage still has them and refuses, naming the tensor, after anything that freed, moved or swapped a
+    tensor's storage (an offload's resize_(0), set_, `.data =`): build a new one.
     """
 
     @property
@@ -67,21 +68,27 @@ def _as_table(table: torch.Tensor | Iterable[Segment]) -> torch.Tensor:
 
 
 def copy_segments(
-    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], table: torch.Tensor | Iterable[Segment]
+    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], table: torch.Tensor | Iterable[Segment],
+    src_names: Sequence[str] = (), dst_names: Sequence[str] = (),
 ) -> None:
     """Copy every segment; the whole table is validated before any byte moves.
 
-    All tensors must be contiguous and on one device; CUDA copies run on the current stream.
-    Destinations must not overlap each other or any source.
+    All tensors must be contiguous, on one device and hold their memory (not offloaded); CUDA copies run on the
+    current stream. Segments must not write the same destination byte, nor read a byte that a segment writes (a
+    segment copying bytes onto themselves excepted): both are refused. Names, one per tensor, name the tensors in
+    errors.
     """
-    extension().copy_segments(list(srcs), list(dsts), _as_table(table))
+    extension().copy_segments(list(srcs), list(dsts), _as_table(table), list(src_names), list(dst_names))
 
 
 def make_segment_copy(
-    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], table: torch.Tensor | Iterable[Segment]
+    srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], table: torch.Tensor | Iterable[Segment],
+    src_names: Sequence[str] = (), dst_names: Sequence[str] = (),
 ) -> SegmentCopy:
-    """Validate once and, on CUDA, upload the segment table; `.run()` then repeats the copy."""
-    copier: SegmentCopy = extension().SegmentCopy(list(srcs), list(dsts), _as_table(table))
+    """Validate once and, on CUDA, upload the segment table; `.run()` then repeats the copy. Names, one per
+    tensor (a parameter's), name the tensors in the errors of both."""
+    copier: SegmentCopy = extension().SegmentCopy(list(srcs), list(dsts), _as_table(table), list(src_names),
+                                                   list(dst_names))
     return copier
 
 

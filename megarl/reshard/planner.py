@@ -17,7 +17,11 @@ every refit. Guarantees:
 - transfers are grouped into buckets (``megarl.reshard.transfers.bucketize``), layer by layer, so that no GPU
   sends or receives more than ``bucket_bytes`` per bucket, forwarded bytes included: that bounds the executor's
   extra memory whatever the model size; of them, no more across nodes than the network moves while NVLink moves
-  a bucket, so that the network is busy in every bucket rather than holding up a few.
+  a bucket, so that the network is busy in every bucket rather than holding up a few;
+- with ``weight_dtype="fp8"`` (rollout.weight_dtype), the transfers still move the trainer's bytes of every engine
+  tensor, and ``Plan.fp8`` carries the block geometry of each one the engine holds in FP8 (megarl.reshard.fp8:
+  the linear layers' weights), from which the executor quantizes them into the engine's ``weight`` and
+  ``weight_scale_inv``.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mcore_shape, param_rules, pipeline_stage
 from megarl.models.spec import ModelSpec
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors, matrix_shape
+from megarl.reshard.fp8 import Fp8Tensor, engine_geometry, layout_problems
 from megarl.reshard.transfers import Transfer, Unit, bucketize, row_bytes
 
 
@@ -54,6 +59,15 @@ class Plan:
     """The engine rank each GPU (global rank) holds, chosen by ``place_engines``; -1 on a trainer GPU that holds
     none (engines on GPUs of their own, which come after the trainer's)."""
     buckets: list[list[Transfer]] = field(default_factory=list)
+    fp8: list[dict[str, Fp8Tensor]] = field(default_factory=list)
+    """Per engine rank, its tensors held in FP8 by engine name, with their block geometry (rollout.weight_dtype =
+    fp8; empty: every engine tensor holds the trainer's dtype). ``dst_shapes`` and the transfers describe the
+    trainer-dtype window such a tensor is quantized from."""
+
+    def fp8_tensors(self, rank: int) -> dict[str, Fp8Tensor]:
+        """The FP8 engine tensors GPU ``rank`` holds (none on a trainer GPU without an engine rank, or in bf16)."""
+        r = self.engine_ranks[rank]
+        return self.fp8[r] if self.fp8 and r >= 0 else {}
 
     @property
     def num_gpus(self) -> int:
@@ -329,7 +343,8 @@ def _transfer(run: _Run, name: str, dst: int, src: int) -> Transfer:
 
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
               element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128,
-              relay: bool = True, links: LinkModel | None = None, engine_gpus: int = 0) -> Plan:
+              relay: bool = True, links: LinkModel | None = None, engine_gpus: int = 0,
+              weight_dtype: str = "bf16") -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
 
     ``engine_gpus`` 0 (colocation): every GPU runs a trainer rank and one engine rank; which GPUs form each
@@ -338,7 +353,9 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     (rank - world_size) % rollout_tp; every byte they hold comes from the trainer's GPUs. ``relay``:
     bytes that no GPU of a node holds cross into it once and are forwarded inside it (False: every GPU
     that needs them gets them from another node, for comparison). ``links`` (None: the measured defaults) sets
-    how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time.
+    how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time. ``weight_dtype``
+    (rollout.weight_dtype): "fp8" adds the block geometry of every quantized engine tensor (``Plan.fp8``), and
+    refuses a model whose shapes the engines' FP8 loaders refuse at this ``rollout_tp``.
     """
     world = dims.world_size
     if rollout_tp < 1 or (engine_gpus or world) % rollout_tp:
@@ -354,6 +371,14 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     rules = param_rules(spec)
     src_shapes = {r.mcore: mcore_shape(r, spec, dims.tp, padded_vocab) for r in rules}
     layouts = [engine_tensors(spec, rollout_tp, r) for r in range(rollout_tp)]
+    fp8_layouts: list[dict[str, Fp8Tensor]] = []
+    if weight_dtype == "fp8":
+        check_fp8_layout(spec, rollout_tp)
+        full = hf_shapes(spec)
+        fp8_layouts = [{g.name: g for g in (engine_geometry(t, full) for t in layout) if g is not None}
+                       for layout in layouts]
+    elif weight_dtype != "bf16":
+        raise ValueError(f"make_plan: weight_dtype must be bf16 or fp8, not {weight_dtype!r}")
     if engine_gpus:
         placed = [-1] * world + [i % rollout_tp for i in range(engine_gpus)]
     else:
@@ -362,7 +387,7 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     plan = Plan(spec=spec, dims=dims, rollout_tp=rollout_tp, gpus_per_node=gpus_per_node,
                 element_size=element_size, bucket_bytes=bucket_bytes, padded_vocab=padded_vocab,
                 src_shapes=src_shapes, dst_shapes=[{t.name: t.shape for t in layout} for layout in layouts],
-                engine_ranks=placed)
+                engine_ranks=placed, fp8=fp8_layouts)
     index = _rules_by_hf(spec, dims.tp, padded_vocab)
     shapes = hf_shapes(spec)
     links = links or LinkModel()
@@ -374,6 +399,53 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
                       for i in range(len(layouts[0]))]
     plan.buckets = bucketize(units_by_group, bucket_bytes, network_bytes, gpus_per_node)
     return plan
+
+
+def check_fp8_layout(spec: ModelSpec, rollout_tp: int, field: str = "rollout.weight_dtype") -> None:
+    """Refuse, in one paragraph, a model the FP8 hand-over cannot serve at engine TP ``rollout_tp``: shapes the
+    engines' FP8 loaders refuse (``fp8.layout_problems``), or MoE experts (their FP8 layout is not planned)."""
+    if spec.is_moe:
+        raise UserError(f"{field} = fp8: this model has MoE experts ({spec.hf_config.get('architectures')}), whose "
+                        "FP8 layout (FusedMoE's w13_weight_scale_inv, w2_weight_scale_inv) the hand-over does not "
+                        f"plan yet. Set {field}: bf16.")
+    problems = layout_problems(spec, rollout_tp)
+    if problems:
+        fits = [r for r in (1, 2, 4, 8) if r != rollout_tp and not layout_problems(spec, r)
+                and spec.num_attention_heads % r == 0]
+        raise UserError(f"{field} = fp8 with rollout.tensor_parallel = {rollout_tp}: the engines' FP8 loaders "
+                        f"(128 x 128 blocks) refuse this model's shapes: {'; '.join(problems)}. "
+                        + (f"Use rollout.tensor_parallel in {fits}, or " if fits else "Use ")
+                        + f"{field}: bf16.")
+
+
+def check_fp8_rollout(cfg: Any, spec: ModelSpec) -> None:
+    """Start-up (megarl.loop.bootstrap.check_run): refuse rollout.weight_dtype = fp8 where the run cannot serve it,
+    one paragraph each naming the field and the fix. The vLLM engine is refused by the config itself."""
+    if cfg.rollout.weight_dtype != "fp8":
+        return
+    if cfg.actor.adapter_handover():
+        raise UserError("rollout.weight_dtype = fp8 with actor.lora.handover = adapter: the engine would serve bf16 "
+                        "LoRA adapters over FP8 base weights, which the adapter hand-over (megarl.lora.handover) "
+                        "cannot build: it hands over the base weights once, unquantized, and the adapters as files. "
+                        "Set actor.lora.handover: merged (the merged weights are quantized on every hand-over), or "
+                        "rollout.weight_dtype: bf16.")
+    check_fp8_layout(spec, cfg.rollout.tensor_parallel)
+    if cfg.rollout.engine == "sglang":
+        raise UserError("rollout.weight_dtype = fp8 with rollout.engine = sglang: SGLang's side is not hooked yet. "
+                        "The plan and the quantizing copy exist (megarl.reshard, docs/handover.md \"FP8 weights\"), "
+                        "but SGLang is not yet started with a block-FP8 quantization_config (weight_block_size "
+                        "[128, 128]) nor does its in-engine hand-over quantize (issue 54). Set "
+                        "rollout.weight_dtype: bf16.")
+
+
+def fp8_rollout_warning(cfg: Any) -> str | None:
+    """The start-up warning for an FP8 rollout whose samples go uncorrected (None: none to give)."""
+    if cfg.rollout.weight_dtype != "fp8" or cfg.algorithm.rollout_correction != "none":
+        return None
+    return ("megarl: warning: rollout.weight_dtype = fp8 with algorithm.rollout_correction = none: the engine samples "
+            "from FP8 weights, a distribution other than the bf16 trainer's, and nothing corrects for it. Set "
+            "algorithm.rollout_correction: token_tis (truncated importance sampling per token) to weight each token "
+            "by trainer / rollout probability.")
 
 
 def aliases(plan: Plan) -> list[dict[str, tuple[str, int]]]:

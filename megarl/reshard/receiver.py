@@ -32,7 +32,7 @@ class EngineReceiver:
                             and params[name].dtype == dtype for name, shape in shapes.items())
         self.tensors = {name: params[name] for name in shapes} if self.in_place else \
             engine_tensor_allocations(plan, gpu, dtype, device)
-        self.resharder = Resharder(plan, gpu, {}, self.tensors, group=group, device=device)
+        self.resharder = Resharder(plan, gpu, {}, self.tensors, group=group, device=device, dtype=dtype)
 
     @torch.no_grad()
     def receive(self) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from megarl.config import Config, run_dir
 from megarl.rollout.base import RolloutEngine
+from megarl.run import startup
 
 
 def engine_class(cfg: Config) -> Any:
@@ -45,6 +46,8 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
     per_engine = {"max_batch": max_batch(cfg, world)} if r.engine == "sglang" else {
         "cpu_share": host_share(cfg, index, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))}
     log_file = run_dir(cfg) / f"engine_{index}.log"
+    startup.mark("models built")
+    startup.engine_log(log_file)
     where = f" on GPUs {devices}" if devices is not None else ""
     print(f"megarl: starting {r.engine} engine {index} (tensor_parallel {r.tensor_parallel}){where}; its output goes "
           f"to {log_file}", flush=True)
@@ -56,4 +59,5 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
                                | ({"lora_rank": cfg.actor.lora.rank}  # type: ignore[union-attr]
                                   if cfg.actor.adapter_handover() else {})
                                | ({"aliases": aliases} if aliases is not None else {}) | per_engine))
+    startup.mark("engine start")
     return engine

@@ -73,12 +73,17 @@ def end_run(message: str) -> None:
     os._exit(2)
 
 
+IN_TRAINING = ("The engine's log is engine_*.log in the run directory. Training stopped; the last complete "
+               "checkpoint is intact and resumes with checkpoint.resume: auto. If the engine ran out of memory, lower "
+               "rollout.gpu_memory_fraction or enable offloading (actor.offload_optimizer, actor.offload_weights, "
+               "critic.offload_weights, reference.offload_weights).")
+"""Where a training run's engine logs, and what to do about its failure."""
+
+
 @contextmanager
-def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
-    """Guard one engine call: an exception becomes EngineFailed; no return within timeout_s ends the process."""
-    timer = threading.Timer(timeout_s, _hung, args=(phase, timeout_s))
-    timer.daemon = True
-    timer.start()
+def engine_errors(phase: str, after: str = IN_TRAINING) -> Iterator[None]:
+    """An exception of the engine becomes EngineFailed: one paragraph naming ``phase``, the engine's error and the
+    memory in use, then ``after`` (where its log is, what to do)."""
     try:
         yield
     except UserError:
@@ -86,11 +91,18 @@ def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
     except Exception as err:
         text = " ".join(str(err).split())[-1500:] or "(no message)"
         raise EngineFailed(f"the rollout engine failed during {phase}: {type(err).__name__}: {text} Memory: "
-                           f"{memory_summary()}. The engine's log is engine_*.log in the run directory. "
-                           "Training stopped; the last complete checkpoint is intact and "
-                           "resumes with checkpoint.resume: auto. If the engine ran out of memory, lower "
-                           "rollout.gpu_memory_fraction or enable offloading (actor.offload_optimizer, "
-                           "actor.offload_weights, critic.offload_weights, reference.offload_weights).") from err
+                           f"{memory_summary()}. {after}") from err
+
+
+@contextmanager
+def engine_call(phase: str, timeout_s: float) -> Iterator[None]:
+    """Guard one engine call: an exception becomes EngineFailed; no return within timeout_s ends the process."""
+    timer = threading.Timer(timeout_s, _hung, args=(phase, timeout_s))
+    timer.daemon = True
+    timer.start()
+    try:
+        with engine_errors(phase):
+            yield
     finally:
         timer.cancel()
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from megarl.rollout.base import Completion, Enough, SamplingParams
+from megarl.rollout.stops import ends_in_stop
 
 
 class Generate(Protocol):
@@ -50,7 +51,7 @@ class Partial:
     """The weight version (updates the engine's weights had had) that sampled each token."""
     done: bool = False
     truncated: bool = False
-    """Stopped by the budget, not by a stop token."""
+    """Stopped by the budget, not by a stop token (one that ends the budget is a stop: the sample is complete)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,7 +165,10 @@ class InFlight:
     def _call(self, generate: Generate, params: SamplingParams, items: list[tuple[Group, Partial]],
               limit: int | None, version: int, enough: Enough | None) -> int:
         """One engine call for ``items``, each resumed from its prompt and tokens with ``limit`` more tokens at
-        most (None: the rest of its budget); their new tokens joined to them."""
+        most (None: the rest of its budget); their new tokens joined to them. A sample whose last token is one of
+        ``params.stop_token_ids`` is done whatever the engine's finish reason: SGLang reports "length" for a stop
+        token that ends a chunk and "abort" for one an aborted request kept, and resuming it would generate, score
+        and train text past its EOS (megarl.rollout.stops)."""
         seeds = None if params.seed is None else [self._chunk_seed(s) for _, s in items]
         left = [self.budget - len(s.tokens) for _, s in items]
         call = dataclasses.replace(params, n=1, max_new_tokens=self.budget if limit is None else limit, seed=None,
@@ -172,15 +176,16 @@ class InFlight:
         prompts = [g.prompt + s.tokens for g, s in items]
         out = generate(prompts, call) if enough is None else generate(prompts, call, enough)
         assert len(out) == len(items), "one completion per request"
-        made = 0
+        made, stop_ids = 0, frozenset(params.stop_token_ids)
         for c in out:
             g, s = items[c.prompt_index]
             s.tokens += c.token_ids
             s.logprobs += c.logprobs
             s.versions += [version] * len(c.token_ids)
             made += len(c.token_ids)
-            if c.finish_reason == "stop" or len(s.tokens) >= self.budget:
-                s.done, s.truncated = True, c.finish_reason != "stop"
+            stopped = c.finish_reason == "stop" or ends_in_stop(c.token_ids, stop_ids)
+            if stopped or len(s.tokens) >= self.budget:
+                s.done, s.truncated = True, not stopped
         return made
 
     def _enough(self, items: list[tuple[Group, Partial]], stop: Callable[[int], bool], must: frozenset[int]
@@ -250,7 +255,19 @@ class InFlight:
         return {"groups": [dataclasses.asdict(g) for g in self.groups], "next_uid": self.next_uid,
                 "taken": self.taken, "dropped": self.dropped, "regenerated": self.regenerated}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], stop_ids: Collection[int] = ()) -> int:
+        """The pool of ``state_dict``; a sample that runs past one of ``stop_ids`` is cut after the first and done
+        (a checkpoint written before the stop rule of ``_call`` may hold text past an EOS, which training would score
+        and train on). How many samples were cut."""
         self.groups = [Group(**{**g, "samples": [Partial(**s) for s in g["samples"]]}) for g in state["groups"]]
         self.next_uid, self.taken = state["next_uid"], state["taken"]
         self.dropped, self.regenerated = state["dropped"], state["regenerated"]
+        cut = 0
+        for s in (s for g in self.groups for s in g.samples):
+            first = next((i for i, t in enumerate(s.tokens) if t in stop_ids), None)
+            if first is None or (first == len(s.tokens) - 1 and s.done and not s.truncated):
+                continue
+            del s.tokens[first + 1:], s.logprobs[first + 1:], s.versions[first + 1:]
+            s.done, s.truncated = True, False
+            cut += 1
+        return cut

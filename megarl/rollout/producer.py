@@ -183,7 +183,13 @@ class Producer:
         """Around a weight push: generation paused; after it the engine holds the next version, and if ``wanted``
         groups are done, the next step's batch is taken before generation goes on."""
         with self.paused("the weight push"):
-            yield
+            try:
+                yield
+            except BaseException:
+                # The engine may hold part of the new weights and part of the old: no round may sample from it (the
+                # push's error ends the run; the checkpoint before it holds the pool as it was).
+                self._abandoned = True
+                raise
             self.version += 1
             self.pool.expire(self.version)
             self.admit(self.version)

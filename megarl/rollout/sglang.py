@@ -61,6 +61,7 @@ from megarl.rollout.base import (
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch
 from megarl.rollout.sglang_loader import ALIASES_KEY, LOADER, AliasingLoader
+from megarl.rollout.stops import ends_in_stop, model_eos_ids
 from megarl.rollout.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,11 @@ class SGLangEngine:
             raise UserError(f"rollout.engine = sglang but SGLang cannot be imported ({err}). Install the GPU "
                             "image (Dockerfile) or use rollout.engine = vllm.") from None
         self.tensor_parallel = tensor_parallel
+        self.releases_memory = enable_sleep
+        """Whether sleep() frees the weights and the KV cache (SGLang's memory saver)."""
         self.max_model_len = max_model_len or spec.max_position_embeddings
         self.vocab_size = spec.vocab_size
+        self._eos_ids = frozenset(model_eos_ids(hf_dir))
         args = dict(model_path=hf_dir, tp_size=tensor_parallel, skip_tokenizer_init=True,
                     mem_fraction_static=gpu_memory_fraction, random_seed=seed,
                     enable_memory_saver=enable_sleep, context_length=self.max_model_len,
@@ -184,7 +188,8 @@ class SGLangEngine:
         with self._watch.alive():
             outputs = self.engine.generate(input_ids=expanded, sampling_params=self._requests(params, len(expanded)),
                                            return_logprob=True, **self._routing_arg())
-        return [self._completion(out, i // params.n, len(expanded[i])) for i, out in enumerate(outputs)]
+        stop_ids = self._eos_ids | set(params.stop_token_ids)
+        return [self._completion(out, i // params.n, len(expanded[i]), stop_ids) for i, out in enumerate(outputs)]
 
     def generate_until(self, prompts: Sequence[Sequence[int]], params: SamplingParams, enough: Enough
                        ) -> list[Completion]:
@@ -230,7 +235,8 @@ class SGLangEngine:
                 for rid, out in zip(rids, outputs, strict=True):
                     if out is None:
                         manager.abort_request(rid=rid)
-        return [self._completion(out, i, len(prompts[i]), abortable=True)
+        stop_ids = self._eos_ids | set(params.stop_token_ids)
+        return [self._completion(out, i, len(prompts[i]), stop_ids, abortable=True)
                 for i, out in enumerate(cast(list[dict], outputs))]
 
     def _requests(self, params: SamplingParams, count: int) -> list[dict[str, Any]]:
@@ -249,7 +255,10 @@ class SGLangEngine:
     def _routing_arg(self) -> dict[str, bool]:
         return {"return_routed_experts": True} if self._routing else {}
 
-    def _completion(self, out: dict, prompt_index: int, prompt_len: int, abortable: bool = False) -> Completion:
+    def _completion(self, out: dict, prompt_index: int, prompt_len: int, stop_ids: frozenset[int],
+                    abortable: bool = False) -> Completion:
+        """SGLang checks an abort, then the budget, then the stop tokens: a sample whose last token is one of
+        ``stop_ids`` is complete ("stop") though SGLang says "length" or "abort" (megarl.rollout.stops)."""
         meta = out["meta_info"]
         finish = (meta.get("finish_reason") or {}).get("type")
         tokens = list(out["output_ids"])
@@ -259,7 +268,8 @@ class SGLangEngine:
                                f"{prompt_index} (finish reason {finish!r})")
         if finish == "abort" and not abortable:
             raise RuntimeError(f"SGLang aborted prompt {prompt_index}'s request: {meta.get('finish_reason')}")
-        reason: Literal["stop", "length", "abort"] = finish if finish in ("length", "abort") else "stop"
+        reason: Literal["stop", "length", "abort"] = finish if finish in ("length", "abort") \
+            and not ends_in_stop(tokens, stop_ids) else "stop"
         return Completion(prompt_index=prompt_index, token_ids=tokens, logprobs=logprobs, finish_reason=reason,
                           routed_experts=None if self._routing is None else decode_routed_experts(
                               meta.get("routed_experts"), prompt_len + len(tokens) - 1, *self._routing))
@@ -289,7 +299,7 @@ class SGLangEngine:
         """Copy round ``round`` of the attached trainer tensors' current values into the engine's parameters."""
         assert self._attached is not None and self._token is not None, "attach() first"
         torch.cuda.synchronize()  # the engine reads what this process's streams wrote
-        # A KV cache asleep was flushed when it was released; one awake holds prefixes of the old weights.
+        # One awake holds prefixes of the old weights; one asleep is flushed when it wakes (wake).
         self._update(apply_message(self._attached, self._token, round), LOADER,
                      flush_cache=self._cache_awake and round == 0)
 
@@ -322,8 +332,14 @@ class SGLangEngine:
         self._cache_awake = False
 
     def wake(self, what: Wake = "all") -> None:
+        """A KV cache that wakes is flushed: released is not flushed in a build with enable_kv_cache_cpu_backup,
+        which restores the cache and its prefix tree, of the weights before the hand-over, on wake."""
         with self._watch.alive():
             self.engine.resume_memory_occupation(tags=SGLANG_TAGS[what])
+            if what != "weights":
+                flushed = self.engine.flush_cache()
+                if getattr(flushed, "success", True) is False:
+                    raise RuntimeError(f"SGLang did not flush its KV cache on wake: {flushed}")
         self._cache_awake = self._cache_awake or what != "weights"
 
     def shutdown(self) -> None:

@@ -140,6 +140,8 @@ class VLLMEngine:
         fraction = gpu_memory_fraction or DEFAULT_MEMORY_FRACTION["cpu" if current_platform.is_cpu() else "gpu"]
         self.tensor_parallel = tensor_parallel
         self._sleep_mode = enable_sleep and current_platform.is_sleep_mode_available()
+        self.releases_memory = self._sleep_mode
+        """Whether sleep() frees the engine's memory (vLLM's CPU backend has no sleep mode)."""
         if enable_sleep and not self._sleep_mode:
             log.info("vLLM has no sleep mode on %s: sleep()/wake() keep the engine's memory",
                      current_platform.device_name)

@@ -30,6 +30,7 @@ LOCK_FILE = "run.lock"
 
 _held: list[int] = []
 """Descriptors of the locks this process holds (kept open for its lifetime)."""
+_held_paths: set[Path] = set()
 
 
 def _close_in_child() -> None:
@@ -37,6 +38,7 @@ def _close_in_child() -> None:
     for fd in _held:
         os.close(fd)
     _held.clear()
+    _held_paths.clear()
 
 
 os.register_at_fork(after_in_child=_close_in_child)
@@ -76,7 +78,26 @@ def acquire(directory: Path, field: str = "checkpoint.dir") -> Path:
     os.pwrite(fd, holder_text().encode(), 0)
     os.fsync(fd)
     _held.append(fd)
+    _held_paths.add(path.resolve())
     return path
+
+
+def held_by_another(directory: Path) -> bool:
+    """Whether another live process holds ``directory``'s run lock (a run that must not touch what is there)."""
+    path = directory / LOCK_FILE
+    if path.resolve() in _held_paths:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file: no run has held it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        return err.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
+    return False
 
 
 def lock_run(directory: Path, field: str, device: torch.device) -> None:

@@ -1,11 +1,13 @@
 """Run tracking: per-step metrics to the console (rich), to metrics.jsonl, and to mlflow when enabled.
 
-Every step logs, under the same names in metrics.jsonl and mlflow: reward_mean, reward_std, response_length,
-entropy (mean -log p of the sampled response tokens: the policy's entropy in expectation when sampling at
-temperature 1, with no extra forward pass), logprob_diff_mean/max (rollout engine vs trainer), kl and kl_coef
-(with a reference model), actor/* and critic/* from the updates (loss, policy_loss, clip_fraction, value_loss,
-grad_norm, lr, ...), time/<phase> in seconds (generate, score: old logprobs, reference, critic: values and
-update, update: the actor's, reshard) and tokens_per_s (prompt + response tokens over the step's time).
+Every step logs, under the same names in metrics.jsonl and mlflow: reward_mean, reward_std, response_length, entropy
+(mean -log p of the sampled response tokens: the policy's entropy in expectation when sampling at temperature 1,
+with no extra forward pass), logprob_diff_mean/max (rollout engine vs trainer), kl and kl_coef (with a reference
+model), actor/* and critic/* from the updates (loss, policy_loss, clip_fraction, value_loss, grad_norm, lr, ...),
+time/<phase> in seconds (generate, reward_model: a reward model's scores, score: old logprobs, reference, critic:
+values and update, update: the actor's, reshard), time/step (the step's wall time: from its first phase to its row,
+whatever ran between the phases included), tokens (prompt + response tokens of the step) and tokens_per_s (tokens
+over the step's wall time without its held-out evaluation, time/step - time/eval).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megarl.config import Config
+from megarl.config import Config, TrackingConfig
 from megarl.distributed.rank0 import from_rank0
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
+from megarl.run.lock import held_by_another
 
 
 class Tracker:
@@ -43,6 +46,8 @@ class Tracker:
         first = start_step - 1 if unlogged is not None else start_step  # the first step this run logs
         self.started = time.monotonic()
         self.times: dict[str, float] = {}
+        self.step_started: float | None = None
+        """When the first phase of the step being timed began (perf_counter); None between a row and the next phase."""
         self.memory: dict[str, float] = {}
         self.history: list[dict[str, float]] = []
         self.mlflow: Any = None
@@ -75,6 +80,8 @@ class Tracker:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
+        if self.step_started is None:
+            self.step_started = start
         with torch.profiler.record_function(f"phase/{name}"):  # names the phase in a --profile trace
             yield
         if cuda:
@@ -88,13 +95,17 @@ class Tracker:
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
     def row(self, step: int, batch: Any, metrics: dict[str, float]) -> dict[str, float]:
-        """Step ``step``'s row as it stands: the batch's statistics, ``metrics`` and the phases' times so far."""
+        """Step ``step``'s row as it stands: the batch's statistics, ``metrics`` and the phases' times so far, and
+        the step's wall time so far (the sum of its phases would miss what runs between them)."""
         tokens = sum(len(s) for s in batch.sequences)
         response_tokens = batch.mask.sum().clamp(min=1)
+        wall = time.perf_counter() - self.step_started if self.step_started is not None else 0.0
+        trained = wall - self.times.get("time/eval", 0.0)
         return {"step": step, "reward_mean": float(batch.scores.mean()), "reward_std": float(batch.scores.std()),
                 "response_length": float(batch.mask.sum(dim=1).mean()),
                 "entropy": float(-(batch.rollout_logprobs * batch.mask).sum() / response_tokens),
-                "tokens_per_s": tokens / max(sum(self.times.values()), 1e-9), **metrics, **self.times}
+                "tokens": float(tokens), "tokens_per_s": tokens / max(trained, 1e-9), **metrics, **self.times,
+                "time/step": wall}
 
     def log(self, step: int, batch: Any, metrics: dict[str, float]) -> None:
         self.write(self.row(step, batch, metrics))
@@ -102,7 +113,11 @@ class Tracker:
     def write(self, row: dict[str, float]) -> None:
         """Log ``row`` (from ``row``) with the phases' times and memory peaks since the last row."""
         step = int(row["step"])
-        times, self.times = self.times, {}
+        if self.unlogged is not None and step == self.start_step - 1 and self.step_started is not None:
+            # the checkpoint's row, its wall time taken up to the save: this process's part (the evaluation) adds to
+            # it, so that time/step - time/eval stays the trained part
+            row = row | {"time/step": row.get("time/step", 0.0) + time.perf_counter() - self.step_started}
+        times, self.times, self.step_started = self.times, {}, None
         memory, self.memory = _max_over_ranks(self.memory), {}
         row = row | times | memory
         self.history.append(row)
@@ -120,7 +135,8 @@ class Tracker:
             f"len {row['response_length']:.1f} kl {row.get('kl', 0.0):.4f} "
             f"clip {row.get('actor/clip_fraction', 0.0):.3f} gnorm {row.get('actor/grad_norm', 0.0):.3f} "
             f"lp-diff {row['logprob_diff_max']:.2e} | " + " ".join(
-                f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | {row['tokens_per_s']:.0f} tok/s"
+                f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | step {row['time/step']:.2f}s"
+            f" {row['tokens_per_s']:.0f} tok/s"
             + "".join(f" | eval {k.split('/')[1]} {v:.3f}" for k, v in row.items()
                       if k.startswith("eval/") and k.endswith("/accuracy") and "/initial/" not in k)
             + f" | ETA {self._eta(step)}")
@@ -136,14 +152,10 @@ class Tracker:
         """However the process ends, the mlflow run ends with it: KILLED after a signal (megarl.run.interrupt), FAILED
         after an error (megarl.errors.at_failure), also another rank's, after which torchrun sends this one SIGTERM
         (the launcher's error file holds it); ``close`` gives FINISHED after the last step."""
-        from megarl.errors import ERROR_FILE, at_failure
+        from megarl.errors import at_failure
         from megarl.run import interrupt
 
-        def interrupted() -> None:
-            errors = os.environ.get(ERROR_FILE)
-            self.close(status="FAILED" if errors and os.path.isfile(errors) and os.path.getsize(errors) else "KILLED")
-
-        interrupt.at_interrupt(interrupted)
+        interrupt.at_interrupt(lambda: self.close(status=interrupted_status()))
         at_failure(lambda: self.close(status="FAILED"))
 
     def close(self, status: str = "FINISHED") -> None:
@@ -162,7 +174,16 @@ class Tracker:
                 mlflow.MlflowClient().set_terminated(self.run_id, status=status)
 
 
-def open_store(cfg: Config, out_dir: Path) -> Any:
+class Recipe(Protocol):
+    """What mlflow needs of a recipe: an RL run's Config, or reward-model training's."""
+
+    @property
+    def tracking(self) -> TrackingConfig: ...
+
+    def to_flat_dict(self) -> dict[str, Any]: ...
+
+
+def open_store(cfg: Recipe, out_dir: Path) -> Any:
     """Point mlflow at the configured store and experiment (creating them); the mlflow module. Cheap:
     bootstrap calls it before building anything, so a bad tracking.uri costs no start-up time."""
     t = cfg.tracking
@@ -261,7 +282,7 @@ def forget_mlflow_steps(uri: str, run_id: str, start_step: int) -> int | None:
     return deleted
 
 
-def start_mlflow(cfg: Config, out_dir: Path, run_id: str | None = None, start_step: int = 0) -> Any:
+def start_mlflow(cfg: Recipe, out_dir: Path, run_id: str | None = None, start_step: int = 0) -> Any:
     """Open the store, start (or continue) a run and log the flattened config as params; the mlflow module.
     A continued run first forgets the steps from ``start_step`` on, which the resumed run logs again."""
     mlflow = open_store(cfg, out_dir)
@@ -302,3 +323,40 @@ def _max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device="cuda")
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return dict(zip(keys, tensor.tolist(), strict=True))
+
+
+def interrupted_status() -> str:
+    """An interrupt's mlflow status: KILLED, or FAILED when another rank's error caused it (torchrun's SIGTERM after
+    that rank's paragraph reached the launcher's error file)."""
+    from megarl.errors import ERROR_FILE
+
+    errors = os.environ.get(ERROR_FILE)
+    return "FAILED" if errors and os.path.isfile(errors) and os.path.getsize(errors) else "KILLED"
+
+
+def record_if_it_ends(cfg: Config, out_dir: Path) -> Callable[[], None]:
+    """From the moment the config is read until the Tracker's mlflow run takes over (the call returned): a run that
+    ends with an error or an interrupt is recorded as an mlflow run with the config's params, FAILED or KILLED, as a
+    later end would be (a start-up error or a Ctrl-C before the first step used to leave no run). Rank 0 only."""
+    from megarl.errors import at_failure
+    from megarl.run import interrupt
+
+    taken_over = cfg.tracking.backend != "mlflow" or os.environ.get("RANK", "0") != "0"
+
+    def end(status: str) -> None:
+        # A run refused because another holds its directory (megarl.run.lock) writes nothing into that run's store.
+        if taken_over or held_by_another(out_dir):
+            return
+        try:
+            mlflow = start_mlflow(cfg, out_dir)
+        except UserError:  # a store that cannot be opened records nothing: the run's own error says what matters
+            return
+        mlflow.end_run(status=status)
+
+    def take_over() -> None:
+        nonlocal taken_over
+        taken_over = True
+
+    at_failure(lambda: end("FAILED"))
+    interrupt.at_interrupt(lambda: end(interrupted_status()))
+    return take_over

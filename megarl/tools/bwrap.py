@@ -5,11 +5,14 @@ read-only, a few files of /etc the dynamic linker and time zone need, a private 
 zero, full, random, urandom, tty, pts), and three size-capped tmpfs: its working directory, /tmp and /dev/shm.
 Nothing else of the host: no /tmp, /run, /home, /sys, sockets or device nodes. It runs in new user, IPC, UTS,
 PID, mount, network and cgroup namespaces under the seccomp filter of seccomp.py, as uid 65534 (nobody).
+sandbox_init.py is the PID namespace's init (--as-pid-1), under the call's limits like every process of it.
 
 As root, bwrap could only map the call's uid to host root. The host therefore writes the user namespace's maps
 itself (--userns-block-fd), mapping nobody to nobody and root to root for bwrap's own set-up, and
 sandbox_init.py drops to nobody before the code runs, so every process of the code is the host's unprivileged
-uid 65534. Not root, bwrap maps nobody to the trainer's own uid.
+uid 65534. Not root, bwrap maps nobody to the trainer's own uid; a root trainer with `host_uid` set runs bwrap
+as that uid, the same way, so the namespaces and what the kernel counts per user in them are that uid's, not
+root's (bwrap then reads every bind's source as that uid).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ WORKDIR = "/home/sandbox"
 INIT = "/megarl/init.py"
 """Where sandbox_init.py is, inside the sandbox."""
 UID = 65534
-"""The uid and gid the code runs as (nobody), inside and, when the trainer is root, on the host too."""
+"""The uid and gid the code runs as (nobody), inside and, when root runs bwrap, on the host too."""
 _ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
@@ -52,7 +55,8 @@ def command(python: str, disk_bytes: int, init_spec: dict, *, as_root: bool, fds
     """bwrap's argv; `fds` holds the descriptors it reads: code, seccomp, info and block (the uid-map block when
     `as_root`)."""
     argv = [str(executable()), "--unshare-all", "--unshare-user", "--unshare-cgroup", "--die-with-parent",
-            "--new-session", "--hostname", "sandbox", "--info-fd", str(fds["info"]), "--seccomp", str(fds["seccomp"])]
+            "--new-session", "--as-pid-1", "--hostname", "sandbox", "--info-fd", str(fds["info"]),
+            "--seccomp", str(fds["seccomp"])]
     if as_root:
         argv += ["--userns-block-fd", str(fds["block"])]
     else:

@@ -35,8 +35,10 @@ from megarl.tools.cgroups import CallCgroup
 from megarl.tools.reap import MARKER, Descriptors, reap_unisolated, remove_tree
 
 _SCRIPT = "main.py"
-_MEMORY_EXIT = 86
-"""sandbox_init.py's exit code after a MemoryError."""
+_CPU_SLACK_S = 0.5
+"""How far below its limit (cpu_s for SIGXCPU, cpu_s + 1 for SIGKILL) a process's CPU time may read for the signal
+to count as the limit's: the kernel stops it there with its CPU time reading up to a few tenths of a second short
+(measured); further below, the signal is the code's own (or the OOM killer's)."""
 _CLEANUP_S = 5.0
 """How long killing a call's processes may take before the survivors are reported."""
 
@@ -71,6 +73,11 @@ class SandboxConfig:
     against hostile code, for code you would run yourself (a warning says so)."""
     temp_root: str | None = None
     """Where unsafe-none makes the per-call working directories; None = the system's temporary directory."""
+    host_uid: int | None = None
+    """A root trainer's calls run as this host uid and gid instead (bwrap only), which owns their user namespaces,
+    so what the kernel counts per user is counted against it, not root (docs/tools.md). Best a uid nothing else
+    uses; it must be able to read the interpreter, its prefixes and megarl/tools/sandbox_init.py (a pyenv or uv
+    Python under /root it cannot). None: root's namespaces, with what would drain root's quotas removed."""
 
     def __post_init__(self) -> None:
         check(0 < self.timeout_s < math.inf, "timeout_s", self.timeout_s, "be > 0 and finite", "use e.g. 10")
@@ -83,6 +90,8 @@ class SandboxConfig:
               "use bwrap (unsafe-none only for code you trust)")
         check(os.access(self.python, os.X_OK), "python", self.python, "be an executable interpreter",
               "use sys.executable or the path of a python3 binary")
+        check(self.host_uid is None or 0 < self.host_uid < (1 << 32) - 1, "host_uid", self.host_uid,
+              "be an unprivileged uid (> 0) or null", "use a uid of the sandbox's own, or null")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,8 +99,9 @@ class SandboxResult:
     output: str
     """stdout and stderr interleaved, truncated to output_bytes."""
     end: str
-    """Why the call ended: "ok", "exit code N", "timeout after N s", "killed: memory limit",
-    "killed: CPU time limit", "killed by signal SIGX", "sandbox failed: ..."."""
+    """Why the call ended, as the host saw it: "ok", "exit code N", "timeout after N s", "killed: memory limit"
+    (the call's cgroup killed a process), "killed: CPU time limit" (the script's process was stopped at cpu_s),
+    "killed by signal SIGX", "sandbox failed: ..."."""
     truncated_bytes: int = 0
     """Output bytes dropped."""
     layers: dict[str, str] = field(default_factory=dict)
@@ -117,18 +127,19 @@ def require_isolation(config: SandboxConfig) -> None:
                       "user with rlimits only, and can read and change anything that user can. Use it only for "
                       "code you would run yourself.", stacklevel=2)
         return
-    problem = _isolation_problem(config.python)
+    problem = _isolation_problem(config.python, config.host_uid)
     if problem:
         raise UserError(
             f"The Python tool cannot isolate model-written code on this machine: {problem}. It needs bubblewrap "
             "(bwrap) and user namespaces. Fix: install bubblewrap (as root: apt-get install bubblewrap, which "
             "scripts/bootstrap.sh does), and allow user namespaces (sysctl user.max_user_namespaces=10000; on "
-            "Debian kernel.unprivileged_userns_clone=1; on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0). "
-            "Only for code you trust: set the tool's `isolation: unsafe-none` (agent.tools[].args).")
+            "Debian kernel.unprivileged_userns_clone=1; on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0); "
+            "with `host_uid` set, let that uid read the interpreter, its prefixes and megarl/tools/sandbox_init.py, "
+            "or unset it. Only for code you trust: set the tool's `isolation: unsafe-none` (agent.tools[].args).")
 
 
 @functools.cache
-def _isolation_problem(python: str) -> str | None:
+def _isolation_problem(python: str, host_uid: int | None) -> str | None:
     """Why a sandboxed call cannot run here, or None: one real call, checked from inside."""
     if not seccomp.supported():
         return f"no seccomp filter for this machine's architecture ({os.uname().machine}; x86_64 and aarch64 are)"
@@ -136,7 +147,7 @@ def _isolation_problem(python: str) -> str | None:
         return "bwrap is not installed"
     probe = ("import os\n"
              "print(os.getuid(), [l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')])")
-    result = run_python(probe, SandboxConfig(python=python, timeout_s=30.0))
+    result = run_python(probe, SandboxConfig(python=python, timeout_s=30.0, host_uid=host_uid))
     if result.end != "ok" or result.output.split() != [str(bwrap.UID), "['2']"]:
         return f"a test call ended with {result.end!r} and printed {result.output.strip()[-300:]!r}"
     return None
@@ -149,9 +160,10 @@ def run_python(code: str, config: SandboxConfig) -> SandboxResult:
     return _run_bwrap(code, config)
 
 
-def _init_spec(config: SandboxConfig, drop_to: int | None) -> dict:
-    return {"script": _SCRIPT, "uid": drop_to, "cpu_s": config.cpu_s, "memory_bytes": config.memory_bytes,
-            "file_bytes": config.file_bytes, "open_files": config.open_files, "max_processes": config.max_processes}
+def _init_spec(config: SandboxConfig, drop_to: int | None, report_fd: int) -> dict:
+    return {"script": _SCRIPT, "uid": drop_to, "report_fd": report_fd, "cpu_s": config.cpu_s,
+            "memory_bytes": config.memory_bytes, "file_bytes": config.file_bytes, "open_files": config.open_files,
+            "max_processes": config.max_processes}
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -162,15 +174,19 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def _run_bwrap(code: str, config: SandboxConfig) -> SandboxResult:
-    as_root = os.geteuid() == 0
+    # bwrap run by root makes root's user namespaces, which the host maps (bwrap.py); run as host_uid, its own
+    user = config.host_uid if os.geteuid() == 0 else None
+    as_root = os.geteuid() == 0 and user is None
     deadline = time.monotonic() + config.timeout_s
     # named after this process too: a check for leftovers (tests/test_sandbox_attacks.py) sees only its own calls'
     cgroup = CallCgroup.create(f"{os.getpid()}-{uuid.uuid4().hex}", config.memory_bytes, config.max_processes,
                                config.cpus)
     layers = {"sandbox": "bwrap: user, ipc, uts, pid, mount, network and cgroup namespaces; read-only /usr and "
                          "interpreter; private /proc, minimal /dev, tmpfs workdir, /tmp and /dev/shm",
-              "seccomp": "denies namespaces, mount, ptrace, keyctl, bpf, perf_event_open and more",
-              "uid": f"{bwrap.UID} (nobody), no capabilities",
+              "seccomp": "denies namespaces, mount, ptrace, keyctl, bpf, perf_event_open and more; sockets "
+                         "AF_UNIX only",
+              "uid": f"{bwrap.UID} (nobody), no capabilities; on the host "
+                     f"{bwrap.UID if as_root else user or os.geteuid()}",
               "limits": (cgroup.describe() if cgroup else "none per call") + " + rlimits per process"}
     fds = Descriptors()
     try:
@@ -178,12 +194,14 @@ def _run_bwrap(code: str, config: SandboxConfig) -> SandboxResult:
               "seccomp": fds.own(_memfd("seccomp", seccomp.program()))}
         info_r, fd["info"] = fds.pipe()
         fd["block"], block_w = fds.pipe()
-        argv = bwrap.command(config.python, config.disk_bytes, _init_spec(config, bwrap.UID if as_root else None),
-                             as_root=as_root, fds=fd)
+        report_r, fd["report"] = fds.pipe()
+        spec = _init_spec(config, bwrap.UID if as_root else None, fd["report"])
+        argv = bwrap.command(config.python, config.disk_bytes, spec, as_root=as_root, fds=fd)
         try:
             proc = subprocess.Popen(argv, pass_fds=list(fd.values()), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={"PATH": "/usr/bin:/bin"})
+                                    env={"PATH": "/usr/bin:/bin"}, cwd="/", user=user, group=user,
+                                    extra_groups=None if user is None else [])
         except OSError as err:
             return SandboxResult(output="", end=f"sandbox failed: {err}", layers=layers)
         for name in fd:  # bwrap's ends, now its own
@@ -205,12 +223,13 @@ def _run_bwrap(code: str, config: SandboxConfig) -> SandboxResult:
                 _signal(signal.pidfd_send_signal, pidfd, signal.SIGKILL)
             except (OSError, ValueError) as err:
                 start_error = f"sandbox failed: {err}"
-                kept, dropped, timed_out = _collect(proc, time.monotonic(), config.output_bytes)
+                # bwrap may have said why before it exited (a bind source it cannot read): kill it, keep that
+                _signal(os.killpg, proc.pid, signal.SIGKILL)
+                kept, dropped, timed_out = _collect(proc, time.monotonic() + _CLEANUP_S, config.output_bytes)
             _signal(os.killpg, proc.pid, signal.SIGKILL)
             survivors = cgroup.kill(time.monotonic() + _CLEANUP_S) if cgroup else []
             proc.wait()
-        end = start_error or _end(proc.returncode, timed_out, cgroup is not None and cgroup.oom_killed(),
-                                  config.timeout_s)
+        end = start_error or _end(_report(report_r), timed_out, cgroup is not None and cgroup.oom_killed(), config)
     finally:
         fds.close_all()
         if cgroup:
@@ -253,38 +272,62 @@ def _run_unisolated(code: str, config: SandboxConfig) -> SandboxResult:
     call_id = uuid.uuid4().hex
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megarl-sandbox-", dir=config.temp_root))
     deadline = time.monotonic() + config.timeout_s
+    fds = Descriptors()
     try:
         Path(workdir, _SCRIPT).write_text(code, errors="surrogateescape")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
                MARKER: call_id}
         init = str(Path(__file__).with_name("sandbox_init.py"))
-        proc = subprocess.Popen([config.python, "-I", "-u", init, json.dumps(_init_spec(config, None))],
+        report_r, report_w = fds.pipe()
+        proc = subprocess.Popen([config.python, "-I", "-u", init, json.dumps(_init_spec(config, None, report_w))],
                                 cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=[report_w])
+        fds.close(report_w)
         with proc:
             kept, dropped, timed_out = _collect(proc, deadline, config.output_bytes)
             survivors = reap_unisolated(proc.pid, call_id, time.monotonic() + _CLEANUP_S)
             proc.wait()
+        end = _end(_report(report_r), timed_out, False, config)
     finally:
+        fds.close_all()
         remove_tree(workdir)
     return SandboxResult(output=kept.decode("utf-8", "replace"), truncated_bytes=dropped,
                          layers={"sandbox": "none (unsafe-none)", "limits": "rlimits per process"},
-                         end=_end(proc.returncode, timed_out, False, config.timeout_s), survivors=survivors)
+                         end=end, survivors=survivors)
 
 
-def _end(returncode: int, timed_out: bool, oom_killed: bool, timeout_s: float) -> str:
+def _report(read_end: int) -> dict:
+    """What sandbox_init.py reported of the script's end; {} if it ended before reporting. Read once everything
+    that held the pipe is dead: the report, far below PIPE_BUF, is written at once or not at all."""
+    os.set_blocking(read_end, False)
+    try:
+        report = json.loads(os.read(read_end, 4096))
+    except (BlockingIOError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+def _end(report: dict, timed_out: bool, oom_killed: bool, config: SandboxConfig) -> str:
+    """How the call ended, from the host's deadline, its cgroup's counters and the init's report: never from the
+    code's exit status alone, which the code chooses (86 once read as the memory limit, 152 as the CPU's)."""
     if timed_out:
-        return f"timeout after {timeout_s:g} s"
-    if oom_killed or returncode == _MEMORY_EXIT:
+        return f"timeout after {config.timeout_s:g} s"
+    if oom_killed:
         return "killed: memory limit"
-    # bwrap reports a signal as 128 + N; a direct child (unsafe-none) as -N
-    sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
-    if sig == signal.SIGXCPU:
+    if isinstance(report.get("exit"), int):
+        return "ok" if report["exit"] == 0 else f"exit code {report['exit']}"
+    sig, cpu_s = report.get("signal"), report.get("cpu_s")
+    if not isinstance(sig, int) or not isinstance(cpu_s, int | float):
+        return "sandbox failed: the call ended before its init reported how"
+    # the kernel's SIGXCPU at RLIMIT_CPU, or its SIGKILL at the hard limit a second later (each read up to a few
+    # tenths of a second short); the same signal sooner is the code's own, or the kernel's OOM killer's
+    limit = config.cpu_s if sig == signal.SIGXCPU else config.cpu_s + 1
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu_s >= limit - _CPU_SLACK_S:
         return "killed: CPU time limit"
     try:
         return f"killed by signal {signal.Signals(sig).name}"
-    except ValueError:  # not a signal: an ordinary exit code
-        return "ok" if returncode == 0 else f"exit code {returncode}"
+    except ValueError:
+        return f"killed by signal {sig}"
 
 
 def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[bytearray, int, bool]:

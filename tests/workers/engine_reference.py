@@ -134,7 +134,8 @@ def check_engines_apart(plan: Plan, rank: int, hf: dict, cfg: dict, dtype: torch
 
     dst = nans()
     Resharder(plan, rank, src, dst, group=group, device=cpu).refit()
-    side = Resharder(plan, rank, src, None, group=group, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes)
+    side = Resharder(plan, rank, src, None, group=group, device=cpu, in_engine=True, landing_bytes=plan.bucket_bytes,
+                     dtype=dtype)
     params = nans()
     state, model = HandoverState(), EngineModel(params)
     if engine:

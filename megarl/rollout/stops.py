@@ -1,0 +1,36 @@
+"""The tokens that end a sample: the model's own EOS ids and the run's stop ids.
+
+Engines order their finish checks differently: vLLM looks for a stop token first, SGLang for an abort and then
+for the token budget, so a sample whose last token is EOS comes back "length" (its budget or a chunk's ran out on
+that token) or "abort" (the one token an aborted request keeps). A sample ending in one of these tokens is
+complete, whatever reason the engine gave.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+
+def model_eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
+    """The EOS ids the engines stop at besides the requested stop ids (``eos_token_id``: an int, a list or null):
+    generation_config.json's where it names them, as vLLM and transformers take them, else config.json's; a file
+    that is missing or unreadable adds nothing (the tokenizer's EOS is still asked for)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((Path(hf_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids: list[int] = []
+        for x in value if isinstance(value, list) else [value]:
+            if isinstance(x, int) and not isinstance(x, bool) and x >= 0 and x not in ids:
+                ids.append(x)
+        if ids:
+            return tuple(ids)
+    return ()
+
+
+def ends_in_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> bool:
+    """Whether a sample's last token is one that ends it (so its finish reason is "stop")."""
+    return bool(tokens) and tokens[-1] in stop_ids

@@ -1,0 +1,201 @@
+"""FP8 rollout's hand-over (issue 54, items 1-3, on CPU): rollout.weight_dtype and its start-up refusals, the plan's
+block geometry per quantized engine tensor, and the executor quantizing into engine parameters as SGLang names them
+(float8_e4m3fn ``...weight``, float32 ``...weight_scale_inv``), checked bit for bit against megarl.reshard.fp8's
+quantization of the full bf16 weight sliced to the rank, with checksums from the float64 reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import make_hf_model, run_worker
+from megarl.config.rollout import RolloutConfig
+from megarl.config.yaml_io import FieldError
+from megarl.distributed.parallel import ParallelDims
+from megarl.errors import UserError
+from megarl.models.mapping import hf_shapes
+from megarl.models.spec import load_spec
+from megarl.reshard import fp8
+from megarl.reshard.executor import Resharder, engine_tensor_allocations
+from megarl.reshard.planner import check_fp8_rollout, fp8_rollout_warning, make_plan
+from megarl.reshard.verify import engine_names
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from engine_reference import load_hf, trainer_shards  # noqa: E402
+
+pytest.importorskip("megarl._C")
+
+# Shapes the engines' FP8 loaders take at rollout TP 1, 2 and 4: q rows 4 x 128 (128 per rank at TP 4), 2 kv heads of
+# 128 (one replicated per rank at TP 4), intermediate 512; hidden 256. Vocab 200 is not a multiple of anything.
+ALIGNED = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+               num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("llama") / "llama", "llama", **ALIGNED)
+
+
+def test_weight_dtype_config():
+    assert RolloutConfig().weight_dtype == "bf16"
+    assert RolloutConfig(weight_dtype="fp8").weight_dtype == "fp8"
+    with pytest.raises(FieldError, match=r'weight_dtype` = "fp16".*must be bf16 or fp8'):
+        RolloutConfig(weight_dtype="fp16")  # type: ignore[arg-type]
+    with pytest.raises(FieldError, match=r'weight_dtype` = "fp8".*be bf16 with rollout.engine = vllm.*Fix: use '
+                                         r"rollout.engine: sglang, or weight_dtype: bf16"):
+        RolloutConfig(engine="vllm", weight_dtype="fp8")
+
+
+def _cfg(**rollout: object) -> SimpleNamespace:
+    lora = rollout.pop("adapter", False)
+    correction = rollout.pop("correction", "none")
+    return SimpleNamespace(rollout=SimpleNamespace(**({"weight_dtype": "fp8", "engine": "sglang",
+                                                       "tensor_parallel": 1} | rollout)),
+                           actor=SimpleNamespace(adapter_handover=lambda: lora),
+                           algorithm=SimpleNamespace(rollout_correction=correction))
+
+
+def test_start_up_refusals_and_warning(tmp_path, aligned):
+    tiny = load_spec(make_hf_model(tmp_path / "tiny", "llama"))  # q rows 64: no FP8 layout at any TP
+    spec = load_spec(aligned)
+    check_fp8_rollout(_cfg(weight_dtype="bf16"), tiny)  # bf16: nothing to refuse
+    with pytest.raises(UserError, match=r"rollout.weight_dtype = fp8 with rollout.tensor_parallel = 1: the engines' "
+                                        r"FP8 loaders .* refuse this model's shapes: q_proj rows per engine rank = 64 "
+                                        r"is not a multiple of the FP8 block 128.*rollout.weight_dtype: bf16"):
+        check_fp8_rollout(_cfg(), tiny)
+    with pytest.raises(UserError, match=r"actor.lora.handover = adapter.*Set actor.lora.handover: merged"):
+        check_fp8_rollout(_cfg(adapter=True), spec)
+    moe = load_spec(make_hf_model(tmp_path / "moe", "qwen3_moe"))
+    with pytest.raises(UserError, match=r"MoE experts.*Set rollout.weight_dtype: bf16"):
+        check_fp8_rollout(_cfg(), moe)
+    with pytest.raises(UserError, match=r"rollout.engine = sglang: SGLang's side is not hooked yet"):
+        check_fp8_rollout(_cfg(), spec)
+    # A TP at which the shapes load is suggested where the asked one does not fit.
+    with pytest.raises(UserError, match=r"tensor_parallel = 2: .* k_proj/v_proj rows per engine rank = 64 is not a "
+                                        r"multiple of the FP8 block 128. Use rollout.tensor_parallel in \[1\], or"):
+        make_plan(load_spec(make_hf_model(tmp_path / "narrow", "llama", **(ALIGNED | {"head_dim": 64}))),
+                  ParallelDims(tp=1, pp=1, dp=2), 2, weight_dtype="fp8")
+    warning = fp8_rollout_warning(_cfg())
+    assert warning is not None and "algorithm.rollout_correction: token_tis" in warning
+    assert fp8_rollout_warning(_cfg(correction="token_tis")) is None
+    assert fp8_rollout_warning(_cfg(weight_dtype="bf16")) is None
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_plan_carries_block_geometry(aligned, R):
+    spec = load_spec(aligned)
+    plan = make_plan(spec, ParallelDims(tp=2, pp=1, dp=2), R, weight_dtype="fp8")
+    bf16 = make_plan(spec, ParallelDims(tp=2, pp=1, dp=2), R)
+    assert bf16.fp8 == [] and plan.buckets == bf16.buckets  # the same bytes move; only the geometry is added
+    full = hf_shapes(spec)
+    for r, geometry in enumerate(plan.fp8):
+        assert sorted(geometry) == sorted(n for n in plan.dst_shapes[r] if n.endswith(fp8.QUANTIZED))
+        assert len(geometry) == 4 * spec.num_layers  # qkv, o, gate_up, down; embeddings, norms, lm_head stay
+        (q0, q1), (k0, k1) = fp8.qkv_rows(4, 2, 128, r, R)
+        qkv = geometry["model.layers.0.self_attn.qkv_proj.weight"]
+        assert qkv.scale_name == "model.layers.0.self_attn.qkv_proj.weight_scale_inv" and qkv.block == (128, 128)
+        assert [(p.hf.split(".")[-2], p.rows, p.cols, p.dst_row, p.scale_row) for p in qkv.parts] == [
+            ("q_proj", (q0, q1), (0, 256), 0, 0), ("k_proj", (k0, k1), (0, 256), q1 - q0, (q1 - q0) // 128),
+            ("v_proj", (k0, k1), (0, 256), q1 - q0 + k1 - k0, (q1 - q0 + k1 - k0) // 128)]
+        assert qkv.shape == plan.dst_shapes[r][qkv.name] and qkv.scale_shape == (qkv.shape[0] // 128, 2)
+        down = geometry["model.layers.1.mlp.down_proj.weight"]
+        assert [(p.rows, p.cols) for p in down.parts] == [((0, 256), fp8.tp_range(512, r, R))]
+        assert down.scale_shape == (2, 4 // R)
+        gate_up = geometry["model.layers.1.mlp.gate_up_proj.weight"]
+        assert [p.rows for p in gate_up.parts] == [fp8.tp_range(512, r, R)] * 2
+        assert all(full[p.hf][1] == p.cols[1] - p.cols[0] or p.cols[0] % 128 == 0 for g in geometry.values()
+                   for p in g.parts)
+    # The engine's checksums cover every scale too.
+    assert all(set(names) >= {g.scale_name for g in plan.fp8_tensors(rank).values()}
+               for rank, names in enumerate(engine_names(plan)))
+
+
+def test_one_rank_quantizes_into_the_engines_fp8_parameters(aligned):
+    """TP1 trainer, TP1 engine, one process: o_proj, gate_up and down_proj are the trainer's own tensors and are
+    quantized from them directly; QKV (grouped per kv head in Megatron) goes through the staging arena, which holds
+    the tensors in flight, not all of them. Refusals: an engine tensor of the wrong dtype, the in-engine mode."""
+    spec = load_spec(aligned)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    plan = make_plan(spec, dims, 1, element_size=2, bucket_bytes=64 * 1024, weight_dtype="fp8")
+    hf = {n: t.to(torch.bfloat16) for n, t in load_hf(str(aligned)).items()}
+    src = trainer_shards(spec, dims, 0, hf, torch.bfloat16, plan.padded_vocab)
+    dst = engine_tensor_allocations(plan, 0, torch.bfloat16, torch.device("cpu"))
+    assert dst["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+    assert dst["model.layers.0.self_attn.qkv_proj.weight_scale_inv"].dtype == torch.float32
+    assert dst["model.embed_tokens.weight"].dtype == torch.bfloat16
+    resharder = Resharder(plan, 0, src, dst)
+    assert sorted(resharder._direct) == sorted(f"model.layers.{i}.{n}" for i in range(2) for n in
+                                               ("self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                                                "mlp.down_proj.weight"))
+    qkv_bytes = 1024 * 256 * 2
+    assert resharder.staging_bytes == qkv_bytes  # one QKV in flight at a time, of two
+    resharder.refit()
+    for i in range(2):
+        p = f"model.layers.{i}."
+        want = {p + "self_attn.qkv_proj.weight": fp8.qkv_shard(*(hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv"),
+                                                               0, 1, 128),
+                p + "self_attn.o_proj.weight": fp8.quantize(hf[p + "self_attn.o_proj.weight"]),
+                p + "mlp.gate_up_proj.weight": fp8.gate_up_shard(hf[p + "mlp.gate_proj.weight"],
+                                                                 hf[p + "mlp.up_proj.weight"], 0, 1),
+                p + "mlp.down_proj.weight": fp8.quantize(hf[p + "mlp.down_proj.weight"])}
+        for name, (w, s) in want.items():
+            assert torch.equal(dst[name].view(torch.uint8), w.view(torch.uint8)), name
+            assert torch.equal(dst[name + "_scale_inv"], s), name
+    bad = dict(dst) | {"model.layers.1.mlp.down_proj.weight": torch.empty(256, 512, dtype=torch.bfloat16)}
+    with pytest.raises(UserError, match=r"`model.layers.1.mlp.down_proj.weight` is torch.bfloat16 of shape "
+                                        r"\[256, 512\]; rollout.weight_dtype = fp8 needs torch.float8_e4m3fn"):
+        Resharder(plan, 0, src, bad)
+    missing = {n: t for n, t in dst.items() if not n.endswith("qkv_proj.weight_scale_inv")}
+    with pytest.raises(UserError, match=r"`model.layers.0.self_attn.qkv_proj.weight_scale_inv` is missing"):
+        Resharder(plan, 0, src, missing)
+    with pytest.raises(UserError, match=r"in-engine hand-over \(SGLang's\) does not quantize yet"):
+        Resharder(plan, 0, src, None, in_engine=True)
+
+
+@pytest.mark.slow
+def test_fp8_hand_over_over_trainer_layouts_and_rollout_tp(tmp_path, aligned):
+    rows = run_worker("reshard_fp8.py", tmp_path, aligned)
+    assert {(r["tp"], r["pp"], r["R"]) for r in rows} == {(tp, pp, R) for tp in (1, 2) for pp in (1, 2)
+                                                         for R in (1, 2, 4)}
+    assert len(rows) == 4 * 12
+    for r in rows:
+        # Every engine FP8 weight and scale = fp8's quantization of the full bf16 weight sliced to the engine rank,
+        # and the float64 reference's; every other tensor = the engine's slicing of HF, in bf16.
+        assert r["wrong"] == [] and r["wrong_ref"] == [], r
+        assert len(r["fp8"]) == 8 and r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"], r
+        assert r["checksums"] == len(r["names"]) + 8, r  # each FP8 tensor's scales are checksummed too
+        assert r["caught"] == {"fp8_byte": True, "scale_bit": True, "wrong_quantization": True}, r
+        assert r["doubled"], r
+        # Quantized straight from the trainer's tensors where the engine's window is one of them: with TP = R, o,
+        # gate_up and down_proj of the layers on this GPU's pipeline stage, and QKV too with one kv head per rank
+        # (Megatron groups QKV per kv head, so a rank's [q; k; v] may also be one run elsewhere); the rest goes
+        # through the staging arena and the scratch buffer, which hold less than the FP8 tensors' windows in the
+        # trainer's dtype.
+        matched = r["tp"] == r["R"]
+        linear = [n for n in r["direct"] if not n.endswith("qkv_proj.weight")]
+        assert len(linear) == (3 * 2 // r["pp"] if matched else 0), r
+        if matched:
+            assert len(r["direct"]) - len(linear) == (2 // r["pp"] if r["tp"] == 2 else 0), r
+        assert r["staging_bytes"] < r["window_bytes"] and (r["staging_bytes"] > 0) == (len(r["direct"]) < 8), r
+    print(json.dumps(sorted({(r["tp"], r["pp"], r["R"], r["staging_bytes"], r["window_bytes"]) for r in rows})))
+
+
+def test_check_run_refuses_fp8_before_any_worker(tmp_path):
+    """The start-up check (megarl.loop.bootstrap.check_run) runs the refusals: vLLM in the config, the tiny recipe's
+    model (64 q rows) for its shapes."""
+    from helpers import REPO
+    from megarl.loop.bootstrap import check_run
+
+    recipe = str(REPO / "recipes/tiny_cpu_grpo.yaml")
+    common = [f"checkpoint.dir={tmp_path}", "rollout.weight_dtype=fp8"]
+    with pytest.raises(FieldError, match=r"rollout.weight_dtype` \(--set rollout.weight_dtype=fp8\) = \"fp8\", but it "
+                                         r"must be bf16 with rollout.engine = vllm"):
+        check_run(recipe, common, world=1, ranks_per_node=None, gpu_bytes=0)
+    with pytest.raises(UserError, match=r"rollout.weight_dtype = fp8 with rollout.tensor_parallel = 1: the engines' "
+                                        r"FP8 loaders \(128 x 128 blocks\) refuse this model's shapes"):
+        check_run(recipe, [*common, "rollout.engine=sglang"], world=1, ranks_per_node=None, gpu_bytes=0)

@@ -1,0 +1,73 @@
+"""Where a run's start-up went (megarl.run.startup): one console line after the first step with every part, the
+parts adding up to the total, SGLang's CUDA graph capture read from its log, and the first step against a steady one."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from megarl.run import startup
+
+SGLANG_LOG = (
+    "Capturing num tokens (num_tokens=8 avail_mem=12.05 GB):  95%|#| 55/58 [01:03<00:00, 11.16it/s]"
+    "Capturing num tokens (num_tokens=4 avail_mem=12.04 GB): 100%|##########| 58/58 [01:03<00:00,  1.09s/it]\n"
+    "Capturing batches (bs=2 avail_mem=11.99 GB):  98%|#| 51/52 [00:05<00:00, 18.20it/s]"
+    "Capturing batches (bs=1 avail_mem=11.99 GB): 100%|##########| 52/52 [00:05<00:00,  9.49it/s]\n")
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fresh module whose clock reads what the test sets, in a process that started 2 s before the first mark."""
+    mod = importlib.reload(startup)
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(mod, "process_age", lambda: 2.0)
+    monkeypatch.setenv("RANK", "0")
+    yield mod, now
+    importlib.reload(startup)
+
+
+def test_the_first_step_prints_every_part_adding_up_to_the_total(clock, tmp_path, capsys):
+    mod, now = clock
+    (tmp_path / "engine_0.log").write_text(SGLANG_LOG)
+    for part, seconds in [("imports", 0), ("config and data", 3), ("process groups", 1), ("models built", 4)]:
+        now[0] += seconds
+        mod.mark(part)
+    mod.engine_log(tmp_path / "engine_0.log")
+    now[0] += 80
+    mod.mark("engine start")
+    now[0] += 0.5
+    mod.mark("first weight push")
+    now[0] += 10
+    row = mod.step_ended()
+    out = capsys.readouterr().out
+    assert out.startswith("megarl: start-up 100.5 s: imports 2.0 s, config and data 3.0 s, process groups 1.0 s, "
+                          "models built 4.0 s, engine start 80.0 s (of which SGLang's CUDA graph capture 68.0 s), "
+                          "first weight push 0.5 s, first step 10.0 s"), out
+    assert row["startup/engine_start_s"] == 80 and row["startup/first_step_s"] == 10
+    assert sum(v for k, v in row.items() if k != "startup/total_s") == pytest.approx(row["startup/total_s"]) == 100.5
+    now[0] += 4
+    assert mod.step_ended() == {}
+    assert capsys.readouterr().out == "megarl: the first step took 2.5x a steady one (10.0 s against 4.0 s)\n"
+    now[0] += 4
+    mod.mark("engine start")  # an engine restarted mid-run is not start-up
+    assert mod.step_ended() == {} and capsys.readouterr().out == "" and mod._parts["engine start"] == 80
+
+
+def test_other_ranks_print_nothing_but_log_the_parts(clock, capsys, monkeypatch):
+    mod, now = clock
+    monkeypatch.setenv("RANK", "1")
+    mod.mark("imports")
+    now[0] += 1
+    assert mod.step_ended()["startup/first_step_s"] == 1 and capsys.readouterr().out == ""
+
+
+def test_graph_capture_needs_a_finished_bar():
+    assert startup.graph_capture_s(SGLANG_LOG) == 68
+    assert startup.graph_capture_s("Capturing batches (bs=1): 50%|#| 1/2 [00:05<00:05]") is None
+    assert startup.graph_capture_s("Capturing batches (bs=1): 100%|#| 2/2 [1:02:03<00:00]") == 3723
+
+
+def test_the_process_age_counts_from_the_interpreter_start():
+    assert 0 < startup.process_age() < 3600
