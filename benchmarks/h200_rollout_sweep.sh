@@ -10,8 +10,8 @@
 #              the last part); with FIWARM=1 then compile flashinfer's JIT attention kernels for SmolLM2 (8 compile
 #              jobs): a setting named fi* waits for that while time allows
 #     convert  record the machine in /tmp/rs/env.txt and wait for the install
-#     sweep    MODEL=smollm2 (the converted model) or llama16 (Llama-3-8B's body at 16 layers, SmolLM2's tokenizer,
-#              random weights: load_format=dummy); CONFIGS="name:key=value/key=value name2:..." one engine each,
+#     sweep    MODEL=smollm2 (the converted model) or llamaN (Llama-3-8B's body at N layers, SmolLM2's tokenizer,
+#              random weights: load_format=dummy; llamaNfp8: its linear layers in SGLang's block-FP8 format); CONFIGS="name:key=value/key=value name2:..." one engine each,
 #              on top of COMMON (variants=a,b and repeats=N in a setting override VARIANTS and REPEATS);
 #              DATA and TEMPLATE (the GSM8K recipe's: gsm8k and its prompt template); VARIANTS (bare-n1,adapter),
 #              REPEATS (2); a setting gets TCFG s at most (260);
@@ -60,9 +60,17 @@ for step in "$@"; do
     sweep)
       model=${MODEL:-smollm2}
       dir=/tmp/$model; common=$COMMON
-      if [[ $model == llama16 ]]; then
-        [[ -d $dir ]] || python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer /tmp/smollm2 \
-          --out "$dir" --layers 16 --config-only
+      if [[ $model == llama* ]]; then
+        layers=${model#llama}; layers=${layers%fp8}
+        if [[ ! -d $dir ]]; then
+          python3 benchmarks/make_random_model.py --preset llama3-8b --tokenizer /tmp/smollm2 --out "$dir" \
+            --layers "$layers" --config-only
+          # The block-FP8 checkpoint format (issue 54): SGLang then builds float8 linear layers with 128 x 128 scales.
+          [[ $model == *fp8 ]] && python3 -c "import json, sys; p = sys.argv[1] + '/config.json'; c = json.load(open(p))
+c['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
+                            'weight_block_size': [128, 128]}
+json.dump(c, open(p, 'w'), indent=1)" "$dir"
+        fi
         common+="/load_format=dummy"
       fi
       # The GPU's share of the decode time, and the forward count, in SGLang's decode lines.

@@ -94,3 +94,34 @@ def test_packed_rows_run_by_flex_attention_on_a_gpu_equal_the_dense_mask(attenti
     grads = [torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in (flex, dense)]
     for g_flex, g_dense in zip(*grads, strict=True):
         assert (g_flex.float() - g_dense.float()).abs().max() < tolerance * max(1.0, g_dense.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
+    """compile_document_attention, which runs beside the engine's start, leaves nothing for the first step to
+    compile: packed micro-batches of other lengths, row counts and segment layouts, scored without gradients and
+    trained with them, add no graph."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch._dynamo.utils import counters
+
+    import megarl.models.attention as attention
+
+    torch._dynamo.reset()
+    attention._compiled_flex = None
+    config = TransformerConfig(num_layers=1, hidden_size=576, num_attention_heads=9, num_query_groups=3,
+                               kv_channels=64, attention_dropout=0.0, params_dtype=torch.bfloat16)
+    core = attention.FusedCoreAttention(config, 1, AttnMaskType.causal, "self")
+    assert attention.compile_document_attention([core]) > 0
+    graphs = counters["stats"]["unique_graphs"]
+    for rows, lengths in ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8)):
+        s = sum(lengths)
+        segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device="cuda")
+        for train in (False, True):
+            q, k, v = (torch.randn(s, rows, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+                       for n in (9, 3, 3))
+            with torch.set_grad_enabled(train):
+                out = core(q, k, v, segments)
+                if train:
+                    out.float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs

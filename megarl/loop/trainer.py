@@ -11,6 +11,7 @@ weights over, and all ranks then see the whole batch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from megarl.loop.rollout_manager import RolloutManager
 from megarl.loop.timing import PartTimes
 from megarl.loop.weight_sync import WeightSync
 from megarl.lora.training import BaseModel
+from megarl.models.attention import compile_document_attention
 from megarl.models.spec import load_spec
 from megarl.models.trainable import MegatronModel
 from megarl.rollout.base import Completion, SamplingParams
@@ -47,7 +49,15 @@ class RLTrainer:
         self.sync.describe()
         group, kind = self.sync.engine_group(), engine_class(cfg)
         alias_file = self.sync.share_aliases(self.learner, group, kind)
-        self.rollout.start(group, kind, alias_file)
+        # The first step's FlexAttention compilation, done while the engine starts (it waits on its processes).
+        pool = ThreadPoolExecutor(1, thread_name_prefix="megarl-compile")
+        compiled = pool.submit(compile_document_attention, self.learner.actor.chunks)
+        try:
+            self.rollout.start(group, kind, alias_file)
+        finally:
+            pool.shutdown(wait=False)
+        if (seconds := compiled.result()) and groups.rank == 0:
+            print(f"megarl: attention kernels compiled in {seconds:.1f} s beside the engine's start", flush=True)
         if alias_file is not None:
             alias_file.unlink()  # the engine's loader read it at start; its IPC handles mean nothing to anyone else
         self.sync.connect(self.learner, self.rollout)

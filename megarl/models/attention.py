@@ -137,3 +137,39 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
     return _compiled_flex(q, k, v, block_mask=_mask_of(segments, flex=True), scale=scale,
                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def compile_document_attention(modules: list[torch.nn.Module]) -> float:
+    """Compile FlexAttention's document-causal kernels for the first ``FusedCoreAttention`` of ``modules`` (every
+    layer of a model shares its heads, head size and scale), forward alone as scoring runs it and forward with
+    backward as the update does, on micro-batches of one row and of two, and return the seconds it took (0 where
+    the model does not run FlexAttention: on CPU, with dropout, or with another core attention).
+
+    The first step otherwise pays this compilation (about half a minute on a fresh machine); run beside the
+    engine's start (megarl.loop.trainer), it costs no wall time. torch.compile(dynamic=True) keeps one graph per
+    mode for every sequence length, but specializes a size of 1, hence the two row counts."""
+    import time
+
+    core = next((m for chunk in modules for m in chunk.modules() if isinstance(m, FusedCoreAttention)), None)
+    if core is None or core.dropout or not torch.cuda.is_available():
+        return 0.0
+    config = core.config
+    tp = config.tensor_model_parallel_size
+    heads = config.num_attention_heads // tp
+    kv_heads = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+    head_dim = config.kv_channels
+    assert head_dim is not None
+    device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+    for rows in (2, 1):
+        segments = (torch.arange(256, device=device) // 96).expand(rows, -1).contiguous()
+        for train in (False, True):
+            # [s, b, heads, d] permuted as forward() does: the compiled graph guards on the strides' order.
+            q, k, v = (torch.randn(256, rows, n, head_dim, device=device, dtype=config.params_dtype,
+                                   requires_grad=train) for n in (heads, kv_heads, kv_heads))
+            with torch.set_grad_enabled(train):
+                out = document_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), segments, core.softmax_scale)
+                if train:
+                    out.sum().backward()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start
