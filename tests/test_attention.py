@@ -118,9 +118,8 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
         s = sum(lengths)
         segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device="cuda")
         for train in (False, True):
-            q, k, v = (torch.randn(s, rows, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=train)
-                       for n in (9, 3, 3))
             with torch.set_grad_enabled(train):
+                q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.bfloat16, torch.device("cuda"), train)
                 out = core(q, k, v, segments)
                 if train:
                     out.float().sum().backward()

@@ -102,6 +102,7 @@ def thd_segments(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 _compiled_flex: Any = None
+_compiled_mask: Any = None
 _last_mask: tuple[torch.Tensor, bool, Any] | None = None
 """The mask of the segments tensor last seen, built once for all the layers of a micro-batch's forward (they get
 the same tensor); holding the tensor keeps its identity from being reused by another micro-batch's."""
@@ -118,8 +119,12 @@ def _mask_of(segments: torch.Tensor, flex: bool) -> Any:
             def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
 
+            global _compiled_mask
+            if _compiled_mask is None:
+                _compiled_mask = torch.compile(create_block_mask, dynamic=True)
             b, s = segments.shape
-            mask = create_block_mask(same_document, b, None, s, s, device=segments.device, _compile=True)
+            with torch.no_grad():  # the mask takes no gradient: one graph serves scoring and training
+                mask = _compiled_mask(same_document, b, None, s, s, device=segments.device)
         else:
             mask = block_causal_mask(segments)
         _last_mask = (segments, flex, mask)
@@ -164,12 +169,23 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     for rows in (2, 1):
         segments = (torch.arange(256, device=device) // 96).expand(rows, -1).contiguous()
         for train in (False, True):
-            # [s, b, heads, d] permuted as forward() does: the compiled graph guards on the strides' order.
-            q, k, v = (torch.randn(256, rows, n, head_dim, device=device, dtype=config.params_dtype,
-                                   requires_grad=train) for n in (heads, kv_heads, kv_heads))
             with torch.set_grad_enabled(train):
+                q, k, v = megatron_qkv(256, rows, heads, kv_heads, head_dim, config.params_dtype, device, train)
                 out = document_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), segments, core.softmax_scale)
                 if train:
                     out.sum().backward()
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def megatron_qkv(s: int, rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, requires_grad: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random query, key and value [s, rows, heads or kv heads, head_dim] laid out as Megatron's self-attention
+    hands them to core attention, which the compiled graphs guard on: split from one [s, rows, groups, (heads /
+    groups + 2) * head_dim] projection, query and key rotated (new tensors), value a view of the projection."""
+    per = heads // kv_heads
+    mixed = torch.randn(s, rows, kv_heads, (per + 2) * head_dim, device=device, dtype=dtype,
+                        requires_grad=requires_grad)
+    query, key, value = torch.split(mixed, [per * head_dim, head_dim, head_dim], dim=3)
+    return query.reshape(s, rows, heads, head_dim) * 1, key * 1, value
