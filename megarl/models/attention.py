@@ -171,7 +171,8 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
         for train in (False, True):
             with torch.set_grad_enabled(train):
                 q, k, v = megatron_qkv(256, rows, heads, kv_heads, head_dim, config.params_dtype, device, train)
-                out = document_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), segments, core.softmax_scale)
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d], as forward() passes them
+                out = document_attention(q, k, v, segments, core.softmax_scale)
                 if train:
                     out.sum().backward()
     torch.cuda.synchronize(device)
