@@ -102,7 +102,6 @@ def thd_segments(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 _compiled_flex: Any = None
-_compiled_mask: Any = None
 _last_mask: tuple[torch.Tensor, bool, Any] | None = None
 """The mask of the segments tensor last seen, built once for all the layers of a micro-batch's forward (they get
 the same tensor); holding the tensor keeps its identity from being reused by another micro-batch's."""
@@ -119,12 +118,9 @@ def _mask_of(segments: torch.Tensor, flex: bool) -> Any:
             def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
 
-            global _compiled_mask
-            if _compiled_mask is None:
-                _compiled_mask = torch.compile(create_block_mask, dynamic=True)
             b, s = segments.shape
-            with torch.no_grad():  # the mask takes no gradient: one graph serves scoring and training
-                mask = _compiled_mask(same_document, b, None, s, s, device=segments.device)
+            with torch.no_grad():  # the mask takes no gradient: the same graphs serve scoring and training
+                mask = create_block_mask(same_document, b, None, s, s, device=segments.device, _compile=True)
         else:
             mask = block_causal_mask(segments)
         _last_mask = (segments, flex, mask)
@@ -147,12 +143,15 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
 def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     """Compile FlexAttention's document-causal kernels for the first ``FusedCoreAttention`` of ``modules`` (every
     layer of a model shares its heads, head size and scale), forward alone as scoring runs it and forward with
-    backward as the update does, on micro-batches of one row and of two, and return the seconds it took (0 where
+    backward as the update does, on micro-batches of one row and of several, and return the seconds it took (0 where
     the model does not run FlexAttention: on CPU, with dropout, or with another core attention).
 
-    The first step otherwise pays this compilation (about half a minute on a fresh machine); run beside the
-    engine's start (megarl.loop.trainer), it costs no wall time. torch.compile(dynamic=True) keeps one graph per
-    mode for every sequence length, but specializes a size of 1, hence the two row counts."""
+    The first step otherwise pays these compilations (5.5 s on an H100, and a recompilation for each shape that
+    differs from the first); run beside the engine's start (megarl.loop.trainer), they cost no wall time.
+    torch.compile(dynamic=True) keeps one FlexAttention graph per mode for every length but specializes a size of
+    1, hence one row and several; the block mask (create_block_mask's own compilation) turns dynamic only at its
+    second shape, hence two lengths. Query, key and value come with Megatron's layout (``megatron_qkv``): the graphs
+    guard on their strides."""
     import time
 
     core = next((m for chunk in modules for m in chunk.modules() if isinstance(m, FusedCoreAttention)), None)
@@ -166,11 +165,12 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     assert head_dim is not None
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
-    for rows in (2, 1):
-        segments = (torch.arange(256, device=device) // 96).expand(rows, -1).contiguous()
+    # The block mask compiles for its first shape, then once more with the sizes that changed made dynamic.
+    for rows, length in ((2, 256), (3, 320), (1, 256)):
+        segments = (torch.arange(length, device=device) // 96).expand(rows, -1).contiguous()
         for train in (False, True):
             with torch.set_grad_enabled(train):
-                q, k, v = megatron_qkv(256, rows, heads, kv_heads, head_dim, config.params_dtype, device, train)
+                q, k, v = megatron_qkv(length, rows, heads, kv_heads, head_dim, config.params_dtype, device, train)
                 q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d], as forward() passes them
                 out = document_attention(q, k, v, segments, core.softmax_scale)
                 if train:
