@@ -20,6 +20,9 @@
 #   async_abort, gsm8k_async_abort   colocated_async without chunks: SGLang aborts the unfinished requests once a
 #             batch is done (async_rl.chunk_tokens null)
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
+#   product_tool   GRPO with the sandboxed Python tool on three-digit products (recipes/smollm2_product_tool_grpo.yaml),
+#             $STEPS steps, held-out accuracy and tool calls (agent/*) every $EVAL_EVERY steps
+#   product_notool   the base model on the same held-out products without the tool (megarl.evaluate, greedy)
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
 #   any async or separate run with _stale2 after its mode (e.g. gsm8k_separate_abort_stale2_mps): max_staleness 2
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
@@ -117,6 +120,15 @@ all_runs() {
         mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every=0 ;;
+      product_tool)
+        learn product_tool recipes/smollm2_product_tool_grpo.yaml --set trainer.num_steps="$STEPS" \
+          --set eval.every="$EVAL_EVERY" --set checkpoint.save_every=0 ;;
+      product_notool)
+        timeout 600 python3 -m megarl.evaluate --model /tmp/smollm2 --data recipes/product/test.jsonl --engine sglang \
+          --prompt-template "{question} Output the final answer after \"####\"." --max-new-tokens 256 \
+          --engine-arg attention_backend=triton --engine-arg sampling_backend=pytorch \
+          --engine-arg grammar_backend=none > /tmp/runs/product_notool.log 2>&1
+        echo "[h200] product_notool exit $?: $(tail -1 /tmp/runs/product_notool.log | cut -c1-300)" ;;
       opd)
         learn opd recipes/smollm2_arith_opd.yaml --set distill.teacher=/tmp/teacher --set rollout.max_new_tokens=256 \
           --set eval.every="$EVAL_EVERY" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
