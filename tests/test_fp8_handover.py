@@ -26,7 +26,9 @@ from megarl.reshard.planner import check_fp8_rollout, fp8_rollout_warning, make_
 from megarl.reshard.verify import engine_names
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from engine_reference import load_hf, trainer_shards  # noqa: E402
+from engine_reference import EngineModel, Reports, load_hf, trainer_shards  # noqa: E402
+
+from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402
 
 pytest.importorskip("megarl._C")
 
@@ -118,7 +120,8 @@ def test_plan_carries_block_geometry(aligned, R):
 def test_one_rank_quantizes_into_the_engines_fp8_parameters(aligned):
     """TP1 trainer, TP1 engine, one process: o_proj, gate_up and down_proj are the trainer's own tensors and are
     quantized from them directly; QKV (grouped per kv head in Megatron) goes through the staging arena, which holds
-    the tensors in flight, not all of them. Refusals: an engine tensor of the wrong dtype, the in-engine mode."""
+    the tensors in flight, not all of them. The in-engine mode gives the engine the same bytes. Refusals: an engine
+    tensor of the wrong dtype or missing, in either mode."""
     spec = load_spec(aligned)
     dims = ParallelDims(tp=1, pp=1, dp=1)
     plan = make_plan(spec, dims, 1, element_size=2, bucket_bytes=64 * 1024, weight_dtype="fp8")
@@ -153,8 +156,30 @@ def test_one_rank_quantizes_into_the_engines_fp8_parameters(aligned):
     missing = {n: t for n, t in dst.items() if not n.endswith("qkv_proj.weight_scale_inv")}
     with pytest.raises(UserError, match=r"`model.layers.0.self_attn.qkv_proj.weight_scale_inv` is missing"):
         Resharder(plan, 0, src, missing)
-    with pytest.raises(UserError, match=r"in-engine hand-over \(SGLang's\) does not quantize yet"):
-        Resharder(plan, 0, src, None, in_engine=True)
+    # In-engine (SGLang's hand-over): the trainer quantizes into its fp8_out, step by step, and the engine's copy
+    # moves the bytes into its parameters. One bucket holds every (local) transfer here; a limit of two buckets
+    # (128 KiB) cuts the quantizations into steps, so fp8_out holds a step's tensors (a QKV alone: 256 KiB of FP8),
+    # not the model's.
+    side = Resharder(plan, 0, src, None, in_engine=True, landing_bytes=2 * plan.bucket_bytes)
+    params = {n: torch.full_like(t, float("nan")) if t.dtype != torch.float8_e4m3fn else
+              torch.full_like(t.view(torch.uint8), 0x7F).view(t.dtype) for n, t in dst.items()}
+    state, model = HandoverState(), EngineModel(params)
+    state.handle(model, side.engine_copy().to_wire("actor"))
+    assert side.num_rounds > 2
+    assert side.staging_bytes == qkv_bytes and 0 < side._fp8_out_bytes < 1024 * 256 + 512 * 256 * 2
+    for r in range(side.num_rounds):
+        side.refit(r)
+        state.handle(model, apply_message("actor", torch.zeros(1), r))
+    assert sorted(params) == sorted(dst)
+    for name in dst:
+        assert torch.equal(params[name].view(torch.uint8), dst[name].view(torch.uint8)), name
+    side.verify(Reports(side.checksum_names, params), 0)
+    # An engine that holds a linear layer in bf16 is refused when the copy attaches, naming the layer and the format.
+    unquantized = dict(params) | {"model.layers.1.mlp.down_proj.weight": torch.empty(256, 512, dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match=r"`model.layers.1.mlp.down_proj.weight` is bfloat16, but the hand-over writes "
+                                         r"float8_e4m3fn \(rollout.weight_dtype = fp8\): the engine must hold its "
+                                         r"linear layers in block FP8"):
+        HandoverState().handle(EngineModel(unquantized), side.engine_copy().to_wire("actor"))
 
 
 @pytest.mark.slow
@@ -167,6 +192,7 @@ def test_fp8_hand_over_over_trainer_layouts_and_rollout_tp(tmp_path, aligned):
         # Every engine FP8 weight and scale = fp8's quantization of the full bf16 weight sliced to the engine rank,
         # and the float64 reference's; every other tensor = the engine's slicing of HF, in bf16.
         assert r["wrong"] == [] and r["wrong_ref"] == [], r
+        assert r["in_engine"] and r["fp8_out_bytes"] > 0, r
         assert len(r["fp8"]) == 8 and r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"], r
         assert r["checksums"] == len(r["names"]) + 8, r  # each FP8 tensor's scales are checksummed too
         assert r["caught"] == {"fp8_byte": True, "scale_bit": True, "wrong_quantization": True}, r

@@ -31,8 +31,11 @@ staging region is reused by tensors of later buckets, so the arena holds the ten
 weights. A tensor this GPU's trainer tensors fill alone within one bucket is copied into one scratch buffer and
 quantized at once, one such tensor after the other. Where the window is byte for byte one of this GPU's trainer
 tensors (engine TP = trainer TP: o_proj, gate_up, down_proj of its pipeline stage, QKV with one kv head per rank, as
-``planner.aliases`` finds them), it is quantized from the trainer's tensor directly, with no copy at all. Not in
-``in_engine`` mode yet: the engine process would have to run the quantization.
+``planner.aliases`` finds them), it is quantized from the trainer's tensor directly, with no copy at all. In
+``in_engine`` mode the trainer's side does all of that too, from its tensors and the landing buffer, but quantizes into
+an output buffer of its own (``fp8_out``, as many bytes as one round quantizes), and the engine's copy of the round
+moves those bytes into its float8 ``weight`` and float32 ``weight_scale_inv`` as it moves the rest: the engine process
+runs no quantization, and the rounds (``landing_rounds``) count the quantized bytes with the landed ones.
 """
 
 from __future__ import annotations
@@ -154,10 +157,6 @@ class Resharder:
         self.device = device or next(iter((dst or src).values())).device
         self.fp8 = plan.fp8_tensors(rank)
         """This GPU's engine tensors held in FP8, quantized on the way (module docstring)."""
-        if self.fp8 and in_engine:
-            raise UserError("rollout.weight_dtype = fp8: the in-engine hand-over (SGLang's) does not quantize yet; "
-                            "the engine process would have to run the quantization (docs/handover.md, \"FP8 "
-                            "weights\"). Set rollout.weight_dtype: bf16.")
         self._check(src, dst, dtype)
         self.src_names = sorted({t.src_name for b in plan.buckets for t in b if t.src_rank == rank})
         self.dst_names = sorted({t.dst_name for b in plan.buckets for t in b if t.dst_rank == rank})
@@ -191,7 +190,11 @@ class Resharder:
             self._quantize_after[k] = [n for n in self._quantize_after[k] if n not in seen]
             seen |= set(self._quantize_after[k])
         src_index = {n: i for i, n in enumerate(self.src_names)}
-        dst_index = {n: i for i, n in enumerate(self.dst_names)}
+        # In-engine, the engine's copy writes checksum_names (its tensors and, in FP8, their scales); the trainer
+        # writes the FP8 windows it stages (staged_names) itself.
+        dst_index = {n: i for i, n in enumerate(self.checksum_names if in_engine else self.dst_names)}
+        self.staged_names = sorted(self._staged) if in_engine else []
+        staged_index = {n: i for i, n in enumerate(self.staged_names)}
         es = plan.element_size
         dst_shapes = plan.engine_shapes(rank)
         self._needs_pool = any(not t.local and rank in (t.sender, t.dst_rank) for b in plan.buckets for t in b)
@@ -207,6 +210,7 @@ class Resharder:
             if k == self.rounds[round_of[k]][0]:
                 landed = 0  # a round lands at the buffer's start: the engine copied the last one out
             local, packs, unpacks, forwards = [], [], [], []
+            staged_local, staged_unpacks = [], []  # in-engine: FP8 windows the trainer assembles itself
             scratched: dict[str, list[Segment]] = {}
             sends: dict[int, list[Transfer]] = {}
             recvs: dict[int, list[Transfer]] = {}
@@ -218,6 +222,9 @@ class Resharder:
                 elif t.dst_rank == rank and t.dst_name in self._scratched:
                     scratched.setdefault(t.dst_name, []).append(_segment(
                         t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es, src_index[t.src_name], 0))
+                elif t.local and t.src_rank == rank and t.dst_name in staged_index:
+                    staged_local.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es,
+                                                 src_index[t.src_name], staged_index[t.dst_name]))
                 elif t.local and t.src_rank == rank:
                     local.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es,
                                           src_index[t.src_name], dst_index[t.dst_name]))
@@ -242,8 +249,12 @@ class Resharder:
             for peer in sorted(recvs):
                 start = offset
                 for t in recvs[peer]:
-                    unpacks.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es, 0,
-                                            dst_index[t.dst_name], src_packed=offset))
+                    if t.dst_name in staged_index:  # from the landing buffer, where it arrives, into the arena
+                        staged_unpacks.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es,
+                                                       0, staged_index[t.dst_name], src_packed=base + offset))
+                    else:
+                        unpacks.append(_segment(t, plan.src_shapes[t.src_name], dst_shapes[t.dst_name], es, 0,
+                                                dst_index[t.dst_name], src_packed=offset))
                     received[t] = base + offset
                     offset += t.nbytes
                 recv_regions.append((peer, start, offset - start))
@@ -253,8 +264,9 @@ class Resharder:
                 engine_segments[round_of[k]] += local
                 engine_segments[round_of[k]] += [
                     s._replace(src_index=len(self.src_names), src_offset=s.src_offset + landed) for s in unpacks]
-                self._specs.append(_BucketSpec(None, _table(packs), None, send_regions, recv_regions, k % 2, landed,
-                                               _table(forwards)))
+                self._specs.append(_BucketSpec(_table(staged_local), _table(packs), _table(staged_unpacks),
+                                               send_regions, recv_regions, k % 2, landed, _table(forwards),
+                                               fp8_local=[(n, segment_table(x)) for n, x in scratched.items()]))
                 landed += offset
                 landing_size = max(landing_size, landed)
                 continue
@@ -262,9 +274,17 @@ class Resharder:
                                            k % 2, forward=_table(forwards),
                                            fp8_local=[(n, segment_table(x)) for n, x in scratched.items()]))
         self._landing_bytes = landing_size
+        self._steps: list[list[tuple[str, Any]]] | None = None
+        """In-engine FP8: the hand-over's steps, each what ``refit(step)`` runs before the engine's copy of it."""
+        self._fp8_out: dict[str, tuple[int, int]] = {}
+        self._fp8_out_bytes = 0
+        if in_engine and self.fp8:
+            engine_segments = self._fp8_steps(engine_segments, dst_index, limit)
         self._engine_segments = engine_segments
         self.pool: Any = None
         self.landing: torch.Tensor | None = None
+        self.fp8_out: torch.Tensor | None = None
+        """In-engine FP8: the quantized weights and scales of one round, which the engine's copy moves in."""
         self.staging: torch.Tensor | None = None
         self.scratch: torch.Tensor | None = None
         self._sources: dict[str, torch.Tensor] = {}
@@ -289,7 +309,10 @@ class Resharder:
         self._sources = self._fp8_sources()
         self._dst = [self._sources[n] if n in self._staged else
                      torch.empty(0, dtype=torch.uint8, device=self.device) if n in self._direct or n in self._scratched
-                     else self._dst_dict[n] for n in self.dst_names] if self._dst_dict is not None else []
+                     else self._dst_dict[n] for n in self.dst_names] if self._dst_dict is not None else \
+            [self._sources[n] for n in self.staged_names]
+        if self._fp8_out_bytes:
+            self.fp8_out = torch.empty(self._fp8_out_bytes, dtype=torch.uint8, device=self.device)
         if self._dst_dict is not None:  # (maybe new) engine tensors: their vocab padding is never sent
             _zero_padding(self._dst_dict, padding_rows(self.plan, self.rank))
 
@@ -297,18 +320,27 @@ class Resharder:
                      src_names: list[str], dst_names: list[str]) -> Any:
             return None if table is None else ext.SegmentCopy(srcs, dsts, table, src_names, dst_names)
 
-        # Names in the copies' errors (an in-engine rank writes no engine tensors itself).
-        src, dst, staging = self.src_names, self.dst_names if self._dst else [], ["staging buffer"]
+        # Names in the copies' errors (an in-engine rank writes no engine tensors itself, only FP8 windows).
+        src, staging = self.src_names, ["staging buffer"]
+        dst = self.dst_names if self._dst_dict is not None else [f"{n} (FP8 staging)" for n in self.staged_names]
+        received = ["landing buffer"] if self.in_engine else staging
         self.buckets = [_Bucket(
             local=compiled(b.local, self._src, self._dst, src, dst),
             pack=compiled(b.pack, self._src, [self._send(b.buffer)] if b.pack is not None else [], src, staging),
-            unpack=compiled(b.unpack, [self._recv_buffer(b.buffer)] if b.unpack is not None else [], self._dst,
-                            staging, dst),
+            unpack=compiled(b.unpack, [self._arrived(b)] if b.unpack is not None else [], self._dst, received, dst),
             sends=b.sends, recvs=b.recvs, buffer=b.buffer, landing=b.landing, forward=self._forward(b),
             fp8_local=[(n, ext.SegmentCopy(self._src, [self._sources[n]], table, src, [f"{n} (scratch)"]))
                        for n, table in b.fp8_local])
             for b in self._specs]
         self.bound = True
+
+    def _arrived(self, spec: _BucketSpec) -> torch.Tensor:
+        """Where a bucket's received bytes are: the landing buffer (in-engine; its table holds the offsets), or
+        the bucket's receive buffer."""
+        if self.in_engine:
+            assert self.landing is not None
+            return self.landing
+        return self._recv_buffer(spec.buffer)
 
     def _forward(self, spec: _BucketSpec) -> Any | None:
         """The copy of a bucket's relayed bytes from where they arrived in the bucket before (the landing buffer,
@@ -326,6 +358,7 @@ class Resharder:
         """Free the staging and landing buffers and forget every address, so that the trainer's tensors may
         leave the device (megarl.memory.offload) until the next ``bind``."""
         self.buckets, self.pool, self.landing, self._src, self._dst = [], None, None, [], []
+        self.fp8_out = None
         self.staging, self.scratch, self._sources = None, None, {}
         self.bound = False
 
@@ -358,17 +391,68 @@ class Resharder:
         """The FP8 tensors this GPU's trainer tensors fill alone in ``bucket``: each copied into the scratch buffer,
         then quantized from it, in order (one stream: the next copy waits for the last quantization)."""
         for name, copy in bucket.fp8_local:
-            assert self._dst_dict is not None
             copy.run()
-            geometry = self.fp8[name]
-            geometry.quantize(self._sources[name], self._dst_dict[name], self._dst_dict[geometry.scale_name])
+            self.fp8[name].quantize(self._sources[name], *self._fp8_targets(name))
 
     def _quantize(self, k: int) -> None:
-        """Quantize the FP8 tensors whose last bytes bucket ``k`` wrote into the engine's parameters."""
+        """Quantize the FP8 tensors whose last bytes bucket ``k`` wrote into the engine's parameters (in-engine:
+        into ``fp8_out``, which the engine's copy of the round reads)."""
         for name in self._quantize_after.get(k, ()):
+            self.fp8[name].quantize(self._sources[name], *self._fp8_targets(name))
+
+    def _fp8_targets(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where FP8 tensor ``name``'s values and scales are written: the engine's parameters, or (in-engine) their
+        region of ``fp8_out``."""
+        geometry = self.fp8[name]
+        if not self.in_engine:
             assert self._dst_dict is not None
-            geometry = self.fp8[name]
-            geometry.quantize(self._sources[name], self._dst_dict[name], self._dst_dict[geometry.scale_name])
+            return self._dst_dict[name], self._dst_dict[geometry.scale_name]
+        assert self.fp8_out is not None
+        values, scales = self._fp8_out[name]
+        return (self.fp8_out.narrow(0, values, math.prod(geometry.shape)).view(torch.float8_e4m3fn)
+                .view(geometry.shape),
+                self.fp8_out.narrow(0, scales, 4 * math.prod(geometry.scale_shape)).view(torch.float32)
+                .view(geometry.scale_shape))
+
+    def _fp8_steps(self, round_segments: list[list[Segment]], engine_index: dict[str, int], limit: int
+                   ) -> list[list[Segment]]:
+        """In-engine FP8: cut the hand-over into steps (``_steps``), each a run of bucket transfers ("io") and
+        quantizations ("fp8") whose output fits ``fp8_out``; returns the engine's copies per step.
+
+        A landing round starts a step; within one, a quantization that would take ``fp8_out`` past ``limit`` (0: no
+        limit) starts the next, so that it holds one step's FP8 weights and scales however many the round finishes
+        (at TP1 every transfer is local and one bucket holds the model). A tensor is quantized right after its last
+        bucket, as in the other mode, before a later bucket reuses its staging region; a round's other engine copies
+        go with its last step, when all of its buckets have landed (the landing buffer holds them until the next
+        round lands)."""
+        source = len(self.src_names) + (1 if self._landing_bytes else 0)  # after the landing buffer
+        steps: list[list[tuple[str, Any]]] = []
+        segments: list[list[Segment]] = []
+        used = 0
+        for r, (start, end) in enumerate(self.rounds):
+            for k in range(start, end):
+                if k == start:
+                    steps.append([])
+                    segments.append([])
+                    used = 0
+                steps[-1].append(("io", k))
+                for name in [n for n, _ in self._specs[k].fp8_local] + self._quantize_after.get(k, []):
+                    geometry = self.fp8[name]
+                    values, scales = math.prod(geometry.shape), 4 * math.prod(geometry.scale_shape)
+                    need = _aligned_bytes(values) + _aligned_bytes(scales)
+                    if limit and used and used + need > limit:
+                        steps.append([])
+                        segments.append([])
+                        used = 0
+                    self._fp8_out[name] = at = (used, used + _aligned_bytes(values))
+                    for dst, offset, nbytes in ((name, at[0], values), (geometry.scale_name, at[1], scales)):
+                        segments[-1].append(Segment(source, offset, nbytes, engine_index[dst], 0, nbytes, 1, nbytes))
+                    used += need
+                    self._fp8_out_bytes = max(self._fp8_out_bytes, used)
+                    steps[-1].append(("fp8", name))
+            segments[-1] += round_segments[r]
+        self._steps = steps
+        return segments
 
     @property
     def staging_bytes(self) -> int:
@@ -423,9 +507,13 @@ class Resharder:
         for segments in self._engine_segments:
             bounds.append(bounds[-1] + len(segments))
         rows = [s for segments in self._engine_segments for s in segments]
-        return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else []),
-                          dst_names=self.dst_names, dst_shapes=shapes, dtype=self._dtype_name(),
-                          table=segment_table(rows), zero_rows=padding_rows(self.plan, self.rank), rounds=bounds)
+        scales = {f.scale_name: f.scale_shape for f in self.fp8.values()}
+        dtypes = {n: "float8_e4m3fn" for n in self.fp8} | dict.fromkeys(scales, "float32")
+        return EngineCopy(sources=self._src + ([self.landing] if self.landing is not None else [])
+                          + ([self.fp8_out] if self.fp8_out is not None else []),
+                          dst_names=self.checksum_names, dst_shapes=shapes | scales, dtype=self._dtype_name(),
+                          table=segment_table(rows), zero_rows=padding_rows(self.plan, self.rank), rounds=bounds,
+                          dtypes=dtypes)
 
     def _dtype_name(self) -> str:
         if self.dtype is None:
@@ -435,7 +523,8 @@ class Resharder:
 
     @property
     def num_rounds(self) -> int:
-        return len(self.rounds)
+        """The hand-over's rounds: ``refit(r)`` then the engine's copy of round r, for each in order."""
+        return len(self._steps) if self._steps is not None else len(self.rounds)
 
     @property
     def landing_bytes(self) -> int:
@@ -475,9 +564,12 @@ class Resharder:
         """Copy the trainer's current weights into the engine tensors (round ``round`` of them; None: all, where
         there is one). On GPU the caller's stream waits for the result; nothing blocks the host except on CPU."""
         if round is None:
-            assert len(self.rounds) == 1, "the landing buffer holds one round at a time: refit(r) for each"
+            assert self.num_rounds == 1, "the landing buffer holds one round at a time: refit(r) for each"
             round = 0
         self.bind()
+        if self._steps is not None:
+            self._refit_step(self._steps[round])
+            return
         start, end = self.rounds[round]
         buckets = self.buckets[start:end]
         if self._streams is None:
@@ -496,6 +588,26 @@ class Resharder:
                 self._quantize(start + k)
             return
         self._refit_streams(buckets, start)
+
+    def _refit_step(self, ops: list[tuple[str, Any]]) -> None:
+        """One step of an in-engine FP8 hand-over, in order on the current stream: a bucket's copies into the
+        staging arena and its transfers, then each quantization into ``fp8_out`` (a scratched tensor copied into
+        the scratch buffer first)."""
+        scratch = {n: copy for b in self.buckets for n, copy in b.fp8_local}
+        for op, arg in ops:
+            if op == "fp8":
+                if arg in scratch:
+                    scratch[arg].run()
+                self.fp8[arg].quantize(self._sources[arg], *self._fp8_targets(arg))
+                continue
+            bucket = self.buckets[arg]
+            for copy in (bucket.local, bucket.pack, bucket.forward):
+                if copy is not None:
+                    copy.run()
+            for work in self._p2p(bucket):
+                work.wait()
+            if bucket.unpack is not None:
+                bucket.unpack.run()
 
     def _refit_streams(self, buckets: list[_Bucket], first: int) -> None:
         pack_s, comm_s, unpack_s = self._streams  # type: ignore[misc]
@@ -602,6 +714,10 @@ def landing_rounds(plan: Plan, limit: int) -> list[tuple[int, int]]:
             received[r] = received.get(r, 0) + n
     rounds.append((start, len(plan.buckets)))
     return rounds
+
+
+def _aligned_bytes(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
 
 
 def padding_rows(plan: Plan, rank: int) -> dict[str, int]:

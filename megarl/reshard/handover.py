@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,9 +42,8 @@ class EngineCopy:
     """Every engine parameter of this rank the refit writes, with its shape (checked when attached)."""
     dtype: str
     """The dtype the engine's parameters must hold (``torch`` attribute name): the trainer's own, whose bits the
-    copy moves unchanged and both sides' checksums hash. A converting hand-over (FP8 rollout) would name its
-    target dtype here and check it the same way; an engine holding another dtype would read the bits as
-    different numbers with every checksum equal, so it is refused when attached."""
+    copy moves unchanged and both sides' checksums hash (``dtypes`` names the exceptions). An engine holding another
+    dtype would read the bits as different numbers with every checksum equal, so it is refused when attached."""
     table: torch.Tensor
     """int64 [num_segments, 8] CPU segment table."""
     zero_rows: dict[str, int]
@@ -52,13 +51,18 @@ class EngineCopy:
     an engine's memory after a sleep holds no defined values."""
     rounds: list[int]
     """Row bounds of the rounds in ``table``: round r is rows [rounds[r], rounds[r + 1])."""
+    dtypes: dict[str, str] = field(default_factory=dict)
+    """Parameters that hold another dtype than ``dtype``: with rollout.weight_dtype = fp8, the linear layers'
+    float8_e4m3fn weights and their float32 ``weight_scale_inv``, which the trainer quantized and the copy moves as
+    bytes."""
 
     def to_wire(self, key: str, num_sources: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """Named tensors carrying this copy; ``key`` names the attachment for later ``apply`` calls.
         ``num_sources`` pads the sources with placeholders (an engine over several GPUs takes the same
         names from every rank)."""
         meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes, "rounds": self.rounds,
-                "dtype": self.dtype, "zero_rows": self.zero_rows, "num_sources": len(self.sources)}
+                "dtype": self.dtype, "zero_rows": self.zero_rows, "num_sources": len(self.sources),
+                "dtypes": self.dtypes}
         device = self.sources[0].device if self.sources else torch.device("cpu")
         encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         # Small tensors travel on the GPU too: CUDA tensors cross processes as IPC handles, CPU tensors
@@ -77,7 +81,7 @@ class EngineCopy:
         return meta["key"], EngineCopy(
             sources=sources, dst_names=meta["dst_names"], dtype=meta["dtype"],
             dst_shapes={n: tuple(s) for n, s in meta["dst_shapes"].items()},
-            table=named[1][1].cpu(), zero_rows=meta["zero_rows"], rounds=meta["rounds"])
+            table=named[1][1].cpu(), zero_rows=meta["zero_rows"], rounds=meta["rounds"], dtypes=meta["dtypes"])
 
 
 def apply_message(key: str, token: torch.Tensor, round: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -107,11 +111,15 @@ class EngineApplier:
                 raise ValueError(f"the engine has no parameter `{name}`; the engine's model and the trainer's "
                                  "resharding plan disagree")
             p = params[name]
-            if str(p.dtype) != f"torch.{copy.dtype}":
-                raise ValueError(f"engine parameter `{name}` is {str(p.dtype).removeprefix('torch.')}, but the "
-                                 f"trainer hands over {copy.dtype}: the engine would read the bits as other numbers. "
-                                 f"Start the engine in {copy.dtype} (leave rollout.engine_args.dtype unset, or set "
-                                 "it to model.dtype).")
+            held, want = str(p.dtype).removeprefix("torch."), copy.dtypes.get(name, copy.dtype)
+            if held != want and name in copy.dtypes:
+                raise ValueError(f"engine parameter `{name}` is {held}, but the hand-over writes {want} "
+                                 "(rollout.weight_dtype = fp8): the engine must hold its linear layers in block FP8 "
+                                 "(float8_e4m3fn weights, float32 weight_scale_inv per 128 x 128 block).")
+            if held != want:
+                raise ValueError(f"engine parameter `{name}` is {held}, but the trainer hands over {want}: the engine "
+                                 f"would read the bits as other numbers. Start the engine in {want} (leave "
+                                 "rollout.engine_args.dtype unset, or set it to model.dtype).")
             if tuple(p.shape) != tuple(shape) or not p.is_contiguous():
                 raise ValueError(f"engine parameter `{name}` is {list(p.shape)} (contiguous: {p.is_contiguous()}); "
                                  f"the plan writes a contiguous {list(shape)}")

@@ -8,7 +8,8 @@ NaN first so an unwritten byte shows. Each FP8 weight and scale must equal, bit 
 quantization of the full bf16 HF weight sliced to the engine rank (qkv_shard, gate_up_shard, shard along dim 1) and
 the float64 reference's; the rest must equal the engine's slicing of HF. Then the hand-over's checksums: the engine's
 report verifies; a flipped FP8 byte, a flipped scale bit and a plausible wrong quantization (scales from amax / 240)
-are each named. A second refit of doubled weights doubles every scale and keeps the values.
+are each named. The in-engine hand-over (the trainer quantizes, the engine copies bytes) gives the engine the same
+bytes and verifies. A second refit of doubled weights doubles every scale and keeps the values.
 """
 
 import json
@@ -22,12 +23,13 @@ from megarl.platform import init_platform
 platform = init_platform()
 
 import torch.distributed as dist  # noqa: E402
-from engine_reference import Reports, load_hf, reference_engine, trainer_shards  # noqa: E402
+from engine_reference import EngineModel, Reports, load_hf, reference_engine, trainer_shards  # noqa: E402
 
 from megarl.distributed.parallel import ParallelDims, init_distributed  # noqa: E402
 from megarl.models.spec import load_spec  # noqa: E402
 from megarl.reshard import fp8, fp8_reference  # noqa: E402
 from megarl.reshard.executor import Resharder, engine_tensor_allocations  # noqa: E402
+from megarl.reshard.handover import HandoverState, apply_message  # noqa: E402
 from megarl.reshard.planner import make_plan  # noqa: E402
 from megarl.reshard.verify import mismatched  # noqa: E402
 
@@ -109,6 +111,17 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int) -> dict:
     # Checksums: the engine's report against the trainer's expectation, from the reference quantization.
     reports = Reports(resharder.checksum_names, dst)
     resharder.verify(reports, 0)
+    # The in-engine hand-over (SGLang's): the trainer quantizes into its fp8_out step by step and the engine's copy
+    # moves the bytes; its parameters must equal the direct refit's, and verify.
+    side = Resharder(plan, rank, src, None, in_engine=True, landing_bytes=2 * plan.bucket_bytes, dtype=BF16)
+    params = nan_filled(plan, rank)
+    state, model = HandoverState(), EngineModel(params)
+    state.handle(model, side.engine_copy().to_wire("actor"))
+    for step in range(side.num_rounds):
+        side.refit(step)
+        state.handle(model, apply_message("actor", torch.zeros(1), step))
+    in_engine = sorted(params) == sorted(dst) and all(same_bits(params[n], dst[n]) for n in dst)
+    side.verify(Reports(side.checksum_names, params), 0)
     expected = resharder.expected_checksums()
     caught = {}
     layer = "model.layers.1." if dims.pp == 1 else "model.layers.0."
@@ -142,6 +155,7 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int) -> dict:
             "fp8": sorted(want), "names": sorted(names), "wrong": wrong, "wrong_ref": wrong_ref,
             "dtypes": sorted({str(t.dtype) for t in dst.values()}), "caught": caught, "doubled": doubled,
             "checksums": len(resharder.checksum_names), "direct": sorted(resharder._direct),
+            "in_engine": in_engine, "in_engine_steps": side.num_rounds, "fp8_out_bytes": side._fp8_out_bytes,
             "staging_bytes": resharder.staging_bytes, "window_bytes": window_bytes}
 
 
