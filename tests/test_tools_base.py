@@ -132,14 +132,61 @@ def run_calls(pool, calls):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("tool", [Sleepy(), AsyncSleepy()])
-def test_pool_runs_calls_concurrently_bounded_by_its_workers(tool):
-    results, took = run_calls(ToolPool([tool], max_workers=4), [(tool.name, str(i)) for i in range(4)])
-    assert [r.status for r in results] == ["ok"] * 4 and results[2].observation.endswith(" 2")
-    assert 0.25 < took < 0.8  # four calls of 0.3 s in about the time of one (1.2 s one after another)
-    results, took = run_calls(ToolPool([tool], max_workers=4), [(tool.name, str(i)) for i in range(8)])
-    assert 0.55 < took < 1.5  # eight calls on four workers: two rounds, not one
-    assert all(0.25 < r.wall_s < 0.45 for r in results)  # waiting for a worker is not the call's time
+class Meeting:
+    """Calls that meet: each waits until ``parties`` calls run at once (20 s at most, then it fails), then holds for
+    the seconds its call names; counts the calls in flight and their peak."""
+
+    name = "meeting"
+    description = "meets"
+
+    def __init__(self, parties=4):
+        self.parties, self.running, self.peak = parties, 0, 0
+        self.lock, self.barrier = threading.Lock(), threading.Barrier(parties, timeout=20)
+
+    def enter(self):
+        with self.lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+
+    def leave(self):
+        with self.lock:
+            self.running -= 1
+
+    def run(self, call):
+        self.enter()
+        try:
+            self.barrier.wait()
+            time.sleep(float(call.split()[0]))
+        finally:
+            self.leave()
+        return f"met {call}"
+
+
+class AsyncMeeting(Meeting):
+    name = "async_meeting"
+
+    async def run(self, call):
+        if not hasattr(self, "async_barrier"):
+            self.async_barrier = asyncio.Barrier(self.parties)
+        self.enter()
+        try:
+            await asyncio.wait_for(self.async_barrier.wait(), 20)
+            await asyncio.sleep(float(call.split()[0]))
+        finally:
+            self.leave()
+        return ToolOutput(text=f"met {call}", metadata={})
+
+
+@pytest.mark.parametrize("make", [Meeting, AsyncMeeting])
+def test_pool_runs_calls_concurrently_bounded_by_its_workers(make):
+    """Every call waits until four run at once, so on fewer workers they would fail; never more than the four
+    workers run at once; and the calls queued behind 2-second ones report their own time, not the wait."""
+    tool = make(parties=4)
+    calls = [(tool.name, f"{2.0 if i < 4 else 0.0} {i}") for i in range(8)]
+    results, _ = run_calls(ToolPool([tool], max_workers=4), calls)
+    assert [r.status for r in results] == ["ok"] * 8 and results[2].observation.endswith(" 2")
+    assert tool.peak == 4
+    assert all(r.wall_s >= 2.0 for r in results[:4]) and all(r.wall_s < 1.0 for r in results[4:])
 
 
 def test_sync_calls_leave_the_event_loop_free():
