@@ -14,6 +14,7 @@ which skips the blocks between sequences instead of computing and masking them a
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -152,8 +153,6 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     1, hence one row and several; the block mask (create_block_mask's own compilation) turns dynamic only at its
     second shape, hence two lengths. Query, key and value come with Megatron's layout (``megatron_qkv``): the graphs
     guard on their strides."""
-    import time
-
     core = next((m for chunk in modules for m in chunk.modules() if isinstance(m, FusedCoreAttention)), None)
     if core is None or core.dropout or not torch.cuda.is_available():
         return 0.0

@@ -33,9 +33,9 @@ quantized at once, one such tensor after the other. Where the window is byte for
 tensors (engine TP = trainer TP: o_proj, gate_up, down_proj of its pipeline stage, QKV with one kv head per rank, as
 ``planner.aliases`` finds them), it is quantized from the trainer's tensor directly, with no copy at all. In
 ``in_engine`` mode the trainer's side does all of that too, from its tensors and the landing buffer, but quantizes into
-an output buffer of its own (``fp8_out``, as many bytes as one round quantizes), and the engine's copy of the round
-moves those bytes into its float8 ``weight`` and float32 ``weight_scale_inv`` as it moves the rest: the engine process
-runs no quantization, and the rounds (``landing_rounds``) count the quantized bytes with the landed ones.
+an output buffer of its own (``fp8_out``), in steps whose output fits the landing limit (``_fp8_steps``), and the
+engine's copy of each step moves those bytes into its float8 ``weight`` and float32 ``weight_scale_inv`` as it moves
+the rest: the engine process runs no quantization.
 """
 
 from __future__ import annotations
@@ -284,11 +284,13 @@ class Resharder:
         self.pool: Any = None
         self.landing: torch.Tensor | None = None
         self.fp8_out: torch.Tensor | None = None
-        """In-engine FP8: the quantized weights and scales of one round, which the engine's copy moves in."""
+        """In-engine FP8: the quantized weights and scales of one step, which the engine's copy moves in."""
         self.staging: torch.Tensor | None = None
         self.scratch: torch.Tensor | None = None
         self._sources: dict[str, torch.Tensor] = {}
         self.buckets: list[_Bucket] = []
+        self._scratch_copies: dict[str, Any] = {}
+        """The scratch copies of every bucket by FP8 tensor (``_refit_step`` runs each before its quantization)."""
         self.bound = False
         self.bind()
         cuda = self.device.type == "cuda"
@@ -332,6 +334,7 @@ class Resharder:
             fp8_local=[(n, ext.SegmentCopy(self._src, [self._sources[n]], table, src, [f"{n} (scratch)"]))
                        for n, table in b.fp8_local])
             for b in self._specs]
+        self._scratch_copies = {n: copy for b in self.buckets for n, copy in b.fp8_local}
         self.bound = True
 
     def _arrived(self, spec: _BucketSpec) -> torch.Tensor:
@@ -359,7 +362,7 @@ class Resharder:
         leave the device (megarl.memory.offload) until the next ``bind``."""
         self.buckets, self.pool, self.landing, self._src, self._dst = [], None, None, [], []
         self.fp8_out = None
-        self.staging, self.scratch, self._sources = None, None, {}
+        self.staging, self.scratch, self._sources, self._scratch_copies = None, None, {}, {}
         self.bound = False
 
     def _fp8_sources(self) -> dict[str, torch.Tensor]:
@@ -574,17 +577,8 @@ class Resharder:
         buckets = self.buckets[start:end]
         if self._streams is None:
             for k, bucket in enumerate(buckets):
-                if bucket.local is not None:
-                    bucket.local.run()
+                self._bucket_io(bucket)
                 self._quantize_local(bucket)
-                if bucket.pack is not None:
-                    bucket.pack.run()
-                if bucket.forward is not None:
-                    bucket.forward.run()
-                for work in self._p2p(bucket):
-                    work.wait()
-                if bucket.unpack is not None:
-                    bucket.unpack.run()
                 self._quantize(start + k)
             return
         self._refit_streams(buckets, start)
@@ -593,21 +587,24 @@ class Resharder:
         """One step of an in-engine FP8 hand-over, in order on the current stream: a bucket's copies into the
         staging arena and its transfers, then each quantization into ``fp8_out`` (a scratched tensor copied into
         the scratch buffer first)."""
-        scratch = {n: copy for b in self.buckets for n, copy in b.fp8_local}
         for op, arg in ops:
-            if op == "fp8":
-                if arg in scratch:
-                    scratch[arg].run()
-                self.fp8[arg].quantize(self._sources[arg], *self._fp8_targets(arg))
+            if op == "io":
+                self._bucket_io(self.buckets[arg])
                 continue
-            bucket = self.buckets[arg]
-            for copy in (bucket.local, bucket.pack, bucket.forward):
-                if copy is not None:
-                    copy.run()
-            for work in self._p2p(bucket):
-                work.wait()
-            if bucket.unpack is not None:
-                bucket.unpack.run()
+            if arg in self._scratch_copies:
+                self._scratch_copies[arg].run()
+            self.fp8[arg].quantize(self._sources[arg], *self._fp8_targets(arg))
+
+    def _bucket_io(self, bucket: _Bucket) -> None:
+        """A bucket's copies and transfers one after the other (CPU, and in-engine FP8 steps): its local copies,
+        packing, relayed bytes, the transfers, unpacking."""
+        for copy in (bucket.local, bucket.pack, bucket.forward):
+            if copy is not None:
+                copy.run()
+        for work in self._p2p(bucket):
+            work.wait()
+        if bucket.unpack is not None:
+            bucket.unpack.run()
 
     def _refit_streams(self, buckets: list[_Bucket], first: int) -> None:
         pack_s, comm_s, unpack_s = self._streams  # type: ignore[misc]
