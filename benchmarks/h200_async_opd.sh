@@ -23,6 +23,11 @@
 #   product_tool   GRPO with the sandboxed Python tool on three-digit products (recipes/smollm2_product_tool_grpo.yaml),
 #             $STEPS steps, held-out accuracy and tool calls (agent/*) every $EVAL_EVERY steps
 #   product_notool   the base model on the same held-out products without the tool (megarl.evaluate, greedy)
+#   lora8b    Llama-3-8B's body (32 layers, random weights, SmolLM2's tokenizer) with LoRA rank 64 on every linear
+#             layer, $STEPS_8B GRPO steps of the GSM8K recipe at 32 prompts x 8 samples of up to 256 tokens, merged
+#             hand-over: memory/* per phase, time/* and handover/* in its metrics
+#   full8b    the same body at $FULL_LAYERS layers (16; 14 on an H100: the memory plan puts 16 at 84.7 GiB in the
+#             update), every weight trained (the optimizer offloaded while the engine generates)
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
 #   any async or separate run with _stale2 after its mode (e.g. gsm8k_separate_abort_stale2_mps): max_staleness 2
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
@@ -39,6 +44,8 @@ STEPS=${STEPS:-30}
 EVAL_EVERY=${EVAL_EVERY:-5}
 CHUNK=${CHUNK:-64}
 GSM8K_STEPS=${GSM8K_STEPS:-8}
+STEPS_8B=${STEPS_8B:-4}
+FULL_LAYERS=${FULL_LAYERS:-16}
 GSM8K_EVAL_EVERY=${GSM8K_EVAL_EVERY:-0}
 WIDE=${WIDE:-131072}
 RUNS=${RUNS:-sync async opd gsm8k_sync gsm8k_async}
@@ -129,6 +136,16 @@ all_runs() {
           --engine-arg attention_backend=triton --engine-arg sampling_backend=pytorch \
           --engine-arg grammar_backend=none > /tmp/runs/product_notool.log 2>&1
         echo "[h200] product_notool exit $?: $(tail -1 /tmp/runs/product_notool.log | cut -c1-300)" ;;
+      lora8b|full8b)
+        local layers=32 lora=(--set actor.lora.rank=64 --set actor.lora.alpha=128)
+        [[ $run == full8b ]] && { layers=$FULL_LAYERS; lora=(); }
+        [[ -f /tmp/llama8b_$layers/config.json ]] || python3 benchmarks/make_random_model.py --preset llama3-8b \
+          --tokenizer /tmp/smollm2 --out /tmp/llama8b_$layers --layers $layers 2>&1 | tail -1
+        learn "$run" recipes/smollm2_gsm8k_grpo.yaml --set model.hf_path=/tmp/llama8b_$layers "${lora[@]}" \
+          --set model.recompute_activations=true --set actor.max_tokens_per_gpu=16384 --set actor.dynamic_batch=true \
+          --set data.num_prompts_per_step=32 --set rollout.max_new_tokens=256 --set rollout.logprob_diff_max=2.0 \
+          --set trainer.num_steps="$STEPS_8B" --set eval.before_train=false --set eval.every=0 \
+          --set checkpoint.save_every=0 ;;
       opd)
         learn opd recipes/smollm2_arith_opd.yaml --set distill.teacher=/tmp/teacher --set rollout.max_new_tokens=256 \
           --set eval.every="$EVAL_EVERY" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
@@ -144,7 +161,7 @@ for part in $PART; do case $part in
   start)
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
-      GSM8K_STEPS=$GSM8K_STEPS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+      GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
