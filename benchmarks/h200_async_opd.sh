@@ -32,6 +32,8 @@
 #   any async or separate run with _stale2 after its mode (e.g. gsm8k_separate_abort_stale2_mps): max_staleness 2
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
+# start runs the tree it finds, or the one in .stage/tree.tgz where that is carried (`git archive HEAD | gzip`), so
+# that later calls, which carry the working tree as it is then, cannot change the runs under way.
 # PROFILE=STEP traces that step of every GSM8K run (train.py --profile) and writes its per-phase summary
 # (benchmarks/trace_summary.py) beside the run's metrics as trace_summary.txt.
 # Parts mps (probe that MPS starts here and serves a CUDA process) and test (below) can join a stage call.
@@ -159,6 +161,10 @@ for part in $PART; do case $part in
   install)
     stage_install ;;
   start)
+    if [[ -f .stage/tree.tgz ]]; then  # run the committed tree packed here, not what later calls carry
+      rm -rf /tmp/tree && mkdir -p /tmp/tree && tar xzf .stage/tree.tgz -C /tmp/tree && cp megarl/_C*.so /tmp/tree/megarl/ &&
+        cp .git_rev /tmp/tree/ 2>/dev/null; cd /tmp/tree && echo "[h200] runs from /tmp/tree: $(cat .git_rev 2>/dev/null)"
+    fi
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
       GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
