@@ -57,7 +57,8 @@ def _cfg(**rollout: object) -> SimpleNamespace:
     lora = rollout.pop("adapter", False)
     correction = rollout.pop("correction", "none")
     return SimpleNamespace(rollout=SimpleNamespace(**({"weight_dtype": "fp8", "engine": "sglang",
-                                                       "tensor_parallel": 1} | rollout)),
+                                                       "tensor_parallel": 1, "alias_weights": "auto",
+                                                       "engine_args": {}} | rollout)),
                            actor=SimpleNamespace(adapter_handover=lambda: lora),
                            algorithm=SimpleNamespace(rollout_correction=correction))
 
@@ -75,8 +76,13 @@ def test_start_up_refusals_and_warning(tmp_path, aligned):
     moe = load_spec(make_hf_model(tmp_path / "moe", "qwen3_moe"))
     with pytest.raises(UserError, match=r"MoE experts.*Set rollout.weight_dtype: bf16"):
         check_fp8_rollout(_cfg(), moe)
-    with pytest.raises(UserError, match=r"rollout.engine = sglang: SGLang's side is not hooked yet"):
-        check_fp8_rollout(_cfg(), spec)
+    check_fp8_rollout(_cfg(), spec)  # SGLang starts in block FP8 (megarl.rollout.sglang_fp8)
+    with pytest.raises(UserError, match=r"rollout.alias_weights = true with rollout.weight_dtype = fp8.*Set "
+                                        r"rollout.alias_weights: auto"):
+        check_fp8_rollout(_cfg(alias_weights=True), spec)
+    with pytest.raises(UserError, match=r"rollout.engine_args.fp8_gemm_runner_backend = 'deep_gemm' with "
+                                        r"rollout.weight_dtype = fp8: .*UE8M0.*Remove it from rollout.engine_args"):
+        check_fp8_rollout(_cfg(engine_args={"fp8_gemm_runner_backend": "deep_gemm"}), spec)
     # A TP at which the shapes load is suggested where the asked one does not fit.
     with pytest.raises(UserError, match=r"tensor_parallel = 2: .* k_proj/v_proj rows per engine rank = 64 is not a "
                                         r"multiple of the FP8 block 128. Use rollout.tensor_parallel in \[1\], or"):

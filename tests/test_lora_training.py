@@ -277,8 +277,9 @@ def test_config_errors_name_the_key_and_the_fix():
     e = error_of(MINIMAL, ["actor.lora.rank=8", "model.transformer_engine=on"])
     assert "model.transformer_engine" in e and "local" in e
     adapter = ["actor.lora.rank=8", "actor.lora.handover=adapter"]
-    e = error_of(MINIMAL, [*adapter, "rollout.engine=sglang"])
-    assert "actor.lora.handover" in e and "rollout.engine: vllm" in e
+    assert build_config(MINIMAL, [*adapter, "rollout.engine=sglang"]).actor.adapter_handover()  # SGLang serves them
+    e = error_of(MINIMAL, [*adapter, "rollout.engine=sglang", "actor.lora.rslora=true"])
+    assert "actor.lora.rslora" in e and "alpha / r" in e
     e = error_of(MINIMAL | {"parallel": {"tensor_parallel": 2}}, [*adapter, "rollout.engine=vllm"])
     assert "actor.lora.handover" in e and "tensor_parallel = 2" in e
     assert "handover" in error_of(MINIMAL, ["actor.lora.rank=8", "actor.lora.handover=adapters"])

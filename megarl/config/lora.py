@@ -38,8 +38,9 @@ class LoraConfig:
     handover: Literal["merged", "adapter"] = "merged"
     """How the engine gets the trained policy. merged: W + s B A through the resharder after every update, as a
     full-weight actor's. adapter: the engine keeps the base weights it loaded from model.hf_path and serves the
-    adapters through its own LoRA support, written as a PEFT adapter after every update (vLLM; the actor in
-    TP1/PP1). docs/training.md compares the two."""
+    adapters through its own LoRA support, written as a PEFT adapter after every update (vLLM or SGLang; the actor
+    in TP1/PP1; on SGLang not with rslora, and rollout.alias_weights then maps the base weights; start-up refuses
+    SGLang until its GPU check passes). docs/training.md compares the two."""
 
     def __post_init__(self) -> None:
         check(self.rank >= 0, "rank", self.rank, "be >= 0", "use 0 (off) or a rank such as 8 or 16")

@@ -51,8 +51,9 @@ class RolloutConfig:
     copies only the rest (QKV and the like). The actor's weights then stay on the GPU through rollout
     (actor.offload_weights does not apply to them). auto = where that covers at least half of every engine rank's
     weights (rollout.tensor_parallel equal to parallel.tensor_parallel, pipeline_parallel 1), or any of them with
-    actor.offload_weights: false, never with actor.lora (the engine needs the merged weights); true = required (an
-    error where the layouts differ); false = never."""
+    actor.offload_weights: false, never with actor.lora.handover: merged (the engine needs the merged weights; with
+    handover: adapter on SGLang the base weights alias); true = required (an error where the layouts differ);
+    false = never."""
     weight_dtype: Literal["bf16", "fp8"] = "bf16"
     """The engine's weights: bf16 = the trainer's (model.dtype), bit for bit; fp8 = its linear layers' weights (qkv,
     o, gate_up, down) block-quantized on the way (float8_e4m3fn values, one float32 scale per 128 x 128 block, the

@@ -90,15 +90,19 @@ class Config:
         check(not (self.actor.lora_on() and self.model.transformer_engine == "on"), "model.transformer_engine",
               self.model.transformer_engine, "be auto or off with actor.lora: the adapters hook Megatron's local "
               "linear layers, not Transformer Engine's", "set model.transformer_engine: auto (local layers with LoRA)")
-        check(not (self.actor.lora_on() and self.rollout.alias_weights is True), "rollout.alias_weights",
-              self.rollout.alias_weights, "be auto or false with actor.lora: the engine must hold the merged weights "
-              "W + s B A, which no tensor of the actor holds, so it cannot map them",
-              "set rollout.alias_weights: auto (off with LoRA), or actor.lora: null")
+        merged_lora = self.actor.lora_on() and not self.actor.adapter_handover()
+        check(not (merged_lora and self.rollout.alias_weights is True), "rollout.alias_weights",
+              self.rollout.alias_weights, "be auto or false with actor.lora.handover = merged: the engine must hold "
+              "the merged weights W + s B A, which no tensor of the actor holds, so it cannot map them",
+              "set rollout.alias_weights: auto (off with merged LoRA), actor.lora.handover: adapter (SGLang), or "
+              "actor.lora: null")
         if self.actor.adapter_handover():
-            par = self.parallel
-            check(self.rollout.engine == "vllm", "actor.lora.handover", "adapter", "be merged with rollout.engine = "
-                  f"{self.rollout.engine}: megarl hands adapters to vLLM's LoRA serving only (SGLang's is not wired)",
-                  "set actor.lora.handover: merged, or rollout.engine: vllm")
+            par, lora = self.parallel, self.actor.lora
+            assert lora is not None
+            check(not (self.rollout.engine == "sglang" and lora.rslora), "actor.lora.rslora", lora.rslora,
+                  "be false with actor.lora.handover = adapter on SGLang: SGLang 0.5.17 scales every adapter by "
+                  "alpha / r and ignores peft's use_rslora, so it would serve another policy",
+                  "set actor.lora.rslora: false, or actor.lora.handover: merged")
             check(par.tensor_parallel == 1 and par.pipeline_parallel == 1, "actor.lora.handover", "adapter",
                   f"be merged with parallel.tensor_parallel = {par.tensor_parallel} and pipeline_parallel = "
                   f"{par.pipeline_parallel}: each engine's driver writes the adapters it holds whole (TP1, PP1)",

@@ -72,8 +72,19 @@ class WeightSync:
         """The file of the actor's tensors that this group's engine maps, for its loader (None: none)."""
         if not self.aliased:
             return None
-        self.views = aliased_views(self.plan, self.groups.rank, learner.actor.named_params())
+        self.views = aliased_views(self.plan, self.groups.rank, self._sources(learner))
         return share_aliases(run_dir(self.cfg), group, kind, self.views)
+
+    def _sources(self, learner: Learner) -> dict[str, torch.Tensor]:
+        """The actor's tensors the engine's weights are: the merged W + s B A with LoRA handed over merged, the frozen
+        base W when the engine serves the adapters itself (handover: adapter)."""
+        return learner.actor.base_params() if self.cfg.actor.adapter_handover() else learner.actor.named_params()
+
+    def base_copy(self, engine: Any) -> bool:
+        """handover: adapter into an engine that copies in-engine (SGLang): every hand-over also copies the base
+        weights W from the actor, as a full-weight hand-over does. SGLang's sleep discards its weights (no CPU
+        backup), and with rollout.alias_weights its loader leaves every parameter that is not aliased unwritten."""
+        return self.adapters is not None and engine.copies_in_engine
 
     def connect(self, learner: Learner, rollout: RolloutManager) -> None:
         """With the engine started: the resharder between the actor's tensors and the engine's, then the first
@@ -93,7 +104,7 @@ class WeightSync:
         # An engine that copies in-engine reads the actor's tensors itself; others get engine-layout tensors.
         in_engine = rollout.engine.copies_in_engine
         self.engine_tensors = None if in_engine else self._allocate_engine_tensors()
-        self.resharder = Resharder(self.plan, self.groups.rank, learner.actor.named_params(), self.engine_tensors,
+        self.resharder = Resharder(self.plan, self.groups.rank, self._sources(learner), self.engine_tensors,
                                    in_engine=in_engine, landing_bytes=cfg.rollout.landing_buffer_mb * 2**20,
                                    aliased=set(self.views))
         if self.groups.rank == 0 and self.resharder.num_rounds > 1:
@@ -142,10 +153,10 @@ class WeightSync:
             if self.engine_tensors is not None and not self.engine_tensors and self.adapters is None:  # freed
                 self.engine_tensors.update(self._allocate_engine_tensors())
         with timed("handover/copy"):
-            if self.adapters is not None:  # LoRA, handover: adapter (the engine's base weights never change)
+            if self.adapters is not None:  # LoRA, handover: adapter: the new adapters (the base W never changes)
                 self.adapters()
-            else:
-                learner.actor.refresh_merged()  # LoRA: the engine gets W + s B A
+            if self.adapters is None or self.base_copy(engine):
+                learner.actor.refresh_merged()  # LoRA handed over merged: the engine gets W + s B A
                 if self.apart:  # the engines' workers receive while this rank sends
                     engine.receive(self.resharder.refit)
                 else:
@@ -153,7 +164,7 @@ class WeightSync:
                         self.resharder.refit(round)
                         engine.deliver(self.engine_tensors, round)
         every = self.cfg.rollout.verify_every
-        if every and self.num_handovers % every == 0 and self.adapters is None:
+        if every and self.num_handovers % every == 0 and (self.adapters is None or self.base_copy(engine)):
             with timed("handover/verify"):
                 self.resharder.verify(engine, self.num_handovers)
         self.num_handovers += 1

@@ -115,6 +115,11 @@ class MegatronModel:
             return self.adapters.merged(params)
         return {name: p.data for name, p in params.items()}
 
+    def base_params(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by canonical Megatron name as loaded: with LoRA the frozen base weights W, without
+        the adapters (what an engine serving the adapters itself holds, actor.lora.handover: adapter)."""
+        return {name: p.data for name, p in canonical_params(self.chunks, self.spec, self.groups).items()}
+
     def adapter_params(self) -> dict[str, torch.nn.Parameter]:
         """LoRA: this rank's adapter factors by canonical name (none without LoRA)."""
         return {} if self.adapters is None else self.adapters.params()

@@ -56,9 +56,13 @@ def aliases_weights(cfg: Config, spec: ModelSpec, dims: ParallelDims, plan: Plan
     rollout.alias_weights does not apply; rollout.alias_weights: true where too little can alias is an error.
     ``plan``: the run's hand-over plan (None: one data-parallel replica's, which every replica repeats)."""
     mode, r = cfg.rollout.alias_weights, cfg.rollout.tensor_parallel
-    if mode is False or cfg.rollout.engine != "sglang" or cfg.actor.lora_on() or cfg.async_rl.mode == "separate":
-        # A LoRA actor hands over merged weights W + s B A, which no tensor of the actor holds; an engine that
-        # generates while the learner updates must not read the weights being updated.
+    if cfg.rollout.weight_dtype == "fp8":  # FP8 engine layers cannot map bf16 tensors (check_fp8_rollout refuses true)
+        return 0.0
+    merged = cfg.actor.lora_on() and not cfg.actor.adapter_handover()
+    if mode is False or cfg.rollout.engine != "sglang" or merged or cfg.async_rl.mode == "separate":
+        # A LoRA actor handing over merged weights W + s B A has no tensor that holds them (one handing over its
+        # adapters has: the engine's base weights are its frozen W, and the adapters are never aliased); an engine
+        # that generates while the learner updates must not read the weights being updated.
         return 0.0
     if plan is None and (dims.tp * dims.pp) % r == 0:
         plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=1), r, element_size=1,

@@ -430,12 +430,11 @@ def check_fp8_rollout(cfg: Any, spec: ModelSpec) -> None:
                         "Set actor.lora.handover: merged (the merged weights are quantized on every hand-over), or "
                         "rollout.weight_dtype: bf16.")
     check_fp8_layout(spec, cfg.rollout.tensor_parallel)
-    if cfg.rollout.engine == "sglang":
-        raise UserError("rollout.weight_dtype = fp8 with rollout.engine = sglang: SGLang's side is not hooked yet. "
-                        "The plan and the quantizing copy exist (megarl.reshard, docs/handover.md \"FP8 weights\"), "
-                        "but SGLang is not yet started with a block-FP8 quantization_config (weight_block_size "
-                        "[128, 128]) nor does its in-engine hand-over quantize (issue 54). Set "
-                        "rollout.weight_dtype: bf16.")
+    if cfg.rollout.engine == "sglang":  # the engine starts in block FP8 (megarl.rollout.sglang_fp8)
+        from megarl.rollout.sglang_fp8 import check_fp8_engine_args
+
+        aliases = True if cfg.rollout.alias_weights is True else None  # auto: off with fp8 (aliasing.py)
+        check_fp8_engine_args(dict(cfg.rollout.engine_args), aliases=aliases)
 
 
 def fp8_rollout_warning(cfg: Any) -> str | None:

@@ -37,13 +37,23 @@ def host_share(cfg: Config, index: int, world: int, local_world: int) -> tuple[i
     return index % per_host, per_host
 
 
+def lora_args(cfg: Config) -> dict[str, Any]:
+    """actor.lora.handover: adapter: the rank the engine serves, and for SGLang, which sizes its LoRA buffers for
+    named modules at start, the target modules."""
+    lora = cfg.actor.lora
+    assert lora is not None
+    return {"lora_rank": lora.rank} | ({"lora_targets": list(lora.target_modules)} if cfg.rollout.engine == "sglang"
+                                       else {})
+
+
 def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Path | None = None) -> RolloutEngine:
     """Engine ``index`` (its rollout group), logging to engine_INDEX.log in the run directory; ``aliases``: the
     file of its parameters that map the actor's memory (rollout.alias_weights). An SGLang engine captures decode
     CUDA graphs up to its rollout batch (``max_batch``; megarl.rollout.sglang.decode_graph_args)."""
     r = cfg.rollout
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_engine = {"max_batch": max_batch(cfg, world)} if r.engine == "sglang" else {
+    # rollout.weight_dtype = fp8 starts SGLang in block FP8 (megarl.rollout.sglang_fp8); the config refuses it for vLLM
+    per_engine = {"max_batch": max_batch(cfg, world), "weight_dtype": r.weight_dtype} if r.engine == "sglang" else {
         "cpu_share": host_share(cfg, index, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))}
     log_file = run_dir(cfg) / f"engine_{index}.log"
     startup.mark("models built")
@@ -56,8 +66,7 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
         max_model_len=r.max_prompt_tokens + r.max_new_tokens, seed=r.seed + index, devices=devices,
         log_file=log_file, **({"dtype": cfg.model.dtype} | r.engine_args
                                | ({"return_routed_experts": True} if cfg.algorithm.routing_replay else {})
-                               | ({"lora_rank": cfg.actor.lora.rank}  # type: ignore[union-attr]
-                                  if cfg.actor.adapter_handover() else {})
+                               | (lora_args(cfg) if cfg.actor.adapter_handover() else {})
                                | ({"aliases": aliases} if aliases is not None else {}) | per_engine))
     startup.mark("engine start")
     return engine

@@ -42,6 +42,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
+from megarl.config.lora import TARGETS
 from megarl.errors import UserError
 from megarl.models.routing import routing_dtype
 from megarl.models.spec import load_spec
@@ -60,7 +61,9 @@ from megarl.rollout.base import (
 )
 from megarl.rollout.enginelog import EngineLog
 from megarl.rollout.failures import ChildWatch
+from megarl.rollout.sglang_fp8 import Fp8ModelDir, fp8_engine_args
 from megarl.rollout.sglang_loader import ALIASES_KEY, LOADER, AliasingLoader
+from megarl.rollout.sglang_lora import AdapterSlot, lora_engine_args
 from megarl.rollout.stops import ends_in_stop, model_eos_ids
 from megarl.rollout.watchdog import Watchdog
 
@@ -98,15 +101,18 @@ class SGLangEngine:
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
                  return_routed_experts: bool = False, aliases: Path | None = None, max_batch: int | None = None,
-                 **engine_args: Any) -> None:
+                 lora_rank: int | None = None, lora_targets: Sequence[str] = TARGETS, **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
         visible ones); ``log_file``: where the engine's processes log (None: the console); ``max_batch``: the most
         sequences one rollout's generate call runs at once, which decode CUDA graphs cover (``decode_graph_args``);
         ``return_routed_experts`` (MoE): every completion carries the experts its tokens were routed to;
         ``aliases``: the file of the parameters that map the actor's memory, per engine rank (rollout.alias_weights:
-        the model is built by megarl's loader, megarl.rollout.sglang_loader.AliasingLoader);
+        the model is built by megarl's loader, megarl.rollout.sglang_loader.AliasingLoader); ``lora_rank``: serve
+        LoRA adapters of this rank on ``lora_targets`` (actor.lora's names; ``load_adapter``, sglang_lora);
         ``engine_args`` go to ``sglang.Engine`` unchanged."""
         sigterm = signal.getsignal(signal.SIGTERM)  # megarl's interrupt handling, which the engine's loop takes over
+        # rollout.weight_dtype: "fp8" starts the engine in block FP8 for the hand-over (megarl.rollout.sglang_fp8)
+        fp8 = engine_args.pop("weight_dtype", "bf16") == "fp8"
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
         check_rollout_tp(spec, tensor_parallel)
         assert not return_routed_experts or spec.is_moe, "routed experts of a dense model"
@@ -132,9 +138,17 @@ class SGLangEngine:
         if aliases is not None:
             args |= {"load_format": AliasingLoader,
                      "model_loader_extra_config": json.dumps({ALIASES_KEY: str(aliases)})}
+        if lora_rank:
+            args |= lora_engine_args(lora_rank, lora_targets, engine_args, spec.is_moe)
         from sglang.srt.server_args import ServerArgs
 
         server_args = {f.name for f in dataclasses.fields(ServerArgs)}
+        self._fp8_dir: Fp8ModelDir | None = None
+        if fp8:
+            args |= fp8_engine_args(engine_args, load_format, aliases, server_args)
+            self._fp8_dir = Fp8ModelDir.create(hf_dir)
+            atexit.register(self._fp8_dir.remove)  # however this process ends
+            args["model_path"] = str(self._fp8_dir.path)
         args |= decode_graph_args(max_batch, tensor_parallel, engine_args, server_args)
         if "custom_sigquit_handler" in server_args:
             args["custom_sigquit_handler"] = _failed_at_start
@@ -156,6 +170,8 @@ class SGLangEngine:
         except Exception as err:  # the engine's own exception carries its log tail
             engine_log.drain()
             self._watchdog.stop()
+            if self._fp8_dir is not None:
+                self._fp8_dir.remove()
             raise UserError(f"SGLang failed to start for {hf_dir} (tp={tensor_parallel}): "
                             f"{str(err)[-2000:]} Engine log: {engine_log.summary()[-1500:]}") from None
         # The KV cache the engine sized for itself next to the trainer: what colocation leaves it. This first
@@ -171,6 +187,7 @@ class SGLangEngine:
         self._attached: str | None = None
         self._token: torch.Tensor | None = None
         self._cache_awake = True
+        self._adapter = AdapterSlot(self.engine)
 
     @staticmethod
     def package(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
@@ -187,7 +204,7 @@ class SGLangEngine:
         expanded = [list(p) for p in prompts for _ in range(params.n)]
         with self._watch.alive():
             outputs = self.engine.generate(input_ids=expanded, sampling_params=self._requests(params, len(expanded)),
-                                           return_logprob=True, **self._routing_arg())
+                                           return_logprob=True, **self._request_args())
         stop_ids = self._eos_ids | set(params.stop_token_ids)
         return [self._completion(out, i // params.n, len(expanded[i]), stop_ids) for i, out in enumerate(outputs)]
 
@@ -206,7 +223,7 @@ class SGLangEngine:
 
         async def run() -> None:
             calls = [asyncio.ensure_future(self.engine.async_generate(
-                input_ids=list(p), sampling_params=request, return_logprob=True, rid=rid, **self._routing_arg()))
+                input_ids=list(p), sampling_params=request, return_logprob=True, rid=rid, **self._request_args()))
                 for p, request, rid in zip(prompts, self._requests(params, len(prompts)), rids, strict=True)]
             # Each call reports itself when done: asyncio.wait over the pending set would cost a pass over every
             # request for each finish, Python time taken from the learner beside it (async_rl separate).
@@ -254,6 +271,16 @@ class SGLangEngine:
 
     def _routing_arg(self) -> dict[str, bool]:
         return {"return_routed_experts": True} if self._routing else {}
+
+    def _request_args(self) -> dict[str, Any]:
+        """What every generate request adds: routed experts (MoE replay), and the adapter to serve (LoRA)."""
+        return self._routing_arg() | self._adapter.request()
+
+    def load_adapter(self, path: str | Path) -> None:
+        """Serve the PEFT adapter in directory ``path`` from the next request on, in place of the last one (the
+        engine started with ``lora_rank``); SGLang reads the directory here."""
+        with self._watch.alive():
+            self._adapter.load(path)
 
     def _completion(self, out: dict, prompt_index: int, prompt_len: int, stop_ids: frozenset[int],
                     abortable: bool = False) -> Completion:
@@ -348,6 +375,8 @@ class SGLangEngine:
         multiprocessing's resource tracker included, whose replacement then fails at exit on the semaphores the
         first one held (a KeyError '/loky-...' traceback, seen on an H200 after a finished run)."""
         self._watchdog.stop(wait_s=30.0)
+        if self._fp8_dir is not None:
+            self._fp8_dir.remove()
 
 
 def decode_routed_experts(encoded: str | None, num_tokens: int, num_layers: int, topk: int, num_experts: int

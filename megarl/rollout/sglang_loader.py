@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from megarl.reshard.handover import HandoverState
+from megarl.reshard.handover import PREFIX, HandoverState
+from megarl.rollout.sglang_fp8 import check_block_fp8
 
 LOADER = "megarl.rollout.sglang_loader.load"
 ALIASES_KEY = "megarl_aliases"
@@ -29,6 +30,8 @@ _STATE = HandoverState()
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    if named_tensors and named_tensors[0][0] == PREFIX + "attach":
+        check_block_fp8(model)  # rollout.weight_dtype = fp8: the engine's GEMM reads what the copy writes, as written
     _STATE.handle(model, named_tensors)
 
 
