@@ -72,7 +72,8 @@ learn() {
   local start=$SECONDS
   [[ $name == *_mps ]] && { mps_start || echo "[h200] MPS did not start"; }
   echo "[h200] $name started at $(date -u +%T)"
-  timeout "${RUN_TIMEOUT:-900}" torchrun --standalone --nproc-per-node 1 megarl/train.py --config "$recipe" \
+  # TORCH_LOGS=recompiles: what the first steps still compile (megarl compiles attention ahead, beside the engine)
+  TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout "${RUN_TIMEOUT:-900}" torchrun --standalone --nproc-per-node 1 megarl/train.py --config "$recipe" \
     --set model.hf_path=/tmp/smollm2 --set tracking.backend=none --set rollout.engine_args.grammar_backend=none \
     --set checkpoint.dir=/tmp/runs/$name "$@" 2>&1 | while IFS= read -r l; do echo "[$((SECONDS - start))s] $l"; done \
     > /tmp/runs/$name.log

@@ -114,13 +114,16 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
     core = attention.FusedCoreAttention(config, 1, AttnMaskType.causal, "self")
     assert attention.compile_document_attention([core]) > 0
     graphs = counters["stats"]["unique_graphs"]
-    for rows, lengths in ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8)):
-        s = sum(lengths)
-        segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device="cuda")
-        for train in (False, True):
-            with torch.set_grad_enabled(train):
-                q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.bfloat16, torch.device("cuda"), train)
-                out = core(q, k, v, segments)
-                if train:
-                    out.float().sum().backward()
-    assert counters["stats"]["unique_graphs"] == graphs
+    # A recompilation raises with the guard that failed, so that a failure says which shape or layout was missed.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows, lengths in ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8)):
+            s = sum(lengths)
+            segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device="cuda")
+            for train in (False, True):
+                with torch.set_grad_enabled(train):
+                    q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.bfloat16, torch.device("cuda"), train)
+                    out = core(q, k, v, segments)
+                    if train:
+                        out.float().sum().backward()
+                added = counters["stats"]["unique_graphs"] - graphs
+                assert not added, f"{added} new graph(s) at {rows} rows of {lengths}, grad {train}"

@@ -6,6 +6,7 @@ quantization of the full bf16 weight sliced to the rank, with checksums from the
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -231,3 +232,35 @@ def test_check_run_refuses_fp8_before_any_worker(tmp_path):
     with pytest.raises(UserError, match=r"rollout.weight_dtype = fp8 with rollout.tensor_parallel = 1: the engines' "
                                         r"FP8 loaders \(128 x 128 blocks\) refuse this model's shapes"):
         check_run(recipe, [*common, "rollout.engine=sglang"], world=1, ranks_per_node=None, gpu_bytes=0)
+
+
+@pytest.mark.parametrize("landing", [0, 128 * 1024])
+def test_memory_plan_counts_the_engines_fp8_parameters_and_the_quantization_buffers(aligned, landing):
+    """The memory plan's FP8 figures (megarl.memory.plan.fp8_handover) against what the hand-over allocates: the
+    engine's parameters as engine_tensor_allocations makes them (FP8 weights, float32 scales, the rest bf16), and the
+    trainer's staging arena, scratch buffer and fp8_out as an in-engine Resharder sizes them (at most the plan's,
+    and not more than one landing limit above it)."""
+    from megarl.config import build_config
+    from megarl.memory.plan import fp8_handover
+    from megarl.reshard.executor import fp8_buffer_bytes
+
+    spec = load_spec(aligned)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    plan = make_plan(spec, dims, 1, element_size=2, bucket_bytes=64 * 1024, weight_dtype="fp8")
+    dst = engine_tensor_allocations(plan, 0, torch.bfloat16, torch.device("cpu"))
+    hf = {n: t.to(torch.bfloat16) for n, t in load_hf(str(aligned)).items()}
+    src = trainer_shards(spec, dims, 0, hf, torch.bfloat16, plan.padded_vocab)
+    side = Resharder(plan, 0, src, None, in_engine=True, landing_bytes=landing)
+    allocated = side.staging_bytes + side._fp8_out_bytes
+    bound = fp8_buffer_bytes(plan, 0, landing)
+    assert allocated <= bound <= allocated + max(landing, 1024 * 256)
+    cfg = build_config({"model": {"hf_path": str(aligned)}, "data": {"train_path": "gsm8k"}},
+                       ["rollout.engine=sglang", "rollout.weight_dtype=fp8", "rollout.reshard_bucket_mb=1",
+                        f"rollout.landing_buffer_mb={max(1, landing // 2**20)}",
+                        "algorithm.rollout_correction=token_tis"])
+    counted = fp8_handover(cfg, spec, dims, 2)
+    assert counted is not None
+    assert counted.engine_bytes == sum(t.numel() * t.element_size() for t in dst.values())
+    assert counted.engine_bytes < 0.75 * sum(math.prod(s) * 2 for s in plan.engine_shapes(0).values())
+    assert counted.buffer_bytes == fp8_buffer_bytes(make_plan(spec, dims, 1, element_size=2, bucket_bytes=2**20,
+                                                              weight_dtype="fp8"), 0, 2**20) > 0

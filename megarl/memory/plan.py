@@ -17,6 +17,10 @@ of the whole GPU. Asleep, an engine keeps its CUDA context and some buffers. Ove
 context, NCCL's buffers and the caching allocator's fragmentation, measured at 10-13 GiB over the
 trainer's tensors on one H200 and 5 GiB more on two (benchmarks/results/h200/colocation).
 
+With rollout.weight_dtype fp8 (SGLang) the engine's linear layers hold one byte per weight and a float32 scale per
+128 x 128 block, and the hand-over's quantization holds its staging arena, scratch buffer and FP8 output on the
+trainer's side while it runs (``fp8_handover``, from the hand-over's own plan).
+
 Host memory: what megarl.memory.offload moves away lands in pinned host buffers that are kept for reuse, so a
 node holds every offloaded part of every local rank at once, next to each process's own memory. A node
 without room is refused before launch too (one H200 host of 128 GiB was OOM-killed that way).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -276,9 +281,15 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         landing = 0
     # staging for bytes that cross GPUs
     pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing or cfg.async_rl.engine_gpus else 0
+    fp8 = fp8_handover(cfg, spec, dims, dtype)
+    if fp8 is not None:
+        engine_rank = fp8.engine_bytes
+
     def buffers(phase: str) -> dict[str, int]:
         if phase == "generate" and weights_leave:
             return {}
+        if phase == "handover" and fp8 is not None and fp8.buffer_bytes:  # freed once the engine has copied
+            return {"hand-over buffers": landing + pool, "FP8 quantization buffers": fp8.buffer_bytes}
         return {"hand-over buffers": landing + pool}
 
     def with_overhead(parts: dict[str, int], phase: str = "") -> dict[str, int]:
@@ -342,6 +353,42 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             parts["judge asleep"] = ENGINE_ASLEEP
         plan.phases["judge"] = with_overhead(resident("reward_model")) | asleep | {"judge awake": judge}
     return _with_host(plan, resident)
+
+
+@dataclass
+class Fp8Handover:
+    """rollout.weight_dtype = fp8 on the busiest GPU: the engine rank's parameters (FP8 weights and their float32
+    scales, the rest in the trainer's dtype) and what the trainer's quantization holds during a hand-over."""
+
+    engine_bytes: int
+    buffer_bytes: int
+
+
+def fp8_handover(cfg: Config, spec: ModelSpec, dims: ParallelDims, dtype_bytes: int) -> Fp8Handover | None:
+    """The FP8 hand-over's memory from its plan (megarl.reshard.executor.fp8_buffer_bytes), or None where the
+    engine holds the trainer's dtype (or the layout is one start-up refuses)."""
+    r = cfg.rollout
+    if r.weight_dtype != "fp8" or r.engine != "sglang" or (dims.tp * dims.pp) % r.tensor_parallel:
+        return None
+    from megarl.reshard.executor import fp8_buffer_bytes
+    from megarl.reshard.planner import make_plan
+
+    plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=1), r.tensor_parallel, element_size=dtype_bytes,
+                     bucket_bytes=r.reshard_bucket_mb * 2**20, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
+                     weight_dtype="fp8")
+
+    def engine_bytes(gpu: int) -> int:
+        quantized = plan.fp8_tensors(gpu)
+        total = 0
+        for name, shape in plan.engine_shapes(gpu).items():
+            g = quantized.get(name)
+            total += math.prod(shape) * dtype_bytes if g is None else \
+                math.prod(g.shape) + 4 * math.prod(g.scale_shape)
+        return total
+
+    gpus = range(plan.num_gpus)
+    return Fp8Handover(engine_bytes=max(engine_bytes(g) for g in gpus),
+                       buffer_bytes=max(fp8_buffer_bytes(plan, g, r.landing_buffer_mb * 2**20) for g in gpus))
 
 
 def _with_host(plan: MemoryPlan, resident: Callable[[str], dict[str, int]]) -> MemoryPlan:

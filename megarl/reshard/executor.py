@@ -167,17 +167,9 @@ class Resharder:
         # offset)); those this GPU's trainer tensors fill alone within one bucket, copied one at a time into the
         # scratch buffer and quantized at once; the others through the staging arena (name -> byte offset), each
         # quantized after its last bucket (_quantize_after).
-        self._direct = {n: a for n, a in aliases(plan)[rank].items() if n in self.fp8} if self.fp8 else {}
-        into: dict[str, list[tuple[int, Transfer]]] = {}
-        for k, bucket in enumerate(plan.buckets):
-            for t in bucket:
-                if t.dst_rank == rank and t.dst_name in self.fp8 and t.dst_name not in self._direct:
-                    into.setdefault(t.dst_name, []).append((k, t))
-        self._scratched = {n for n, ts in into.items() if len({k for k, _ in ts}) == 1 and all(
-            t.local and t.src_rank == rank for _, t in ts)}
-        self._scratch_bytes = max((math.prod(self.fp8[n].shape) * plan.element_size for n in self._scratched),
-                                  default=0)
-        self._staged, self._staging_bytes = _staging(plan, rank, set(into) - self._scratched)
+        self._direct, self._scratched, staged = fp8_routes(plan, rank)
+        self._scratch_bytes = _scratch_bytes(plan, rank, self._scratched)
+        self._staged, self._staging_bytes = _staging(plan, rank, staged)
         self._quantize_after: dict[int, list[str]] = {}
         for k, bucket in enumerate(plan.buckets):
             for t in bucket:
@@ -770,6 +762,43 @@ def check_fp8_tensors(given: dict[str, torch.Tensor], fp8: dict[str, Fp8Tensor],
                 raise UserError(f"{side}: tensor `{n}` is {tensor.dtype} of shape {list(tensor.shape)}"
                                 f"{'' if tensor.is_contiguous() else ', not contiguous'}; rollout.weight_dtype = "
                                 f"fp8 needs {dtype} of shape {list(shape)}, contiguous (128 x 128 blocks).")
+
+
+def fp8_routes(plan: Plan, rank: int) -> tuple[dict[str, tuple[str, int]], set[str], set[str]]:
+    """How GPU ``rank`` quantizes its FP8 engine tensors: (direct: name -> (trainer tensor, element offset), those
+    read straight from one trainer tensor of this GPU; scratched: those this GPU's trainer tensors fill alone within one
+    bucket, copied into the scratch buffer; staged: the rest, assembled in the staging arena)."""
+    fp8 = plan.fp8_tensors(rank)
+    if not fp8:
+        return {}, set(), set()
+    direct = {n: a for n, a in aliases(plan)[rank].items() if n in fp8}
+    into: dict[str, list[tuple[int, Transfer]]] = {}
+    for k, bucket in enumerate(plan.buckets):
+        for t in bucket:
+            if t.dst_rank == rank and t.dst_name in fp8 and t.dst_name not in direct:
+                into.setdefault(t.dst_name, []).append((k, t))
+    scratched = {n for n, ts in into.items() if len({k for k, _ in ts}) == 1 and all(
+        t.local and t.src_rank == rank for _, t in ts)}
+    return direct, scratched, set(into) - scratched
+
+
+def fp8_buffer_bytes(plan: Plan, rank: int, landing_bytes: int | None) -> int:
+    """The most memory an in-engine FP8 hand-over takes on GPU ``rank`` beside the engine's parameters (the memory
+    plan's count): the staging arena, the scratch buffer, and ``fp8_out``, whose steps stop at the landing limit
+    (``landing_bytes``; None: twice a bucket, 0: none) unless one tensor alone is larger."""
+    fp8 = plan.fp8_tensors(rank)
+    if not fp8:
+        return 0
+    _, scratched, staged = fp8_routes(plan, rank)
+    needs = [_aligned_bytes(math.prod(g.shape)) + _aligned_bytes(4 * math.prod(g.scale_shape)) for g in fp8.values()]
+    limit = 2 * plan.bucket_bytes if landing_bytes is None else landing_bytes
+    out = min(sum(needs), max(limit, max(needs))) if limit else sum(needs)
+    return _scratch_bytes(plan, rank, scratched) + _staging(plan, rank, staged)[1] + out
+
+
+def _scratch_bytes(plan: Plan, rank: int, scratched: set[str]) -> int:
+    fp8 = plan.fp8_tensors(rank)
+    return max((math.prod(fp8[n].shape) * plan.element_size for n in scratched), default=0)
 
 
 def _staging(plan: Plan, rank: int, names: set[str]) -> tuple[dict[str, int], int]:
