@@ -36,6 +36,7 @@
 # that later calls, which carry the working tree as it is then, cannot change the runs under way.
 # PROFILE=STEP traces that step of every GSM8K run (train.py --profile) and writes its per-phase summary
 # (benchmarks/trace_summary.py) beside the run's metrics as trace_summary.txt.
+# Part cache-save leaves the runs' compiled kernels in $OUT (benchmarks/h200_stage.sh cache-save).
 # Parts mps (probe that MPS starts here and serves a CUDA process) and test (below) can join a stage call.
 # A further part, test, runs the GPU tests of SGLang's abort (tests/test_rollout_sglang_gpu.py) on the staged SGLang
 # with the converted SmolLM2 (after install).
@@ -172,6 +173,8 @@ for part in $PART; do case $part in
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
+  cache-save)  # after the runs: their compiled kernels for the next session (benchmarks/h200_stage.sh)
+    cache_save ;;
   mps)
     mps_start && python3 -c "import torch; print('[h200] a CUDA process under MPS:', (torch.ones(4, device='cuda') * 2).sum().item())" \
       && echo get_server_list | nvidia-cuda-mps-control && mps_stop && echo "[h200] MPS works here" \

@@ -7,8 +7,9 @@
 #                                                the extension against the machine's torch
 #   bash benchmarks/h200_stage.sh install         on the device, after the last part: into /tmp/site, and SmolLM2
 #                                                converted to /tmp/smollm2
-#   bash benchmarks/h200_stage.sh cache-save      on the device: compiled-kernel caches into $OUT/kernel_cache.tgz
-#   bash benchmarks/h200_stage.sh cache-load      on the device: restore a carried .stage/kernel_cache.tgz
+#   bash benchmarks/h200_stage.sh cache-save      on the device: compiled-kernel caches into $OUT/kernel_cache.tgz.NN
+#                                                (parts of 15 MiB: larger files do not come back)
+#   bash benchmarks/h200_stage.sh cache-load      on the device: restore the parts carried in .stage/kernel_cache/
 # Steps chain in one call: `stage 6 install cache-load`. Later calls of a session: PYTHONPATH=/tmp/site:$PWD
 # (h200_common.sh's h200_session sets it).
 set -uo pipefail

@@ -72,10 +72,10 @@ stage_plan() {
     (( i == count )) && more=" install"
     echo "  call $i: bash benchmarks/h200_stage.sh stage $i$more    carry [\"$STAGE_DIR/p$i\"]"
   done
-  if [[ -f $STAGE_DIR/kernel_cache.tgz ]]; then
-    size=$(du -b "$STAGE_DIR/kernel_cache.tgz" | cut -f1)
-    echo "  $STAGE_DIR/kernel_cache.tgz ($size bytes): add it to the carry of call $count and 'cache-load' to its" \
-      "command if the two fit ($(( (tree + size + $(du -cb "$STAGE_DIR/p$count" | awk 'END {print $1}')) * 100 / STAGE_LIMIT ))%)"
+  if compgen -G "$STAGE_DIR/kernel_cache/kernel_cache.tgz.*" > /dev/null; then
+    size=$(du -cb "$STAGE_DIR/kernel_cache" | awk 'END {print $1}')
+    echo "  $STAGE_DIR/kernel_cache ($size bytes, $(( (tree + size) * 100 / STAGE_LIMIT ))% of a call with the tree):" \
+      "carry it with the first call after install and start that call's command with 'bash benchmarks/h200_stage.sh cache-load'"
   fi
 }
 
@@ -134,16 +134,20 @@ kernel_cache_dirs() {
   done
 }
 
-# On the device: the caches into $OUT/kernel_cache.tgz, to be put at .stage/kernel_cache.tgz here and carried next time.
+# On the device: the caches into $OUT/kernel_cache.tgz.00, .01, ..., parts of 15 MiB (a file over 16 MiB does not come
+# back from the device), to be put in .stage/kernel_cache/ here and carried next time.
 cache_save() {
   local dirs
   mapfile -t dirs < <(kernel_cache_dirs)
   (( ${#dirs[@]} )) || { echo "[stage] no kernel cache here yet"; return 0; }
-  tar czPf "$OUT/kernel_cache.tgz" "${dirs[@]}" && echo "[stage] $OUT/kernel_cache.tgz: $(du -h "$OUT/kernel_cache.tgz" | cut -f1) of ${dirs[*]}"
+  rm -f "$OUT"/kernel_cache.tgz.*
+  tar czPf - "${dirs[@]}" | split -b 15M -d -a 2 - "$OUT/kernel_cache.tgz." &&
+    echo "[stage] kernel cache of ${dirs[*]}: $(cat "$OUT"/kernel_cache.tgz.* | wc -c) bytes in $(ls "$OUT"/kernel_cache.tgz.* | wc -l) parts"
 }
 
-# On the device: restore a carried .stage/kernel_cache.tgz to the paths it came from.
+# On the device: restore the carried .stage/kernel_cache/kernel_cache.tgz.* parts to the paths they came from.
 cache_load() {
-  [[ -f $STAGE_DIR/kernel_cache.tgz ]] || stage_die "no $STAGE_DIR/kernel_cache.tgz here: carry it with this call"
-  tar xzPf "$STAGE_DIR/kernel_cache.tgz" && echo "[stage] kernel cache restored"
+  compgen -G "$STAGE_DIR/kernel_cache/kernel_cache.tgz.*" > /dev/null ||
+    stage_die "no $STAGE_DIR/kernel_cache/kernel_cache.tgz.* here: carry $STAGE_DIR/kernel_cache with this call"
+  cat "$STAGE_DIR"/kernel_cache/kernel_cache.tgz.* | tar xzPf - && echo "[stage] kernel cache restored"
 }
