@@ -26,6 +26,8 @@
 #   lora8b    Llama-3-8B's body (32 layers, random weights, SmolLM2's tokenizer) with LoRA rank 64 on every linear
 #             layer, $STEPS_8B GRPO steps of the GSM8K recipe at 32 prompts x 8 samples of up to 256 tokens, merged
 #             hand-over: memory/* per phase, time/* and handover/* in its metrics
+#   lora8b_fp8   lora8b with the engine in block FP8 (rollout.weight_dtype fp8, token_tis): tokens/s, KV cache and
+#             the hand-over's time into FP8 against lora8b's, and the FP8 sampler's gap (rollout_correction/*)
 #   full8b    the same body at $FULL_LAYERS layers (16; 14 on an H100: the memory plan puts 16 at 84.7 GiB in the
 #             update), every weight trained (the optimizer offloaded while the engine generates)
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
@@ -140,9 +142,10 @@ all_runs() {
           --engine-arg attention_backend=triton --engine-arg sampling_backend=pytorch \
           --engine-arg grammar_backend=none > /tmp/runs/product_notool.log 2>&1
         echo "[h200] product_notool exit $?: $(tail -1 /tmp/runs/product_notool.log | cut -c1-300)" ;;
-      lora8b|full8b)
+      lora8b|lora8b_fp8|full8b)
         local layers=32 lora=(--set actor.lora.rank=64 --set actor.lora.alpha=128)
         [[ $run == full8b ]] && { layers=$FULL_LAYERS; lora=(); }
+        [[ $run == lora8b_fp8 ]] && lora+=(--set rollout.weight_dtype=fp8 --set algorithm.rollout_correction=token_tis)
         [[ -f /tmp/llama8b_$layers/config.json ]] || python3 benchmarks/make_random_model.py --preset llama3-8b \
           --tokenizer /tmp/smollm2 --out /tmp/llama8b_$layers --layers $layers 2>&1 | tail -1
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml --set model.hf_path=/tmp/llama8b_$layers "${lora[@]}" \
