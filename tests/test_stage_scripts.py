@@ -1,0 +1,42 @@
+"""The GPU-session scripts (benchmarks/*.sh), which only run on the lent GPU machines, at least parse, and the kernel
+cache they carry between sessions survives the trip in parts small enough to come back from a device call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted([*REPO.glob("benchmarks/*.sh"), *REPO.glob("benchmarks/h200/*.sh")])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_session_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_kernel_cache_travels_in_parts_under_a_device_calls_file_limit(tmp_path):
+    """cache-save cuts the caches into parts of at most 15 MiB (a file over 16 MiB does not come back); cache-load,
+    given the parts in .stage/kernel_cache/, restores every file byte for byte."""
+    home, out, work = tmp_path / "home", tmp_path / "out", tmp_path / "work"
+    cache = home / ".triton" / "cache"
+    cache.mkdir(parents=True)
+    out.mkdir()
+    blob = os.urandom(20 * 2**20)  # random: gzip cannot shrink it below one part
+    (cache / "kernel.bin").write_bytes(blob)
+    (cache / "kernel.json").write_text('{"name": "k"}')
+    env = os.environ | {"HOME": str(home), "OUT": str(out), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "none")}
+    steps = f"source {REPO}/benchmarks/h200_common.sh; source {REPO}/benchmarks/h200/stage.sh;"
+    subprocess.run(["bash", "-c", steps + " cache_save"], check=True, env=env, cwd=REPO, capture_output=True)
+    parts = sorted(out.glob("kernel_cache.tgz.*"))
+    assert len(parts) == 2 and all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    (work / ".stage" / "kernel_cache").mkdir(parents=True)
+    for p in parts:
+        (work / ".stage" / "kernel_cache" / p.name).write_bytes(p.read_bytes())
+    for f in cache.iterdir():
+        f.unlink()
+    subprocess.run(["bash", "-c", steps + " cache_load"], check=True, env=env, cwd=work, capture_output=True)
+    assert (cache / "kernel.bin").read_bytes() == blob and (cache / "kernel.json").read_text() == '{"name": "k"}'
