@@ -48,12 +48,12 @@ def random_adapter(base, out, seed: int) -> dict[str, tuple[torch.Tensor, torch.
         if not name.endswith(".weight") or name.split(".")[-2] not in MODULES:
             continue
         rows, cols = weight.shape
-        a = torch.randn(RANK, cols, generator=gen) / cols ** 0.5
-        b = torch.randn(rows, RANK, generator=gen) * 0.01
-        factors[name] = (a, b)
+        a = (torch.randn(RANK, cols, generator=gen) / cols ** 0.5).to(torch.bfloat16)
+        b = (torch.randn(rows, RANK, generator=gen) * 0.01).to(torch.bfloat16)
+        factors[name] = (a.float(), b.float())  # the merge takes exactly the factors the file holds
         prefix = "base_model.model." + name.removesuffix(".weight")
-        tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)
-        tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16)
+        tensors[f"{prefix}.lora_A.weight"] = a
+        tensors[f"{prefix}.lora_B.weight"] = b
     out.mkdir(parents=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(json.dumps({
@@ -130,3 +130,16 @@ def test_an_adapter_served_by_sglang_decodes_as_the_merged_weights(tmp_path):
     finally:
         engine.shutdown()
     check_close(served, merged, "adapter vs merged weights")
+    # The tolerance tells an adapter from none: the base model's decodes lie far further from the merged engine's.
+    assert max(movement(p, m) for p, m in zip(plain, merged, strict=True)) > 4 * TOL, "the check cannot tell"
+
+
+def movement(a, b) -> float:
+    """How far two greedy decodes lie apart: the largest logprob gap over their common prefix, infinite where they
+    part at the first token."""
+    same = next((t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+                min(len(a.token_ids), len(b.token_ids)))
+    if same == 0:
+        return math.inf
+    return max(abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True))
+
