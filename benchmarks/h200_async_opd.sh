@@ -32,6 +32,8 @@
 #             update), every weight trained (the optimizer offloaded while the engine generates)
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
 #   any async or separate run with _stale2 after its mode (e.g. gsm8k_separate_abort_stale2_mps): max_staleness 2
+#   any GSM8K run with _noprefill before _mps (e.g. gsm8k_sync_noprefill): SGLang without prefill CUDA graphs, whose
+#             capture is most of the engine's start on a fresh machine
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
 # start runs the tree it finds, or the one in .stage/tree.tgz where that is carried (`git archive HEAD | gzip`), so
@@ -102,8 +104,10 @@ SEPARATE_ABORT=(--set async_rl.mode=separate --set async_rl.chunk_tokens=null
 
 # The async_rl settings of run $1 (into sets), the same for an arith run and its gsm8k_ twin; none for sync.
 mode_sets() {
-  local run=${1#gsm8k_} stale=()
+  local run=${1#gsm8k_} stale=() prefill=()
   run=${run%_mps}
+  # SGLang's prefill CUDA graphs (58 token counts up to 8192, captured and compiled at start) left out
+  [[ $run == *_noprefill ]] && { prefill=(--set rollout.engine_args.cuda_graph_backend_prefill=disabled); run=${run%_noprefill}; }
   [[ $run == *_stale2 ]] && { stale=(--set async_rl.max_staleness=2); run=${run%_stale2}; }
   case ${run%_wide} in
     async) sets=("${ASYNC[@]}") ;; async_radix) sets=("${ASYNC[@]}" "${RADIX[@]}") ;;
@@ -111,7 +115,7 @@ mode_sets() {
     separate_abort) sets=("${SEPARATE_ABORT[@]}") ;; *) sets=() ;;
   esac
   [[ $run == *_wide ]] && sets+=(--set actor.max_tokens_per_gpu="$WIDE")
-  sets+=("${stale[@]}")
+  sets+=("${stale[@]}" "${prefill[@]}")
   return 0
 }
 
