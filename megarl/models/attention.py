@@ -151,8 +151,9 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     differs from the first); run beside the engine's start (megarl.loop.trainer), they cost no wall time.
     torch.compile(dynamic=True) keeps one FlexAttention graph per mode for every length but specializes a size of
     1, hence one row and several; the block mask (create_block_mask's own compilation) turns dynamic only at its
-    second shape, hence two lengths. Query, key and value come with Megatron's layout (``megatron_qkv``): the graphs
-    guard on their strides."""
+    second shape, hence two lengths; and a length that FlexAttention's blocks do not divide takes other kernels
+    than one they divide (its masked last block), hence 301 beside 256 and 320, with one row and with several.
+    Query, key and value come with Megatron's layout (``megatron_qkv``): the graphs guard on their strides."""
     core = next((m for chunk in modules for m in chunk.modules() if isinstance(m, FusedCoreAttention)), None)
     if core is None or core.dropout or not torch.cuda.is_available():
         return 0.0
@@ -165,7 +166,7 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     # The block mask compiles for its first shape, then once more with the sizes that changed made dynamic.
-    for rows, length in ((2, 256), (3, 320), (1, 256)):
+    for rows, length in ((2, 256), (3, 320), (1, 256), (2, 301), (1, 301), (1, 320)):
         segments = (torch.arange(length, device=device) // 96).expand(rows, -1).contiguous()
         for train in (False, True):
             with torch.set_grad_enabled(train):
