@@ -4,10 +4,17 @@ parts adding up to the total, SGLang's CUDA graph capture read from its log, and
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from megarl.run import startup
+
+REPO = Path(__file__).resolve().parent.parent
 
 SGLANG_LOG = (
     "Capturing num tokens (num_tokens=8 avail_mem=12.05 GB):  95%|#| 55/58 [01:03<00:00, 11.16it/s]"
@@ -70,4 +77,10 @@ def test_graph_capture_needs_a_finished_bar():
 
 
 def test_the_process_age_counts_from_the_interpreter_start():
-    assert 0 < startup.process_age() < 3600
+    """A new interpreter that sleeps a second reports at least that second, and no more than its whole life as its
+    parent saw it (a clock tick of slack): the age counts from the process's start, not from an import."""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.0); from megarl.run import startup; "
+                          "print(startup.process_age())"], check=True, capture_output=True, text=True, cwd=REPO).stdout
+    lived = time.monotonic() - start
+    assert 1.0 <= float(out) <= lived + 2 / os.sysconf("SC_CLK_TCK")
