@@ -14,9 +14,11 @@ TARGETS = ("qkv", "o", "fc1", "fc2")
 TARGET_PATHS = {"qkv": ("self_attention", "linear_qkv"), "o": ("self_attention", "linear_proj"),
                 "fc1": ("mlp", "linear_fc1"), "fc2": ("mlp", "linear_fc2")}
 """Where each target sits in a Megatron TransformerLayer: (submodule, linear layer)."""
-# peft's target names for the same layers, to point a user who writes them to ours.
-_HF_NAMES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "fc1", "up_proj": "fc1",
-             "down_proj": "fc2"}
+HF_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "fc1": ("gate_proj", "up_proj"),
+              "fc2": ("down_proj",)}
+"""The HF (peft) modules of each target: what an engine adapting HF modules adapts for it."""
+# peft's target names, to point a user who writes them to ours.
+_HF_NAMES = {hf: target for target, names in HF_TARGETS.items() for hf in names}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -288,9 +288,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     def buffers(phase: str) -> dict[str, int]:
         if phase == "generate" and weights_leave:
             return {}
+        parts = {"hand-over buffers": landing + pool}
         if phase == "handover" and fp8 is not None and fp8.buffer_bytes:  # freed once the engine has copied
-            return {"hand-over buffers": landing + pool, "FP8 quantization buffers": fp8.buffer_bytes}
-        return {"hand-over buffers": landing + pool}
+            parts["FP8 quantization buffers"] = fp8.buffer_bytes
+        return parts
 
     def with_overhead(parts: dict[str, int], phase: str = "") -> dict[str, int]:
         parts = parts | buffers(phase)

@@ -101,7 +101,8 @@ class SGLangEngine:
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
                  return_routed_experts: bool = False, aliases: Path | None = None, max_batch: int | None = None,
-                 lora_rank: int | None = None, lora_targets: Sequence[str] = TARGETS, **engine_args: Any) -> None:
+                 lora_rank: int | None = None, lora_targets: Sequence[str] = TARGETS, weight_dtype: str = "bf16",
+                 **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
         visible ones); ``log_file``: where the engine's processes log (None: the console); ``max_batch``: the most
         sequences one rollout's generate call runs at once, which decode CUDA graphs cover (``decode_graph_args``);
@@ -109,10 +110,10 @@ class SGLangEngine:
         ``aliases``: the file of the parameters that map the actor's memory, per engine rank (rollout.alias_weights:
         the model is built by megarl's loader, megarl.rollout.sglang_loader.AliasingLoader); ``lora_rank``: serve
         LoRA adapters of this rank on ``lora_targets`` (actor.lora's names; ``load_adapter``, sglang_lora);
+        ``weight_dtype``: "fp8" starts the engine in block FP8 for the hand-over (rollout.weight_dtype, sglang_fp8);
         ``engine_args`` go to ``sglang.Engine`` unchanged."""
         sigterm = signal.getsignal(signal.SIGTERM)  # megarl's interrupt handling, which the engine's loop takes over
-        # rollout.weight_dtype: "fp8" starts the engine in block FP8 for the hand-over (megarl.rollout.sglang_fp8)
-        fp8 = engine_args.pop("weight_dtype", "bf16") == "fp8"
+        fp8 = weight_dtype == "fp8"
         spec = load_spec(hf_dir)  # unsupported architectures fail here, before any GPU work
         check_rollout_tp(spec, tensor_parallel)
         assert not return_routed_experts or spec.is_moe, "routed experts of a dense model"

@@ -15,6 +15,7 @@ Importing this module must stay cheap and free of SGLang: it runs in SGLang's sc
 from __future__ import annotations
 
 import pickle
+import weakref
 from typing import Any
 
 import torch
@@ -27,11 +28,14 @@ ALIASES_KEY = "megarl_aliases"
 """``model_loader_extra_config`` key of the alias file: per engine rank, (name, packaged tensor) pairs."""
 
 _STATE = HandoverState()
+_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models whose block-FP8 layers ``check_block_fp8`` passed: their format and runner do not change afterwards."""
 
 
 def load(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    if named_tensors and named_tensors[0][0] == PREFIX + "attach":
+    if named_tensors and named_tensors[0][0] == PREFIX + "attach" and model not in _CHECKED:
         check_block_fp8(model)  # rollout.weight_dtype = fp8: the engine's GEMM reads what the copy writes, as written
+        _CHECKED.add(model)
     _STATE.handle(model, named_tensors)
 
 

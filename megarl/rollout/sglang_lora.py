@@ -24,20 +24,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl.config.lora import TARGETS
+from megarl.config.lora import HF_TARGETS, TARGETS
 from megarl.errors import UserError
-
-HF_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "fc1": ("gate_proj", "up_proj"),
-              "fc2": ("down_proj",)}
-"""actor.lora.target_modules -> the HF modules SGLang adapts (it stacks q/k/v into qkv_proj, gate/up into
-gate_up_proj itself); the names match what megarl.lora.export.write_peft writes into adapter_config.json."""
 
 SPECULATIVE_WITH_LORA = (None, "NGRAM")
 """speculative_algorithm values SGLang 0.5.17 serves LoRA with."""
 
 
 def lora_target_modules(targets: Sequence[str]) -> list[str]:
-    """SGLang's ``lora_target_modules`` for actor.lora.target_modules (megarl's names), in a fixed order."""
+    """SGLang's ``lora_target_modules`` for actor.lora.target_modules (megarl's names), in a fixed order: the HF
+    modules, which SGLang stacks into qkv_proj and gate_up_proj itself, as megarl.lora.export names them."""
     unknown = [t for t in targets if t not in HF_TARGETS]
     if unknown or not targets:
         raise UserError(f"actor.lora.target_modules = {list(targets)}: SGLang serves adapters on {list(TARGETS)} "
