@@ -94,6 +94,20 @@ def wait_until_done(env: dict[str, str], job_id: str, log: Path) -> dict[str, st
     return job(env, job_id)
 
 
+def story(env: dict[str, str], job_id: str, log: Path) -> str:
+    """What a failed assertion on a job shows: its log's end, Slurm's view of it (state, reason, exit code, restarts)
+    and what slurmctld and the slurmd logged of it, for a job that ended without a word of its own."""
+    text = log.read_text()[-4000:] if log.exists() else "(no log)"
+    state = job(env, job_id)
+    fields = " ".join(f"{key}={state.get(key)}" for key in ("JobState", "Reason", "ExitCode", "Restarts", "BeginTime"))
+    daemons = []
+    for path in sorted(Path(env["SLURM_CONF"]).parent.glob("slurm*.log")):
+        lines = [line for line in path.read_text(errors="replace").splitlines() if f"JobId={job_id}" in line
+                 or f"job {job_id}" in line.lower() or f"StepId={job_id}." in line]
+        daemons.append(f"--- {path.name}, its lines of the job:\n" + "\n".join(lines[-25:]))
+    return f"{text}\n--- scontrol: {fields}\n" + "\n".join(daemons)
+
+
 def rows(run: Path) -> dict[int, dict]:
     path = run / "metrics.jsonl"
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
@@ -131,12 +145,14 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes_as_if_unint
     log = tmp_path / f"slurm-{job_id}.out"
     wait_for("third step", lambda: len(rows(tmp_path / "run")) >= 3, log, (cluster, job_id))
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=cluster, check=True)
-    # A requeued job waits two minutes before it may start again (its BeginTime); the test need not.
+    # A requeued job waits two minutes before it may start again (its BeginTime); the test need not. But not "now":
+    # slurmd revoked the first run's credential in the second of the requeue, and rejects one issued in that same
+    # second ("Killing non-startable batch JobId: Job credential revoked"; the job ends FAILED), so two seconds on.
     wait_for("requeue", lambda: job(cluster, job_id)["Restarts"] == "1", log, (cluster, job_id))
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster, capture_output=True)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], env=cluster, capture_output=True)
     state = wait_until_done(cluster, job_id, log)
     text = log.read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", text[-4000:]
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", story(cluster, job_id, log)
     assert "USR1 from Slurm" in text and "resumed from" in text, text[-4000:]
     assert_same_metrics(rows(uninterrupted[0] / "run"), rows(tmp_path / "run"))
 
