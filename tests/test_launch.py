@@ -150,6 +150,45 @@ def test_slurm_signal_becomes_a_stop_file(tmp_path):
     assert not (tmp_path / "stop").exists()
 
 
+@pytest.mark.parametrize("failures", [2, 9])
+def test_a_requeue_slurmctld_refuses_is_asked_again_and_a_lost_one_says_what_to_do(tmp_path, failures):
+    """After the checkpoint a USR1 asked for, `scontrol requeue` is tried again while it fails (a busy slurmctld
+    times clients out): two failures, and the third try requeues the job (exit 0); nine, and after the fifth the job
+    ends with one paragraph that the checkpoint is saved and the job should be submitted again (exit 1)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/calls\n"
+                                      f"[ $(wc -l < {tmp_path}/calls) -gt {failures} ] && exit 0\n"
+                                      "echo 'slurm_requeue error: Socket timed out' >&2; exit 1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(f"set -euo pipefail\nsource {REPO}/scripts/slurm/common.sh\n"
+                      f"echo started > {tmp_path}/ready\n"
+                      f"train_until_signal {sys.executable} -c '{FAKE_STEP}'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "MEGARL_STOP_FILE": str(tmp_path / "stop"), "SLURM_JOB_ID": "77", "MEGARL_REQUEUE_DELAY": "0",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for _ in range(200):
+        if (tmp_path / "ready").exists():
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # the step is running and polling
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "saved and stopped" in out
+    if failures == 2:
+        assert proc.returncode == 0 and calls == ["requeue 77"] * 3, (calls, err)
+        assert err.count("scontrol requeue 77 failed") == 2 and "megarl error" not in err
+    else:
+        assert proc.returncode == 1 and calls == ["requeue 77"] * 5, (calls, err)
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("megarl error: the run saved its checkpoint") and "Socket timed out" in last, err
+        assert "submit the job again with the same checkpoint.dir" in last
+
+
 def test_slurm_launchers_keep_compiled_kernels_beside_the_job(tmp_path):
     """The caches of torch.compile and Triton go to .cache/ in the job's directory, shared by its nodes and kept for
     a requeue, not each node's /tmp; a cache directory set by the user stays."""

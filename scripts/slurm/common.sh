@@ -32,7 +32,25 @@ train_until_signal() {
   done
   trap - USR1
   if [ "$stop_asked" = 1 ] && [ "$rc" = 0 ] && [ -n "${SLURM_JOB_ID:-}" ] && [ "${MEGARL_REQUEUE:-1}" = 1 ]; then
-    scontrol requeue "$SLURM_JOB_ID"
+    requeue_job "$SLURM_JOB_ID" || rc=$?
   fi
   return "$rc"
+}
+
+# scontrol requeue, asked again while it fails: a slurmctld busy with a large cluster's preemptions drops or times out
+# clients, and a requeue lost there would end a job whose checkpoint is saved. After the last try: one paragraph that
+# says the checkpoint is safe and what to do, and exit 1 (the job ends FAILED rather than COMPLETED, to be noticed).
+requeue_job() {
+  local job=$1 tries=${MEGARL_REQUEUE_TRIES:-5} delay=${MEGARL_REQUEUE_DELAY:-5} i out
+  for ((i = 1; i <= tries; i++)); do
+    if out=$(scontrol requeue "$job" 2>&1); then
+      return 0
+    fi
+    echo "megarl: scontrol requeue $job failed (try $i of $tries): $out" >&2
+    ((i < tries)) && sleep $((delay * i))
+  done
+  echo "megarl error: the run saved its checkpoint and stopped, but Slurm did not requeue job $job ($tries tries of" \
+    "'scontrol requeue $job'; the last said: $out). Fix: submit the job again with the same checkpoint.dir; it" \
+    "resumes from that checkpoint (checkpoint.resume: auto)." >&2
+  return 1
 }
