@@ -677,6 +677,31 @@ def test_batch_mask_is_the_policy_mask_and_stats_follow_select_and_concat() -> N
     assert agent_metrics({}, both.mask) == {}
 
 
+def test_the_loops_own_time_is_counted_per_sample_apart_from_engine_and_tools(monkeypatch) -> None:
+    """agent/loop_s: the seconds the loop spent on a sample between engine calls. A parse slowed by 50 ms shows in
+    each sample by its parsed calls (2, 1, 0), in neither the engine's time nor the tools'; the step's total is the
+    samples' sum, and loop_ms_per_turn that total over all turns."""
+    parse = AgentLoop.parse
+
+    def slow_parse(self, turn):
+        time.sleep(0.05)
+        return parse(self, turn)
+
+    monkeypatch.setattr(AgentLoop, "parse", slow_parse)
+    script = {"A": ["<tool_call>paris</tool_call>", "<tool_call>rome</tool_call>", "e<eos>"],
+              "B": ["ab<tool_call>rome</tool_call>", "cd<eos>"], "C": ["fgh<eos>"]}
+    outs = loop(Lookup).generate(ScriptedEngine(script), [encode(k + "\n") for k in "ABC"], PARAMS)
+    loop_s = [c.stats["loop_s"] for c in outs if c.stats is not None]
+    assert len(loop_s) == 3 and loop_s[0] >= 0.1 and loop_s[1] >= 0.05, loop_s
+    assert loop_s[0] > loop_s[2] and loop_s[1] > loop_s[2]
+    batch = Batch.build([encode(k + "\n") for k in "ABC"], [c.token_ids for c in outs], [c.logprobs for c in outs],
+                        [0.0] * 3, None, [c.policy_mask for c in outs], [c.stats for c in outs])
+    metrics = agent_metrics(batch.stats, batch.mask)
+    assert metrics["agent/loop_s_total"] == pytest.approx(sum(loop_s), rel=1e-5)
+    assert metrics["agent/loop_ms_per_turn"] == pytest.approx(1000 * sum(loop_s) / (3 + 2 + 1), rel=1e-5)
+    assert metrics["agent/loop_s"] == pytest.approx(sum(loop_s) / 3, rel=1e-5)
+
+
 def test_gae_bootstraps_across_tool_tokens_against_a_float64_loop() -> None:
     batch, policy = agent_batch()
     gamma, lam = 0.9, 0.8

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -28,8 +29,10 @@ from megarl.tools.inert import InertText
 from megarl.tools.pool import ToolPool, ToolResult
 
 STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
-         "cut_by_turns", "engine_calls", "wasted_tokens")
-"""Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>."""
+         "cut_by_turns", "engine_calls", "wasted_tokens", "loop_s")
+"""Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>. ``loop_s``: the
+seconds the loop itself spent on the sample between engine calls (finding a call's end, parsing it, encoding the
+tool's answer), its overhead apart from the engine's and the tools' time."""
 
 _SEED_STRIDE = 1 << 40
 """A sample's engine call c samples at its first call's seed + c * stride (its first is the single-turn rollout's):
@@ -110,7 +113,9 @@ class AgentLoop:
                     done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
                 for future in sorted(done, key=lambda f: running[f].index):
                     s = running.pop(future)
+                    start = time.perf_counter()
                     self._observe(s, future.result())
+                    s.stats["loop_s"] += time.perf_counter() - start
                     if s.finish is None:
                         ready.append(s)
                 ready.sort(key=lambda s: s.index)
@@ -135,8 +140,10 @@ class AgentLoop:
                                    stop_token_ids=(*params.stop_token_ids, *self._pause))
         outs = engine.generate([s.prompt + s.tokens for s in batch], turn)
         for s, out in zip(batch, outs, strict=True):
+            start = time.perf_counter()
             text = self._take(s, out, params)
             s.call = None if text is None else self.parse(text)
+            s.stats["loop_s"] += time.perf_counter() - start
 
     def _run_tool(self, call: tuple[str, str] | str, seed: int | None) -> futures.Future[ToolResult]:
         """``call`` (a parsed call, or the error observation of one that did not parse) running on the tools'
@@ -243,8 +250,13 @@ def agent_metrics(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[st
     if not stats:
         return {}
     policy = float(mask.sum())
-    return ({f"agent/{k}": float(v.mean()) for k, v in stats.items()}
-            | {"agent/policy_token_share": policy / max(policy + float(stats["tool_tokens"].sum()), 1.0)})
+    metrics = ({f"agent/{k}": float(v.mean()) for k, v in stats.items()}
+               | {"agent/policy_token_share": policy / max(policy + float(stats["tool_tokens"].sum()), 1.0)})
+    if "loop_s" in stats:  # the loop runs in one thread: its samples' overheads add up
+        loop = float(stats["loop_s"].sum())
+        metrics |= {"agent/loop_s_total": loop,
+                    "agent/loop_ms_per_turn": 1000 * loop / max(float(stats["turns"].sum()), 1.0)}
+    return metrics
 
 
 class SingleTurn:
