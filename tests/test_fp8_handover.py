@@ -264,3 +264,25 @@ def test_memory_plan_counts_the_engines_fp8_parameters_and_the_quantization_buff
     assert counted.engine_bytes < 0.75 * sum(math.prod(s) * 2 for s in plan.engine_shapes(0).values())
     assert counted.buffer_bytes == fp8_buffer_bytes(make_plan(spec, dims, 1, element_size=2, bucket_bytes=2**20,
                                                               weight_dtype="fp8"), 0, 2**20) > 0
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_the_memory_plan_keeps_the_fp8_buffers_through_generation_where_the_actors_weights_stay(aligned, offload):
+    """The staging arena, scratch and fp8_out are freed after the engine's copy (Resharder.release) only where the
+    actor's weights leave (actor.offload_weights); kept, they stay bound through generation, and the engine, which
+    sizes itself next to the generate phase, must leave room for them."""
+    from megarl.config import build_config
+    from megarl.memory.plan import fp8_handover, plan_memory
+
+    spec = load_spec(aligned)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    cfg = build_config({"model": {"hf_path": str(aligned)}, "data": {"train_path": "gsm8k"}},
+                       ["rollout.engine=sglang", "rollout.weight_dtype=fp8", f"actor.offload_weights={offload}",
+                        "algorithm.rollout_correction=token_tis"])
+    fp8 = fp8_handover(cfg, spec, dims, 2)
+    assert fp8 is not None and fp8.buffer_bytes > 0
+    plan = plan_memory(cfg, spec, dims, 80 * 2**30)
+    assert plan.phases["handover"]["FP8 quantization buffers"] == fp8.buffer_bytes
+    kept = {phase for phase, parts in plan.phases.items() if "FP8 quantization buffers" in parts}
+    assert kept == ({"handover"} if offload else set(plan.phases)), kept
+

@@ -289,7 +289,9 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         if phase == "generate" and weights_leave:
             return {}
         parts = {"hand-over buffers": landing + pool}
-        if phase == "handover" and fp8 is not None and fp8.buffer_bytes:  # freed once the engine has copied
+        # Resharder.release frees them after the engine's copy only where the actor's weights leave; otherwise
+        # they stay bound from one hand-over to the next, through generation
+        if fp8 is not None and fp8.buffer_bytes and (phase == "handover" or not weights_leave):
             parts["FP8 quantization buffers"] = fp8.buffer_bytes
         return parts
 
