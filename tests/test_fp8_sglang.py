@@ -64,9 +64,16 @@ def test_model_dir_refuses_a_quantized_checkpoint(tmp_path, aligned):
 
 def test_engine_args_pin_the_triton_runner_and_dummy_weights():
     assert fp8_engine_args({}, "auto", None, SERVER_ARGS) == {"load_format": "dummy",
-                                                             "fp8_gemm_runner_backend": "triton"}
+                                                             "fp8_gemm_runner_backend": "triton",
+                                                             "attention_backend": "triton"}
     assert fp8_engine_args({"fp8_gemm_runner_backend": "triton", "quantization": "fp8"}, "dummy", None,
                            SERVER_ARGS)["fp8_gemm_runner_backend"] == "triton"
+    assert "attention_backend" not in fp8_engine_args({"attention_backend": "fa3"}, "auto", None, SERVER_ARGS)
+    # Backends that scale attention by the layers' KV-cache scales, which the placeholder load leaves as noise
+    for key in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+        with pytest.raises(UserError, match=rf"\{{'{key}': 'flashinfer'\}} with rollout.weight_dtype = fp8: that "
+                                            r"attention backend scales attention by the layers' KV-cache scales"):
+            fp8_engine_args({key: "flashinfer"}, "auto", None, SERVER_ARGS)
     with pytest.raises(UserError, match=r"needs an SGLang whose block-FP8 GEMM runner can be chosen "
                                         r"\(fp8_gemm_runner_backend, in 0.5.17\)"):
         fp8_engine_args({}, "auto", None, {"load_format"})

@@ -48,6 +48,12 @@ RUNNER = "triton"
 """The block-FP8 GEMM runner that reads ``weight`` and ``weight_scale_inv`` as the hand-over writes them."""
 RUNNER_FUNCTION = "triton_w8a8_block_fp8_linear"
 """What SGLang's Fp8LinearMethod calls with that runner (``w8a8_block_fp8_linear``)."""
+ATTENTION_ARGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+SCALE_FREE_ATTENTION = ("triton", "fa3")
+"""Attention backends that leave the attention layers' k_scale / v_scale alone with a bf16 KV cache. With a
+quantization_config every attention layer has them, the dummy load fills them with noise (+-1e-3) that no hand-over
+writes, and SGLang keeps a positive draw as the layer's scale: FlashInfer multiplies the softmax scale and the output
+by it, baked into its captured decode graphs (SGLang 0.5.17's flashinfer_backend)."""
 
 
 @dataclass
@@ -95,7 +101,8 @@ def fp8_engine_args(engine_args: dict[str, Any], load_format: str, aliases: obje
                         "scales as the hand-over writes them. Install the GPU image's SGLang, or set "
                         "rollout.weight_dtype: bf16.")
     check_fp8_engine_args(engine_args, load_format, aliases)
-    return {"load_format": "dummy", RUNNER_ARG: RUNNER}
+    return {"load_format": "dummy", RUNNER_ARG: RUNNER} | (
+        {} if "attention_backend" in engine_args else {"attention_backend": SCALE_FREE_ATTENTION[0]})
 
 
 def check_fp8_engine_args(engine_args: dict[str, Any], load_format: str = "auto", aliases: object = None) -> None:
@@ -119,6 +126,13 @@ def check_fp8_engine_args(engine_args: dict[str, Any], load_format: str = "auto"
         raise UserError(f"rollout.engine_args {wrong} with rollout.weight_dtype = fp8: the engine starts in block "
                         "FP8 with placeholder weights that the first hand-over overwrites; it loads nothing itself "
                         "and takes no other quantization. Remove them from rollout.engine_args, or set "
+                        "rollout.weight_dtype: bf16.")
+    scaled = {k: engine_args[k] for k in ATTENTION_ARGS if engine_args.get(k) not in (None, *SCALE_FREE_ATTENTION)}
+    if scaled:
+        raise UserError(f"rollout.engine_args {scaled} with rollout.weight_dtype = fp8: that attention backend scales "
+                        "attention by the layers' KV-cache scales, which the FP8 engine's placeholder load leaves as "
+                        f"noise that no hand-over writes. Use {' or '.join(SCALE_FREE_ATTENTION)} (megarl sets "
+                        f"attention_backend: {SCALE_FREE_ATTENTION[0]} when none is given), or set "
                         "rollout.weight_dtype: bf16.")
     kv = str(engine_args.get("kv_cache_dtype", "auto"))
     if kv.startswith("fp8"):
