@@ -286,3 +286,24 @@ def test_the_memory_plan_keeps_the_fp8_buffers_through_generation_where_the_acto
     kept = {phase for phase, parts in plan.phases.items() if "FP8 quantization buffers" in parts}
     assert kept == ({"handover"} if offload else set(plan.phases)), kept
 
+
+def test_the_memory_plan_counts_fp8_where_a_trainer_rank_holds_less_than_an_engine(aligned):
+    """Trainer TP1 over two data-parallel ranks under one rollout TP2 engine: no trainer rank holds a whole engine
+    rank, so the FP8 figures come from a plan over both replicas (they used to be dropped, the engine's weights then
+    counted in bf16 and no quantization buffers at all)."""
+    from megarl.config import build_config
+    from megarl.memory.plan import fp8_handover
+    from megarl.reshard.executor import fp8_buffer_bytes
+
+    spec = load_spec(aligned)
+    cfg = build_config({"model": {"hf_path": str(aligned)}, "data": {"train_path": "gsm8k"}},
+                       ["rollout.engine=sglang", "rollout.weight_dtype=fp8", "rollout.tensor_parallel=2",
+                        "algorithm.rollout_correction=token_tis"])
+    counted = fp8_handover(cfg, spec, ParallelDims(tp=1, pp=1, dp=2), 2)
+    assert counted is not None
+    plan = make_plan(spec, ParallelDims(tp=1, pp=1, dp=2), 2, element_size=2, bucket_bytes=2**20, weight_dtype="fp8")
+    dst = [engine_tensor_allocations(plan, g, torch.bfloat16, torch.device("cpu")) for g in range(2)]
+    assert counted.engine_bytes == max(sum(t.numel() * t.element_size() for t in d.values()) for d in dst)
+    assert counted.buffer_bytes == max(fp8_buffer_bytes(plan, g, 0) for g in range(2)) > 0
+    assert fp8_handover(cfg, spec, ParallelDims(tp=1, pp=1, dp=3), 2) is None  # no whole engine: refused at start-up
+

@@ -369,16 +369,18 @@ class Fp8Handover:
 
 def fp8_handover(cfg: Config, spec: ModelSpec, dims: ParallelDims, dtype_bytes: int) -> Fp8Handover | None:
     """The FP8 hand-over's memory from its plan (megarl.reshard.executor.fp8_buffer_bytes), or None where the
-    engine holds the trainer's dtype (or the layout is one start-up refuses)."""
+    engine holds the trainer's dtype (or no whole engine fits the trainer's GPUs, a layout start-up refuses). The plan
+    covers the fewest data-parallel replicas whose GPUs hold whole engines (trainer TP1 under rollout TP2: two)."""
     r = cfg.rollout
-    if r.weight_dtype != "fp8" or r.engine != "sglang" or (dims.tp * dims.pp) % r.tensor_parallel:
+    replicas = r.tensor_parallel // math.gcd(dims.tp * dims.pp, r.tensor_parallel)
+    if r.weight_dtype != "fp8" or r.engine != "sglang" or dims.dp % replicas:
         return None
     from megarl.reshard.executor import fp8_buffer_bytes
     from megarl.reshard.planner import make_plan
 
-    plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=1), r.tensor_parallel, element_size=dtype_bytes,
-                     bucket_bytes=r.reshard_bucket_mb * 2**20, vocab_pad_multiple=cfg.model.vocab_pad_multiple,
-                     weight_dtype="fp8")
+    plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=replicas), r.tensor_parallel,
+                     element_size=dtype_bytes, bucket_bytes=r.reshard_bucket_mb * 2**20,
+                     vocab_pad_multiple=cfg.model.vocab_pad_multiple, weight_dtype="fp8")
 
     def engine_bytes(gpu: int) -> int:
         quantized = plan.fp8_tensors(gpu)
