@@ -129,15 +129,16 @@ sys.exit(3)
 """
 
 
-def test_slurm_signal_becomes_a_stop_file(tmp_path):
-    """The launchers' USR1 trap: the running step is asked to checkpoint and stop, and its exit code is kept."""
+def usr1_during_a_step(tmp_path: Path, env: dict[str, str]) -> tuple[int, str, str]:
+    """A batch script's train_until_signal over a fake step, USR1 sent while the step runs: (exit code, stdout,
+    stderr). The stop file is tmp_path/stop; ``env`` adds to the environment, without Slurm's own variables."""
     script = tmp_path / "job.sh"
     script.write_text(f"set -euo pipefail\nsource {REPO}/scripts/slurm/common.sh\n"
                       f"echo started > {tmp_path}/ready\n"
                       f"train_until_signal {sys.executable} -c '{FAKE_STEP}'\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env | {"MEGARL_STOP_FILE": str(tmp_path / "stop")},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean | {"MEGARL_STOP_FILE": str(tmp_path / "stop")} | env)
     for _ in range(200):
         if (tmp_path / "ready").exists():
             break
@@ -145,7 +146,13 @@ def test_slurm_signal_becomes_a_stop_file(tmp_path):
     time.sleep(1.0)  # the step is running and polling
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    return proc.returncode, out, err
+
+
+def test_slurm_signal_becomes_a_stop_file(tmp_path):
+    """The launchers' USR1 trap: the running step is asked to checkpoint and stop, and its exit code is kept."""
+    code, out, err = usr1_during_a_step(tmp_path, {})
+    assert code == 0, err
     assert "USR1 from Slurm" in out and "saved and stopped" in out
     assert not (tmp_path / "stop").exists()
 
@@ -161,29 +168,15 @@ def test_a_requeue_slurmctld_refuses_is_asked_again_and_a_lost_one_says_what_to_
                                       f"[ $(wc -l < {tmp_path}/calls) -gt {failures} ] && exit 0\n"
                                       "echo 'slurm_requeue error: Socket timed out' >&2; exit 1\n")
     (bin_dir / "scontrol").chmod(0o755)
-    script = tmp_path / "job.sh"
-    script.write_text(f"set -euo pipefail\nsource {REPO}/scripts/slurm/common.sh\n"
-                      f"echo started > {tmp_path}/ready\n"
-                      f"train_until_signal {sys.executable} -c '{FAKE_STEP}'\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
-        "MEGARL_STOP_FILE": str(tmp_path / "stop"), "SLURM_JOB_ID": "77", "MEGARL_REQUEUE_DELAY": "0",
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    for _ in range(200):
-        if (tmp_path / "ready").exists():
-            break
-        time.sleep(0.05)
-    time.sleep(1.0)  # the step is running and polling
-    proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=60)
+    code, out, err = usr1_during_a_step(tmp_path, {"SLURM_JOB_ID": "77", "MEGARL_REQUEUE_DELAY": "0",
+                                                   "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     calls = (tmp_path / "calls").read_text().splitlines()
     assert "saved and stopped" in out
     if failures == 2:
-        assert proc.returncode == 0 and calls == ["requeue 77"] * 3, (calls, err)
+        assert code == 0 and calls == ["requeue 77"] * 3, (calls, err)
         assert err.count("scontrol requeue 77 failed") == 2 and "megarl error" not in err
     else:
-        assert proc.returncode == 1 and calls == ["requeue 77"] * 5, (calls, err)
+        assert code == 1 and calls == ["requeue 77"] * 5, (calls, err)
         last = err.strip().splitlines()[-1]
         assert last.startswith("megarl error: the run saved its checkpoint") and "Socket timed out" in last, err
         assert "submit the job again with the same checkpoint.dir" in last
