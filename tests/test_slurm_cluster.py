@@ -230,12 +230,23 @@ def two_nodes(tmp_path_factory):
         stop_cluster(state)
 
 
+def parent(pid: int) -> int:
+    """pid's parent, 0 once it is gone (the field after the command name, which may hold spaces and parentheses)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def torchruns(out: Path) -> dict[int, tuple[str, str]]:
     """pid -> (network namespace, hostname) of each torchrun of the job whose run is in out (megarl.launch's
     torchrun, its command line naming the rendezvous endpoint and the run directory)."""
     found = {}
-    for pid, cmd in job_processes("none", str(out)).items():
+    processes = job_processes("none", str(out))
+    for pid, cmd in processes.items():
         if "torch.distributed.run" not in cmd or "--rdzv-endpoint=" not in cmd or str(out) not in cmd:
+            continue
+        if processes.get(parent(pid)) == cmd:  # torchrun's fork for a worker, caught before its exec
             continue
         try:
             net = os.readlink(f"/proc/{pid}/ns/net")
