@@ -25,6 +25,10 @@ TERMINAL = (signal.SIGINT, signal.SIGHUP)
 """What a terminal sends its whole foreground process group (Ctrl-C, hangup): engine processes ignore them."""
 
 _cleanups: list[Callable[[], object]] = []
+_held = 0
+"""How many ``deferred`` blocks the main thread is in."""
+_pending: list[int] = []
+"""The signal that arrived in them, raised when the outermost one ends."""
 
 
 class Interrupted(BaseException):
@@ -37,7 +41,31 @@ class Interrupted(BaseException):
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
+    if _held and not _pending:
+        _pending.append(signum)
+        return
     raise Interrupted(signum)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """A signal that arrives in the block interrupts the run once the block has ended: a write it makes completes
+    first. A step's metrics interrupted inside mlflow's SQLite transaction left the store locked (mlflow rolls back
+    on an Exception, not on Interrupted), so the clean-up could not mark the run KILLED: it waited 20 s, printed a
+    traceback and left the run RUNNING. A second signal in the block interrupts at once (a store that hangs).
+    Outside the main thread, where no signal handler runs, the block is an ordinary one."""
+    global _held
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        signum = _pending.pop() if not _held and _pending else None
+    if signum is not None:
+        raise Interrupted(signum)
 
 
 def install() -> None:

@@ -29,6 +29,7 @@ from megarl.config import Config, TrackingConfig
 from megarl.distributed.rank0 import from_rank0
 from megarl.errors import UserError
 from megarl.platform.device import host_memory
+from megarl.run import interrupt
 from megarl.run.lock import held_by_another
 
 
@@ -124,10 +125,11 @@ class Tracker:
         if self.rank != 0:
             return
         assert self.jsonl is not None
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
-        if self.mlflow is not None:
-            self.mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+        with interrupt.deferred():  # the row reaches both, and the store is left unlocked for the clean-up
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+            if self.mlflow is not None:
+                self.mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
         if (step + 1) % self.cfg.trainer.log_every and step + 1 != self.cfg.trainer.num_steps:
             return
         self.console.print(
@@ -153,7 +155,6 @@ class Tracker:
         after an error (megarl.errors.at_failure), also another rank's, after which torchrun sends this one SIGTERM
         (the launcher's error file holds it); ``close`` gives FINISHED after the last step."""
         from megarl.errors import at_failure
-        from megarl.run import interrupt
 
         interrupt.at_interrupt(lambda: self.close(status=interrupted_status()))
         at_failure(lambda: self.close(status="FAILED"))
@@ -339,7 +340,6 @@ def record_if_it_ends(cfg: Config, out_dir: Path) -> Callable[[], None]:
     ends with an error or an interrupt is recorded as an mlflow run with the config's params, FAILED or KILLED, as a
     later end would be (a start-up error or a Ctrl-C before the first step used to leave no run). Rank 0 only."""
     from megarl.errors import at_failure
-    from megarl.run import interrupt
 
     taken_over = cfg.tracking.backend != "mlflow" or os.environ.get("RANK", "0") != "0"
 
