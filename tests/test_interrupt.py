@@ -47,3 +47,33 @@ def test_a_terminal_signal_during_engine_start_up_stops_the_trainer_not_its_chil
     finally:
         proc.kill()
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_signal_in_a_deferred_block_interrupts_when_it_ends_and_a_second_one_at_once():
+    """interrupt.deferred: the first signal waits for the block (a metrics row reaching mlflow's store); a second
+    one in the block interrupts at once (a store that hangs); a block without a signal ends as any other."""
+    import time
+
+    from megarl.run import interrupt
+
+    def in_block(signals: int) -> list[str]:
+        done = []
+        with pytest.raises(interrupt.Interrupted) as raised:
+            with interrupt.deferred():
+                for _ in range(signals):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)  # the handler runs in this thread at the next bytecode
+                    done.append("signalled")
+                done.append("the block's end")
+        assert raised.value.signum == signal.SIGTERM
+        return done
+
+    saved = signal.signal(signal.SIGTERM, interrupt._raise)
+    try:
+        assert in_block(1) == ["signalled", "the block's end"]
+        assert in_block(2) == ["signalled"]
+        with interrupt.deferred():
+            pass
+        assert not interrupt._pending
+    finally:
+        signal.signal(signal.SIGTERM, saved)
