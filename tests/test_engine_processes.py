@@ -174,7 +174,7 @@ def test_kill_9_of_a_training_run_takes_its_vllm_engine_along_and_a_second_run_i
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         engine = descendants(proc.pid)
         names = " ".join(p.name() + " " + " ".join(p.cmdline()) for p in engine)
-        # the worker runs in the engine core's process (megarl.rollout.vllm.IN_CORE_EXECUTOR), beside its watchdog
+        # the worker runs in the engine core's process (megarl.rollout.vllm.IN_CORE_EXECUTOR)
         assert "EngineCore" in names and "Worker" not in names, names
         second = train(ckpt, "checkpoint.save_every=1")
         assert second.returncode == 2, second.stderr[-3000:]

@@ -165,17 +165,17 @@ class VLLMEngine:
             # engines serve tests and small runs. Weight updates work in both modes (checked: same tokens).
             # Pass compilation_config to override.
             args["compilation_config"] = {"mode": 0}
-            if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's binding: vLLM's own placement
-                pass
-            elif tensor_parallel > 1:  # vLLM binds a worker per NUMA node and refuses when there are fewer
-                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-            else:
-                # vLLM's CPU platform moves a lone worker into a process of its own, which imports vLLM again:
-                # 12 s of a tiny engine's 33 s start-up, and 1.6 s of its shutdown, on 2 cores (same tokens and
-                # logprobs). Its reason, OMP threads set before torch starts them, holds in the engine core's
-                # process too: it starts with its share of threads. As vLLM runs a GPU worker at tensor_parallel 1.
-                args["distributed_executor_backend"] = IN_CORE_EXECUTOR
-                env["OMP_NUM_THREADS"] = str(cpu_threads(cpu_engines))
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # a binding the user sets keeps vLLM's placement
+                if tensor_parallel > 1:  # vLLM binds a worker per NUMA node and refuses when there are fewer
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                else:
+                    # vLLM's CPU platform moves a lone worker into a process of its own, which imports vLLM again:
+                    # 12 s of a tiny engine's 33 s start-up, and 1.6 s of its shutdown, on 2 cores (same tokens and
+                    # logprobs). Its reason, OMP threads set before torch starts them, holds in the engine core's
+                    # process too: it starts with its share of threads. As vLLM runs a GPU worker at
+                    # tensor_parallel 1.
+                    args["distributed_executor_backend"] = IN_CORE_EXECUTOR
+                    env["OMP_NUM_THREADS"] = str(cpu_threads(cpu_engines))
         args |= engine_args
         self._watchdog = Watchdog(engine_log.path)  # the engine's processes die with this one
         try:
