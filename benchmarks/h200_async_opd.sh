@@ -28,6 +28,11 @@
 #             hand-over: memory/* per phase, time/* and handover/* in its metrics
 #   lora8b_fp8   lora8b with the engine in block FP8 (rollout.weight_dtype fp8, token_tis): tokens/s, KV cache and
 #             the hand-over's time into FP8 against lora8b's, and the FP8 sampler's gap (rollout_correction/*)
+#   lora8b_adapter   lora8b with actor.lora.handover adapter: SGLang serves the adapters over base weights that
+#             alias the actor's (hand-over time, tokens/s and KV cache against lora8b's merged hand-over)
+#   tool_gsm8k   GRPO with the Python tool on GSM8K (recipes/smollm2_gsm8k_tool_grpo.yaml), $TOOL_STEPS steps,
+#             held-out GSM8K accuracy (500 prompts) before the first step and after the last
+#   gputests  the GPU tests $TESTS (pytest -m gpu) on the staged SGLang with the converted SmolLM2, into gputests.log
 #   full8b    the same body at $FULL_LAYERS layers (16; 14 on an H100: the memory plan puts 16 at 84.7 GiB in the
 #             update), every weight trained (the optimizer offloaded while the engine generates)
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
@@ -52,6 +57,8 @@ EVAL_EVERY=${EVAL_EVERY:-5}
 CHUNK=${CHUNK:-64}
 GSM8K_STEPS=${GSM8K_STEPS:-8}
 STEPS_8B=${STEPS_8B:-4}
+TOOL_STEPS=${TOOL_STEPS:-10}
+TESTS=${TESTS:-tests/test_rollout_sglang_gpu.py}
 FULL_LAYERS=${FULL_LAYERS:-16}
 GSM8K_EVAL_EVERY=${GSM8K_EVAL_EVERY:-0}
 WIDE=${WIDE:-131072}
@@ -146,9 +153,17 @@ all_runs() {
           --engine-arg attention_backend=triton --engine-arg sampling_backend=pytorch \
           --engine-arg grammar_backend=none > /tmp/runs/product_notool.log 2>&1
         echo "[h200] product_notool exit $?: $(tail -1 /tmp/runs/product_notool.log | cut -c1-300)" ;;
-      lora8b|lora8b_fp8|full8b)
+      tool_gsm8k)
+        learn tool_gsm8k recipes/smollm2_gsm8k_tool_grpo.yaml --set trainer.num_steps="$TOOL_STEPS" \
+          --set eval.every="$TOOL_STEPS" --set checkpoint.save_every=0 ;;
+      gputests)
+        MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -s -m gpu \
+          -p no:cacheprovider $TESTS > /tmp/runs/gputests.log 2>&1
+        echo "[h200] gputests exit $?: $(tail -1 /tmp/runs/gputests.log | cut -c1-300)" ;;
+      lora8b|lora8b_fp8|lora8b_adapter|full8b)
         local layers=32 lora=(--set actor.lora.rank=64 --set actor.lora.alpha=128)
         [[ $run == full8b ]] && { layers=$FULL_LAYERS; lora=(); }
+        [[ $run == lora8b_adapter ]] && lora+=(--set actor.lora.handover=adapter)
         [[ $run == lora8b_fp8 ]] && lora+=(--set rollout.weight_dtype=fp8 --set algorithm.rollout_correction=token_tis)
         [[ -f /tmp/llama8b_$layers/config.json ]] || python3 benchmarks/make_random_model.py --preset llama3-8b \
           --tokenizer /tmp/smollm2 --out /tmp/llama8b_$layers --layers $layers 2>&1 | tail -1
@@ -176,7 +191,7 @@ for part in $PART; do case $part in
     fi
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
-      GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+      GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B TOOL_STEPS=$TOOL_STEPS TESTS='$TESTS' FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
@@ -189,7 +204,7 @@ for part in $PART; do case $part in
   test)
     export PYTHONPATH=/tmp/site:$PWD
     MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
-      tests/test_rollout_sglang_gpu.py 2>&1 | tail -40 ;;
+      $TESTS 2>&1 | tail -40 ;;
   wait)
     for _ in $(seq "${WAIT:-0}"); do [[ -f /tmp/runs.done ]] && break; sleep 1; done
     [[ -f /tmp/runs.done ]] && echo "[h200] all runs done" || echo "[h200] still running"
