@@ -127,3 +127,36 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
                         out.float().sum().backward()
                 added = counters["stats"]["unique_graphs"] - graphs
                 assert not added, f"{added} new graph(s) at {rows} rows of {lengths}, grad {train}"
+
+
+def test_flex_attention_past_torch_compiles_limit_takes_sdpa_and_says_so(capsys):
+    """Past torch.compile's recompile limit FlexAttention would run eagerly, unfused (every head's [s, s] scores):
+    on an H100 the warm-up's graphs reached torch's default limit and the GSM8K recipe's update ran twice as long,
+    with nothing but torch's warning. megarl raises the limit, and should it still be reached, packed rows take SDPA
+    (fused) with one warning. Run on CPU, where torch compiles FlexAttention too."""
+    import megarl.models.attention as attention
+
+    torch._dynamo.reset()
+    attention._compiled_flex, attention._flex_unfused = None, False
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=8):
+            outputs = []
+            for rows, length in ((2, 128), (1, 128), (3, 96)):  # one row and another length: new graphs
+                segments = (torch.arange(length) // 40).expand(rows, -1).contiguous()
+                q, k, v = (torch.randn(rows, h, length, 16, generator=gen) for h in (4, 2, 2))
+                outputs.append((attention.document_attention(q, k, v, segments, 0.25), q, k, v, segments))
+                if rows == 2:
+                    assert torch._dynamo.config.recompile_limit == attention.RECOMPILE_LIMIT
+                    assert not attention._flex_unfused
+                    torch._dynamo.config.recompile_limit = 1  # as if the limit had been reached
+        assert attention._flex_unfused
+        for out, q, k, v, segments in outputs:
+            expected = reference(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), block_causal_mask(segments), 0.25)
+            assert torch.allclose(out.permute(2, 0, 1, 3).reshape(expected.shape).double(), expected, atol=1e-5)
+        warnings = [line for line in capsys.readouterr().out.splitlines() if "recompile limit" in line]
+        assert len(warnings) == 1 and "SDPA" in warnings[0] and "1 row(s) of 128 tokens" in warnings[0], warnings
+    finally:
+        torch._dynamo.reset()
+        attention._compiled_flex, attention._flex_unfused = None, False
+

@@ -102,7 +102,15 @@ def thd_segments(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return _last_thd[1]
 
 
+RECOMPILE_LIMIT = 64
+"""torch.compile's recompile limit (per function) from the first FlexAttention call on. The warm-up alone makes 12
+graphs of flex_attention (6 shapes in 2 modes) and more of the block mask; at torch's default of 8 every later call
+ran eagerly, unfused, materialising every head's [s, s] scores: on an H100 the GSM8K recipe's update took 3.9-6.2 s
+instead of 2.2-2.7 s and its scoring 4 GiB more memory, and only torch's own warning said so."""
+
 _compiled_flex: Any = None
+_flex_unfused = False
+"""Set once torch.compile can no longer compile FlexAttention's shapes: packed rows then take SDPA's dense mask."""
 _last_mask: tuple[torch.Tensor, bool, Any] | None = None
 """The mask of the segments tensor last seen, built once for all the layers of a micro-batch's forward (they get
 the same tensor); holding the tensor keeps its identity from being reused by another micro-batch's."""
@@ -132,13 +140,27 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
                        scale: float) -> torch.Tensor:
     """Causal attention within each segment of packed rows, by FlexAttention (CUDA): q [b, heads, s, d], k and v
     [b, kv heads, s, d], segments [b, s]. Returns [b, heads, s, d]."""
-    global _compiled_flex
+    global _compiled_flex, _flex_unfused
+    from torch._dynamo.exc import FailOnRecompileLimitHit
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled_flex is None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex(q, k, v, block_mask=_mask_of(segments, flex=True), scale=scale,
-                          enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if not _flex_unfused:
+        # Past the limit torch would run flex_attention eagerly, unfused: fail instead, and take SDPA, which is fused.
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return _compiled_flex(q, k, v, block_mask=_mask_of(segments, flex=True), scale=scale, enable_gqa=gqa)
+        except FailOnRecompileLimitHit:
+            _flex_unfused = True
+            print(f"megarl: warning: torch.compile reached its recompile limit "
+                  f"({torch._dynamo.config.recompile_limit}) for FlexAttention at {q.shape[0]} row(s) of "
+                  f"{q.shape[2]} tokens; packed rows now take SDPA with a dense [b, s, s] mask (the same attention, "
+                  "more memory and time). TORCH_LOGS=recompiles shows which shapes compiled.", flush=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~_mask_of(segments, flex=False), scale=scale,
+                                          enable_gqa=gqa)
 
 
 def compile_document_attention(modules: list[torch.nn.Module]) -> float:
