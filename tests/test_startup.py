@@ -76,6 +76,14 @@ def test_graph_capture_needs_a_finished_bar():
     assert startup.graph_capture_s("Capturing batches (bs=1): 100%|#| 2/2 [1:02:03<00:00]") == 3723
 
 
+def test_a_finished_bar_drawn_twice_is_one_capture():
+    """tqdm drew the decode capture's finished bar at its last update and again at its close (an H100's log)."""
+    twice = ("Capturing batches (bs=1 avail_mem=6.50 GB): 100%|##########| 52/52 [00:50<00:00,  9.93it/s]\n"
+             "Capturing batches (bs=1 avail_mem=6.50 GB): 100%|##########| 52/52 [00:50<00:00,  1.03it/s]\n")
+    assert startup.graph_capture_s(twice) == 50
+    assert startup.graph_capture_s(SGLANG_LOG + twice) == 68 + 50
+
+
 def test_the_process_age_counts_from_the_interpreter_start():
     """A new interpreter that sleeps a second reports at least that second, and no more than its whole life as its
     parent saw it (a clock tick of slack): the age counts from the process's start, not from an import."""

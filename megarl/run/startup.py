@@ -47,11 +47,14 @@ def engine_log(path: Path) -> None:
 
 
 def graph_capture_s(text: str) -> float | None:
-    """SGLang's CUDA graph captures in its log: each tqdm bar's elapsed time when it reached 100%, summed."""
-    times = re.findall(r"Capturing [^:|]*: 100%\|[^|]*\| *\d+/\d+ \[(?:(\d+):)?(\d+):(\d+)<", text)
-    if not times:
+    """SGLang's CUDA graph captures in its log: each tqdm bar's elapsed time when it reached 100%, summed. tqdm can
+    draw a finished bar twice, at its last update and at its close (only the rate differs): the second drawing is
+    the same capture (an H100 log counted a 50 s capture as 100 s, more than the engine's whole start)."""
+    bars = re.findall(r"(Capturing [^:|]*): 100%\|[^|]*\| *(\d+/\d+) \[(?:(\d+):)?(\d+):(\d+)<", text)
+    if not bars:
         return None
-    return sum(int(h or 0) * 3600 + int(m) * 60 + int(s) for h, m, s in times)
+    captures = [bar for i, bar in enumerate(bars) if i == 0 or bar != bars[i - 1]]
+    return sum(int(h or 0) * 3600 + int(m) * 60 + int(s) for _, _, h, m, s in captures)
 
 
 def step_ended() -> dict[str, float]:
