@@ -38,7 +38,7 @@
 #   any GSM8K run with _wide after its mode (e.g. gsm8k_sync_wide): micro-batches of $WIDE tokens (the recipe's 65536)
 #   any async or separate run with _stale2 after its mode (e.g. gsm8k_separate_abort_stale2_mps): max_staleness 2
 #   any GSM8K run with _noprefill before _mps (e.g. gsm8k_sync_noprefill): SGLang without prefill CUDA graphs, whose
-#             capture is most of the engine's start on a fresh machine
+#             capture is most of the engine's start on a fresh machine (the GSM8K recipe's default since 10052c2's runs)
 #   any of them with _mps at the end (e.g. gsm8k_separate_mps): under NVIDIA's Multi-Process Service, which lets
 #             the kernels of the engine's and the learner's processes run at once instead of taking turns
 # start runs the tree it finds, or the one in .stage/tree.tgz where that is carried (`git archive HEAD | gzip`), so
