@@ -133,3 +133,45 @@ def test_the_sglang_adapter_builds_its_model_with_megarl_loader_when_it_aliases(
     assert pickle.loads(pickle.dumps(calls["start"]["load_format"])) is AliasingLoader  # spawned workers import it
     SGLangEngine(str(model))
     assert calls["start"]["load_format"] == "auto" and "model_loader_extra_config" not in calls["start"]
+
+
+def test_sglang_can_read_lora_adapters_with_the_load_config_of_an_aliased_engine(tmp_path, fake_sglang, monkeypatch):
+    """SGLang 0.5.17 reads an adapter with a DefaultModelLoader built on the engine's load config (srt/lora/lora.py
+    ``initialize_weights``), whose checks (srt/model_loader/loader.py ``__init__``, ``_prepare_weights``) refused
+    the config megarl starts an aliasing engine with: once megarl's loader has built the model, both pass."""
+    import contextlib
+    import enum
+    import pickle
+    import sys
+    import types
+
+    from helpers import make_hf_model
+    from megarl.rollout.sglang import SGLangEngine
+
+    class LoadFormat(enum.StrEnum):  # as SGLang's (a str Enum)
+        AUTO, SAFETENSORS = "auto", "safetensors"
+
+    calls = fake_sglang()
+    SGLangEngine(str(make_hf_model(tmp_path / "llama", "llama")), aliases=tmp_path / "engine_0.aliases")
+    trainer = torch.randn(4, 4)
+    with open(tmp_path / "engine_0.aliases", "wb") as f:
+        pickle.dump([[("weight", trainer)]], f)
+    fakes = {"configs.load_config": {"LoadFormat": LoadFormat},
+             "distributed": {"get_tensor_model_parallel_rank": lambda: 0},
+             "model_loader.loader": {"_get_quantization_config": lambda *a: None, "_post_load_weights": lambda m: None,
+                                     "_initialize_model": lambda *a: torch.nn.Linear(4, 4, bias=False)},
+             "model_loader.utils": {"set_default_torch_dtype": lambda dtype: contextlib.nullcontext()},
+             "utils": {"MultiprocessingSerializer": types.SimpleNamespace(deserialize=lambda blob: blob)},
+             "utils.patch_torch": {"monkey_patch_torch_reductions": lambda: None}}
+    for name, attrs in fakes.items():
+        monkeypatch.setitem(sys.modules, f"sglang.srt.{name}", types.SimpleNamespace(**attrs))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # As SGLang's LoadConfig parses the engine's arguments and get_model_loader builds the loader of a class format.
+    start = calls["start"]
+    load_config = types.SimpleNamespace(load_format=start["load_format"],
+                                        model_loader_extra_config=json.loads(start["model_loader_extra_config"]))
+    model = start["load_format"](load_config).load_model(model_config=types.SimpleNamespace(dtype=torch.float32),
+                                                         device_config=None)
+    assert torch.equal(model.weight, trainer)  # the view the file names (a copy here: pickled, not IPC)
+    assert not set(load_config.model_loader_extra_config) - {"enable_multithread_load", "num_threads"}
+    assert load_config.load_format in (LoadFormat.AUTO, LoadFormat.SAFETENSORS)

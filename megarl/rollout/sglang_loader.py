@@ -7,7 +7,8 @@
   model in host memory, points the parameters that alias the actor's tensors at the trainer's memory (CUDA IPC
   views, from the file ``SGLangEngine`` names in ``model_loader_extra_config``) and moves everything else to the
   GPU: the engine never allocates the aliased parameters. It runs before SGLang captures its CUDA graphs, which
-  therefore read the actor's addresses.
+  therefore read the actor's addresses. With the model built, it resets the engine's load config to SGLang's
+  default: SGLang reads LoRA adapters (actor.lora.handover: adapter) with that config.
 
 Importing this module must stay cheap and free of SGLang: it runs in SGLang's scheduler processes.
 """
@@ -94,6 +95,7 @@ class AliasingLoader:
         pass  # it reads no files: the hand-over writes every parameter that is not aliased
 
     def load_model(self, *, model_config: Any, device_config: Any) -> torch.nn.Module:
+        from sglang.srt.configs.load_config import LoadFormat
         from sglang.srt.distributed import get_tensor_model_parallel_rank
         from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model, _post_load_weights
         from sglang.srt.model_loader.utils import set_default_torch_dtype
@@ -120,6 +122,11 @@ class AliasingLoader:
                     if quant_method is not None:
                         quant_method.process_weights_after_loading(module)
         check_aliases(model, views)
+        # SGLang 0.5.17 reads LoRA adapters with a DefaultModelLoader built on this same load config
+        # (srt/lora/lora.py LoRAAdapter.initialize_weights), which refuses extra config keys not its own and load
+        # formats other than its file formats (this class is none): the model is built, neither is needed any more.
+        del self.load_config.model_loader_extra_config[ALIASES_KEY]
+        self.load_config.load_format = LoadFormat.AUTO
         model._megarl_aliases = views  # holds the IPC mappings open
         print(f"megarl: engine rank {rank} maps {aliased / 2**30:.2f} GiB of the actor's weights ({len(views)} "
               "tensors)", flush=True)
