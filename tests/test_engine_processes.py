@@ -217,3 +217,82 @@ def test_a_vllm_worker_that_hangs_while_starting_ends_the_run_at_the_deadline(tm
     finally:
         proc.kill()
         kill_all(list(seen.values()))
+
+
+# SGLang 0.5.17 as far as its processes go: the Engine starts its schedulers as multiprocessing's non-daemon children
+# (spawned), registers its own shutdown at exit (megarl unregisters it), and refuses the adapter it is given.
+FAKE_SGLANG = r"""
+import atexit, multiprocessing, time, types
+__version__ = "0.0.test"
+
+class Engine:
+    def __init__(self, **kwargs):
+        atexit.register(self.shutdown)
+        self.scheduler = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+        self.scheduler.start()
+        self.tokenizer_manager = types.SimpleNamespace(event_loop=None)
+
+    def get_server_info(self):
+        return {"max_total_num_tokens": 1000}
+
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        return types.SimpleNamespace(success=False, error_message="Unexpected extra config keys: {'use_dora'}")
+
+    def shutdown(self):
+        raise AssertionError("SGLang's own shutdown SIGKILLs every descendant: megarl must not run it")
+"""
+
+# The first hand-over of a run, as GroupEngine.load_adapter makes it, under run_main as train.py runs.
+REFUSED = r"""
+import sys
+from megarl.rollout.failures import engine_call
+from megarl.rollout.sglang import SGLangEngine
+from megarl.run.command import run_main
+
+def main():
+    engine = SGLangEngine(sys.argv[1], lora_rank=8)
+    print("scheduler", engine.engine.scheduler.pid, flush=True)
+    with engine_call("hand-over", 600):
+        engine.load_adapter(sys.argv[2])
+
+run_main(main)
+"""
+
+
+def test_an_error_with_the_sglang_engine_alive_ends_the_run_and_the_engine(tmp_path):
+    """The issue's run: SGLang refused the adapter of the first hand-over (its engine alive). The run printed its
+    error, then hung for over 7 minutes holding the GPU: multiprocessing joins its non-daemon children at exit,
+    SGLang's schedulers among them, and nothing had ended them (the trainer's close runs after a finished run or
+    an interrupt; the watchdog waits for the trainer to be gone). The engine's shutdown now runs before that join."""
+    from helpers import make_hf_model
+
+    fake = tmp_path / "fake"
+    (fake / "sglang" / "srt").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text(FAKE_SGLANG)
+    (fake / "sglang" / "srt" / "__init__.py").write_text("")
+    (fake / "sglang" / "srt" / "server_args.py").write_text(
+        "import dataclasses\n\n@dataclasses.dataclass\nclass ServerArgs:\n    enable_lora: bool = False\n")
+    model = make_hf_model(tmp_path / "model", "llama")
+    proc = subprocess.Popen([sys.executable, "-c", REFUSED, str(model), str(tmp_path / "adapter_000000")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+                            | {"PYTHONPATH": os.pathsep.join([str(fake), str(REPO)]), "OMP_NUM_THREADS": "1"},
+                            preexec_fn=default_signals)
+    scheduler = None
+    try:
+        line = next((line for line in proc.stdout if line.startswith("scheduler ")), "")  # after the engine's
+        assert line, proc.communicate()[1][-3000:]
+        scheduler = psutil.Process(int(line.split()[1]))
+        _, err = proc.communicate(timeout=120)  # a few seconds; before, forever
+        assert proc.returncode == 2, err[-3000:]
+        lines = err.strip().splitlines()
+        assert lines[-2].startswith("megarl error: the rollout engine failed during hand-over: RuntimeError: SGLang "
+                                    "did not load the adapter at "), err[-3000:]
+        assert "Unexpected extra config keys" in lines[-2]
+        assert lines[-1].startswith("megarl watchdog: the engine was shut down; ending its engine's processes ")
+        assert gone([scheduler], timeout=5) == []
+    finally:
+        proc.kill()
+        proc.communicate()
+        if scheduler is not None:
+            kill_all([scheduler])

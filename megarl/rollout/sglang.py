@@ -36,6 +36,7 @@ import logging
 import signal
 import uuid
 from collections.abc import Sequence
+from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -168,6 +169,8 @@ class SGLangEngine:
                 self.engine = sglang.Engine(**args)
             # SGLang's own exit hook is its shutdown, which SIGKILLs every descendant of this process; see shutdown().
             atexit.unregister(self.engine.shutdown)
+            # megarl's takes its place, however this process ends (an error, an interrupt): see shutdown().
+            self._at_exit = Finalize(None, self._end_processes, exitpriority=0)
         except Exception as err:  # the engine's own exception carries its log tail
             engine_log.drain()
             self._watchdog.stop()
@@ -374,7 +377,19 @@ class SGLangEngine:
         """End the engine's processes (the watchdog's recorded ones), and wait until they are gone. Not SGLang's
         own shutdown (nor its exit hook, unregistered at start): it SIGKILLs every descendant of this process,
         multiprocessing's resource tracker included, whose replacement then fails at exit on the semaphores the
-        first one held (a KeyError '/loky-...' traceback, seen on an H200 after a finished run)."""
+        first one held (a KeyError '/loky-...' traceback, seen on an H200 after a finished run).
+
+        Runs once: also at this process's exit if no one called it (``_at_exit``). SGLang's schedulers and
+        detokenizer are multiprocessing's non-daemon children, which multiprocessing joins at exit, and they never
+        end by themselves while this process lives; nor does the watchdog end them before this process is gone. A
+        run that stopped with an error had not shut its engine down (the trainer's close runs after a finished run
+        or an interrupt): after an adapter SGLang refused in the first hand-over, the run printed its error and then
+        waited in that join for over 7 minutes, holding the GPU. A multiprocessing finalizer of priority 0 runs in
+        that exit function before the join, whatever order the exit hooks were registered in (multiprocessing
+        moves its own to run first whenever its logger is set up), never in a forked child, and only once."""
+        self._at_exit()
+
+    def _end_processes(self) -> None:
         self._watchdog.stop(wait_s=30.0)
         if self._fp8_dir is not None:
             self._fp8_dir.remove()
