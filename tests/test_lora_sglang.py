@@ -157,16 +157,3 @@ def test_aliasing_is_allowed_with_adapters_and_refused_with_merged_weights(tmp_p
         config("actor.lora.rank=16", "rollout.alias_weights=true")
     assert "rollout.alias_weights" in str(err.value) and "actor.lora.handover: adapter" in str(err.value)
 
-
-def test_sglang_adapter_serving_over_aliased_base_weights_is_refused_at_start_up(tmp_path):
-    """SGLang's adapter serving passed its GPU check with base weights of its own; over base weights that alias the
-    actor's, its first adapter load failed on an H100. Start-up refuses that case alone, naming the fix."""
-    from megarl.loop.bootstrap import check_run
-
-    run = [str(REPO / "recipes/tiny_cpu_grpo.yaml"), [*ADAPTER, "rollout.engine=sglang", f"checkpoint.dir={tmp_path}"]]
-    with pytest.raises(UserError) as err:
-        check_run(*run, world=1, ranks_per_node=None, gpu_bytes=0)
-    assert "actor.lora.handover" in str(err.value) and "rollout.alias_weights = auto maps" in str(err.value)
-    assert "set rollout.alias_weights: false" in str(err.value)
-    run[1].append("rollout.alias_weights=false")
-    assert check_run(*run, world=1, ranks_per_node=None, gpu_bytes=0)[0].actor.lora.handover == "adapter"

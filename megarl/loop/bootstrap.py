@@ -52,19 +52,6 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
           f"divide the model's expert count ({spec.num_experts})" if spec.is_moe else "be 1 for a dense model",
           "use a divisor of num_experts" if spec.is_moe else "set parallel.expert_parallel: 1")
     check_lora_rank(cfg.actor.lora, spec)
-    if cfg.actor.adapter_handover() and cfg.rollout.engine == "sglang":
-        from megarl.distributed.parallel import ParallelDims
-        from megarl.reshard.aliasing import aliases_weights
-
-        aliased = aliases_weights(cfg, spec, ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=1))
-        check(not aliased, "actor.lora.handover", "adapter",
-              f"be merged with rollout.engine = sglang while the engine's base weights alias the actor's ("
-              f"rollout.alias_weights = {cfg.rollout.alias_weights} maps {aliased:.0%} of them): SGLang's adapter "
-              "serving passed its GPU check against the merged weights (tests/test_lora_sglang_gpu.py, on an H100), "
-              "but with aliased base weights its first adapter load failed on that GPU (benchmarks/results/h100/"
-              "gpu_round_10052c2; mended since, not yet run on a GPU)",
-              "set rollout.alias_weights: false (the engine then holds its own copy of the base weights), or "
-              "actor.lora.handover: merged")
     engines, apart = cfg.num_engines(world), cfg.async_rl.engine_gpus
     check(not apart or world % engines == 0, "async_rl.engine_gpus", apart,
           f"make a number of engines (engine_gpus / rollout.tensor_parallel = {engines}) that divides the trainer's "
