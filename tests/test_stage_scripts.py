@@ -20,7 +20,8 @@ def test_session_scripts_parse(script):
 
 def test_kernel_cache_travels_in_parts_under_a_device_calls_file_limit(tmp_path):
     """cache-save cuts the caches into parts of at most 15 MiB (a file over 16 MiB does not come back); cache-load,
-    given the parts in .stage/kernel_cache/, restores every file byte for byte."""
+    given the parts in .stage/kernel_cache/, restores every file byte for byte, and of SGLang's JIT modules their
+    .so files, which are all it reuses."""
     home, out, work = tmp_path / "home", tmp_path / "out", tmp_path / "work"
     cache = home / ".triton" / "cache"
     cache.mkdir(parents=True)
@@ -28,6 +29,10 @@ def test_kernel_cache_travels_in_parts_under_a_device_calls_file_limit(tmp_path)
     blob = os.urandom(20 * 2**20)  # random: gzip cannot shrink it below one part
     (cache / "kernel.bin").write_bytes(blob)
     (cache / "kernel.json").write_text('{"name": "k"}')
+    jit = home / ".cache" / "tvm-ffi" / "sgl_kernel_jit_norm"  # SGLang's nvcc-built modules: the .so alone is reused
+    jit.mkdir(parents=True)
+    (jit / "sgl_kernel_jit_norm.so").write_bytes(b"module")
+    (jit / "norm.cuda.o").write_bytes(b"object")
     env = os.environ | {"HOME": str(home), "OUT": str(out), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "none")}
     steps = f"source {REPO}/benchmarks/h200_common.sh; source {REPO}/benchmarks/h200/stage.sh;"
     subprocess.run(["bash", "-c", steps + " cache_save"], check=True, env=env, cwd=REPO, capture_output=True)
@@ -36,7 +41,8 @@ def test_kernel_cache_travels_in_parts_under_a_device_calls_file_limit(tmp_path)
     (work / ".stage" / "kernel_cache").mkdir(parents=True)
     for p in parts:
         (work / ".stage" / "kernel_cache" / p.name).write_bytes(p.read_bytes())
-    for f in cache.iterdir():
+    for f in [*cache.iterdir(), *jit.iterdir()]:
         f.unlink()
     subprocess.run(["bash", "-c", steps + " cache_load"], check=True, env=env, cwd=work, capture_output=True)
     assert (cache / "kernel.bin").read_bytes() == blob and (cache / "kernel.json").read_text() == '{"name": "k"}'
+    assert (jit / "sgl_kernel_jit_norm.so").read_bytes() == b"module" and not (jit / "norm.cuda.o").exists()

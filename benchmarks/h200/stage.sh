@@ -126,12 +126,17 @@ stage_install() {
   [[ -f /tmp/smollm2/config.json ]] || stage_die "the GGUF conversion made no /tmp/smollm2/config.json (above)"
 }
 
-# Compiled kernels that a machine of the same kind can reuse: triton's, TorchInductor's and flashinfer's JIT caches.
+# Compiled kernels that a machine of the same kind can reuse: triton's, TorchInductor's and flashinfer's JIT caches,
+# and the modules SGLang 0.5.17 builds with nvcc through TVM-FFI at its first forward (sglang/kernels/jit/utils/
+# compile.py loads a cached module by its .so alone; the build's objects stay behind). Without those, a fresh H100's
+# first decode graph took 45 s of its 48 s capture (benchmarks/results/h100/gpu_round_81386da).
 kernel_cache_dirs() {
   local d
   for d in "$HOME/.triton/cache" "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" "$HOME/.cache/flashinfer"; do
     [[ -d $d ]] && echo "$d"
   done
+  d=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
+  [[ -d $d ]] && find "$d" -name '*.so' -type f
 }
 
 # On the device: the caches into $OUT/kernel_cache.tgz.00, .01, ..., parts of 15 MiB (a file over 16 MiB does not come
@@ -142,7 +147,7 @@ cache_save() {
   (( ${#dirs[@]} )) || { echo "[stage] no kernel cache here yet"; return 0; }
   rm -f "$OUT"/kernel_cache.tgz.*
   tar czPf - "${dirs[@]}" | split -b 15M -d -a 2 - "$OUT/kernel_cache.tgz." &&
-    echo "[stage] kernel cache of ${dirs[*]}: $(cat "$OUT"/kernel_cache.tgz.* | wc -c) bytes in $(ls "$OUT"/kernel_cache.tgz.* | wc -l) parts"
+    echo "[stage] kernel cache of ${#dirs[@]} folders and modules: $(cat "$OUT"/kernel_cache.tgz.* | wc -c) bytes in $(ls "$OUT"/kernel_cache.tgz.* | wc -l) parts"
 }
 
 # On the device: restore the carried .stage/kernel_cache/kernel_cache.tgz.* parts to the paths they came from.

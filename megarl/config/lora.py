@@ -41,8 +41,7 @@ class LoraConfig:
     """How the engine gets the trained policy. merged: W + s B A through the resharder after every update, as a
     full-weight actor's. adapter: the engine keeps the base weights it loaded from model.hf_path and serves the
     adapters through its own LoRA support, written as a PEFT adapter after every update (vLLM or SGLang; the actor
-    in TP1/PP1; on SGLang not with rslora, and for now with rollout.alias_weights: false, the engine holding its own
-    copy of the base weights). docs/training.md compares the two."""
+    in TP1/PP1; on SGLang not with rslora). docs/training.md compares the two."""
 
     def __post_init__(self) -> None:
         check(self.rank >= 0, "rank", self.rank, "be >= 0", "use 0 (off) or a rank such as 8 or 16")
