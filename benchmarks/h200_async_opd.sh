@@ -47,8 +47,8 @@
 # (benchmarks/trace_summary.py) beside the run's metrics as trace_summary.txt.
 # Part cache-save leaves the runs' compiled kernels in $OUT (benchmarks/h200_stage.sh cache-save).
 # Parts mps (probe that MPS starts here and serves a CUDA process) and test (below) can join a stage call.
-# A further part, test, runs the GPU tests of SGLang's abort (tests/test_rollout_sglang_gpu.py) on the staged SGLang
-# with the converted SmolLM2 (after install).
+# A further part, test, runs the GPU tests $TESTS (those of SGLang's abort, tests/test_rollout_sglang_gpu.py, unless
+# set) at once, as the gputests run does in the background (after install).
 set -uo pipefail
 OUT=${OUT:?set OUT to the results folder}
 PART=${PART:?set PART}
@@ -126,6 +126,14 @@ mode_sets() {
   return 0
 }
 
+# The GPU tests $TESTS on the staged SGLang with the converted SmolLM2, into /tmp/runs/gputests.log.
+gpu_tests() {
+  mkdir -p /tmp/runs
+  MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    $TESTS > /tmp/runs/gputests.log 2>&1
+  echo "[h200] gputests exit $?: $(tail -1 /tmp/runs/gputests.log | cut -c1-300)"
+}
+
 all_runs() {
   mkdir -p /tmp/runs
   for run in $RUNS; do
@@ -157,9 +165,7 @@ all_runs() {
         learn tool_gsm8k recipes/smollm2_gsm8k_tool_grpo.yaml --set trainer.num_steps="$TOOL_STEPS" \
           --set eval.every="$TOOL_STEPS" --set checkpoint.save_every=0 ;;
       gputests)
-        MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -s -m gpu \
-          -p no:cacheprovider $TESTS > /tmp/runs/gputests.log 2>&1
-        echo "[h200] gputests exit $?: $(tail -1 /tmp/runs/gputests.log | cut -c1-300)" ;;
+        gpu_tests ;;
       lora8b|lora8b_fp8|lora8b_adapter|full8b)
         local layers=32 lora=(--set actor.lora.rank=64 --set actor.lora.alpha=128)
         [[ $run == full8b ]] && { layers=$FULL_LAYERS; lora=(); }
@@ -187,8 +193,11 @@ for part in $PART; do case $part in
   install)
     stage_install ;;
   start)
-    if [[ -f .stage/tree.tgz ]]; then  # run the committed tree packed here, not what later calls carry
-      rm -rf /tmp/tree && mkdir -p /tmp/tree && tar xzf .stage/tree.tgz -C /tmp/tree && cp megarl/_C*.so /tmp/tree/megarl/ &&
+    # Run the committed tree packed here, not what later calls carry. The device keeps an ignored file between calls,
+    # so the packed tree is removed once unpacked: a later start without it runs its own call's tree.
+    if [[ -f .stage/tree.tgz ]]; then
+      rm -rf /tmp/tree && mkdir -p /tmp/tree && tar xzf .stage/tree.tgz -C /tmp/tree && rm .stage/tree.tgz &&
+        cp megarl/_C*.so /tmp/tree/megarl/ &&
         cp .git_rev /tmp/tree/ 2>/dev/null; cd /tmp/tree && echo "[h200] runs from /tmp/tree: $(cat .git_rev 2>/dev/null)"
     fi
     export PYTHONPATH=/tmp/site:$PWD
@@ -205,8 +214,7 @@ for part in $PART; do case $part in
       || { echo "[h200] MPS does not work here"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log 2>/dev/null | tail -5; mps_stop; } ;;
   test)
     export PYTHONPATH=/tmp/site:$PWD
-    MEGARL_TEST_HF_MODEL=/tmp/smollm2 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
-      $TESTS 2>&1 | tail -40 ;;
+    gpu_tests && tail -40 /tmp/runs/gputests.log ;;
   wait)
     for _ in $(seq "${WAIT:-0}"); do [[ -f /tmp/runs.done ]] && break; sleep 1; done
     [[ -f /tmp/runs.done ]] && echo "[h200] all runs done" || echo "[h200] still running"
