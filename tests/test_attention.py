@@ -129,6 +129,46 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
                 assert not added, f"{added} new graph(s) at {rows} rows of {lengths}, grad {train}"
 
 
+def test_after_the_warm_up_scoring_shapes_compile_nothing_more_on_cpu():
+    """The warm-up's forward graphs cover a scoring micro-batch of any length, row count and segment layout. On an
+    H100 one-row micro-batches recompiled at the first step: the warm-up's one-row segments were views of a longer
+    tensor, and duck sizing had tied value's offset in the fused projection to the warm-up's length. CPU: the same
+    graphs through aot_eager (inductor's CPU FlexAttention cannot build this layout), forward alone
+    (no CPU backward)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import megarl.models.attention as attention
+
+    torch._dynamo.reset()
+    attention._compiled_flex = torch.compile(flex_attention, dynamic=True, backend="aot_eager")
+    attention._flex_unfused = False
+    config = TransformerConfig(num_layers=1, hidden_size=576, num_attention_heads=9, num_query_groups=3,
+                               kv_channels=64, attention_dropout=0.0, params_dtype=torch.float32)
+    core = attention.FusedCoreAttention(config, 1, AttnMaskType.causal, "self")
+    try:
+        with torch._dynamo.config.patch(recompile_limit=attention.RECOMPILE_LIMIT):
+            attention.warm_document_attention(core, torch.device("cpu"), modes=(False,))
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():  # as scoring runs
+                for rows, lengths in ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8), (1, [1000, 24])):
+                    s = sum(lengths)
+                    segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows)
+                    q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.float32, torch.device("cpu"))
+                    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+                    out = attention.document_attention(q, k, v, segments, core.softmax_scale)
+                    expected = reference(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), block_causal_mask(segments),
+                                         core.softmax_scale)
+                    assert torch.allclose(out.permute(2, 0, 1, 3).reshape(expected.shape).double(), expected,
+                                          atol=1e-4)
+                    assert counters["stats"]["unique_graphs"] == graphs, f"a new graph at {rows} rows of {lengths}"
+    finally:
+        torch._dynamo.reset()
+        attention._compiled_flex = None
+
+
 def test_flex_attention_past_torch_compiles_limit_takes_sdpa_and_says_so(capsys):
     """Past torch.compile's recompile limit FlexAttention would run eagerly, unfused (every head's [s, s] scores):
     on an H100 the warm-up's graphs reached torch's default limit and the GSM8K recipe's update ran twice as long,

@@ -124,8 +124,12 @@ def _mask_of(segments: torch.Tensor, flex: bool) -> Any:
         if flex:
             from torch.nn.attention.flex_attention import create_block_mask
 
+            # A tensor of its own: the compiled graphs guard on the closure's tensor, down to the size of the tensor
+            # it views (a one-row segments tensor expanded from a longer one did not match a later one of its own).
+            doc = segments.clone()
+
             def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-                return (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
+                return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
 
             b, s = segments.shape
             with torch.no_grad():  # the mask takes no gradient: the same graphs serve scoring and training
@@ -141,6 +145,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
     """Causal attention within each segment of packed rows, by FlexAttention (CUDA): q [b, heads, s, d], k and v
     [b, kv heads, s, d], segments [b, s]. Returns [b, heads, s, d]."""
     global _compiled_flex, _flex_unfused
+    import torch.fx.experimental._config as fx_config
     from torch._dynamo.exc import FailOnRecompileLimitHit
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -151,7 +156,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
     if not _flex_unfused:
         # Past the limit torch would run flex_attention eagerly, unfused: fail instead, and take SDPA, which is fused.
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            # Without duck sizing: sizes that happen to be equal in one call (a length and value's offset in the
+            # fused projection, a row count and a block count) would otherwise be guarded equal in every later one.
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
                 return _compiled_flex(q, k, v, block_mask=_mask_of(segments, flex=True), scale=scale, enable_gqa=gqa)
         except FailOnRecompileLimitHit:
             _flex_unfused = True
@@ -179,26 +186,32 @@ def compile_document_attention(modules: list[torch.nn.Module]) -> float:
     core = next((m for chunk in modules for m in chunk.modules() if isinstance(m, FusedCoreAttention)), None)
     if core is None or core.dropout or not torch.cuda.is_available():
         return 0.0
+    device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+    warm_document_attention(core, device, modes=(False, True))
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def warm_document_attention(core: FusedCoreAttention, device: torch.device, modes: tuple[bool, ...]) -> None:
+    """Run ``core``'s document attention once for each shape compile_document_attention covers, in each mode of
+    ``modes`` (False: forward alone, True: forward and backward)."""
     config = core.config
     tp = config.tensor_model_parallel_size
     heads = config.num_attention_heads // tp
     kv_heads = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
     head_dim = config.kv_channels
     assert head_dim is not None
-    device = torch.device("cuda", torch.cuda.current_device())
-    start = time.perf_counter()
     # The block mask compiles for its first shape, then once more with the sizes that changed made dynamic.
     for rows, length in ((2, 256), (3, 320), (1, 256), (2, 301), (1, 301), (1, 320)):
         segments = (torch.arange(length, device=device) // 96).expand(rows, -1).contiguous()
-        for train in (False, True):
+        for train in modes:
             with torch.set_grad_enabled(train):
                 q, k, v = megatron_qkv(length, rows, heads, kv_heads, head_dim, config.params_dtype, device, train)
                 q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d], as forward() passes them
                 out = document_attention(q, k, v, segments, core.softmax_scale)
                 if train:
                     out.sum().backward()
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def megatron_qkv(s: int, rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
