@@ -158,7 +158,8 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
         try:
             # Without duck sizing: sizes that happen to be equal in one call (a length and value's offset in the
             # fused projection, a row count and a block count) would otherwise be guarded equal in every later one.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), fx_config.patch(use_duck_shape=False):
+            no_duck = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]  # added at its import
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), no_duck:
                 return _compiled_flex(q, k, v, block_mask=_mask_of(segments, flex=True), scale=scale, enable_gqa=gqa)
         except FailOnRecompileLimitHit:
             _flex_unfused = True
