@@ -82,17 +82,26 @@ def test_a_stop_file_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
-@pytest.mark.slow
-def test_resume_in_another_layout_continues_the_run(tmp_path):
-    model = make_hf_model(tmp_path / "qwen2", "qwen2")  # tied embeddings: the output layer is a PP-only copy
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """tests/workers/checkpoint_layout.py on 4 ranks over a Qwen3-MoE model, then a Qwen2 one (tied embeddings: the
+    output layer is a PP-only copy), whose checkpoint the worker's last, bad load takes: the process and the folder
+    with each model's results (one launch: the two pay torchrun's start-up and Megatron's import once)."""
+    root = tmp_path_factory.mktemp("layouts")
+    models = [make_hf_model(root / "moe", "qwen3_moe"), make_hf_model(root / "qwen2", "qwen2")]
+    out = root / "out"
     out.mkdir()
-    proc = run_torchrun(["tests/workers/checkpoint_layout.py", str(out), str(model)], nproc=4)
+    return run_torchrun(["tests/workers/checkpoint_layout.py", str(out), *map(str, models)], nproc=4), out
+
+
+@pytest.mark.slow
+def test_resume_in_another_layout_continues_the_run(layouts):
+    proc, out = layouts
     # The worker ends by loading a checkpoint of another architecture: every rank stops with exit code 2.
     assert re.search(r"exitcode\s*:\s*2 ", proc.stderr), proc.stderr[-4000:]
     assert "its intermediate_size is 32, the model being trained (model.hf_path) has 96" in proc.stderr
     assert "starts fresh" not in proc.stdout
-    first, *rows = json.loads((out / "rank0.json").read_text())
+    first, *rows = json.loads((out / "qwen2" / "rank0.json").read_text())
     assert len(rows) == 5 and first["moved"]["actor/weights"] > 1e-3 and first["moved"]["critic/weights"] > 1e-3
     same, *others = rows
     assert all(value == 0.0 for key, value in same.items() if "/" in key), same  # same layout: bit-exact
@@ -103,18 +112,15 @@ def test_resume_in_another_layout_continues_the_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_checkpoint_with_experts_split_over_expert_parallel_ranks_resumes_in_any_layout(tmp_path):
+def test_moe_checkpoint_with_experts_split_over_expert_parallel_ranks_resumes_in_any_layout(layouts):
     """Qwen3-MoE with its experts over 2 expert-parallel ranks: every rank's experts and their optimizer state
     are saved (with the distributed optimizer and without), and the run resumes exactly in the same layout and
     in others (EP4, no EP with TP2, PP2 with EP2): the step after resuming equals the uninterrupted one."""
-    model = make_hf_model(tmp_path / "moe", "qwen3_moe")
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = run_torchrun(["tests/workers/checkpoint_layout.py", str(out), str(model)], nproc=4)
+    proc, out = layouts
     assert re.search(r"exitcode\s*:\s*2 ", proc.stderr), proc.stderr[-4000:]  # the worker's last, bad load
-    saved = sorted(p.name for p in (out / "a" / "step_000001" / "actor").glob("*.safetensors"))
+    saved = sorted(p.name for p in (out / "moe" / "a" / "step_000001" / "actor").glob("*.safetensors"))
     assert saved == ["tp00_pp00.safetensors", "tp00_pp00_ep01.safetensors"]  # EP rank 1's experts in a file of its own
-    first, *rows = json.loads((out / "rank0.json").read_text())
+    first, *rows = json.loads((out / "moe" / "rank0.json").read_text())
     assert len(rows) == 5 and first["moved"]["actor/weights"] > 1e-3
     same, *others = rows
     assert all(value == 0.0 for key, value in same.items() if "/" in key), same  # same layout: bit-exact

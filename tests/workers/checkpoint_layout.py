@@ -1,12 +1,13 @@
 """Worker for test_checkpoint.py: resuming in another layout continues the run as if uninterrupted.
 
-torchrun --nproc-per-node 4 tests/workers/checkpoint_layout.py OUT_DIR MODEL_DIR
-An actor and a critic train 2 steps in layout A (TP2 x DP2, distributed optimizer) and are saved;
-A then takes a third step. Each resumed layout (A itself, other TP/PP/DP, without the distributed
-optimizer) loads the checkpoint and takes the same third step: its loss, grad norm, learning rate
-and updated weights must equal A's. Rank 0 writes one row per layout. Last, loading a checkpoint
-whose config.json names another architecture must stop every rank with a UserError (exit code 2).
-An MoE model runs MOE_LAYOUTS instead: A splits its experts over 2 expert-parallel ranks.
+torchrun --nproc-per-node 4 tests/workers/checkpoint_layout.py OUT_DIR MODEL_DIR [MODEL_DIR ...]
+For each model (in OUT_DIR/<its directory's name>): an actor and a critic train 2 steps in layout A
+(TP2 x DP2, distributed optimizer) and are saved; A then takes a third step. Each resumed layout (A
+itself, other TP/PP/DP, without the distributed optimizer) loads the checkpoint and takes the same
+third step: its loss, grad norm, learning rate and updated weights must equal A's. Rank 0 writes one
+row per layout. Last, loading the last model's checkpoint with a config.json that names another
+architecture must stop every rank with a UserError (exit code 2). An MoE model runs MOE_LAYOUTS
+instead: A splits its experts over 2 expert-parallel ranks.
 """
 
 import json
@@ -109,9 +110,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
             for role in ("actor", "critic")}
 
 
-def main() -> None:
-    out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
-    init_distributed(platform)
+def resume_in_each_layout(out_dir: Path, model_dir: str) -> tuple[Path, dict[str, MegatronModel]]:
+    """Rank 0 writes out_dir/rank0.json; the checkpoint of layout A and the last layout's models, still built."""
+    out_dir.mkdir(exist_ok=True)
     rank = dist.get_rank()
     layouts = MOE_LAYOUTS if load_spec(model_dir).is_moe else LAYOUTS
     models = build(model_dir, layouts[0])
@@ -140,9 +141,20 @@ def main() -> None:
                          **{k: abs(metrics[k] - reference[k]) for k in reference}})
         if i < len(layouts) - 1:
             destroy_model_parallel()
-    bad = out_dir / "bad"
     if rank == 0:
         (out_dir / "rank0.json").write_text(json.dumps(rows))
+    return saved, models
+
+
+def main() -> None:
+    out_dir, model_dirs = Path(sys.argv[1]), sys.argv[2:]
+    init_distributed(platform)
+    for i, model_dir in enumerate(model_dirs):  # one launch for all: torchrun's start-up and imports paid once
+        if i:
+            destroy_model_parallel()
+        saved, models = resume_in_each_layout(out_dir / Path(model_dir).name, model_dir)
+    bad = out_dir / "bad"
+    if dist.get_rank() == 0:
         shutil.copytree(saved, bad)
         config = json.loads((bad / "actor" / "config.json").read_text())
         (bad / "actor" / "config.json").write_text(json.dumps(config | {"intermediate_size": 32}))
