@@ -36,6 +36,14 @@ def attention():
 # Three rows: one sequence, two packed, three packed then padding (a segment of its own).
 SEGMENTS = [[0] * 12, [0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 2 + [3] * 3]
 
+# Micro-batches after FlexAttention's warm-up (rows, segment lengths): lengths, row counts and layouts it never saw.
+LATER = ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8), (1, [1000, 24]))
+
+
+def later_segments(rows, lengths, device=None):
+    """[rows, sum(lengths)] segment ids, each row the same layout."""
+    return torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device=device)
+
 
 @pytest.mark.parametrize("packed", [None, "mask", "segments"])
 def test_fused_attention_equals_attention_written_out(attention, packed):
@@ -116,9 +124,9 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
     graphs = counters["stats"]["unique_graphs"]
     # A recompilation raises with the guard that failed, so that a failure says which shape or layout was missed.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for rows, lengths in ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8)):
+        for rows, lengths in LATER:
             s = sum(lengths)
-            segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device="cuda")
+            segments = later_segments(rows, lengths, "cuda")
             for train in (False, True):
                 with torch.set_grad_enabled(train):
                     q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.bfloat16, torch.device("cuda"), train)
@@ -153,9 +161,9 @@ def test_after_the_warm_up_scoring_shapes_compile_nothing_more_on_cpu():
             attention.warm_document_attention(core, torch.device("cpu"), modes=(False,))
             graphs = counters["stats"]["unique_graphs"]
             with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():  # as scoring runs
-                for rows, lengths in ((3, [300, 211, 90]), (1, [517, 20]), (4, [64] * 8), (1, [1000, 24])):
+                for rows, lengths in LATER:
                     s = sum(lengths)
-                    segments = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows)
+                    segments = later_segments(rows, lengths)
                     q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.float32, torch.device("cpu"))
                     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
                     out = attention.document_attention(q, k, v, segments, core.softmax_scale)
