@@ -130,7 +130,7 @@ stage_install() {
 # and the modules SGLang 0.5.17 builds with nvcc through TVM-FFI at its first forward (sglang/kernels/jit/utils/
 # compile.py loads a cached module by its .so alone; the build's objects stay behind). Without those, a fresh H100's
 # first decode graph took 45 s of its 48 s capture (benchmarks/results/h100/gpu_round_81386da).
-kernel_cache_dirs() {
+kernel_cache_paths() {
   local d
   for d in "$HOME/.triton/cache" "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" "$HOME/.cache/flashinfer"; do
     [[ -d $d ]] && echo "$d"
@@ -142,12 +142,12 @@ kernel_cache_dirs() {
 # On the device: the caches into $OUT/kernel_cache.tgz.00, .01, ..., parts of 15 MiB (a file over 16 MiB does not come
 # back from the device), to be put in .stage/kernel_cache/ here and carried next time.
 cache_save() {
-  local dirs
-  mapfile -t dirs < <(kernel_cache_dirs)
-  (( ${#dirs[@]} )) || { echo "[stage] no kernel cache here yet"; return 0; }
+  local paths
+  mapfile -t paths < <(kernel_cache_paths)
+  (( ${#paths[@]} )) || { echo "[stage] no kernel cache here yet"; return 0; }
   rm -f "$OUT"/kernel_cache.tgz.*
-  tar czPf - "${dirs[@]}" | split -b 15M -d -a 2 - "$OUT/kernel_cache.tgz." &&
-    echo "[stage] kernel cache of ${#dirs[@]} folders and modules: $(cat "$OUT"/kernel_cache.tgz.* | wc -c) bytes in $(ls "$OUT"/kernel_cache.tgz.* | wc -l) parts"
+  tar czPf - "${paths[@]}" | split -b 15M -d -a 2 - "$OUT/kernel_cache.tgz." &&
+    echo "[stage] kernel cache of ${#paths[@]} folders and modules: $(cat "$OUT"/kernel_cache.tgz.* | wc -c) bytes in $(ls "$OUT"/kernel_cache.tgz.* | wc -l) parts"
 }
 
 # On the device: restore the carried .stage/kernel_cache/kernel_cache.tgz.* parts to the paths they came from.
