@@ -8,6 +8,9 @@ from typing import Any, Literal
 from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, within
 from megarl.config.yaml_io import check
 
+FP8_BLOCKS = (128, 64)
+"""rollout.fp8_block's choices, the default first."""
+
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
@@ -56,11 +59,16 @@ class RolloutConfig:
     false = never."""
     weight_dtype: Literal["bf16", "fp8"] = "bf16"
     """The engine's weights: bf16 = the trainer's (model.dtype), bit for bit; fp8 = its linear layers' weights (qkv,
-    o, gate_up, down) block-quantized on the way (float8_e4m3fn values, one float32 scale per 128 x 128 block, the
-    engines' `weight_scale_inv`), embeddings, norms and the output head as trained (docs/handover.md, "FP8
-    weights"). The sampler then differs from the trainer: use algorithm.rollout_correction (token_tis). Refused at
-    start-up with vLLM, with LoRA adapters handed over as adapters, for shapes the engines' FP8 loaders refuse at
-    rollout.tensor_parallel, and, until its engine side is hooked, with SGLang (issue 54)."""
+    o, gate_up, down) block-quantized on the way (float8_e4m3fn values, one float32 scale per block of
+    rollout.fp8_block x rollout.fp8_block, the engines' `weight_scale_inv`), embeddings, norms and the output head as
+    trained (docs/handover.md, "FP8 weights"). The sampler then differs from the trainer: use
+    algorithm.rollout_correction (token_tis). Refused at start-up with vLLM, with LoRA adapters handed over as
+    adapters, and for shapes the engines' FP8 loaders refuse at rollout.tensor_parallel and rollout.fp8_block."""
+    fp8_block: int = 128
+    """With weight_dtype fp8: rows and columns of a quantization block (the engine's `weight_block_size`). 128 =
+    DeepSeek-V3's checkpoints' block, what the engines' other FP8 paths expect; 64 = for small models whose layer
+    shapes are multiples of 64 but not of 128 (SmolLM2-135M: 576 query rows, 192 key/value rows), at four times the
+    scales and another quantization error. Nothing else is allowed."""
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights."""
     timeout_minutes: int = 30
@@ -94,6 +102,10 @@ class RolloutConfig:
               "use rollout.engine: sglang, or alias_weights: auto")
         check(self.weight_dtype in ("bf16", "fp8"), "weight_dtype", self.weight_dtype, "be bf16 or fp8",
               "use bf16 (the trainer's weights as they are) or fp8 (block-quantized linear layers)")
+        check(self.fp8_block in FP8_BLOCKS, "fp8_block", self.fp8_block,
+              "be 128 or 64 (the blocks the FP8 hand-over and SGLang's Triton block-FP8 runner are set up for)",
+              "use 128 (the default), or 64 for a model whose layer shapes are multiples of 64 but not of 128, e.g. "
+              "SmolLM2-135M")
         check(self.weight_dtype == "bf16" or self.engine == "sglang", "weight_dtype", self.weight_dtype,
               "be bf16 with rollout.engine = vllm (megarl's vLLM path hands over files of engine-layout tensors that "
               "its CPU backend repacks; it has no FP8 block-quantized loading)",
