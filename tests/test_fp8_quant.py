@@ -53,11 +53,12 @@ def varied(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("block", [(128, 128), (64, 64)])  # rollout.fp8_block's choices
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(300, 260), (256, 384), (129, 1), (1, 700)])
-def test_kernel_equals_the_float64_reference(dtype, shape):
+def test_kernel_equals_the_float64_reference(dtype, shape, block):
     x = varied(*shape, dtype, seed=shape[0] + shape[1]) if min(shape) > 1 else torch.randn(*shape).to(dtype)
-    assert_same(kernel(x), fp8_reference.quantize(x))
+    assert_same(kernel(x, block), fp8_reference.quantize(x, block))
 
 
 def test_every_bfloat16_value_quantizes_as_the_reference():
@@ -217,6 +218,7 @@ def test_layout_problems_name_what_the_engines_refuse():
     smol = preset_or_hf_spec("smollm2-135m", num_layers=1)
     problems = fp8.layout_problems(smol, 1)
     assert any("q_proj rows per engine rank = 576" in p for p in problems), problems
+    assert fp8.layout_problems(smol, 1, 64) == []  # rollout.fp8_block: 64
 
 
 def test_bad_input_is_refused_naming_the_argument():

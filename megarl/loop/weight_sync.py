@@ -42,7 +42,8 @@ class WeightSync:
                               element_size=torch.finfo(DTYPES[cfg.model.dtype]).bits // 8,
                               bucket_bytes=cfg.rollout.reshard_bucket_mb * 2**20,
                               vocab_pad_multiple=cfg.model.vocab_pad_multiple, links=self.links,
-                              engine_gpus=self.apart, weight_dtype=cfg.rollout.weight_dtype)
+                              engine_gpus=self.apart, weight_dtype=cfg.rollout.weight_dtype,
+                              fp8_block=cfg.rollout.fp8_block)
         self.aliased = aliases_weights(cfg, spec, groups.dims, self.plan)
         """The share of the engine's weights it maps from the actor's memory (0: none)."""
         self.weights_leave = cfg.actor.offload_weights and not self.aliased  # the engine then holds the only copy

@@ -18,8 +18,8 @@ context, NCCL's buffers and the caching allocator's fragmentation, measured at 1
 trainer's tensors on one H200 and 5 GiB more on two (benchmarks/results/h200/colocation).
 
 With rollout.weight_dtype fp8 (SGLang) the engine's linear layers hold one byte per weight and a float32 scale per
-128 x 128 block, and the hand-over's quantization holds its staging arena, scratch buffer and FP8 output on the
-trainer's side while it runs (``fp8_handover``, from the hand-over's own plan).
+block of rollout.fp8_block x rollout.fp8_block, and the hand-over's quantization holds its staging arena, scratch
+buffer and FP8 output on the trainer's side while it runs (``fp8_handover``, from the hand-over's own plan).
 
 Host memory: what megarl.memory.offload moves away lands in pinned host buffers that are kept for reuse, so a
 node holds every offloaded part of every local rank at once, next to each process's own memory. A node
@@ -380,7 +380,7 @@ def fp8_handover(cfg: Config, spec: ModelSpec, dims: ParallelDims, dtype_bytes: 
 
     plan = make_plan(spec, ParallelDims(tp=dims.tp, pp=dims.pp, dp=replicas), r.tensor_parallel,
                      element_size=dtype_bytes, bucket_bytes=r.reshard_bucket_mb * 2**20,
-                     vocab_pad_multiple=cfg.model.vocab_pad_multiple, weight_dtype="fp8")
+                     vocab_pad_multiple=cfg.model.vocab_pad_multiple, weight_dtype="fp8", fp8_block=r.fp8_block)
 
     def engine_bytes(gpu: int) -> int:
         quantized = plan.fp8_tensors(gpu)

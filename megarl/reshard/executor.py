@@ -508,7 +508,7 @@ class Resharder:
                           + ([self.fp8_out] if self.fp8_out is not None else []),
                           dst_names=self.checksum_names, dst_shapes=shapes | scales, dtype=self._dtype_name(),
                           table=segment_table(rows), zero_rows=padding_rows(self.plan, self.rank), rounds=bounds,
-                          dtypes=dtypes)
+                          dtypes=dtypes, fp8_block=next((g.block[0] for g in self.fp8.values()), 0))
 
     def _dtype_name(self) -> str:
         if self.dtype is None:
@@ -761,7 +761,8 @@ def check_fp8_tensors(given: dict[str, torch.Tensor], fp8: dict[str, Fp8Tensor],
             if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or not tensor.is_contiguous():
                 raise UserError(f"{side}: tensor `{n}` is {tensor.dtype} of shape {list(tensor.shape)}"
                                 f"{'' if tensor.is_contiguous() else ', not contiguous'}; rollout.weight_dtype = "
-                                f"fp8 needs {dtype} of shape {list(shape)}, contiguous (128 x 128 blocks).")
+                                f"fp8 needs {dtype} of shape {list(shape)}, contiguous ({geometry.block[0]} x "
+                                f"{geometry.block[1]} blocks).")
 
 
 def fp8_routes(plan: Plan, rank: int) -> tuple[dict[str, tuple[str, int]], set[str], set[str]]:

@@ -1,13 +1,14 @@
 """Block-wise FP8 weights in an engine rank's TP layout, quantized by megarl._C from the full bf16 (or fp32) weight.
 
-The format (megarl/reshard/fp8_reference.py): float8_e4m3fn values and one float32 scale per 128 x 128 block
+The format (megarl/reshard/fp8_reference.py): float8_e4m3fn values and one float32 scale per b x b block
 (``weight_scale_inv``, the dequantization multiplier), as SGLang's and vLLM's FP8 loaders hold a linear layer of a
-``weight_block_size: [128, 128]`` checkpoint. An engine rank's shard is a window of the full weight: rows for
-column-parallel layers (qkv_proj, gate_up_proj: dim 0), columns for row-parallel ones (o_proj, down_proj: dim 1).
+``weight_block_size: [b, b]`` checkpoint (b = rollout.fp8_block: 128, or 64 for small models). An engine rank's
+shard is a window of the full weight: rows for column-parallel layers (qkv_proj, gate_up_proj: dim 0), columns for
+row-parallel ones (o_proj, down_proj: dim 1).
 Each block's scale comes from the whole block of the full weight, so a block that a shard boundary cuts has on
 every rank the scale a single-rank quantization gives it, and a rank's scales are the rows or columns of the full
 weight's scales that its window touches. The engines themselves refuse shards that cut blocks (every per-rank
-output part and input slice must be a multiple of 128: ``layout_problems`` names them); for such shards both
+output part and input slice must be a multiple of b: ``layout_problems`` names them); for such shards both
 conventions agree.
 
 Merged layers (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) hold each part quantized on its own block grid, as

@@ -1,10 +1,11 @@
 """The block-wise FP8 weight format, defined in float64: the independent reference the kernels are tested against.
 
-The format is the one SGLang's and vLLM's FP8 loaders read for ``quantization_config.weight_block_size: [128,
-128]`` (DeepSeek-V3's checkpoints): a linear layer's weight [out, in] as ``float8_e4m3fn`` plus ``weight_scale_inv``,
-float32 [ceil(out / 128), ceil(in / 128)], one scale per 128 x 128 block, the last row and column of blocks partial
-where out or in is not a multiple of 128. ``weight_scale_inv`` is the dequantization multiplier, despite its name:
-the engine computes with ``w[i, j] ~= fp8[i, j] * weight_scale_inv[i // 128, j // 128]``.
+The format is the one SGLang's and vLLM's FP8 loaders read for ``quantization_config.weight_block_size: [b, b]``
+(b = 128 in DeepSeek-V3's checkpoints, the default; 64 with rollout.fp8_block: 64): a linear layer's weight [out, in]
+as ``float8_e4m3fn`` plus ``weight_scale_inv``, float32 [ceil(out / b), ceil(in / b)], one scale per b x b block, the
+last row and column of blocks partial where out or in is not a multiple of b. ``weight_scale_inv`` is the
+dequantization multiplier, despite its name: the engine computes with ``w[i, j] ~= fp8[i, j] * weight_scale_inv[i //
+b, j // b]``.
 
 One block's quantization, everything exact or rounded once:
 
@@ -39,7 +40,7 @@ import math
 import torch
 
 BLOCK = 128
-"""Rows and columns of a quantization block (``weight_block_size: [128, 128]``)."""
+"""Rows and columns of a quantization block by default (``weight_block_size: [128, 128]``; rollout.fp8_block)."""
 E4M3_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
 AMAX_FLOOR = float(torch.tensor(1e-4, dtype=torch.float32))

@@ -55,6 +55,8 @@ class EngineCopy:
     """Parameters that hold another dtype than ``dtype``: with rollout.weight_dtype = fp8, the linear layers'
     float8_e4m3fn weights and their float32 ``weight_scale_inv``, which the trainer quantized and the copy moves as
     bytes."""
+    fp8_block: int = 0
+    """The FP8 tensors' block (rollout.fp8_block; 0 without any), for the engine's errors."""
 
     def to_wire(self, key: str, num_sources: int | None = None) -> list[tuple[str, torch.Tensor]]:
         """Named tensors carrying this copy; ``key`` names the attachment for later ``apply`` calls.
@@ -62,7 +64,7 @@ class EngineCopy:
         names from every rank)."""
         meta = {"key": key, "dst_names": self.dst_names, "dst_shapes": self.dst_shapes, "rounds": self.rounds,
                 "dtype": self.dtype, "zero_rows": self.zero_rows, "num_sources": len(self.sources),
-                "dtypes": self.dtypes}
+                "dtypes": self.dtypes, "fp8_block": self.fp8_block}
         device = self.sources[0].device if self.sources else torch.device("cpu")
         encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         # Small tensors travel on the GPU too: CUDA tensors cross processes as IPC handles, CPU tensors
@@ -81,7 +83,8 @@ class EngineCopy:
         return meta["key"], EngineCopy(
             sources=sources, dst_names=meta["dst_names"], dtype=meta["dtype"],
             dst_shapes={n: tuple(s) for n, s in meta["dst_shapes"].items()},
-            table=named[1][1].cpu(), zero_rows=meta["zero_rows"], rounds=meta["rounds"], dtypes=meta["dtypes"])
+            table=named[1][1].cpu(), zero_rows=meta["zero_rows"], rounds=meta["rounds"], dtypes=meta["dtypes"],
+            fp8_block=meta["fp8_block"])
 
 
 def apply_message(key: str, token: torch.Tensor, round: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -115,14 +118,18 @@ class EngineApplier:
             if held != want and name in copy.dtypes:
                 raise ValueError(f"engine parameter `{name}` is {held}, but the hand-over writes {want} "
                                  "(rollout.weight_dtype = fp8): the engine must hold its linear layers in block FP8 "
-                                 "(float8_e4m3fn weights, float32 weight_scale_inv per 128 x 128 block).")
+                                 f"(float8_e4m3fn weights, float32 weight_scale_inv per {copy.fp8_block} x "
+                                 f"{copy.fp8_block} block).")
             if held != want:
                 raise ValueError(f"engine parameter `{name}` is {held}, but the trainer hands over {want}: the engine "
                                  f"would read the bits as other numbers. Start the engine in {want} (leave "
                                  "rollout.engine_args.dtype unset, or set it to model.dtype).")
             if tuple(p.shape) != tuple(shape) or not p.is_contiguous():
+                scales = name.endswith("_scale_inv") and name in copy.dtypes  # another block shows as this
                 raise ValueError(f"engine parameter `{name}` is {list(p.shape)} (contiguous: {p.is_contiguous()}); "
-                                 f"the plan writes a contiguous {list(shape)}")
+                                 f"the plan writes a contiguous {list(shape)}" + (
+                                     f" (scales of {copy.fp8_block} x {copy.fp8_block} blocks: the engine's "
+                                     "weight_block_size must be rollout.fp8_block)" if scales else ""))
         bounds = copy.rounds
         if bounds[0] != 0 or bounds[-1] != len(copy.table) or bounds != sorted(bounds):
             raise ValueError(f"round bounds {bounds} do not split a table of {len(copy.table)} segments")

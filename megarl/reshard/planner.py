@@ -33,12 +33,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from megarl.config.rollout import FP8_BLOCKS
 from megarl.distributed.parallel import ParallelDims
 from megarl.errors import UserError
 from megarl.models.mapping import ParamRule, Piece, hf_shapes, mcore_pieces, mcore_shape, param_rules, pipeline_stage
 from megarl.models.spec import ModelSpec
 from megarl.reshard.engine_layout import EngineTensor, check_rollout_tp, engine_tensors, matrix_shape
 from megarl.reshard.fp8 import Fp8Tensor, engine_geometry, layout_problems
+from megarl.reshard.fp8_reference import BLOCK
 from megarl.reshard.transfers import Transfer, Unit, bucketize, row_bytes
 
 
@@ -344,7 +346,7 @@ def _transfer(run: _Run, name: str, dst: int, src: int) -> Transfer:
 def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_node: int = 8,
               element_size: int = 2, bucket_bytes: int = 256 * 2**20, vocab_pad_multiple: int = 128,
               relay: bool = True, links: LinkModel | None = None, engine_gpus: int = 0,
-              weight_dtype: str = "bf16") -> Plan:
+              weight_dtype: str = "bf16", fp8_block: int = BLOCK) -> Plan:
     """Plan the refit from the trainer mesh ``dims`` into engines of ``rollout_tp`` GPUs each.
 
     ``engine_gpus`` 0 (colocation): every GPU runs a trainer rank and one engine rank; which GPUs form each
@@ -354,8 +356,9 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     bytes that no GPU of a node holds cross into it once and are forwarded inside it (False: every GPU
     that needs them gets them from another node, for comparison). ``links`` (None: the measured defaults) sets
     how many bytes cross nodes per GPU and bucket: as many as NVLink moves in the same time. ``weight_dtype``
-    (rollout.weight_dtype): "fp8" adds the block geometry of every quantized engine tensor (``Plan.fp8``), and
-    refuses a model whose shapes the engines' FP8 loaders refuse at this ``rollout_tp``.
+    (rollout.weight_dtype): "fp8" adds the block geometry of every quantized engine tensor (``Plan.fp8``) in blocks of
+    ``fp8_block`` x ``fp8_block`` (rollout.fp8_block), and refuses a model whose shapes the engines' FP8 loaders
+    refuse at this ``rollout_tp`` and block.
     """
     world = dims.world_size
     if rollout_tp < 1 or (engine_gpus or world) % rollout_tp:
@@ -373,9 +376,10 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     layouts = [engine_tensors(spec, rollout_tp, r) for r in range(rollout_tp)]
     fp8_layouts: list[dict[str, Fp8Tensor]] = []
     if weight_dtype == "fp8":
-        check_fp8_layout(spec, rollout_tp)
+        check_fp8_layout(spec, rollout_tp, fp8_block)
         full = hf_shapes(spec)
-        fp8_layouts = [{g.name: g for g in (engine_geometry(t, full) for t in layout) if g is not None}
+        fp8_layouts = [{g.name: g for g in (engine_geometry(t, full, (fp8_block, fp8_block)) for t in layout)
+                        if g is not None}
                        for layout in layouts]
     elif weight_dtype != "bf16":
         raise ValueError(f"make_plan: weight_dtype must be bf16 or fp8, not {weight_dtype!r}")
@@ -401,21 +405,28 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
     return plan
 
 
-def check_fp8_layout(spec: ModelSpec, rollout_tp: int, field: str = "rollout.weight_dtype") -> None:
-    """Refuse, in one paragraph, a model the FP8 hand-over cannot serve at engine TP ``rollout_tp``: shapes the
-    engines' FP8 loaders refuse (``fp8.layout_problems``), or MoE experts (their FP8 layout is not planned)."""
+def check_fp8_layout(spec: ModelSpec, rollout_tp: int, block: int = BLOCK, field: str = "rollout.weight_dtype") -> None:
+    """Refuse, in one paragraph, a model the FP8 hand-over cannot serve at engine TP ``rollout_tp`` in blocks of
+    ``block`` (rollout.fp8_block): shapes the engines' FP8 loaders refuse (``fp8.layout_problems``), or MoE experts
+    (their FP8 layout is not planned)."""
     if spec.is_moe:
         raise UserError(f"{field} = fp8: this model has MoE experts ({spec.hf_config.get('architectures')}), whose "
                         "FP8 layout (FusedMoE's w13_weight_scale_inv, w2_weight_scale_inv) the hand-over does not "
                         f"plan yet. Set {field}: bf16.")
-    problems = layout_problems(spec, rollout_tp)
+    problems = layout_problems(spec, rollout_tp, block)
     if problems:
-        fits = [r for r in (1, 2, 4, 8) if r != rollout_tp and not layout_problems(spec, r)
+        # Another block at this TP first (SmolLM2-135M loads in blocks of 64), then other TPs at this block.
+        fixes = [f"rollout.fp8_block: {b}" for b in FP8_BLOCKS
+                 if b != block and not layout_problems(spec, rollout_tp, b)]
+        fits = [r for r in (1, 2, 4, 8) if r != rollout_tp and not layout_problems(spec, r, block)
                 and spec.num_attention_heads % r == 0]
+        if fits:
+            fixes.append(f"rollout.tensor_parallel in {fits}")
+        fixes.append(f"{field}: bf16")
         raise UserError(f"{field} = fp8 with rollout.tensor_parallel = {rollout_tp}: the engines' FP8 loaders "
-                        f"(128 x 128 blocks) refuse this model's shapes: {'; '.join(problems)}. "
-                        + (f"Use rollout.tensor_parallel in {fits}, or " if fits else "Use ")
-                        + f"{field}: bf16.")
+                        f"(rollout.fp8_block = {block}: {block} x {block} blocks) refuse this model's shapes: "
+                        f"{'; '.join(problems)}. Use {', '.join(fixes[:-1])}{', or ' if len(fixes) > 1 else ''}"
+                        f"{fixes[-1]}.")
 
 
 def check_fp8_rollout(cfg: Any, spec: ModelSpec) -> None:
@@ -429,7 +440,7 @@ def check_fp8_rollout(cfg: Any, spec: ModelSpec) -> None:
                         "cannot build: it hands over the base weights once, unquantized, and the adapters as files. "
                         "Set actor.lora.handover: merged (the merged weights are quantized on every hand-over), or "
                         "rollout.weight_dtype: bf16.")
-    check_fp8_layout(spec, cfg.rollout.tensor_parallel)
+    check_fp8_layout(spec, cfg.rollout.tensor_parallel, cfg.rollout.fp8_block)
     if cfg.rollout.engine == "sglang":  # the engine starts in block FP8 (megarl.rollout.sglang_fp8)
         from megarl.rollout.sglang_fp8 import check_fp8_engine_args
 
