@@ -6,12 +6,14 @@ bit (the engine's own checksums against the reference's, and the project's verif
 logprobs near a bf16 engine's on the same prompts, (c) SGLang's own block-FP8 dequantization and its Triton GEMM read
 the hand-over's weights as the reference does.
 
-The model: MEGARL_TEST_HF_MODEL where its shapes fit 128 x 128 blocks at TP 1 (``fp8.layout_problems``; SmolLM2-135M
-does not: 576 q rows, 192 k/v rows), else a random Llama of 128-row heads in bfloat16. Engines with the triton
-attention backend and torch sampling, as tests/test_rollout_sglang_gpu.py's."""
+In blocks of 128 and of 64 (rollout.fp8_block; the block-64 case has not been run on a GPU yet). The model:
+MEGARL_TEST_HF_MODEL where its shapes fit the block at TP 1 (``fp8.layout_problems``; SmolLM2-135M fits 64, not 128:
+576 q rows, 192 k/v rows), else a random Llama of 128-row heads in bfloat16. Engines with the triton attention backend
+and torch sampling, as tests/test_rollout_sglang_gpu.py's."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,15 +43,16 @@ ENGINE = dict(gpu_memory_fraction=0.25, enable_sleep=False, max_model_len=256, a
               sampling_backend="pytorch", grammar_backend="none")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=[128, 64])
+def model_and_block(request, tmp_path_factory) -> tuple[str, int]:
+    block = request.param
     path = os.environ.get("MEGARL_TEST_HF_MODEL")
-    if path and not fp8.layout_problems(load_spec(path), 1):
-        return path
+    if path and not fp8.layout_problems(load_spec(path), 1, block):
+        return path, block
     if path:
-        print(f"\nMEGARL_TEST_HF_MODEL {path} has no FP8 layout at TP 1 ({fp8.layout_problems(load_spec(path), 1)}); "
-              "using a random Llama of 128-row heads")
-    return str(make_hf_model(tmp_path_factory.mktemp("m") / "llama", "llama", dtype=torch.bfloat16, **ALIGNED))
+        print(f"\nMEGARL_TEST_HF_MODEL {path} has no FP8 layout in blocks of {block} at TP 1 "
+              f"({fp8.layout_problems(load_spec(path), 1, block)}); using a random Llama of 128-row heads")
+    return str(make_hf_model(tmp_path_factory.mktemp("m") / "llama", "llama", dtype=torch.bfloat16, **ALIGNED)), block
 
 
 def _checksums(engine, key: str, count: int) -> torch.Tensor:
@@ -68,12 +71,13 @@ class _Reports:
         return _checksums(self.engine, self.key, count)
 
 
-def test_fp8_engine_takes_the_hand_over_and_generates(model_dir, tmp_path):
+def test_fp8_engine_takes_the_hand_over_and_generates(model_and_block, tmp_path):
     pytest.importorskip("sglang")
     from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant, triton_w8a8_block_fp8_linear
 
     from megarl.rollout.sglang import SGLangEngine
 
+    model_dir, block = model_and_block
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     bf16 = SGLangEngine(model_dir, log_file=tmp_path / "bf16.log", **ENGINE)
     try:
@@ -83,14 +87,15 @@ def test_fp8_engine_takes_the_hand_over_and_generates(model_dir, tmp_path):
 
     spec = load_spec(model_dir)
     dims = ParallelDims(tp=1, pp=1, dp=1)
-    plan = make_plan(spec, dims, 1, element_size=2, weight_dtype="fp8")
+    plan = make_plan(spec, dims, 1, element_size=2, weight_dtype="fp8", fp8_block=block)
     hf = {n: t.to(torch.bfloat16).cuda() for n, t in load_hf(model_dir).items()}
     src = {n: t.cuda().contiguous() for n, t in trainer_shards(spec, dims, 0, hf, torch.bfloat16,
                                                                plan.padded_vocab).items()}
-    engine = SGLangEngine(model_dir, log_file=tmp_path / "fp8.log", weight_dtype="fp8", **ENGINE)
+    engine = SGLangEngine(model_dir, log_file=tmp_path / "fp8.log", weight_dtype="fp8", fp8_block=block, **ENGINE)
     try:
         model_path = Path(engine._fp8_dir.path)
-        assert (model_path / "config.json").exists()
+        config = json.loads((model_path / "config.json").read_text())
+        assert config["quantization_config"]["weight_block_size"] == [block, block]
         side = Resharder(plan, 0, src, None, in_engine=True, landing_bytes=0)
         copy = side.engine_copy()
         engine.attach([engine.package(copy.to_wire("actor"))], "actor")
@@ -107,7 +112,8 @@ def test_fp8_engine_takes_the_hand_over_and_generates(model_dir, tmp_path):
             weight = torch.empty(geometry.shape, dtype=torch.float8_e4m3fn)
             scales = torch.empty(geometry.scale_shape, dtype=torch.float32)
             for part in geometry.parts:
-                w, s = fp8_reference.quantize(hf[part.hf][part.rows[0]:part.rows[1], part.cols[0]:part.cols[1]].cpu())
+                w, s = fp8_reference.quantize(hf[part.hf][part.rows[0]:part.rows[1], part.cols[0]:part.cols[1]].cpu(),
+                                              geometry.block)
                 weight[part.dst_row:part.dst_row + part.num_rows] = w
                 scales[part.scale_row:part.scale_row + s.shape[0]] = s
             quantized[name], quantized[geometry.scale_name] = weight, scales
@@ -129,8 +135,9 @@ def test_fp8_engine_takes_the_hand_over_and_generates(model_dir, tmp_path):
             gaps += [abs(a.logprobs[k] - b.logprobs[k]) for k in range(common)]
         mean_gap = sum(gaps) / len(gaps)
         same = sum(a.token_ids == b.token_ids for a, b in zip(out, want, strict=True))
-        print(f"\nFP8 vs bf16 greedy logprobs: mean gap {mean_gap:.4f} nats, max {max(gaps):.4f}, over {len(gaps)} "
-              f"tokens of a common prefix; tokens equal in {same} of {len(out)} samples")
+        print(f"\nFP8 ({block} x {block} blocks) vs bf16 greedy logprobs: mean gap {mean_gap:.4f} nats, max "
+              f"{max(gaps):.4f}, over {len(gaps)} tokens of a common prefix; tokens equal in {same} of {len(out)} "
+              "samples")
         assert gaps and mean_gap < 0.1
 
         # (c) SGLang's own reading of the hand-over's format: its block dequantization equals the reference's, and
@@ -138,10 +145,11 @@ def test_fp8_engine_takes_the_hand_over_and_generates(model_dir, tmp_path):
         # FP8 quantization.
         name = "model.layers.0.mlp.down_proj.weight"
         w, s = quantized[name].cuda(), quantized[name + "_scale_inv"].cuda()
-        ours = fp8_reference.dequantize(quantized[name], quantized[name + "_scale_inv"]).to(torch.float32)
-        assert torch.equal(block_quant_dequant(w, s, [128, 128], torch.float32).cpu(), ours)
+        ours = fp8_reference.dequantize(quantized[name], quantized[name + "_scale_inv"], (block, block))
+        ours = ours.to(torch.float32)
+        assert torch.equal(block_quant_dequant(w, s, [block, block], torch.float32).cpu(), ours)
         x = torch.randn(8, w.shape[1], dtype=torch.bfloat16, device="cuda")
-        y = triton_w8a8_block_fp8_linear(x, w, [128, 128], s).float()
+        y = triton_w8a8_block_fp8_linear(x, w, [block, block], s).float()
         ref = x.float() @ ours.cuda().T
         rel = ((y - ref).norm() / ref.norm()).item()
         print(f"SGLang's Triton block-FP8 GEMM vs x @ dequantized.T: relative error {rel:.4f}")

@@ -71,9 +71,10 @@ def test_make_engine_passes_the_batch_to_sglang_only(monkeypatch, tmp_path: Path
 
     monkeypatch.setattr(factory, "engine_class", lambda cfg: Engine)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    sets = [f"checkpoint.dir={tmp_path}", "rollout.engine_args.attention_backend=triton"]
+    sets = [f"checkpoint.dir={tmp_path}", "rollout.engine_args.attention_backend=triton", "rollout.fp8_block=64"]
     factory.make_engine(load_config(REPO / "recipes/smollm2_gsm8k_grpo.yaml", sets), 0, [0])
     assert seen["max_batch"] == 256 and seen["attention_backend"] == "triton"   # 32 of the 64 prompts x 8
+    assert seen["weight_dtype"] == "bf16" and seen["fp8_block"] == 64  # rollout.weight_dtype's block (sglang_fp8)
     seen.clear()
     factory.make_engine(load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [f"checkpoint.dir={tmp_path}"]), 0, None)
-    assert "max_batch" not in seen                                # vLLM: not its argument
+    assert "max_batch" not in seen and "fp8_block" not in seen    # vLLM: not its arguments

@@ -52,7 +52,8 @@ def make_engine(cfg: Config, index: int, devices: list[int] | None, aliases: Pat
     r = cfg.rollout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # rollout.weight_dtype = fp8 starts SGLang in block FP8 (megarl.rollout.sglang_fp8); the config refuses it for vLLM
-    per_engine = {"max_batch": max_batch(cfg, world), "weight_dtype": r.weight_dtype} if r.engine == "sglang" else {
+    per_engine = {"max_batch": max_batch(cfg, world), "weight_dtype": r.weight_dtype,
+                  "fp8_block": r.fp8_block} if r.engine == "sglang" else {
         "cpu_engines": engines_per_host(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))}
     log_file = run_dir(cfg) / f"engine_{index}.log"
     startup.mark("models built")

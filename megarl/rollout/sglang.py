@@ -48,6 +48,7 @@ from megarl.errors import UserError
 from megarl.models.routing import routing_dtype
 from megarl.models.spec import load_spec
 from megarl.reshard.engine_layout import check_rollout_tp
+from megarl.reshard.fp8_reference import BLOCK
 from megarl.reshard.handover import apply_message, detach_message
 from megarl.rollout.base import (
     Completion,
@@ -103,7 +104,7 @@ class SGLangEngine:
                  load_format: str = "auto", devices: list[int] | None = None, log_file: Path | None = None,
                  return_routed_experts: bool = False, aliases: Path | None = None, max_batch: int | None = None,
                  lora_rank: int | None = None, lora_targets: Sequence[str] = TARGETS, weight_dtype: str = "bf16",
-                 **engine_args: Any) -> None:
+                 fp8_block: int = BLOCK, **engine_args: Any) -> None:
         """``devices``: the GPUs (this node's indices) the engine runs on (None: the first ``tensor_parallel``
         visible ones); ``log_file``: where the engine's processes log (None: the console); ``max_batch``: the most
         sequences one rollout's generate call runs at once, which decode CUDA graphs cover (``decode_graph_args``);
@@ -111,7 +112,8 @@ class SGLangEngine:
         ``aliases``: the file of the parameters that map the actor's memory, per engine rank (rollout.alias_weights:
         the model is built by megarl's loader, megarl.rollout.sglang_loader.AliasingLoader); ``lora_rank``: serve
         LoRA adapters of this rank on ``lora_targets`` (actor.lora's names; ``load_adapter``, sglang_lora);
-        ``weight_dtype``: "fp8" starts the engine in block FP8 for the hand-over (rollout.weight_dtype, sglang_fp8);
+        ``weight_dtype``: "fp8" starts the engine in block FP8 for the hand-over (rollout.weight_dtype, sglang_fp8),
+        in blocks of ``fp8_block`` x ``fp8_block`` (rollout.fp8_block);
         ``engine_args`` go to ``sglang.Engine`` unchanged."""
         sigterm = signal.getsignal(signal.SIGTERM)  # megarl's interrupt handling, which the engine's loop takes over
         fp8 = weight_dtype == "fp8"
@@ -148,7 +150,7 @@ class SGLangEngine:
         self._fp8_dir: Fp8ModelDir | None = None
         if fp8:
             args |= fp8_engine_args(engine_args, load_format, aliases, server_args)
-            self._fp8_dir = Fp8ModelDir.create(hf_dir)
+            self._fp8_dir = Fp8ModelDir.create(hf_dir, fp8_block)
             atexit.register(self._fp8_dir.remove)  # however this process ends
             args["model_path"] = str(self._fp8_dir.path)
         args |= decode_graph_args(max_batch, tensor_parallel, engine_args, server_args)

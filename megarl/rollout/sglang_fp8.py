@@ -1,26 +1,30 @@
 """SGLang started in block FP8 for rollout.weight_dtype = fp8: the engine's side of the FP8 hand-over.
 
 The trainer quantizes (megarl.reshard.fp8, executor) and the engine's copy moves float8_e4m3fn weights and float32
-``weight_scale_inv`` (one scale per 128 x 128 block) as bytes into its parameters (megarl.reshard.handover). For that
-the engine must hold its linear layers in exactly that format, and its GEMM must read them as written:
+``weight_scale_inv`` (one scale per b x b block, b = rollout.fp8_block: 128, or 64 for small models) as bytes into
+its parameters (megarl.reshard.handover). For that the engine must hold its linear layers in exactly that format, and
+its GEMM must read them as written:
 
 - SGLang 0.5.17's ``Fp8Config`` builds block-FP8 layers (``Fp8LinearMethod.create_fp8_weight_``: ``weight``
-  float8_e4m3fn [out, in], ``weight_scale_inv`` float32 [ceil(out / 128), ceil(in / 128)], merged layers' parts at
+  float8_e4m3fn [out, in], ``weight_scale_inv`` float32 [ceil(out / b), ceil(in / b)], merged layers' parts at
   their block offsets) only for a serialized FP8 checkpoint, i.e. from config.json's ``quantization_config``
-  (``weight_block_size`` without it is refused). ``Fp8ModelDir`` is the model's directory as symlinks with that
-  config.json; the weights come from the hand-over, so the engine loads ``dummy`` ones (SGLang's loader would
-  cast the bf16 checkpoint into the FP8 parameters and leave the scales unset). megarl's first hand-over runs
-  before the engine generates anything (megarl.loop.weight_sync.connect, in the trainer's constructor), and it
-  writes every engine tensor, quantized or not.
+  (``weight_block_size`` without it is refused), whose ``weight_block_size: [b, b]`` sets the block.
+  ``Fp8ModelDir`` is the model's directory as symlinks with that config.json; the weights come from the hand-over,
+  so the engine loads ``dummy`` ones (SGLang's loader would cast the bf16 checkpoint into the FP8 parameters and
+  leave the scales unset). megarl's first hand-over runs before the engine generates anything
+  (megarl.loop.weight_sync.connect, in the trainer's constructor), and it writes every engine tensor, quantized or
+  not.
 - After loading, ``process_weights_after_loading_block_quant`` requantizes the scales to UE8M0 in place when
   DeepGEMM is the block-FP8 runner (``requant_block_scale_ue8m0_for_deepgemm``: on Blackwell,
   ``DEEPGEMM_SCALE_UE8M0``), and DeepGEMM on Hopper reads TMA-aligned column-major scales it makes per call;
   its ``auto`` choice is DeepGEMM wherever the ``deep_gemm`` package imports. ``fp8_gemm_runner_backend: triton``
   pins ``triton_w8a8_block_fp8_linear``: ``w8a8_block_fp8_matmul_triton`` reads ``weight`` [N, K] and
-  ``weight_scale_inv`` [ceil(N / 128), ceil(K / 128)] row-major float32 as they are, and the post-processing then
+  ``weight_scale_inv`` [ceil(N / b), ceil(K / b)] row-major float32 as they are (any b: the layer's
+  ``weight_block_size`` sets its default tiles and the activations' quantization groups), and the post-processing then
   leaves both untouched (no requantization, no copy), so a copy into them after every update is what the next GEMM
   reads, at the addresses the CUDA graphs captured. ``check_block_fp8`` (in the engine, when the hand-over attaches)
-  refuses an engine whose layers say otherwise.
+  refuses an engine whose layers say otherwise; a block other than the trainer's shows there as scales of another
+  shape (megarl.reshard.handover).
 
 Importing this module must stay free of SGLang: ``check_block_fp8`` runs in SGLang's scheduler processes.
 """
@@ -39,10 +43,6 @@ import torch
 
 from megarl.errors import UserError
 
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                       "weight_block_size": [128, 128]}
-"""config.json's ``quantization_config`` of a block-FP8 checkpoint as SGLang reads it (``Fp8Config.from_config``;
-``fmt`` is metadata it ignores, written as DeepSeek-V3's checkpoints do)."""
 RUNNER_ARG = "fp8_gemm_runner_backend"
 RUNNER = "triton"
 """The block-FP8 GEMM runner that reads ``weight`` and ``weight_scale_inv`` as the hand-over writes them."""
@@ -56,15 +56,22 @@ writes, and SGLang keeps a positive draw as the layer's scale: FlashInfer multip
 by it, baked into its captured decode graphs (SGLang 0.5.17's flashinfer_backend)."""
 
 
+def quantization_config(block: int) -> dict[str, Any]:
+    """config.json's ``quantization_config`` of a block-FP8 checkpoint in blocks of ``block`` x ``block`` as SGLang
+    reads it (``Fp8Config.from_config``; ``fmt`` is metadata it ignores, written as DeepSeek-V3's checkpoints do)."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [block, block]}
+
+
 @dataclass
 class Fp8ModelDir:
-    """A temporary directory of symlinks to an HF model's files whose config.json carries ``QUANTIZATION_CONFIG``:
+    """A temporary directory of symlinks to an HF model's files whose config.json carries ``quantization_config``:
     SGLang started from it builds its linear layers in block FP8. Removed by ``remove`` (the engine's shutdown)."""
 
     path: Path
 
     @classmethod
-    def create(cls, hf_dir: str | Path) -> Fp8ModelDir:
+    def create(cls, hf_dir: str | Path, block: int) -> Fp8ModelDir:
+        """``block``: rollout.fp8_block, the config's ``weight_block_size: [block, block]``."""
         src = Path(hf_dir).resolve()
         config = json.loads((src / "config.json").read_text())
         if config.get("quantization_config"):
@@ -77,7 +84,7 @@ class Fp8ModelDir:
             for entry in src.iterdir():  # everything but config.json, as it is (tokenizer, generation config, ...)
                 if entry.name != "config.json":
                     (path / entry.name).symlink_to(entry)
-            config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+            config["quantization_config"] = quantization_config(block)
             # SGLang's processes each read config.json: written whole under another name, then renamed.
             tmp = path / ".config.json.tmp"
             tmp.write_text(json.dumps(config, indent=2))
@@ -145,8 +152,10 @@ def check_fp8_engine_args(engine_args: dict[str, Any], load_format: str = "auto"
 
 def check_block_fp8(model: torch.nn.Module) -> int:
     """In the engine, when a hand-over attaches: every block-FP8 linear layer reads ``weight`` (float8_e4m3fn) and
-    ``weight_scale_inv`` (float32, one per 128 x 128 block, row-major) as written, through the Triton runner; returns
-    the number of such layers (0 for a bf16 engine). Raises naming the first layer that does not."""
+    ``weight_scale_inv`` (float32, one per block of the ``weight_block_size`` its quant method passes its GEMM,
+    row-major) as written, through the Triton runner; returns the number of such layers (0 for a bf16 engine). Raises
+    naming the first layer that does not. The layer's own block is the one checked: the engine knows no other (the
+    trainer's shows in the shapes its copy checks when attached)."""
     count = 0
     for name, module in model.named_modules():
         scale = getattr(module, "weight_scale_inv", None)
@@ -155,12 +164,15 @@ def check_block_fp8(model: torch.nn.Module) -> int:
         weight = getattr(module, "weight", None)
         method = getattr(module, "quant_method", None)
         runner = getattr(getattr(method, "w8a8_block_fp8_linear", None), "__name__", None)
-        blocks = None if weight is None else (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
+        block = getattr(method, "weight_block_size", None)  # what SGLang's apply passes the runner
+        blocks = None if weight is None or not block else (-(-weight.shape[0] // block[0]),
+                                                           -(-weight.shape[1] // block[1]))
         problem = (
             "its weight is not float8_e4m3fn" if weight is None or weight.dtype != torch.float8_e4m3fn else
             f"its scales are {scale.dtype}, not float32" if scale.dtype != torch.float32 else
-            f"its scales are {list(scale.shape)}, not {list(blocks or ())} (128 x 128 blocks)"
-            if tuple(scale.shape) != blocks else
+            "its quant method has no weight_block_size (not block FP8)" if not block else
+            f"its scales are {list(scale.shape)}, not {list(blocks or ())} ({block[0]} x {block[1]} blocks, its "
+            "weight_block_size)" if tuple(scale.shape) != blocks else
             "its scales were requantized to UE8M0" if getattr(scale, "format_ue8m0", False) else
             "its scales are not contiguous row-major" if not scale.is_contiguous() else
             f"its GEMM runner is {runner}, not {RUNNER_FUNCTION}" if runner != RUNNER_FUNCTION else
