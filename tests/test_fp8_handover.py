@@ -276,10 +276,11 @@ def test_one_rank_quantizes_into_the_engines_fp8_parameters(request, model, bloc
 
 
 @pytest.mark.slow
-def test_fp8_hand_over_over_trainer_layouts_and_rollout_tp(tmp_path, aligned):
-    rows = run_worker("reshard_fp8.py", tmp_path, aligned)
-    assert {(r["tp"], r["pp"], r["R"]) for r in rows} == {(tp, pp, R) for tp in (1, 2) for pp in (1, 2)
-                                                         for R in (1, 2, 4)}
+@pytest.mark.parametrize("block", [128, 64])
+def test_fp8_hand_over_over_trainer_layouts_and_rollout_tp(tmp_path, aligned, block):
+    rows = run_worker("reshard_fp8.py", tmp_path, aligned, block)
+    assert {(r["tp"], r["pp"], r["R"], r["block"]) for r in rows} == {(tp, pp, R, block) for tp in (1, 2)
+                                                                      for pp in (1, 2) for R in (1, 2, 4)}
     assert len(rows) == 4 * 12
     for r in rows:
         # Every engine FP8 weight and scale = fp8's quantization of the full bf16 weight sliced to the engine rank,

@@ -1,15 +1,15 @@
 """Multi-rank worker for test_fp8_handover.py: an FP8 hand-over (rollout.weight_dtype = fp8) from Megatron shards.
 
-torchrun --nproc-per-node 4 tests/workers/reshard_fp8.py OUT_DIR MODEL_DIR
-For trainer layouts TP1, TP2, PP2 and TP2 x PP2 (DP over the rest of 4 ranks) and rollout TP R in {1, 2, 4}: the
-trainer's bf16 shards (read from HF through the mapping) refit into engine tensors as SGLang holds them
-(float8_e4m3fn `...weight` and float32 `...weight_scale_inv` for the linear layers, bf16 for the rest), filled with
-NaN first so an unwritten byte shows. Each FP8 weight and scale must equal, bit for bit, megarl.reshard.fp8's
-quantization of the full bf16 HF weight sliced to the engine rank (qkv_shard, gate_up_shard, shard along dim 1) and
-the float64 reference's; the rest must equal the engine's slicing of HF. Then the hand-over's checksums: the engine's
-report verifies; a flipped FP8 byte, a flipped scale bit and a plausible wrong quantization (scales from amax / 240)
-are each named. The in-engine hand-over (the trainer quantizes, the engine copies bytes) gives the engine the same
-bytes and verifies. A second refit of doubled weights doubles every scale and keeps the values.
+torchrun --nproc-per-node 4 tests/workers/reshard_fp8.py OUT_DIR MODEL_DIR BLOCK
+In blocks of BLOCK x BLOCK (rollout.fp8_block), for trainer layouts TP1, TP2, PP2 and TP2 x PP2 (DP over the rest of 4
+ranks) and rollout TP R in {1, 2, 4}: the trainer's bf16 shards (read from HF through the mapping) refit into engine
+tensors as SGLang holds them (float8_e4m3fn `...weight` and float32 `...weight_scale_inv` for the linear layers, bf16
+for the rest), filled with NaN first so an unwritten byte shows. Each FP8 weight and scale must equal, bit for bit,
+megarl.reshard.fp8's quantization of the full bf16 HF weight sliced to the engine rank (qkv_shard, gate_up_shard, shard
+along dim 1) and the float64 reference's; the rest must equal the engine's slicing of HF. Then the hand-over's
+checksums: the engine's report verifies; a flipped FP8 byte, a flipped scale bit and a plausible wrong quantization
+(scales from amax / 240) are each named. The in-engine hand-over (the trainer quantizes, the engine copies bytes) gives
+the engine the same bytes and verifies. A second refit of doubled weights doubles every scale and keeps the values.
 """
 
 import json
@@ -36,35 +36,36 @@ from megarl.reshard.verify import mismatched  # noqa: E402
 BF16 = torch.bfloat16
 
 
-def expected_fp8(hf: dict, cfg: dict, R: int, r: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Engine rank r's FP8 weights and scales from the full bf16 HF weights (megarl.reshard.fp8's shards)."""
-    d = cfg["head_dim"]
+def expected_fp8(hf: dict, cfg: dict, R: int, r: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Engine rank r's FP8 weights and scales in blocks of n from the full bf16 HF weights (megarl.reshard.fp8's
+    shards)."""
+    d, block = cfg["head_dim"], (n, n)
     out = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         q, k, v = (hf[f"{p}self_attn.{x}_proj.weight"] for x in "qkv")
-        out[p + "self_attn.qkv_proj.weight"] = fp8.qkv_shard(q, k, v, r, R, d)
-        out[p + "self_attn.o_proj.weight"] = fp8.shard(hf[p + "self_attn.o_proj.weight"], r, R, 1)
+        out[p + "self_attn.qkv_proj.weight"] = fp8.qkv_shard(q, k, v, r, R, d, block=block)
+        out[p + "self_attn.o_proj.weight"] = fp8.shard(hf[p + "self_attn.o_proj.weight"], r, R, 1, block=block)
         out[p + "mlp.gate_up_proj.weight"] = fp8.gate_up_shard(hf[p + "mlp.gate_proj.weight"],
-                                                               hf[p + "mlp.up_proj.weight"], r, R)
-        out[p + "mlp.down_proj.weight"] = fp8.shard(hf[p + "mlp.down_proj.weight"], r, R, 1)
+                                                               hf[p + "mlp.up_proj.weight"], r, R, block=block)
+        out[p + "mlp.down_proj.weight"] = fp8.shard(hf[p + "mlp.down_proj.weight"], r, R, 1, block=block)
     return out
 
 
-def reference_fp8(hf: dict, cfg: dict, R: int, r: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def reference_fp8(hf: dict, cfg: dict, R: int, r: int, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The same from the float64 reference: each full weight quantized whole, then sliced as the engine slices."""
     d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     (q0, q1), (k0, k1) = fp8.qkv_rows(nh, nkv, d, r, R)
     out = {}
 
     def rows(name: str, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w, s = fp8_reference.quantize(hf[name])
-        return w[a:b], s[a // 128:-(-b // 128)]
+        w, s = fp8_reference.quantize(hf[name], (n, n))
+        return w[a:b], s[a // n:-(-b // n)]
 
     def cols(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        w, s = fp8_reference.quantize(hf[name])
+        w, s = fp8_reference.quantize(hf[name], (n, n))
         a, b = fp8.tp_range(w.shape[1], r, R)
-        return w[:, a:b], s[:, a // 128:-(-b // 128)]
+        return w[:, a:b], s[:, a // n:-(-b // n)]
 
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -94,15 +95,16 @@ def nan_filled(plan, rank: int) -> dict[str, torch.Tensor]:
     return dst
 
 
-def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int) -> dict:
+def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int, block: int) -> dict:
     rank = dist.get_rank()
-    plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=2, bucket_bytes=48 * 1024, weight_dtype="fp8")
+    plan = make_plan(spec, dims, R, gpus_per_node=2, element_size=2, bucket_bytes=48 * 1024, weight_dtype="fp8",
+                     fp8_block=block)
     r = plan.engine_rank(rank)
     src = trainer_shards(spec, dims, rank, hf, BF16, plan.padded_vocab)
     dst = nan_filled(plan, rank)
     resharder = Resharder(plan, rank, src, dst)
     resharder.refit()
-    want, ref = expected_fp8(hf, cfg, R, r), reference_fp8(hf, cfg, R, r)
+    want, ref = expected_fp8(hf, cfg, R, r, block), reference_fp8(hf, cfg, R, r, block)
     plain = {n: t.to(BF16) for n, t in reference_engine(hf, cfg, R, r).items() if n not in want}
     names = {n for n in dst if not n.endswith("_scale_inv")}
     wrong = [n for n in want if not (same_bits(dst[n], want[n][0]) and same_bits(dst[n + "_scale_inv"], want[n][1]))]
@@ -136,8 +138,9 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int) -> dict:
     victim = layer + "mlp.gate_up_proj.weight"
     kept_w, kept_s = dst[victim].clone(), dst[victim + "_scale_inv"].clone()
     wrong_s = kept_s * (448 / 240)
-    expanded = wrong_s.to(torch.float64).repeat_interleave(128, 0)[:kept_w.shape[0]].repeat_interleave(128, 1)
-    dst[victim].copy_((fp8_reference.dequantize(kept_w, kept_s) / expanded[:, :kept_w.shape[1]]).to(kept_w.dtype))
+    expanded = wrong_s.to(torch.float64).repeat_interleave(block, 0)[:kept_w.shape[0]].repeat_interleave(block, 1)
+    dst[victim].copy_((fp8_reference.dequantize(kept_w, kept_s, (block, block))
+                       / expanded[:, :kept_w.shape[1]]).to(kept_w.dtype))
     dst[victim + "_scale_inv"].copy_(wrong_s)
     caught["wrong_quantization"] = mismatched(reports.names, expected, reports.checksums(len(reports.names))) == [
         victim, victim + "_scale_inv"]
@@ -151,7 +154,7 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int) -> dict:
     for t in src.values():
         t.div_(2)
     window_bytes = sum(g.shape[0] * g.shape[1] * 2 for g in plan.fp8_tensors(rank).values())
-    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "R": R, "rank": rank, "engine_rank": r,
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "R": R, "block": block, "rank": rank, "engine_rank": r,
             "fp8": sorted(want), "names": sorted(names), "wrong": wrong, "wrong_ref": wrong_ref,
             "dtypes": sorted({str(t.dtype) for t in dst.values()}), "caught": caught, "doubled": doubled,
             "checksums": len(resharder.checksum_names), "direct": sorted(resharder._direct),
@@ -160,7 +163,7 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int) -> dict:
 
 
 def main() -> None:
-    out_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
+    out_dir, model_dir, block = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     init_distributed(platform)
     spec = load_spec(model_dir)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -170,7 +173,7 @@ def main() -> None:
     for n in sorted(hf):
         if n.endswith("proj.weight"):
             hf[n] = hf[n] * torch.exp2(torch.randint(-12, 6, (hf[n].shape[0], 1), generator=g)).to(BF16)
-    rows = [check_layout(spec, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=4 // (tp * pp)), R)
+    rows = [check_layout(spec, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=4 // (tp * pp)), R, block)
             for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)) for R in (1, 2, 4)]
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
