@@ -22,6 +22,9 @@
 #   separate_abort, gsm8k_separate_abort   separate without chunks (aborted for each weight push)
 #   product_tool   GRPO with the sandboxed Python tool on three-digit products (recipes/smollm2_product_tool_grpo.yaml),
 #             $STEPS steps, held-out accuracy and tool calls (agent/*) every $EVAL_EVERY steps
+#   arith_bf16, arith_fp8   issue 54 on the real model: sync GRPO on arith from the same start and seeds with token
+#             TIS, the engine in bf16 or in block FP8 (64 x 64 blocks: SmolLM2's 576 and 192 rows are not multiples of
+#             128), $STEPS steps: held-out accuracy, rollout_correction/* (the sampler's gap and the TIS weights)
 #   product_notool   the base model on the same held-out products without the tool (megarl.evaluate, greedy)
 #   lora8b    Llama-3-8B's body (32 layers, random weights, SmolLM2's tokenizer) with LoRA rank 64 on every linear
 #             layer, $STEPS_8B GRPO steps of the GSM8K recipe at 32 prompts x 8 samples of up to 256 tokens, merged
@@ -152,6 +155,11 @@ all_runs() {
         mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
           --set checkpoint.save_every=0 ;;
+      arith_bf16|arith_fp8)
+        local fp8=()
+        [[ $run == arith_fp8 ]] && fp8=(--set rollout.weight_dtype=fp8 --set rollout.fp8_block=64)
+        learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" --set algorithm.rollout_correction=token_tis \
+          "${fp8[@]}" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
       product_tool)
         learn product_tool recipes/smollm2_product_tool_grpo.yaml --set trainer.num_steps="$STEPS" \
           --set eval.every="$EVAL_EVERY" --set checkpoint.save_every=0 ;;
