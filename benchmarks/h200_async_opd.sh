@@ -157,7 +157,9 @@ all_runs() {
           --set checkpoint.save_every=0 ;;
       arith_bf16|arith_fp8)
         local fp8=()
-        [[ $run == arith_fp8 ]] && fp8=(--set rollout.weight_dtype=fp8 --set rollout.fp8_block=64)
+        # the FP8 sampler's gap reached 3.3 at step 0 (mean 0.14), over the default bound of 2.0 (a4c7be3)
+        [[ $run == arith_fp8 ]] && fp8=(--set rollout.weight_dtype=fp8 --set rollout.fp8_block=64
+                                        --set rollout.logprob_diff_max=8.0)
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" --set algorithm.rollout_correction=token_tis \
           "${fp8[@]}" --set trainer.num_steps="$STEPS" --set checkpoint.save_every=0 ;;
       product_tool)
