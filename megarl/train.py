@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             with tracker.phase("teacher"):  # on-policy distillation: the teacher's logprobs of the same tokens
                 teacher = trainer.score(batch, trainer.teacher)
             drift = logprob_drift(batch, old)  # a broken weight hand-over shows as rollout/trainer disagreement
-            check_drift(drift, cfg.rollout.logprob_diff_max, step)
+            check_drift(drift, cfg.rollout, step)
             # Importance weights pi_old / pi_rollout (truncated, or rejecting sequences): the engine's sampler is
             # not the trainer's. Async: the same weights correct the KL, distillation and entropy terms (offpolicy).
             is_weights, kept, correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)

@@ -138,7 +138,10 @@ def test_fp8_engine_takes_the_hand_over_and_generates(model_and_block, tmp_path)
         print(f"\nFP8 ({block} x {block} blocks) vs bf16 greedy logprobs: mean gap {mean_gap:.4f} nats, max "
               f"{max(gaps):.4f}, over {len(gaps)} tokens of a common prefix; tokens equal in {same} of {len(out)} "
               "samples")
-        assert gaps and mean_gap < 0.1
+        # The weights' quantization alone, on an H100: mean 0.046 for the random model of 128-row heads in blocks of
+        # 128, 0.140 for SmolLM2-135M in blocks of 64 (benchmarks/results/h100/gpu_round_a4c7be3); misplaced weights
+        # or scales give nats.
+        assert gaps and mean_gap < 0.25
 
         # (c) SGLang's own reading of the hand-over's format: its block dequantization equals the reference's, and
         # its Triton block-FP8 GEMM (the runner megarl pins) matches x @ dequantized.T up to the activations' own

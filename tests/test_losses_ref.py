@@ -13,7 +13,7 @@ import torch
 
 from megarl.algos.advantages import gae, grpo_advantages
 from megarl.algos.losses import token_weights
-from megarl.config import AlgorithmConfig
+from megarl.config import AlgorithmConfig, RolloutConfig
 from megarl.errors import UserError
 from megarl.loop.rl_step import Batch, actor_loss, advantages_and_returns, check_drift, critic_loss, logprob_drift
 
@@ -308,6 +308,22 @@ def test_step_zero_refuses_engine_logprobs_that_disagree_with_the_trainer() -> N
     assert drift["logprob_diff_max"] == pytest.approx(0.3, abs=1e-6)
     assert drift["logprob_diff_mean"] == pytest.approx(0.1, abs=1e-6)
     with pytest.raises(UserError, match=r"step 0: .* differ by up to 0\.300 .* rollout\.logprob_diff_max = 0\.1"):
-        check_drift(drift, 0.1, step=0)
-    check_drift(drift, 0.5, step=0)  # within the bound
-    check_drift(drift, 0.1, step=3)  # the bound is step 0's: later steps report the drift as metrics
+        check_drift(drift, RolloutConfig(logprob_diff_max=0.1), step=0)
+    with pytest.raises(UserError, match=r"mean 0\.1000\), above rollout\.logprob_diff_mean_max = 0\.05"):
+        check_drift(drift, RolloutConfig(logprob_diff_mean_max=0.05), step=0)
+    check_drift(drift, RolloutConfig(logprob_diff_max=0.5), step=0)  # within the bounds
+    check_drift(drift, RolloutConfig(logprob_diff_max=0.1), step=3)  # step 0's bounds: later steps report metrics
+
+
+def test_step_zero_with_fp8_weights_bounds_the_mean_gap_not_the_tail() -> None:
+    """An FP8 sampler's largest gap over a step's tokens is the quantization's tail (3.3 on SmolLM2-135M at a mean
+    of 0.14, on an H100): the check takes the mean, which wrong weights move for every token."""
+    batch = Batch.build([[1, 2]] * 2, [[3, 4], [5]], [[-1.0, -2.0], [-0.5]], [0.0, 1.0])
+    trainer = batch.rollout_logprobs.clone()
+    trainer[0, 2] -= 3.0  # one token in the tail: mean 1.0 over the three
+    drift = logprob_drift(batch, trainer)
+    with pytest.raises(UserError, match=r"rollout\.logprob_diff_max = 2\.0"):
+        check_drift(drift, RolloutConfig(logprob_diff_mean_max=1.5), step=0)  # bf16: the tail is a broken weight
+    check_drift(drift, RolloutConfig(weight_dtype="fp8", logprob_diff_mean_max=1.5), step=0)
+    with pytest.raises(UserError, match=r"mean 1\.0000\), above rollout\.logprob_diff_mean_max = 0\.5"):
+        check_drift(drift, RolloutConfig(weight_dtype="fp8", logprob_diff_mean_max=0.5), step=0)

@@ -9,7 +9,7 @@ import torch
 
 from megarl.algos.correction import rollout_correction
 from megarl.algos.losses import token_weights
-from megarl.config import AlgorithmConfig
+from megarl.config import AlgorithmConfig, RolloutConfig
 from megarl.errors import TrainingDiverged
 from megarl.loop.rl_step import (
     Batch,
@@ -71,10 +71,10 @@ def test_overlong_penalty_shapes_grpo_advantages() -> None:
 def test_drift_check_fails_on_nan_at_any_step() -> None:
     batch = batch_of([1.0, 0.0], [2, 2])
     trainer = batch.rollout_logprobs.clone()
-    check_drift(logprob_drift(batch, trainer), 2.0, step=7)
+    check_drift(logprob_drift(batch, trainer), RolloutConfig(), step=7)
     trainer[0, 1] = float("nan")
     with pytest.raises(TrainingDiverged, match=r"step 7: logprob_diff_mean = nan, logprob_diff_max = nan"):
-        check_drift(logprob_drift(batch, trainer), 2.0, step=7)
+        check_drift(logprob_drift(batch, trainer), RolloutConfig(), step=7)
 
 
 def test_clip_fraction_counts_tokens_whatever_the_weights() -> None:

@@ -19,7 +19,7 @@ from megarl.algos.advantages import gae, grpo_advantages, whiten
 from megarl.algos.kl import kl_estimate, kl_penalized_rewards
 from megarl.algos.losses import aggregate, policy_loss, value_loss
 from megarl.algos.shaping import overlong_penalty
-from megarl.config import AlgorithmConfig
+from megarl.config import AlgorithmConfig, RolloutConfig
 from megarl.errors import UserError, check_finite
 
 
@@ -153,16 +153,25 @@ def check_scores(scores: Sequence[float], num_samples: int, reward: str, step: i
                      f"{num_samples} responses; make it return finite floats.")
 
 
-def check_drift(drift: dict[str, float], bound: float, step: int) -> None:
+def check_drift(drift: dict[str, float], rollout: RolloutConfig, step: int) -> None:
+    """Non-finite logprobs fail at any step; at step 0 the engine must run the trainer's weights: the largest gap
+    within rollout.logprob_diff_max (bf16: the engine holds the trainer's bits) and the mean within
+    rollout.logprob_diff_mean_max (with FP8 weights the mean alone: the largest gap is the quantization's tail)."""
     check_finite(f"step {step}", drift, "The trainer's or the engine's log-probabilities are not finite: check "
                  "the model's weights, the dtype (float16 overflows where bfloat16 does not) and the vocabulary "
                  "padding.")
-    if step == 0 and drift["logprob_diff_max"] > bound:
-        raise UserError(f"step 0: rollout and trainer log-probabilities differ by up to "
-                        f"{drift['logprob_diff_max']:.3f} (mean {drift['logprob_diff_mean']:.4f}), above "
-                        f"rollout.logprob_diff_max = {bound}. The engine is not running the trainer's weights "
-                        "(a broken weight update, or a dtype/model mismatch); raise the bound only if the "
-                        "engine's numerics are known to differ that much.")
+    if step != 0:
+        return
+    bounds = [("logprob_diff_mean", "logprob_diff_mean_max", rollout.logprob_diff_mean_max)]
+    if rollout.weight_dtype != "fp8":
+        bounds.insert(0, ("logprob_diff_max", "logprob_diff_max", rollout.logprob_diff_max))
+    for statistic, field, bound in bounds:
+        if drift[statistic] > bound:
+            raise UserError(f"step 0: rollout and trainer log-probabilities differ by up to "
+                            f"{drift['logprob_diff_max']:.3f} (mean {drift['logprob_diff_mean']:.4f}), above "
+                            f"rollout.{field} = {bound}. The engine is not running the trainer's weights (a broken "
+                            "weight update, or a dtype/model mismatch); raise the bound only if the engine's "
+                            "numerics are known to differ that much.")
 
 
 def offpolicy_weights(batch: Batch, is_weights: torch.Tensor, kept: torch.Tensor
