@@ -80,7 +80,7 @@ def _cfg(**rollout: object) -> SimpleNamespace:
 
 
 def test_start_up_refusals_and_warning(tmp_path, aligned):
-    tiny = load_spec(make_hf_model(tmp_path / "tiny", "llama"))  # q rows 64: no FP8 layout at any TP
+    tiny = load_spec(make_hf_model(tmp_path / "tiny", "llama"))  # k/v rows 32: no FP8 layout in either block
     spec = load_spec(aligned)
     check_fp8_rollout(_cfg(weight_dtype="bf16"), tiny)  # bf16: nothing to refuse
     with pytest.raises(UserError, match=r"rollout.weight_dtype = fp8 with rollout.tensor_parallel = 1: the engines' "

@@ -6,10 +6,10 @@ bit (the engine's own checksums against the reference's, and the project's verif
 logprobs near a bf16 engine's on the same prompts, (c) SGLang's own block-FP8 dequantization and its Triton GEMM read
 the hand-over's weights as the reference does.
 
-In blocks of 128 and of 64 (rollout.fp8_block; the block-64 case has not been run on a GPU yet). The model:
-MEGARL_TEST_HF_MODEL where its shapes fit the block at TP 1 (``fp8.layout_problems``; SmolLM2-135M fits 64, not 128:
-576 q rows, 192 k/v rows), else a random Llama of 128-row heads in bfloat16. Engines with the triton attention backend
-and torch sampling, as tests/test_rollout_sglang_gpu.py's."""
+In blocks of 128 and of 64 (rollout.fp8_block; both run on an H100, benchmarks/results/h100/gpu_round_a4c7be3).
+The model: MEGARL_TEST_HF_MODEL where its shapes fit the block at TP 1 (``fp8.layout_problems``; SmolLM2-135M fits
+64, not 128: 576 q rows, 192 k/v rows), else a random Llama of 128-row heads in bfloat16. Engines with the triton
+attention backend and torch sampling, as tests/test_rollout_sglang_gpu.py's."""
 
 from __future__ import annotations
 

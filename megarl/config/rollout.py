@@ -64,7 +64,7 @@ class RolloutConfig:
     trained (docs/handover.md, "FP8 weights"). The sampler then differs from the trainer: use
     algorithm.rollout_correction (token_tis). Refused at start-up with vLLM, with LoRA adapters handed over as
     adapters, and for shapes the engines' FP8 loaders refuse at rollout.tensor_parallel and rollout.fp8_block."""
-    fp8_block: int = 128
+    fp8_block: int = FP8_BLOCKS[0]
     """With weight_dtype fp8: rows and columns of a quantization block (the engine's `weight_block_size`). 128 =
     DeepSeek-V3's checkpoints' block, what the engines' other FP8 paths expect; 64 = for small models whose layer
     shapes are multiples of 64 but not of 128 (SmolLM2-135M: 576 query rows, 192 key/value rows), at four times the
@@ -72,7 +72,7 @@ class RolloutConfig:
     logprob_diff_max: float = 2.0
     """Fail at step 0 when max |rollout - trainer| token logprob exceeds this: a sign of broken weights. Not with
     weight_dtype fp8, whose sampler differs by design: its largest gap over a step's tokens is the quantization's
-    tail (3.3-5.2 on SmolLM2-135M at a mean of 0.14), and logprob_diff_mean_max is checked instead."""
+    tail (2.8-5.2 on SmolLM2-135M at a mean of 0.14), and logprob_diff_mean_max is checked instead."""
     logprob_diff_mean_max: float = 1.0
     """Fail at step 0 when the mean |rollout - trainer| token logprob over the step's tokens exceeds this: weights
     that are wrong move every token, not a tail. Measured means on SGLang: bf16 SmolLM2-135M 0.04, fp8 SmolLM2-135M
@@ -110,7 +110,8 @@ class RolloutConfig:
         check(self.weight_dtype in ("bf16", "fp8"), "weight_dtype", self.weight_dtype, "be bf16 or fp8",
               "use bf16 (the trainer's weights as they are) or fp8 (block-quantized linear layers)")
         check(self.fp8_block in FP8_BLOCKS, "fp8_block", self.fp8_block,
-              "be 128 or 64 (the blocks the FP8 hand-over and SGLang's Triton block-FP8 runner are set up for)",
+              f"be {' or '.join(map(str, FP8_BLOCKS))} (the blocks the FP8 hand-over and SGLang's Triton block-FP8 "
+              "runner are set up for)",
               "use 128 (the default), or 64 for a model whose layer shapes are multiples of 64 but not of 128, e.g. "
               "SmolLM2-135M")
         check(self.weight_dtype == "bf16" or self.engine == "sglang", "weight_dtype", self.weight_dtype,

@@ -265,7 +265,7 @@ def engine_geometry(tensor: EngineTensor, hf_shapes: dict[str, tuple[int, ...]],
             raise UserError(f"rollout.weight_dtype = fp8: engine tensor `{tensor.name}` holds rows {list(window)} x "
                             f"columns {list(columns)} of `{piece.hf}` {list(full)}, which cut its {block[0]} x "
                             f"{block[1]} blocks; the engines' FP8 loaders refuse such shapes (fp8.layout_problems). "
-                            "Use another rollout.tensor_parallel, or rollout.weight_dtype: bf16.")
+                            "Use another rollout.tensor_parallel or rollout.fp8_block, or rollout.weight_dtype: bf16.")
         parts.append(Fp8Part(piece.hf, window, columns, dst_row, dst_row // block[0]))
     if sum(p.num_rows for p in parts) != rows:
         raise UserError(f"rollout.weight_dtype = fp8: the parts of `{tensor.name}` do not fill its {rows} rows")
