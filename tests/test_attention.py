@@ -45,6 +45,19 @@ def later_segments(rows, lengths, device=None):
     return torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]] * rows, device=device)
 
 
+def layer_qkv(s, rows, dtype, device, requires_grad=False):
+    """Query, key and value [s, rows, heads or groups, 64] of SmolLM2's shape (9 heads, 3 groups) made as
+    Megatron's SelfAttention makes them (megatron/core/transformer/attention.py, get_query_key_value_tensors): the
+    QKV linear layer's [s, rows, 960] output viewed as [s, rows, 3, 320] and split, query reshaped, then query and
+    key rotated into new tensors. The warm-up makes its own (megatron_qkv); these are the ones a step passes."""
+    hidden = torch.randn(s, rows, 576, device=device, dtype=dtype)
+    weight = (torch.randn(960, 576, device=device, dtype=dtype) / 24).requires_grad_(requires_grad)  # unit outputs
+    mixed = torch.nn.functional.linear(hidden, weight).view(s, rows, 3, 320)
+    query, key, value = torch.split(mixed, [192, 64, 64], dim=3)
+    query = query.reshape(s, rows, 9, 64)
+    return query.flip(-1), key.flip(-1), value
+
+
 @pytest.mark.parametrize("packed", [None, "mask", "segments"])
 def test_fused_attention_equals_attention_written_out(attention, packed):
     torch.manual_seed(0)
@@ -129,7 +142,7 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
             segments = later_segments(rows, lengths, "cuda")
             for train in (False, True):
                 with torch.set_grad_enabled(train):
-                    q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.bfloat16, torch.device("cuda"), train)
+                    q, k, v = layer_qkv(s, rows, torch.bfloat16, "cuda", train)
                     out = core(q, k, v, segments)
                     if train:
                         out.float().sum().backward()
@@ -140,9 +153,10 @@ def test_compiling_ahead_covers_every_later_length_row_count_and_mode():
 def test_after_the_warm_up_scoring_shapes_compile_nothing_more_on_cpu():
     """The warm-up's forward graphs cover a scoring micro-batch of any length, row count and segment layout. On an
     H100 one-row micro-batches recompiled at the first step: the warm-up's one-row segments were views of a longer
-    tensor, and duck sizing had tied value's offset in the fused projection to the warm-up's length. CPU: the same
-    graphs through aot_eager (inductor's CPU FlexAttention cannot build this layout), forward alone
-    (no CPU backward)."""
+    tensor, and duck sizing had tied value's offset in the fused projection to the warm-up's length; then every
+    scoring micro-batch of several rows recompiled ("tuple index out of range"): the warm-up's value was a view of
+    a 4-dimensional tensor, Megatron's is a view of the linear layer's 3-dimensional output. CPU: the same graphs
+    through aot_eager (inductor's CPU FlexAttention cannot build this layout), forward alone (no CPU backward)."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
     from torch._dynamo.utils import counters
@@ -164,7 +178,7 @@ def test_after_the_warm_up_scoring_shapes_compile_nothing_more_on_cpu():
                 for rows, lengths in LATER:
                     s = sum(lengths)
                     segments = later_segments(rows, lengths)
-                    q, k, v = attention.megatron_qkv(s, rows, 9, 3, 64, torch.float32, torch.device("cpu"))
+                    q, k, v = layer_qkv(s, rows, torch.float32, "cpu")
                     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
                     out = attention.document_attention(q, k, v, segments, core.softmax_scale)
                     expected = reference(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), block_causal_mask(segments),

@@ -219,10 +219,14 @@ def megatron_qkv(s: int, rows: int, heads: int, kv_heads: int, head_dim: int, dt
                  device: torch.device, requires_grad: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random query, key and value [s, rows, heads or kv heads, head_dim] laid out as Megatron's self-attention
-    hands them to core attention, which the compiled graphs guard on: split from one [s, rows, groups, (heads /
-    groups + 2) * head_dim] projection, query and key rotated (new tensors), value a view of the projection."""
+    hands them to core attention, which the compiled graphs guard on: the QKV projection's [s, rows, groups *
+    (heads / groups + 2) * head_dim] output viewed as [s, rows, groups, ...] and split, query and key rotated (new
+    tensors), value a view of the projection. The graphs guard on value's base too: with a base of 4 dimensions
+    (the view itself) every real micro-batch of several rows failed the warm-up's guards ("tuple index out of
+    range") and compiled anew at the first step."""
     per = heads // kv_heads
-    mixed = torch.randn(s, rows, kv_heads, (per + 2) * head_dim, device=device, dtype=dtype,
-                        requires_grad=requires_grad)
+    projection = torch.randn(s, rows, kv_heads * (per + 2) * head_dim, device=device, dtype=dtype,
+                             requires_grad=requires_grad) * 1  # a linear layer's output: no leaf under autograd
+    mixed = projection.view(s, rows, kv_heads, (per + 2) * head_dim)
     query, key, value = torch.split(mixed, [per * head_dim, head_dim, head_dim], dim=3)
     return query.reshape(s, rows, heads, head_dim) * 1, key * 1, value
