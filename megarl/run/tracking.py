@@ -125,11 +125,7 @@ class Tracker:
         if self.rank != 0:
             return
         assert self.jsonl is not None
-        with interrupt.deferred():  # the row reaches both, and the store is left unlocked for the clean-up
-            self.jsonl.write(json.dumps(row) + "\n")
-            self.jsonl.flush()
-            if self.mlflow is not None:
-                self.mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+        write_row(self.jsonl, self.mlflow, step, row)
         if (step + 1) % self.cfg.trainer.log_every and step + 1 != self.cfg.trainer.num_steps:
             return
         self.console.print(
@@ -151,13 +147,9 @@ class Tracker:
         return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
     def end_with_the_process(self) -> None:
-        """However the process ends, the mlflow run ends with it: KILLED after a signal (megarl.run.interrupt), FAILED
-        after an error (megarl.errors.at_failure), also another rank's, after which torchrun sends this one SIGTERM
-        (the launcher's error file holds it); ``close`` gives FINISHED after the last step."""
-        from megarl.errors import at_failure
-
-        interrupt.at_interrupt(lambda: self.close(status=interrupted_status()))
-        at_failure(lambda: self.close(status="FAILED"))
+        """However the process ends, the mlflow run ends with it, KILLED or FAILED (``close_with_the_process``);
+        ``close`` gives FINISHED after the last step."""
+        close_with_the_process(self.close)
 
     def close(self, status: str = "FINISHED") -> None:
         """Close metrics.jsonl and end the mlflow run with ``status``: FINISHED after the last step, FAILED after
@@ -168,11 +160,36 @@ class Tracker:
             self.jsonl = None
         if self.mlflow is not None:
             mlflow, self.mlflow = self.mlflow, None
-            run = mlflow.active_run()
-            if run is not None and run.info.run_id == self.run_id:
-                mlflow.end_run(status=status)  # else mlflow's exit hook would end it once more, as FINISHED
-            else:
-                mlflow.MlflowClient().set_terminated(self.run_id, status=status)
+            end_mlflow_run(mlflow, self.run_id, status)
+
+
+def write_row(jsonl: Any, mlflow: Any, step: int, row: dict[str, Any]) -> None:
+    """Step ``step``'s ``row`` to metrics.jsonl and, with ``mlflow`` (the module, or None), to the mlflow run."""
+    with interrupt.deferred():  # the row reaches both, and the store is left unlocked for the clean-up
+        jsonl.write(json.dumps({"step": step} | row) + "\n")
+        jsonl.flush()
+        if mlflow is not None:
+            mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+
+
+def close_with_the_process(close: Callable[..., None]) -> None:
+    """However the process ends, ``close(status=...)`` ends the mlflow run with it: KILLED after a signal
+    (megarl.run.interrupt), FAILED after an error (megarl.errors.at_failure), also another rank's, after which
+    torchrun sends this one SIGTERM (the launcher's error file holds it). FINISHED, after the last step, is the
+    caller's own call."""
+    from megarl.errors import at_failure
+
+    interrupt.at_interrupt(lambda: close(status=interrupted_status()))
+    at_failure(lambda: close(status="FAILED"))
+
+
+def end_mlflow_run(mlflow: Any, run_id: str | None, status: str) -> None:
+    """End mlflow run ``run_id`` with ``status``, from any thread: mlflow keeps the active run per thread."""
+    run = mlflow.active_run()
+    if run is not None and run.info.run_id == run_id:
+        mlflow.end_run(status=status)  # else mlflow's exit hook would end it once more, as FINISHED
+    else:
+        mlflow.MlflowClient().set_terminated(run_id, status=status)
 
 
 class Recipe(Protocol):
