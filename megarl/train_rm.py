@@ -21,9 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from megarl.loop.bootstrap import quiet_expected_warnings, standalone_env
     from megarl.rm.setup import prepare
+    from megarl.run import interrupt
 
     quiet_expected_warnings()
     standalone_env()
+    interrupt.install()  # SIGTERM (scancel, a time limit) and SIGHUP end the run as Ctrl-C does: one line, 128 + signal
     run = prepare(args.config, args.set, int(os.environ["WORLD_SIZE"]))
     from megarl import checkpoint
     from megarl.data.loader import PromptLoader

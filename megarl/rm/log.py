@@ -1,14 +1,15 @@
 """The metrics of reward-model training: metrics.jsonl in the run directory (each step once, across resumes),
 mlflow (tracking.backend), and one console line per trainer.log_every steps. Rank 0 writes; the others keep
-nothing."""
+nothing. As train.py's Tracker, each row reaches both whole and the mlflow run ends with the process: FINISHED,
+FAILED or KILLED (megarl.run.tracking)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from megarl.config.reward_training import RewardTrainingConfig
+from megarl.run.tracking import close_with_the_process, end_mlflow_run, forget_jsonl_steps, start_mlflow, write_row
 
 
 class RewardLog:
@@ -29,14 +30,13 @@ class RewardLog:
         """Start logging at step ``first``: rows of later steps a stopped run had logged move aside."""
         if self.rank != 0:
             return
-        from megarl.run.tracking import forget_jsonl_steps, start_mlflow
-
         self.out_dir.mkdir(parents=True, exist_ok=True)
         forget_jsonl_steps(self.out_dir, first)
         self.jsonl = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         if self.cfg.tracking.backend == "mlflow":
             self.mlflow = start_mlflow(self.cfg, self.out_dir, self.run_id, first)
             self.run_id = self.mlflow.active_run().info.run_id
+        close_with_the_process(self.close)
 
     def write(self, step: int, row: dict[str, float]) -> None:
         """Step ``step``'s row (-1: the held-out pairs before training, logged with step 0 as eval/initial/*)."""
@@ -49,10 +49,7 @@ class RewardLog:
             return
         row, self.initial = self.initial | row, {}
         self.last = row
-        self.jsonl.write(json.dumps({"step": step, **row}) + "\n")
-        self.jsonl.flush()
-        if self.mlflow is not None:
-            self.mlflow.log_metrics(row, step=step)
+        write_row(self.jsonl, self.mlflow, step, row)
         n = self.cfg.trainer.num_steps
         if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == n:
             held = (f" | held-out accuracy {row['eval/accuracy']:.3f} margin {row['eval/margin']:.3f}"
@@ -61,13 +58,18 @@ class RewardLog:
                           f"margin {row['train/margin']:.3f} gnorm {row['train/grad_norm']:.3f} "
                           f"lr {row['train/lr']:.2e} | {row['time/step']:.2f}s{held}")
 
-    def close(self) -> None:
-        if self.rank != 0:
+    def close(self, status: str = "FINISHED") -> None:
+        """Close metrics.jsonl and end the mlflow run with ``status``: FINISHED after the last step, FAILED after an
+        error, KILLED after a signal. Once: a second call does nothing."""
+        if self.rank != 0 or self.jsonl is None:
             return
-        if self.jsonl is not None:
-            self.jsonl.close()
+        self.jsonl.close()
+        self.jsonl = None
         if self.mlflow is not None:
-            self.mlflow.end_run()
+            mlflow, self.mlflow = self.mlflow, None
+            end_mlflow_run(mlflow, self.run_id, status)
+        if status != "FINISHED":  # the interrupt's or the error's own line says how the run ended
+            return
         ckpt = self.cfg.checkpoint.dir
         export = (f"; export the newest: python -m megarl.convert mcore-to-hf --ckpt {ckpt}/$(cat {ckpt}/latest)/"
                   "reward_model --out RM_DIR" if ckpt and self.cfg.checkpoint.save_every else "")
