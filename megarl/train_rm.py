@@ -56,12 +56,14 @@ def main(argv: list[str] | None = None) -> None:
         if run.held_out and every and ((step + 1) % every == 0 or last):
             row |= {f"eval/{k}": v for k, v in trainer.evaluate(run.held_out).items()}
         row["time/step"] = time.perf_counter() - started
+        # The row before its checkpoint: a signal after the save would lose it for good (the resume starts after
+        # it), while a resume from an earlier checkpoint logs its steps again (forget_jsonl_steps).
+        log.write(step, row)
         saves = cfg.checkpoint.save_every
         if saves and ((step + 1) % saves == 0 or last):
             checkpoint.save(cfg.checkpoint.dir or "", step, models,
                             {"loader": loader.state_dict(), "config": cfg.to_flat_dict(), "mlflow_run_id": log.run_id},
                             cfg.checkpoint.keep_last)
-        log.write(step, row)
     log.close()
     shutdown_distributed()
 

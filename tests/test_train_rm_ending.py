@@ -36,20 +36,42 @@ def assert_rows_in_mlflow(client: MlflowClient, run, rows: list[dict]) -> None:
         assert history == [(r["step"], r[name]) for r in rows if name in r], name
 
 
+def command(out, *overrides: str) -> list[str]:
+    """train_rm's arguments: a run in ``out`` far from its end that saves every step, logging to mlflow."""
+    sets = (f"checkpoint.dir={out}", "tracking.backend=mlflow", "trainer.num_steps=400", "trainer.eval_every=0",
+            "checkpoint.save_every=1", "checkpoint.keep_last=2", *overrides)
+    return ["--config", str(RECIPE), *[a for o in sets for a in ("--set", o)]]
+
+
+ENV = ({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGARL_DEBUG")}
+       | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+"""One process, not torchrun's launcher: the signal reaches the trainer itself, as Slurm's reaches every rank."""
+
+
+def assert_interrupted(stderr: str, code: int, out) -> list[dict]:
+    """Exit code 143 with one line and no traceback, the mlflow run KILLED holding every row, only complete
+    checkpoints left; the rows of metrics.jsonl."""
+    assert code == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith(
+        "megarl: interrupted by SIGTERM"), stderr[-3000:]
+    client, run = only_run(f"sqlite:///{out / 'mlflow.db'}")
+    assert run.info.status == "KILLED"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) < 400
+    assert_rows_in_mlflow(client, run, rows)
+    assert not list(out.glob(".step_*")), "a checkpoint the signal interrupted was left behind"
+    return rows
+
+
 @pytest.mark.slow
 def test_sigterm_ends_the_run_with_one_line_and_its_mlflow_run_killed(tmp_path):
-    """SIGTERM once metrics.jsonl has a row, of a run far from its end that saves every step (a signal in a save
-    abandons it): exit code 143, one line, no traceback; the mlflow run KILLED with every row, and only complete
-    checkpoints. It used to die by the signal's default action, its mlflow run RUNNING for good."""
+    """SIGTERM once metrics.jsonl has a row (a signal in a save abandons it): exit code 143, one line, no traceback;
+    the mlflow run KILLED with every row, and only complete checkpoints. It used to die by the signal's default
+    action, its mlflow run RUNNING for good."""
     out = tmp_path / "run"
-    sets = [a for o in (f"checkpoint.dir={out}", "tracking.backend=mlflow", "trainer.num_steps=400",
-                        "trainer.eval_every=0", "checkpoint.save_every=1", "checkpoint.keep_last=2")
-            for a in ("--set", o)]
-    env = ({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGARL_DEBUG")}
-           | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "megarl.train_rm", "--config", str(RECIPE), *sets], cwd=REPO,
-                                stdout=stdout, stderr=stderr, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "megarl.train_rm", *command(out)], cwd=REPO, stdout=stdout,
+                                stderr=stderr, env=ENV)
         try:
             metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
             while not (metrics.is_file() and metrics.read_text().strip()):
@@ -59,17 +81,40 @@ def test_sigterm_ends_the_run_with_one_line_and_its_mlflow_run_killed(tmp_path):
             proc.wait(timeout=120)
         finally:
             proc.kill()
-    err = (tmp_path / "stderr").read_text()
-    assert proc.returncode == 143, err[-3000:]
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("megarl: interrupted by SIGTERM"), \
-        err[-3000:]
-    client, run = only_run(f"sqlite:///{out / 'mlflow.db'}")
-    assert run.info.status == "KILLED"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) < 400
-    assert_rows_in_mlflow(client, run, rows)
-    assert not list(out.glob(".step_*")), "a checkpoint the signal interrupted was left behind"
+    assert_interrupted((tmp_path / "stderr").read_text(), proc.returncode, out)
     assert "metrics:" not in (tmp_path / "stdout").read_text()  # the finished run's line
+
+
+SIGNAL_AFTER_SAVE = """
+import os, signal, sys
+from megarl import checkpoint
+from megarl.run.command import run_main
+from megarl.train_rm import main
+
+saving = checkpoint.save
+
+def save(directory, step, *args, **kwargs):  # SIGTERM the moment step 1's checkpoint is in place
+    path = saving(directory, step, *args, **kwargs)
+    if step == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return path
+
+checkpoint.save = save
+run_main(lambda: main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_right_after_a_save_loses_no_row(tmp_path):
+    """The step's row is logged before its checkpoint is saved: a signal once the checkpoint is in place finds the
+    row logged, and the resumed run goes on from the next step. Logged after the save, the row of step 1 was lost
+    for good (the resume starts at step 2); a row logged before a save the signal abandons is logged again by the
+    resume from the checkpoint before (megarl.run.tracking.forget_jsonl_steps)."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_SAVE, *command(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=ENV)
+    rows = assert_interrupted(proc.stderr, proc.returncode, out)
+    assert (out / "latest").read_text().strip() == "step_000001" and [r["step"] for r in rows] == [0, 1]
 
 
 @pytest.fixture(scope="module")
