@@ -27,7 +27,8 @@
 #             128), $STEPS steps: held-out accuracy, rollout_correction/* (the sampler's gap and the TIS weights)
 #   product_notool   the base model on the same held-out products without the tool (megarl.evaluate, greedy)
 #   lora8b    Llama-3-8B's body (32 layers, random weights, SmolLM2's tokenizer) with LoRA rank 64 on every linear
-#             layer, $STEPS_8B GRPO steps of the GSM8K recipe at 32 prompts x 8 samples of up to 256 tokens, merged
+#             layer, $STEPS_8B GRPO steps of the GSM8K recipe at $PROMPTS_8B (32) prompts x 8 samples of up to 256 tokens
+#             (64: the recipe's own 512 sequences in flight), merged
 #             hand-over: memory/* per phase, time/* and handover/* in its metrics
 #   lora8b_fp8   lora8b with the engine in block FP8 (rollout.weight_dtype fp8, token_tis): tokens/s, KV cache and
 #             the hand-over's time into FP8 against lora8b's, and the FP8 sampler's gap (rollout_correction/*)
@@ -60,6 +61,7 @@ EVAL_EVERY=${EVAL_EVERY:-5}
 CHUNK=${CHUNK:-64}
 GSM8K_STEPS=${GSM8K_STEPS:-8}
 STEPS_8B=${STEPS_8B:-4}
+PROMPTS_8B=${PROMPTS_8B:-32}
 TOOL_STEPS=${TOOL_STEPS:-10}
 TESTS=${TESTS:-tests/test_rollout_sglang_gpu.py}
 FULL_LAYERS=${FULL_LAYERS:-16}
@@ -183,7 +185,7 @@ all_runs() {
           --tokenizer /tmp/smollm2 --out /tmp/llama8b_$layers --layers $layers 2>&1 | tail -1
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml --set model.hf_path=/tmp/llama8b_$layers "${lora[@]}" \
           --set model.recompute_activations=true --set actor.max_tokens_per_gpu=16384 --set actor.dynamic_batch=true \
-          --set data.num_prompts_per_step=32 --set rollout.max_new_tokens=256 \
+          --set data.num_prompts_per_step="$PROMPTS_8B" --set rollout.max_new_tokens=256 \
           --set trainer.num_steps="$STEPS_8B" --set eval.before_train=false --set eval.every=0 \
           --set checkpoint.save_every=0 ;;
       opd)
@@ -208,7 +210,7 @@ for part in $PART; do case $part in
     fi
     export PYTHONPATH=/tmp/site:$PWD
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
-      GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B TOOL_STEPS=$TOOL_STEPS TESTS='$TESTS' FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
+      GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B PROMPTS_8B=$PROMPTS_8B TOOL_STEPS=$TOOL_STEPS TESTS='$TESTS' FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
   runs)
     all_runs ;;
