@@ -85,36 +85,57 @@ def test_sigterm_ends_the_run_with_one_line_and_its_mlflow_run_killed(tmp_path):
     assert "metrics:" not in (tmp_path / "stdout").read_text()  # the finished run's line
 
 
-SIGNAL_AFTER_SAVE = """
+SIGNAL_IN_SAVE = """
 import os, signal, sys
+import torch.distributed
 from megarl import checkpoint
+from megarl.checkpoint import saving
 from megarl.run.command import run_main
 from megarl.train_rm import main
 
-saving = checkpoint.save
+WHERE = os.environ["SIGNAL_AT"]
+save = checkpoint.save
 
-def save(directory, step, *args, **kwargs):  # SIGTERM the moment step 1's checkpoint is in place
-    path = saving(directory, step, *args, **kwargs)
+def save_then_signal(directory, step, *args, **kwargs):  # SIGTERM the moment step 1's checkpoint is in place
+    path = save(directory, step, *args, **kwargs)
     if step == 1:
         os.kill(os.getpid(), signal.SIGTERM)
     return path
 
-checkpoint.save = save
+class Dist:  # torch.distributed, as the saving module sees it, with SIGTERM after the second save's barrier
+    barriers = 0
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    def barrier(self, *args, **kwargs):
+        torch.distributed.barrier(*args, **kwargs)
+        Dist.barriers += 1
+        if Dist.barriers == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+if WHERE == "after_the_save":
+    checkpoint.save = save_then_signal
+else:
+    saving.dist = Dist()
 run_main(lambda: main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
-def test_a_signal_right_after_a_save_loses_no_row(tmp_path):
+@pytest.mark.parametrize("where, latest", [("after_the_save", "step_000001"), ("in_the_save", "step_000000")])
+def test_a_signal_around_a_save_loses_no_row_and_leaves_no_partial_checkpoint(tmp_path, where, latest):
     """The step's row is logged before its checkpoint is saved: a signal once the checkpoint is in place finds the
     row logged, and the resumed run goes on from the next step. Logged after the save, the row of step 1 was lost
     for good (the resume starts at step 2); a row logged before a save the signal abandons is logged again by the
-    resume from the checkpoint before (megarl.run.tracking.forget_jsonl_steps)."""
+    resume from the checkpoint before (megarl.run.tracking.forget_jsonl_steps). A signal inside the save, once its
+    directory exists (after the barrier that follows), abandons it: no .step_000001.tmp stays (one did, outside the
+    clean-up's reach)."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_SAVE, *command(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=ENV)
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_IN_SAVE, *command(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=ENV | {"SIGNAL_AT": where})
     rows = assert_interrupted(proc.stderr, proc.returncode, out)
-    assert (out / "latest").read_text().strip() == "step_000001" and [r["step"] for r in rows] == [0, 1]
+    assert (out / "latest").read_text().strip() == latest and [r["step"] for r in rows] == [0, 1]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,26 @@ def save(directory: str, step: int, models: Mapping[str, Stateful], trainer_stat
     name = f"step_{step:06d}"
     tmp = root / f".{name}.tmp"
     rank = dist.get_rank()
+    try:
+        _write_and_publish(root, name, tmp, step, models, trainer_state, keep_last, prepare)
+    except BaseException as err:
+        # An interrupt anywhere in the save (the barrier and the gathers included) abandons the checkpoint: nothing
+        # half-written stays. An error has removed it already, or leaves it for the report that names it.
+        if rank == 0 and not isinstance(err, Exception):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        final = root / name
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        print(f"megarl: saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - started:.1f} s)", flush=True)
+    return root / name
+
+
+def _write_and_publish(root: Path, name: str, tmp: Path, step: int, models: Mapping[str, Stateful],
+                       trainer_state: dict[str, Any], keep_last: int, prepare: Callable[[str], None] | None) -> None:
+    """``save``'s work: every rank writes its files into ``tmp``, every rank learns of any rank's failure, and rank 0
+    publishes ``tmp`` as ``root / name``."""
+    rank = dist.get_rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         for role in models:
@@ -67,10 +87,6 @@ def save(directory: str, step: int, models: Mapping[str, Stateful], trainer_stat
         files = manifest.describe(tmp, [p for p in written if p.exists()])
     except Exception as err:  # noqa: BLE001 (every rank learns of it below, so that none waits for the others)
         error = err
-    except BaseException:  # an interrupt abandons the checkpoint: nothing half-written stays
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     reports: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, (_describe_error(error, root), files))
     failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
@@ -81,9 +97,6 @@ def save(directory: str, step: int, models: Mapping[str, Stateful], trainer_stat
                 _publish(root, tmp, name, {k: v for _, f in reports for k, v in f.items()}, keep_last)
             except Exception as err:  # noqa: BLE001
                 error, published[0] = err, _describe_error(err, root)
-            except BaseException:  # interrupted before the rename: nothing half-written stays
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         if failed or published[0] is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast_object_list(published, src=0)
@@ -97,11 +110,6 @@ def save(directory: str, step: int, models: Mapping[str, Stateful], trainer_stat
             raise error
         raise RuntimeError(f"rank {failed[0][0]} failed while saving checkpoint {name} ({failed[0][1][1]}); the "
                            f"partial {tmp} was removed")
-    if rank == 0:
-        final = root / name
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-        print(f"megarl: saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - started:.1f} s)", flush=True)
-    return root / name
 
 
 def _describe_error(err: BaseException | None, where: Path) -> tuple[bool, str] | None:

@@ -223,7 +223,9 @@ def megatron_qkv(s: int, rows: int, heads: int, kv_heads: int, head_dim: int, dt
     (heads / groups + 2) * head_dim] output viewed as [s, rows, groups, ...] and split, query and key rotated (new
     tensors), value a view of the projection. The graphs guard on value's base too: with a base of 4 dimensions
     (the view itself) every real micro-batch of several rows failed the warm-up's guards ("tuple index out of
-    range") and compiled anew at the first step."""
+    range") and compiled anew at the first step. With fewer query groups than TP ranks Megatron slices an all-gathered
+    projection instead (get_query_key_value_tensors), which this does not lay out: such a model may compile at its
+    first step."""
     per = heads // kv_heads
     projection = torch.randn(s, rows, kv_heads * (per + 2) * head_dim, device=device, dtype=dtype,
                              requires_grad=requires_grad) * 1  # a linear layer's output: no leaf under autograd

@@ -33,10 +33,10 @@ class RewardLog:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         forget_jsonl_steps(self.out_dir, first)
         self.jsonl = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        close_with_the_process(self.close)  # before the mlflow run starts: a signal as it starts still ends it
         if self.cfg.tracking.backend == "mlflow":
             self.mlflow = start_mlflow(self.cfg, self.out_dir, self.run_id, first)
             self.run_id = self.mlflow.active_run().info.run_id
-        close_with_the_process(self.close)
 
     def write(self, step: int, row: dict[str, float]) -> None:
         """Step ``step``'s row (-1: the held-out pairs before training, logged with step 0 as eval/initial/*)."""
