@@ -60,10 +60,14 @@ def main(argv: list[str] | None = None) -> None:
         # it), while a resume from an earlier checkpoint logs its steps again (forget_jsonl_steps).
         log.write(step, row)
         saves = cfg.checkpoint.save_every
-        if saves and ((step + 1) % saves == 0 or last):
+        stop = checkpoint.stop_requested(cfg.checkpoint, groups.device)  # Slurm: time limit, preemption
+        if stop or (saves and ((step + 1) % saves == 0 or last)):
             checkpoint.save(cfg.checkpoint.dir or "", step, models,
                             {"loader": loader.state_dict(), "config": cfg.to_flat_dict(), "mlflow_run_id": log.run_id},
                             cfg.checkpoint.keep_last)
+        if stop:
+            checkpoint.acknowledge_stop(cfg.checkpoint, step)
+            break
     log.close()
     shutdown_distributed()
 

@@ -1,6 +1,6 @@
 """How reward-model training ends (`python -m megarl.train_rm`), as train.py does: SIGTERM (scancel, a time limit)
 with one line, exit code 143, its mlflow run KILLED holding every row of metrics.jsonl and only complete
-checkpoints left; an error marks the mlflow run FAILED, the last step FINISHED."""
+checkpoints left; an error marks the mlflow run FAILED, the last step FINISHED; the stop file saves and stops."""
 
 import json
 import os
@@ -136,6 +136,24 @@ def test_a_signal_around_a_save_loses_no_row_and_leaves_no_partial_checkpoint(tm
                           text=True, timeout=300, env=ENV | {"SIGNAL_AT": where})
     rows = assert_interrupted(proc.stderr, proc.returncode, out)
     assert (out / "latest").read_text().strip() == latest and [r["step"] for r in rows] == [0, 1]
+
+
+@pytest.mark.slow
+def test_the_stop_file_saves_and_stops_after_the_step(tmp_path):
+    """checkpoint.stop_file (the Slurm launchers' answer to a time limit or a preemption) saves after the current
+    step and ends the run with exit code 0, the stop file deleted so that the requeued job runs on; reward-model
+    training used to ignore it and train on to the limit."""
+    out, stop = tmp_path / "run", tmp_path / "stop"
+    stop.touch()  # asked before the first step: the run stops after it
+    proc = subprocess.run([sys.executable, "-m", "megarl.train_rm",
+                           *command(out, "checkpoint.save_every=0", f"checkpoint.stop_file={stop}")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopped after step 1" in proc.stdout and not stop.exists()
+    assert (out / "latest").read_text().strip() == "step_000000"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0]
+    assert only_run(f"sqlite:///{out / 'mlflow.db'}")[1].info.status == "FINISHED"
 
 
 @pytest.fixture(scope="module")
