@@ -29,6 +29,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """One SQLite mlflow store for a module's cases: creating one costs seconds (mlflow's schema migrations)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'store.db'}"
+
+
 @pytest.fixture
 def fake_sglang(monkeypatch):
     """An ``sglang`` module that records how the adapter starts and calls its engine: each generated sample gets

@@ -132,3 +132,22 @@ def threads_as_ranks(world: int):
         barrier.wait()
 
     return all_gather
+
+
+def only_mlflow_run(uri: str, name: str | None = None):
+    """(client, run): the one mlflow run of experiment "megarl" in the store at ``uri`` (named ``name``, if given)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id],
+                               filter_string=f"tags.mlflow.runName = '{name}'" if name else "")
+    return client, run
+
+
+def assert_mlflow_matches(client, run, rows: list[dict]) -> None:
+    """The mlflow run holds exactly the metrics of ``rows`` (metrics.jsonl's), each with every step's value."""
+    names = {k for row in rows for k in row} - {"step"}
+    assert set(run.data.metrics) == names
+    for name in names:
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+        assert history == [(r["step"], r[name]) for r in rows if name in r], name

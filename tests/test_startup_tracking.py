@@ -9,15 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from mlflow import MlflowClient
-
-from helpers import REPO
-
-
-def only_run(store: str):
-    client = MlflowClient(store)
-    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
-    return run
+from helpers import REPO, only_mlflow_run
 
 
 def test_a_start_up_error_leaves_a_failed_mlflow_run_with_the_configs_params(tmp_path):
@@ -30,7 +22,7 @@ def test_a_start_up_error_leaves_a_failed_mlflow_run_with_the_configs_params(tmp
     assert proc.stderr.strip().splitlines() == [f"megarl error: model.hf_path = '{gone}': model directory `{gone}` "
                                                 "does not exist. Pass a HuggingFace model directory holding "
                                                 "config.json and *.safetensors."]
-    run = only_run(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    run = only_mlflow_run(f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")[1]
     assert run.info.status == "FAILED"
     assert run.data.params["model.hf_path"] == str(gone) and run.data.params["trainer.num_steps"] == "200"
 
@@ -58,5 +50,5 @@ def test_an_interrupt_before_the_first_step_leaves_a_killed_mlflow_run(tmp_path)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PYTHONPATH": str(REPO), "MEGARL_DEBUG": "0"})
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
-    run = only_run(store)
+    run = only_mlflow_run(store)[1]
     assert run.info.status == "KILLED" and run.data.params["rollout.engine"] == "vllm"

