@@ -1,4 +1,5 @@
-"""SGLang's decode CUDA graphs cover the rollout's batch: what megarl passes to sglang.Engine (no SGLang needed)."""
+"""SGLang's decode CUDA graphs cover the rollout's batch: what megarl passes to sglang.Engine, and what start-up
+says about the engine arguments it passes through (no SGLang needed)."""
 
 from pathlib import Path
 
@@ -78,3 +79,17 @@ def test_make_engine_passes_the_batch_to_sglang_only(monkeypatch, tmp_path: Path
     seen.clear()
     factory.make_engine(load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [f"checkpoint.dir={tmp_path}"]), 0, None)
     assert "max_batch" not in seen and "fp8_block" not in seen    # vLLM: not its arguments
+
+
+def test_deterministic_inference_is_warned_about_at_start_up():
+    """enable_deterministic_inference changed what SGLang 0.5.17 sampled on an H100 (nearly every sample ran to
+    the token cap): a run that sets it is warned, naming the field; not without it, with it off, or on vLLM."""
+    from megarl.rollout.sglang_notes import deterministic_note
+
+    recipe = REPO / "recipes/smollm2_gsm8k_grpo.yaml"
+    on = "rollout.engine_args.enable_deterministic_inference=true"
+    note = deterministic_note(load_config(recipe, [on]))
+    assert note is not None and "rollout.engine_args.enable_deterministic_inference" in note
+    assert deterministic_note(load_config(recipe)) is None
+    assert deterministic_note(load_config(recipe, ["rollout.engine_args.enable_deterministic_inference=false"])) is None
+    assert deterministic_note(load_config(recipe, ["rollout.engine=vllm", "rollout.engine_args={}"])) is None
