@@ -13,6 +13,7 @@
 #     sweep    MODEL=smollm2 (the converted model) or llamaN (Llama-3-8B's body at N layers, SmolLM2's tokenizer,
 #              random weights: load_format=dummy; llamaNfp8: its linear layers in SGLang's block-FP8 format); CONFIGS="name:key=value/key=value name2:..." one engine each,
 #              on top of COMMON (variants=a,b and repeats=N in a setting override VARIANTS and REPEATS);
+#              attention_backend=fa3 in a setting needs the parts packed with FA3=1 (benchmarks/h200_stage.sh);
 #              DATA and TEMPLATE (the GSM8K recipe's: gsm8k and its prompt template); VARIANTS (bare-n1,adapter),
 #              REPEATS (2); a setting gets TCFG s at most (260);
 #              DEADLINE (s since the call began, 570): a setting with less than 100 s left is skipped
