@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         first = state["step"] + 1
         log.resumed(found, first, state.get("mlflow_run_id"))
     log.open(first)
+    run.hand_over()  # the log's mlflow run (if any) now records how the run ends
     every = cfg.trainer.eval_every
     if run.held_out and every and first == 0:
         log.write(-1, {f"eval/{k}": v for k, v in trainer.evaluate(run.held_out).items()})

@@ -172,3 +172,16 @@ def test_the_mlflow_run_ends_with_the_status_of_the_process(tmp_path, mlflow_sto
     assert_mlflow_matches(client, run, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
                                         .splitlines()])
     assert capsys.readouterr().out.count("megarl: metrics: ") == (how == "finish")
+
+
+def test_an_error_before_the_first_step_records_a_failed_mlflow_run(tmp_path):
+    """An error in the start-up's checks (here more pairs a step than the data holds) is one paragraph with exit
+    code 2 and, with tracking.backend mlflow, a FAILED mlflow run holding the recipe's params, as train.py's start-up
+    records one; it used to leave no run."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "megarl.train_rm", *command(out, "data.pairs_per_step=100000")],
+                          cwd=REPO, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 2 and "data.pairs_per_step" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr[-3000:]
+    _, run = only_mlflow_run(f"sqlite:///{out / 'mlflow.db'}")
+    assert run.info.status == "FAILED" and run.data.params["data.pairs_per_step"] == "100000"

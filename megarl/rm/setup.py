@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,10 @@ class Prepared:
     train: list[TokenizedPair]
     held_out: list[TokenizedPair]
     dp: int
+    out_dir: Path
+    hand_over: Callable[[], None]
+    """Called once the metrics log's mlflow run has started: until then an error or a signal records a FAILED or
+    KILLED mlflow run of its own (megarl.run.tracking.record_if_it_ends), as train.py's start-up does."""
 
     def check_unchanged(self, path: Path) -> None:
         """Refuse a resume whose recipe changes what the checkpoint at ``path`` trained, naming each key."""
@@ -88,8 +92,11 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
     from megarl.data.preferences import load_pairs
     from megarl.data.tokenizer import load_tokenizer
     from megarl.rm.pairs import tokenize_pairs
+    from megarl.run.tracking import record_if_it_ends
 
     cfg = load_reward_training(config, overrides)
+    out_dir = Path(cfg.checkpoint.dir or "runs/latest_rm")
+    hand_over = record_if_it_ends(cfg, out_dir)  # bad pairs or a refused layout still leave an mlflow run
     spec, from_reward_model = model_spec(cfg.model.hf_path)
     dp = check_layout(cfg, spec, world)
     tokenizer = load_tokenizer(cfg.model.hf_path)
@@ -109,7 +116,8 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
               f"{'a reward model' if from_reward_model else 'a causal LM with a new scalar head'} from "
               f"{cfg.model.hf_path}; TP={cfg.parallel.tensor_parallel} PP={cfg.parallel.pipeline_parallel} DP={dp}",
               flush=True)
-    return Prepared(cfg=cfg, spec=spec, from_reward_model=from_reward_model, train=train, held_out=held_out, dp=dp)
+    return Prepared(cfg=cfg, spec=spec, from_reward_model=from_reward_model, train=train, held_out=held_out, dp=dp,
+                    out_dir=out_dir, hand_over=hand_over)
 
 
 def start(run: Prepared) -> tuple[RewardTrainingConfig, ParallelGroups, Any]:
@@ -124,7 +132,7 @@ def start(run: Prepared) -> tuple[RewardTrainingConfig, ParallelGroups, Any]:
     platform = init_platform()
     p = cfg.parallel
     init_distributed(platform, p.timeout_minutes)
-    out_dir = Path(cfg.checkpoint.dir or "runs/latest_rm")
+    out_dir = run.out_dir
     field = "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)"
     check_writable(out_dir, field)
     lock_run(out_dir, field, platform.device)

@@ -352,8 +352,8 @@ def interrupted_status() -> str:
     return "FAILED" if errors and os.path.isfile(errors) and os.path.getsize(errors) else "KILLED"
 
 
-def record_if_it_ends(cfg: Config, out_dir: Path) -> Callable[[], None]:
-    """From the moment the config is read until the Tracker's mlflow run takes over (the call returned): a run that
+def record_if_it_ends(cfg: Recipe, out_dir: Path) -> Callable[[], None]:
+    """From the moment the config is read until the run's own mlflow run takes over (the call returned): a run that
     ends with an error or an interrupt is recorded as an mlflow run with the config's params, FAILED or KILLED, as a
     later end would be (a start-up error or a Ctrl-C before the first step used to leave no run). Rank 0 only."""
     from megarl.errors import at_failure
