@@ -49,3 +49,27 @@ def test_models_trade_places_with_values_kept_and_the_peak_bounded():
         assert residency.states[other].device_bytes("weights") == 0
         for got, want in zip(model.values(), expected[name], strict=True):
             assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_frozen_weights_trade_places_without_a_copy_once_copied():
+    """A frozen model (a reference) beside a trained one: from its second trip out its unchanged weights are freed
+    without a copy (keep_frozen is on by default on a GPU), one changed in place is copied, and both come back
+    bit for bit through the overlapped streams."""
+    a, b = _Model(0), _Model(1)
+    b.chunks[0].requires_grad_(False)
+    b.optimizer = None
+    residency = Residency({"a": a, "b": b}, {"a": {"weights", "optimizer"}, "b": {"weights"}})
+    weights = sum(p.numel() * p.element_size() for p in b.chunks[0].parameters())
+    for trip in range(3):
+        if trip == 2:
+            with torch.no_grad():
+                b.chunks[0][0].weight.data.add_(1)
+        want = [p.detach().cpu().clone() for p in b.chunks[0].parameters()]
+        kept = residency.states["b"].kept_bytes
+        residency.hold({"a": {"weights", "optimizer"}})
+        residency.hold({"b": {"weights"}})
+        changed = b.chunks[0][0].weight
+        expect = {0: 0, 1: weights, 2: weights - changed.numel() * changed.element_size()}[trip]
+        assert residency.states["b"].kept_bytes - kept == expect
+        assert all(torch.equal(p.detach().cpu(), w) for p, w in zip(b.chunks[0].parameters(), want, strict=True))

@@ -12,6 +12,12 @@ point at, stay on the GPU.
 Parts of a model: ``weights`` (its parameters, or DDP's parameter buffers), ``grads`` (DDP's gradient
 buffers, freed without a copy: every train step zeroes them before use), ``optimizer`` (fp32 master
 weights and Adam moments, the optimizer's own tensors).
+
+Frozen weights (a storage that only parameters with ``requires_grad`` off view: a reference model's, a LoRA
+actor's base) are copied out once: at a later offload a storage whose checksum (megarl.reshard.verify's, on the
+device) equals the one its host copy was taken at is freed without copying, since the host already holds its
+bytes. At Llama-3-8B's shape that is about 50 ms of checksums in place of 0.55 s of copying each time; a weight
+changed in place since (a checkpoint loaded into it) is copied again.
 """
 
 from __future__ import annotations
@@ -89,11 +95,18 @@ class ModelResidency:
     already there. The optimizer's state only exists after its first step, so parts are collected at
     every offload; host buffers are kept and reused, since pinning memory is slow."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, keep_frozen: bool | None = None) -> None:
+        """``keep_frozen``: free unchanged frozen weights without copying them (None: on a GPU, where the copy
+        costs about ten times the checksum; on the CPU a copy is cheaper than the checksum)."""
         self.model = model
+        self.keep_frozen = torch.cuda.is_available() if keep_frozen is None else keep_frozen
         self._away: dict[Part, list[_Stored]] = {}
         self._host: dict[tuple[Part, int], torch.Tensor] = {}
+        self._sums: dict[int, tuple[int, ...]] = {}
+        """Weights storage index -> the checksum of the bytes its host buffer holds (frozen storages only)."""
         self._pin = torch.cuda.is_available()
+        self.kept_bytes = 0
+        """Bytes of frozen weights freed without a copy, their host copy still theirs (over all offloads)."""
 
     def _storages(self, part: Part) -> list[torch.UntypedStorage]:
         """The part's storages on the device, without those of the parts before it in PARTS: in float32
@@ -125,21 +138,48 @@ class ModelResidency:
         """Enqueue the copies of the part's storages to host memory on the current stream, recording an
         event after each, and mark the part away; the caller frees each storage once its event completed."""
         stored = []
-        for i, storage in enumerate(self._storages(part)):
+        storages = self._storages(part)
+        sums = self._frozen_sums(storages) if part == "weights" and self.keep_frozen else {}
+        for i, storage in enumerate(storages):
             if part == "grads":  # every train step zeroes them first: nothing to keep, only to free
                 stored.append(_Stored(storage, storage.nbytes()))
                 continue
             host = self._host.get((part, i))
+            if i in sums and host is not None and host.numel() == storage.nbytes() and self._sums.get(i) == sums[i]:
+                stored.append(_Stored(storage, storage.nbytes(), host))  # the host buffer holds these bytes
+                self.kept_bytes += storage.nbytes()
+                continue
             if host is None or host.numel() != storage.nbytes():
                 host = host_buffer(storage.nbytes(), self._pin)
                 self._host[part, i] = host
             host.copy_(_as_bytes(storage), non_blocking=True)
+            if part == "weights":
+                self._sums.pop(i, None)
+                if i in sums:
+                    self._sums[i] = sums[i]
             stored.append(_Stored(storage, storage.nbytes(), host))
             if self._pin:
                 stored[-1].copied = torch.cuda.Event()
                 stored[-1].copied.record()
         self._away[part] = stored
         return stored
+
+    def _frozen_sums(self, storages: list[torch.UntypedStorage]) -> dict[int, tuple[int, ...]]:
+        """The checksums of the weights storages (by index) that only frozen parameters view, taken on the current
+        stream (where their copies would go) and read back at once."""
+        frozen = {p.untyped_storage().data_ptr() for chunk in self.model.chunks for p in chunk.parameters()
+                  if not p.requires_grad}
+        frozen -= {p.untyped_storage().data_ptr() for chunk in self.model.chunks for p in chunk.parameters()
+                   if p.requires_grad}
+        frozen -= {t.untyped_storage().data_ptr() for t in _tensors(self.model, "weights")
+                   if not isinstance(t, torch.nn.Parameter)}  # DDP's buffers, module buffers: they may change
+        index = [i for i, storage in enumerate(storages) if storage.data_ptr() in frozen]
+        if not index:
+            return {}
+        from megarl.reshard.verify import tensor_checksum
+
+        sums = torch.stack([tensor_checksum(_words(storages[i])) for i in index]).tolist()
+        return {i: tuple(sum_) for i, sum_ in zip(index, sums, strict=True)}
 
     def away(self, part: Part) -> list[_Stored]:
         """Take the part's offloaded storages, for the caller to bring back (``bring_back``)."""
@@ -177,6 +217,12 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _words(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage as 4-byte words where its size allows (the checksum's fastest element), else as bytes."""
+    data = _as_bytes(storage)
+    return data.view(torch.int32) if storage.nbytes() % 4 == 0 else data
 
 
 class Residency:
