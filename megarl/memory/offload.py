@@ -134,12 +134,16 @@ class ModelResidency:
                 freed += item.nbytes
         return freed
 
-    def start_offload(self, part: Part) -> list[_Stored]:
+    def start_offload(self, part: Part, sums: dict[int, tuple[int, ...]] | None = None) -> list[_Stored]:
         """Enqueue the copies of the part's storages to host memory on the current stream, recording an
-        event after each, and mark the part away; the caller frees each storage once its event completed."""
+        event after each, and mark the part away; the caller frees each storage once its event completed.
+        ``sums``: ``frozen_sums()`` taken before (else taken here)."""
         stored = []
         storages = self._storages(part)
-        sums = self._frozen_sums(storages) if part == "weights" and self.keep_frozen else {}
+        if part != "weights":
+            sums = {}
+        elif sums is None:
+            sums = self.frozen_sums()
         for i, storage in enumerate(storages):
             if part == "grads":  # every train step zeroes them first: nothing to keep, only to free
                 stored.append(_Stored(storage, storage.nbytes()))
@@ -164,9 +168,12 @@ class ModelResidency:
         self._away[part] = stored
         return stored
 
-    def _frozen_sums(self, storages: list[torch.UntypedStorage]) -> dict[int, tuple[int, ...]]:
+    def frozen_sums(self) -> dict[int, tuple[int, ...]]:
         """The checksums of the weights storages (by index) that only frozen parameters view, taken on the current
-        stream (where their copies would go) and read back at once."""
+        stream and read back at once (none without keep_frozen)."""
+        if not self.keep_frozen:
+            return {}
+        storages = self._storages("weights")
         frozen = {p.untyped_storage().data_ptr() for chunk in self.model.chunks for p in chunk.parameters()
                   if not p.requires_grad}
         frozen -= {p.untyped_storage().data_ptr() for chunk in self.model.chunks for p in chunk.parameters()
@@ -264,9 +271,11 @@ class Residency:
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
         out_stream, in_stream = self._streams
         main = torch.cuda.current_stream()
+        # Frozen weights' checksums first: each reads its result back, which amid the copies out would wait for them
+        sums = {id(state): state.frozen_sums() for state, part in leaving if part == "weights"}
         out_stream.wait_stream(main)  # the copies out read what the phase before wrote
         with torch.cuda.stream(out_stream):
-            pending = [item for state, part in leaving for item in state.start_offload(part)]
+            pending = [item for state, part in leaving for item in state.start_offload(part, sums.get(id(state)))]
         pending.reverse()  # oldest last: pop() frees in copy order
         freed = loaded = 0
 
