@@ -326,7 +326,8 @@ def test_kl_ppo_with_a_lora_actor_over_two_pipeline_stages_trains_on_the_reward_
 
 def test_start_up_checks_the_reward_model_against_the_run(tmp_path):
     """check_run (before any worker starts): a reward model that fits passes; one whose shape the layout cannot
-    split, or of another tokenizer beside tools, is refused naming reward_model.path."""
+    split, of another tokenizer beside tools, or whose context is shorter than the longest conversation it may
+    score, is refused naming reward_model.path."""
     from megarl.loop.bootstrap import check_run
 
     def check(rm: Path, *more: str, world: int = 1):
@@ -353,6 +354,11 @@ def test_start_up_checks_the_reward_model_against_the_run(tmp_path):
         check(retemplate(tiny_reward_model(tmp_path / "other2")), *asynchronous)
     with pytest.raises(UserError, match="reward_model.path.*no such directory"):
         check(tmp_path / "missing")
+    short = make_reward_model(tmp_path / "short", "llama", max_position_embeddings=16)  # the recipe's 16 + 2 tokens
+    with pytest.raises(UserError, match=r"reward_model.path.*rollout.max_prompt_tokens \+ rollout.max_new_tokens = "
+                                        r"18 tokens.*max_position_embeddings is 16"):
+        check(short)
+    check(short, "rollout.max_prompt_tokens=14")
 
 
 @pytest.mark.slow

@@ -145,6 +145,7 @@ def test_a_resume_that_changes_the_training_data_is_refused(single, tmp_path):
 @pytest.mark.parametrize("override, needle", [
     ("data.pairs_per_step=30000", "`data.pairs_per_step` = 30000, but it must be at most the 28672 training pairs"),
     ("data.max_tokens=3", "have a conversation longer than data.max_tokens = 3"),
+    ("data.max_tokens=100000", "`data.max_tokens` = 100000, but it must be at most the model's context"),
     ("data.train_pth=x", "train_path"),
     ("parallel.tensor_parallel=3", "`parallel.tensor_parallel` = 3, but it must divide the 1 ranks"),
     ("model.hf_path=recipes/tiny", "model.hf_path"),

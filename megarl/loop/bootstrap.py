@@ -114,6 +114,14 @@ def check_reward_model_run(cfg: Any, spec: Any, tokenizer: Any, world: int, rank
                         num_kv_heads=rm.num_kv_heads, vocab_size=rm.vocab_size, ranks_per_node=ranks_per_node)
     except UserError as err:
         raise UserError(f"reward_model.path = {path!r} does not fit the trainer's layout: {err}") from None
+    r = cfg.rollout
+    longest = r.max_prompt_tokens + r.max_new_tokens
+    check(longest <= rm.max_position_embeddings, "reward_model.path", path,
+          f"have a context of at least rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens, the "
+          f"longest conversation it may score: its max_position_embeddings is {rm.max_position_embeddings}, and past "
+          "it the scores are out of what it was trained on (nothing would fail)",
+          f"lower rollout.max_new_tokens or max_prompt_tokens to {rm.max_position_embeddings} tokens together, or "
+          "use a reward model with a longer context")
     check(found.shares_tokens or not cfg.agent.tools, "reward_model.path", path,
           "share the policy's tokenizer and chat template with agent.tools: a multi-turn sample's tool turns are not "
           "rendered again for another tokenizer yet", "use a reward model of the policy's family, or no tools")

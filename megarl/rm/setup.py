@@ -99,6 +99,10 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
     hand_over = record_if_it_ends(cfg, out_dir)  # bad pairs or a refused layout still leave an mlflow run
     spec, from_reward_model = model_spec(cfg.model.hf_path)
     dp = check_layout(cfg, spec, world)
+    check(cfg.data.max_tokens <= spec.max_position_embeddings, "data.max_tokens", cfg.data.max_tokens,
+          f"be at most the model's context, max_position_embeddings = {spec.max_position_embeddings} "
+          f"({cfg.model.hf_path}): longer conversations would be scored past the positions it was trained on, and "
+          "nothing would fail", f"set data.max_tokens: {spec.max_position_embeddings} or less")
     tokenizer = load_tokenizer(cfg.model.hf_path)
     d = cfg.data
     train, dropped = tokenize_pairs(load_pairs(d.train_path, "data.train_path"), tokenizer, d.apply_chat_template,
