@@ -29,3 +29,6 @@ def reward(completions: list[str], answers: list[str]) -> list[float]:
         drawn = re.search(r"=(\d)", text)
         scores.append(1.0 if drawn and text[drawn.end(): drawn.end() + 1] == drawn.group(1) else 0.0)
     return scores
+
+
+reward.reads_tool_turns = True  # type: ignore[attr-defined]  # it checks the drawn digit, which only the tool turn shows

@@ -583,9 +583,12 @@ def test_an_engine_that_fails_on_one_rank_stops_every_rank_in_the_same_gather(mo
 
 # ---- what the trainer makes of it ----
 
-def test_the_reward_sees_the_tool_output() -> None:
-    """The decision (docs/tools.md): the trainer's reward gets the whole response, tool turns included, so a sample
-    whose tool printed the answer before the budget cut it scores as if the policy had written it."""
+@pytest.mark.parametrize("tool_turns", [False, True])
+def test_the_reward_reads_the_policys_text_unless_it_asks_for_the_tool_turns(tool_turns: bool) -> None:
+    """A sample whose tool printed the answer and which the budget cut before it wrote one of its own: a rule
+    reward reads the policy's text only (the tool call, then what it wrote after the observation), so the tool's
+    output is not taken for the model's answer, in training and in evaluation alike; a reward with
+    ``reads_tool_turns = True`` (a verifier of what a tool returned) reads the whole response."""
     script = {"A": [FIRST, "never answered" * 10 + "<eos>"]}
     budget = len(FIRST) + len(FRANCE) + 3
     outs = loop(Lookup, max_total_tokens=budget).generate(ScriptedEngine(script), [encode("A\n")], PARAMS)
@@ -595,6 +598,7 @@ def test_the_reward_sees_the_tool_output() -> None:
         seen.extend(texts)
         return [float(a in t) for t, a in zip(texts, answers, strict=True)]
 
+    reward.reads_tool_turns = tool_turns  # type: ignore[attr-defined]
     cfg = SimpleNamespace(rollout=SimpleNamespace(num_samples_per_prompt=1, temperature=1.0, top_p=1.0, top_k=-1,
                                                   max_new_tokens=budget, seed=0),
                           trainer=SimpleNamespace(reward="r"), algorithm=SimpleNamespace(routing_replay=False))
@@ -604,7 +608,12 @@ def test_the_reward_sees_the_tool_output() -> None:
     fake._score_shares = lambda rows, answers: RolloutManager._score_shares(fake, rows, answers)  # type: ignore[arg-type]
     batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], 0, 0)  # type: ignore[arg-type]
     assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1
-    assert seen == [FIRST + FRANCE + "nev"] and batch.scores.tolist() == [1.0]
+    expected = FIRST + FRANCE + "nev" if tool_turns else FIRST + "\nnev"
+    assert seen == [expected] and batch.scores.tolist() == [float(tool_turns)]
+    row, samples = score([TokenizedPrompt(record=PromptRecord(prompt="A", answer="france"), tokens=encode("A\n"))],
+                         outs, reward, 1, decode)
+    assert seen[1:] == [expected] and row["accuracy"] == float(tool_turns)
+    assert samples[0].completion == FIRST + FRANCE + "nev"  # what is shown of a sample is the whole response
 
 
 def test_eval_length_and_truncation_follow_trainings_conventions() -> None:

@@ -24,6 +24,7 @@ from megarl.loop.partial_rollouts import PartialRollouts, carries_samples
 from megarl.loop.rl_step import Batch, check_scores, shaped_scores
 from megarl.loop.timing import PartTimes
 from megarl.rewards.scorer import RewardScorer
+from megarl.rewards.text import reads_tool_turns, reward_text
 from megarl.rollout.agent import agent_metrics, make_rollout
 from megarl.rollout.base import Completion, Enough, SamplingParams
 from megarl.rollout.factory import make_engine
@@ -227,8 +228,9 @@ class RolloutManager:
         every rank trains on the same scores."""
         world, rank = self.groups.dims.world_size, self.groups.rank
         mine = rows[rank::world]
-        part = self.scorer([self.decode(c.token_ids) for c in mine], [answers[c.prompt_index] for c in mine]) \
-            if mine else []
+        tool_turns = reads_tool_turns(self.scorer)
+        part = self.scorer([reward_text(self.decode, c.token_ids, c.policy_mask, tool_turns) for c in mine],
+                           [answers[c.prompt_index] for c in mine]) if mine else []
         scores = [0.0] * len(rows)
         for r, share in enumerate(every_rank(part, world, self._host_group)):
             scores[r::world] = share

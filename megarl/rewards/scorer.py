@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from megarl.errors import UserError
 from megarl.rewards.registry import RewardFn, load_reward
+from megarl.rewards.text import reads_tool_turns
 
 
 def no_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -75,6 +76,7 @@ class RewardScorer:
         """``spec``: trainer.reward ("module:function", None for no reward); ``workers``: processes that run it
         (0: this one). Workers are spawned, not forked: the trainer's process holds CUDA and threads."""
         self.fn: RewardFn = load_reward(spec) if spec is not None else no_reward  # a bad spec fails here, at once
+        self.reads_tool_turns = reads_tool_turns(self.fn)  # which text of a multi-turn sample it scores
         self.spec = spec
         self.workers = workers if spec is not None else 0
         self._pool: ProcessPoolExecutor | None = None
