@@ -103,7 +103,10 @@ class CriticConfig(UpdateConfig):
     REFUSED_KEYS: ClassVar[dict[str, str]] = {
         "lora": "LoRA adapters train only the actor (actor.lora); the critic is fully fine-tuned. Remove critic.lora."}
     hf_path: str | None = None
-    """Critic initialisation (HF dir); null = model.hf_path with a freshly initialised value head."""
+    """Critic initialisation (HF dir): a causal LM gives its body under a value head of zeros; a reward model (a
+    *ForSequenceClassification with num_labels 1, e.g. one exported by megarl.train_rm) gives its body and its head
+    score.weight, so the critic's first values are its scores. Its body must have the policy's shape (checked at
+    start-up). null = model.hf_path with a value head of zeros."""
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """Value-model optimizer (a critic learns faster than the policy, hence lr 1e-5)."""
     offload_weights: bool = True

@@ -71,7 +71,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts
-    from megarl.data.tokenizer import check_hf_config, load_tokenizer
+    from megarl.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.hf_path)
     if cfg.distill.teacher is not None:
@@ -89,8 +89,10 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
         check_reward_model_run(cfg, spec, tokenizer, world, ranks_per_node)
     if cfg.reward_model.judge is not None:
         check_judge(cfg.reward_model.judge)
-    if cfg.critic.hf_path:
-        check_hf_config(cfg.critic.hf_path, "critic.hf_path")
+    if cfg.critic.hf_path and cfg.algorithm.name == "ppo":
+        from megarl.models.critic_init import check_critic_dir
+
+        check_critic_dir(cfg.critic.hf_path, spec, cfg.model.hf_path)
     d = cfg.data
     records = load_prompts(d.train_path, d.prompt_key, d.answer_key, d.prompt_template)
     prompts, dropped = tokenize_prompts(records, tokenizer, d.apply_chat_template, cfg.rollout.max_prompt_tokens,

@@ -19,6 +19,7 @@ from megarl.errors import UserError
 from megarl.loop.rl_step import Batch, actor_loss, critic_loss
 from megarl.lora.training import BaseModel, LoraAdapters
 from megarl.memory.offload import PARTS, Part, Residency
+from megarl.models.critic_init import critic_weights
 from megarl.models.gpt import DTYPES, BuildOptions, layer_implementation, transformer_engine_available
 from megarl.models.reward_model import RewardModel, load_reward_spec, scores_on_every_rank
 from megarl.models.spec import ModelSpec, load_spec
@@ -60,9 +61,12 @@ class Learner:
         self.critic = None
         if algo.name == "ppo":
             critic_opts = dataclasses.replace(opts, critic=True)
-            self.critic = MegatronModel(spec, cfg.critic.hf_path or cfg.model.hf_path, groups, critic_opts,
-                                        cfg.critic.optimizer, steps,
-                                        updates_per_step=cfg.critic.optimizer_steps(rollout_batch))
+            critic_dir = cfg.critic.hf_path or cfg.model.hf_path
+            load, start = critic_weights(critic_dir, groups, critic_opts)
+            self.critic = MegatronModel(spec, critic_dir, groups, critic_opts, cfg.critic.optimizer, steps,
+                                        updates_per_step=cfg.critic.optimizer_steps(rollout_batch), load=load)
+            if groups.rank == 0:
+                print(start, flush=True)
         if groups.rank == 0:
             print(f"megarl: {'Transformer Engine' if use_te else 'local'} layers "
                   f"({layer_implementation(self.actor.chunks)})", flush=True)

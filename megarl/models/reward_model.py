@@ -24,7 +24,7 @@ from megarl.models.gpt import BuildOptions, load_weights
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import hf_shapes
 from megarl.models.reward_format import HEAD, SEQUENCE_CLASSIFICATION, num_labels
-from megarl.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec, read_config, spec_from_config
+from megarl.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec, load_spec, read_config, spec_from_config
 from megarl.models.trainable import MegatronModel
 
 FIELD = "reward_model.path"
@@ -49,6 +49,18 @@ def load_reward_spec(hf_dir: str, field: str = FIELD) -> ModelSpec:
                         f"{cfg.get('id2label')}) but a reward model has 1: one scalar per sample. Fix: use a reward "
                         "model with one label (score.weight of shape [1, hidden_size]).")
     return spec_from_config(cfg | {"architectures": [SEQUENCE_CLASSIFICATION[arch]]}, path)
+
+
+def load_body_spec(hf_dir: str, field: str) -> tuple[ModelSpec, bool]:
+    """The body's spec of ``hf_dir`` and whether it is a reward model (its body and head), else a causal LM (its
+    body, under a head of the caller's); errors name ``field``, the config key that gave the directory."""
+    try:
+        archs = read_config(hf_dir).get("architectures") or []
+    except UserError as err:
+        raise UserError(f"{field} = {hf_dir!r}: {err}") from None
+    if any(a in SEQUENCE_CLASSIFICATION for a in archs):
+        return load_reward_spec(hf_dir, field), True
+    return load_spec(hf_dir, field), False
 
 
 def pad_token_id(spec: ModelSpec) -> int | None:
@@ -103,21 +115,21 @@ def check_reward_model(rm_dir: str, policy_dir: str, policy_tokenizer: Any, poli
     return RewardModelCheck(spec, tokenizer, shares)
 
 
-def open_weights(spec: ModelSpec, rm_dir: str) -> HFReader:
+def open_weights(spec: ModelSpec, rm_dir: str, field: str = FIELD) -> HFReader:
     """The reward model's tensors, each checked against the shape config.json implies: the body's (no LM head) and
-    the head ``score.weight`` [1, hidden_size]; a tensor of another shape is an error naming both."""
+    the head ``score.weight`` [1, hidden_size]; a tensor of another shape is an error naming both and ``field``."""
     shapes = {k: v for k, v in hf_shapes(spec).items() if k != "lm_head.weight"} | {HEAD: (1, spec.hidden_size)}
     try:
         return HFReader(rm_dir, spec, shapes)
     except UserError as err:
-        raise UserError(f"{FIELD} = {rm_dir!r}: {err}") from None
+        raise UserError(f"{field} = {rm_dir!r}: {err}") from None
 
 
 def load_reward_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str, groups: ParallelGroups,
-                        opts: BuildOptions) -> None:
+                        opts: BuildOptions, field: str = FIELD) -> None:
     """A reward model directory's body and head (``score.weight``, into the critic's ValueHead) into ``chunks``, a
-    critic-shaped model in the trainer's layout (MegatronModel's ``load``)."""
-    reader = open_weights(spec, hf_dir)
+    critic-shaped model in the trainer's layout (MegatronModel's ``load``); ``field`` gave the directory."""
+    reader = open_weights(spec, hf_dir, field)
     load_weights(chunks, spec, reader.read, groups, opts)
     if groups.is_last_stage:
         head: Any = chunks[-1].output_layer  # the critic's ValueHead

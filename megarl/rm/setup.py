@@ -48,21 +48,6 @@ class Prepared:
                             "(checkpoint.resume: none, or another checkpoint.dir).")
 
 
-def model_spec(hf_dir: str) -> tuple[ModelSpec, bool]:
-    """The body's spec of model.hf_path, and whether it is a reward model (else a causal LM, given a new head)."""
-    from megarl.models.reward_format import SEQUENCE_CLASSIFICATION
-    from megarl.models.reward_model import load_reward_spec
-    from megarl.models.spec import load_spec, read_config
-
-    try:
-        archs = read_config(hf_dir).get("architectures") or []
-    except UserError as err:
-        raise UserError(f"model.hf_path = {hf_dir!r}: {err}") from None
-    if any(a in SEQUENCE_CLASSIFICATION for a in archs):
-        return load_reward_spec(hf_dir, "model.hf_path"), True
-    return load_spec(hf_dir, "model.hf_path"), False
-
-
 def check_layout(cfg: RewardTrainingConfig, spec: ModelSpec, world: int) -> int:
     """The data-parallel size of the trainer's layout on ``world`` ranks, after checking it fits the model."""
     p = cfg.parallel
@@ -91,13 +76,14 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
     """Everything that can be checked before the process groups: config, model, layout, tokenizer and pairs."""
     from megarl.data.preferences import load_pairs
     from megarl.data.tokenizer import load_tokenizer
+    from megarl.models.reward_model import load_body_spec
     from megarl.rm.pairs import tokenize_pairs
     from megarl.run.tracking import record_if_it_ends
 
     cfg = load_reward_training(config, overrides)
     out_dir = Path(cfg.checkpoint.dir or "runs/latest_rm")
     hand_over = record_if_it_ends(cfg, out_dir)  # bad pairs or a refused layout still leave an mlflow run
-    spec, from_reward_model = model_spec(cfg.model.hf_path)
+    spec, from_reward_model = load_body_spec(cfg.model.hf_path, "model.hf_path")
     dp = check_layout(cfg, spec, world)
     check(cfg.data.max_tokens <= spec.max_position_embeddings, "data.max_tokens", cfg.data.max_tokens,
           f"be at most the model's context, max_position_embeddings = {spec.max_position_embeddings} "
