@@ -81,12 +81,8 @@ def test_reward_works_outside_the_main_thread() -> None:
 
 
 def test_format_reward() -> None:
-    assert format_reward(["x\n#### 18", "#### $1,000", "the answer is 18", "#### eighteen"], [""] * 4) == [
-        0.1,
-        0.1,
-        0.0,
-        0.0,
-    ]
+    assert format_reward(["x\n#### 18", "#### $1,000", "the answer is 18", "#### eighteen", "#### \\$18", "#### −4"],
+                         [""] * 6) == [0.1, 0.1, 0.0, 0.0, 0.1, 0.1]
 
 
 def test_load_reward_by_import_path() -> None:
@@ -151,6 +147,58 @@ def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool)
     assert (got is not None and Fraction(got) == Fraction(value)) if scores else got is None
     assert reward([text], [value]) == [float(scores)]
 
+
+@pytest.mark.parametrize(("text", "reads", "answer", "score"), [
+    # A numbered heading after "####" is skipped whole, never read as a shorter number (the old pattern backtracked
+    # from "18" to "1"); the text after "####" then goes to math-verify.
+    ("Janet sells 9 eggs at $2 each.\n#### 18. She makes $18 every day.", "18", "18", 1.0),
+    ("#### $18. She makes $18 every day.", "18", "18", 1.0),
+    ("#### 70,000. That is the profit.", "70000", "70000", 1.0),
+    ("#### 3.5) Total", "3.5", "3.5", 1.0),
+    ("#### 1.5. Add", "1.5", "1.5", 1.0),
+    ("#### 12. Then", "12", "1", 0.0),  # read "1", paying answer 1
+    ("#### 10. Final step\nso the answer is 42", "42", "1", 0.0),
+    ("#### 10. Final step\nso the answer is 42", "42", "42", 1.0),
+    ("#### (3) Add them\nso 18", "18", "18", 1.0),
+    # Answer formats after "####" that fell through to an earlier number ("20"), or to none.
+    ("She earns 20 dollars. #### \\$18", "18", "18", 1.0),
+    ("We get 20.\n#### \\$18.00", "18", "18", 1.0),
+    ("I had 20.\n#### (18)", "18", "18", 1.0),
+    ("I had 20.\n#### +18", "18", "18", 1.0),
+    ("I had 20.\n#### ~18", "18", "18", 1.0),
+    ("I had 20.\n#### ≈18", "18", "18", 1.0),
+    ("#### −4", "-4", "-4", 1.0),  # U+2212
+    ("#### $−4", "-4", "-4", 1.0),
+    # What follows the last "####" is unreadable: no number from before it stands in.
+    ("She had 20 eggs.\n#### \\frac{36}{2}", None, "20", 0.0),
+    # Kept: a "####" with no digit after it looks back; what follows a number is not read.
+    ("The answer: 4\n####\n", "4", "4", 1.0),
+    ("#### 4\n#### x", "4", "4", 1.0),
+    ("#### 4 apples", "4", "4", 1.0),
+    ("#### 2+2", "2", "4", 0.0),
+    ("#### 4 or 5", "4", "5", 0.0),
+    ("#### 44", "44", "4", 0.0),
+    ("964 * 494", None, "476216", 0.0),
+    # Division left undone is no answer; a fraction in lowest terms is one.
+    ("so 8/2", None, "4", 0.0),
+    ("\\boxed{-8/-2}", None, "4", 0.0),
+    ("so 12/3", None, "4", 0.0),
+    ("\\boxed{\\frac{12}{3}}", None, "4", 0.0),
+    ("\\boxed{4/1}", None, "4", 0.0),
+    ("so 7/-4", None, "-7/4", 0.0),
+    ("so 7/4", "7/4", "1.75", 1.0),
+    ("\\boxed{-\\frac{7}{4}}", "-7/4", "-1.75", 1.0),
+    # A percentage reads as its number, as "#### 40%" does; math-verify's LaTeX parser refuses "723.".
+    ("40%", "40", "40", 1.0),
+    ("\\boxed{40\\%}", "40", "40", 1.0),
+    ("\\boxed{723.}", "723", "723", 1.0),
+    ("We had 20. \\boxed{723.}", "723", "20", 0.0),  # math-verify went on to an earlier number
+])
+def test_the_answer_is_read_whole_and_from_after_the_last_hashes(text: str, reads: str | None, answer: str,
+                                                                  score: float) -> None:
+    got = extract_answer(text)
+    assert (got is not None and Fraction(got) == Fraction(reads)) if reads is not None else got is None, got
+    assert reward([text], [answer]) == [score]
 
 def test_reward_workers_score_as_the_training_process_does() -> None:
     """trainer.reward_workers: a batch split among worker processes, and a group submitted while the caller goes

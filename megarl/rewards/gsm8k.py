@@ -6,6 +6,7 @@ so a verifier can amortise setup over many samples.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from fractions import Fraction
@@ -13,34 +14,73 @@ from fractions import Fraction
 import sympy
 from math_verify import parse as _math_verify_parse
 
-# "1,234.5", "-3", ".5", "$18"; a comma must sit between digits, so "18," stops at "18".
-_NUMBER = r"-?\$?(?:\d(?:,?\d)*(?:\.\d+)?|\.\d+)"
-# The number right after "####", allowing spaces and markdown bold ("#### **18**"), unless it numbers a
-# markdown heading ("#### 3. Add them", "#### 2) Subtract"): that is a step title, not the answer.
-_HASH_ANSWER_RE = re.compile(rf"^[\s*]*({_NUMBER})(?![.)][ \t]*[A-Za-z])")
+# "1,234.5", "-3", ".5", "$18", "$-4", "\$18" (LaTeX's escaped dollar), "−4" (Unicode minus); a comma must sit
+# between digits, so "18," stops at "18". The digits are atomic: a pattern that fails after them (a heading's
+# "18. She") must fail whole rather than backtrack to a shorter number ("1").
+_NUMBER = r"(?:\\?\$[-−]|[-−]?(?:\\?\$)?)(?>\d(?:,?\d)*(?:\.\d+)?|\.\d+)"
+# The number right after "####", allowing spaces, markdown bold ("#### **18**"), a leading "+", "~" or "≈" and
+# parentheses ("#### (18)"), unless it numbers a markdown heading ("#### 3. Add them", "#### 2) Subtract",
+# "#### (3) Add them"): that is a step title, not the answer.
+_HASH_ANSWER_RE = re.compile(
+    rf"^[\s*]*(?:[+~≈][ \t]*)?(?P<open>\()?[ \t]*(?P<number>{_NUMBER})"
+    r"(?(open)[ \t]*\)(?![.]?[ \t]*[A-Za-z])|(?![.)][ \t]*[A-Za-z]))")
 _FORMAT_RE = re.compile(rf"####[\s*]*{_NUMBER}")
+# An integer fraction as math-verify hands it back written: "8/2", or "\frac{8}{2}" (its LaTeX parser has already
+# divided those, so the value alone cannot tell "4" from "8/2").
+_FRACTION_RE = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}|(?<![\d.])(-?\d+)\s*/\s*(-?\d+)(?![\d.])")
+_TRAILING_STOP_RE = re.compile(rf"\s*({_NUMBER})\.\s*")
+_CLEAN = str.maketrans({"\\": None, "$": None, ",": None, "−": "-"})
 
 
 def _clean(number: str) -> str:
-    return number.replace("$", "").replace(",", "")
+    return number.translate(_CLEAN)
 
 
 def _math_verify_number(text: str) -> str | None:
     """The number math-verify extracts (it prefers \\boxed{} and "answer is" anchors), or None."""
     # math-verify's timeout uses SIGALRM, which Python only allows in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    for item in _math_verify_parse(text, parsing_timeout=timeout):
-        if isinstance(item, sympy.Basic) and item.is_number and _written_number(item):
+    # "first_match": only the match math-verify ranks first (the last \boxed{}, the last "answer is"); when that
+    # does not parse ("\boxed{723.}"), the default went on to an earlier number ("We had 20."). It also makes the
+    # string it returns the one that value was parsed from.
+    found = _math_verify_parse(text, parsing_timeout=timeout, extraction_mode="first_match")
+    written = next((item for item in found if isinstance(item, str)), "")
+    if _division_left_undone(written):
+        return None
+    parsed = [item for item in found if isinstance(item, sympy.Basic)]
+    if not parsed:
+        plain = _TRAILING_STOP_RE.fullmatch(written)  # "\boxed{723.}": its LaTeX parser refuses the "."
+        return _clean(plain.group(1)) if plain else None
+    for item in parsed:
+        if _is_percent(item):
+            item = item.args[0]  # "40%": GSM8K writes a percentage as the number, "#### 40"
+        if item.is_number and _written_number(item):
             value = item.doit()  # "1/2" parses as an unevaluated product
             if isinstance(value, sympy.Rational | sympy.Float):
                 return str(value)
     return None
 
 
+def _division_left_undone(written: str) -> bool:
+    """Whether ``written`` holds a fraction that is not in lowest terms with a denominator above 1 ("8/2",
+    "-8/-2", "\\frac{12}{3}"): paying it as 4 would pay a response for leaving the division to the verifier."""
+    for match in _FRACTION_RE.finditer(written):
+        p, q = (int(g) for g in match.groups() if g is not None)
+        if q <= 1 or math.gcd(p, q) != 1:
+            return True
+    return False
+
+
+def _is_percent(item: sympy.Basic) -> bool:
+    """math-verify writes "40%" as 40 times an unevaluated 1/100."""
+    return (isinstance(item, sympy.Mul) and len(item.args) == 2 and isinstance(item.args[1], sympy.UnevaluatedExpr)
+            and item.args[1].args[0] == sympy.Rational(1, 100))
+
+
 def _written_number(item: sympy.Basic) -> bool:
-    """Whether ``item`` is a number as written (an integer, a decimal, a signed fraction p/q), not arithmetic left
-    to do: math-verify parses "the result is 740 * 101" and "2 + 3" as expressions, and evaluating them would pay a
-    response for restating the question."""
+    """Whether ``item`` is a number as written (an integer, a decimal, a signed fraction p/q, which
+    _division_left_undone holds to lowest terms), not arithmetic left to do: math-verify parses "the result is
+    740 * 101" and "2 + 3" as expressions, and evaluating them would pay a response for restating the question."""
     if item.is_Number:
         return True
     if not isinstance(item, sympy.Mul):
@@ -57,15 +97,21 @@ def _written_number(item: sympy.Basic) -> bool:
 def extract_answer(text: str) -> str | None:
     """The final numeric answer in `text`, without "$" and thousands commas, or None.
 
-    In order: (1) the number right after the last "####" (GSM8K's own format) that is not a numbered
-    heading; (2) the number math-verify parses from the text (a required dependency, so that scores
-    never depend on what happens to be installed).
+    From the last "####" (GSM8K's own format): (1) the number right after it, unless that numbers a heading;
+    else (2) the number math-verify (a required dependency, so that scores never depend on what happens to be
+    installed) parses from the text after it. Only when that text has no digit at all ("####" left empty) does
+    the search go back to the text before it, the same way; text without "####" goes to math-verify whole. A
+    number written before the last "####" never stands in for one after it that cannot be read.
     """
-    for part in reversed(text.split("####")[1:]):
-        match = _HASH_ANSWER_RE.match(part)
+    while True:
+        text, hashes, after = text.rpartition("####")
+        if not hashes:
+            return _math_verify_number(after)
+        match = _HASH_ANSWER_RE.match(after)
         if match:
-            return _clean(match.group(1))
-    return _math_verify_number(text)
+            return _clean(match.group("number"))
+        if re.search(r"\d", after):
+            return _math_verify_number(after)
 
 
 def _value(answer: str | None) -> Fraction | None:
