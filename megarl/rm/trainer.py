@@ -48,7 +48,7 @@ class RewardTrainer:
 
         def load(chunks: list[torch.nn.Module]) -> None:
             if from_reward_model:
-                load_reward_weights(chunks, spec, path, groups, opts)
+                load_reward_weights(chunks, spec, path, groups, opts, "model.hf_path")
                 return
             load_hf_weights(chunks, spec, path, groups, opts)
             if groups.is_last_stage:  # the same head on every TP and DP rank: one seeded draw
