@@ -5,7 +5,9 @@ greedy decode; it loads as a megarl model (config, tokenizer, chat template)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,9 +38,10 @@ def bpe_tokenizer() -> tuple[list[str], list[str]]:
     return vocab, merges
 
 
-def write_gguf(path: Path) -> torch.nn.Module:
+def write_gguf(path: Path, extra: Callable[[Any], None] = lambda writer: None) -> torch.nn.Module:
     """A random tiny Llama (tied embeddings, 3 query heads per KV head) written as an F32 GGUF the way llama.cpp
-    lays one out: its tensor names, and q/k rows regrouped into the interleaved-pair RoPE order it uses."""
+    lays one out: its tensor names, and q/k rows regrouped into the interleaved-pair RoPE order it uses;
+    ``extra(writer)`` adds keys or tensors."""
     import transformers
 
     vocab, merges = bpe_tokenizer()
@@ -78,6 +81,7 @@ def write_gguf(path: Path) -> torch.nn.Module:
         if heads:  # HF's rotate-half halves -> llama.cpp's adjacent pairs, per head
             data = data.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(data.shape)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data.numpy())
+    extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -133,3 +137,33 @@ def test_bad_gguf_input_is_named(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="data.gguf (is truncated: its tensors end at byte|cannot be read .*truncated)"):
         gguf_to_hf(tmp_path / "data.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_with_scaled_rope_is_refused(tmp_path: Path) -> None:
+    """transformers' GGUF reader drops a Llama/Qwen model's RoPE scaling (llama.cpp's `rope_freqs` tensor of Llama
+    3.1/3.2, or rope.scaling.* keys): the converted model would give other logits, so the file is refused."""
+    import numpy as np
+
+    from megarl.models.gguf_import import gguf_to_hf
+
+    def rope_freqs(writer: Any) -> None:  # llama.cpp's llama3 factors for head_dim 8: 1 (short) ... 8 (long)
+        writer.add_tensor("rope_freqs.weight", np.array([1.0, 1.0, 2.5, 8.0], dtype=np.float32))
+
+    def linear(writer: Any) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
+
+    for name, extra, held in [
+            ("freqs", rope_freqs, "holds a `rope_freqs.weight` tensor (per-frequency RoPE factors: llama.cpp's form "
+                                  "of Llama 3.1/3.2's `llama3` rope scaling)"),
+            ("linear", linear, "holds llama.rope.scaling.factor = 4.0, llama.rope.scaling.type = 'linear'")]:
+        write_gguf(tmp_path / f"{name}.gguf", extra)
+        with pytest.raises(UserError) as err:
+            gguf_to_hf(tmp_path / f"{name}.gguf", tmp_path / "out")
+        assert str(err.value).startswith(f"--gguf {tmp_path / name}.gguf {held}: its RoPE is scaled")
+        assert "Fix: convert from the original HuggingFace checkpoint" in str(err.value)
+        assert not (tmp_path / "out").exists()
+    # llama.cpp's "none" scales nothing: such a file converts
+    write_gguf(tmp_path / "none.gguf", lambda writer: writer.add_rope_scaling_type(gguf.RopeScalingType.NONE))
+    gguf_to_hf(tmp_path / "none.gguf", tmp_path / "out", dtype="float32")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"

@@ -409,3 +409,39 @@ def lora_factor_shapes(spec, rank):
             shapes[f"decoder.layers.{layer}.{module}.lora.A"] = (rank, inp)
             shapes[f"decoder.layers.{layer}.{module}.lora.B"] = (out, rank)
     return shapes
+
+
+def test_the_peft_export_is_atomic_and_refuses_a_non_empty_out(tmp_path, monkeypatch):
+    """--peft writes as the other exports do: a non-empty --out is refused untouched, and an export that fails
+    leaves no --out (nor its temporary directory) behind."""
+    from megarl.lora import export
+    from megarl.models.spec import load_spec
+
+    base = make_hf_model(tmp_path / "llama", "llama")
+    actor = tmp_path / "step_000001" / "actor"  # a TP1 LoRA actor's checkpoint: its config and adapters
+    (actor / "lora").mkdir(parents=True)
+    shutil.copy(base / "config.json", actor / "config.json")
+    gen = torch.Generator().manual_seed(0)
+    factors = {name: torch.randn(shape, generator=gen)
+               for name, shape in lora_factor_shapes(load_spec(base), LORA_RANK).items()}
+    save_file(factors, actor / "lora" / "rank0.safetensors", metadata={
+        "tp_rank": "0", "tp": "1", "lora": json.dumps(dataclasses.asdict(LoraConfig(rank=LORA_RANK, alpha=8.0)))})
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=f"output directory `{tmp_path / 'busy'}` exists and is not empty"):
+        export.export_peft(actor, tmp_path / "busy")
+    assert [f.name for f in (tmp_path / "busy").iterdir()] == ["notes.txt"]
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(export.manifest, "describe", fail)
+        with pytest.raises(OSError, match="disk full"):
+            export.export_peft(actor, tmp_path / "failed")
+    export.export_peft(actor, tmp_path / "adapter")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["adapter", "busy", "llama", "step_000001"]
+    assert sorted(f.name for f in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json", export.ADAPTER_FILE, export.EXPORT]
+    export.check_export(tmp_path / "adapter", str(base))

@@ -1,5 +1,6 @@
 """HF config/weights reading, the HF <-> Megatron mapping, and the convert CLI (no megatron import)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -73,6 +74,57 @@ def test_spec_reads_qwen3_moe_experts(qwen3_moe, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(config | bad))
         with pytest.raises(UserError, match=message):
             load_spec(tmp_path)
+
+
+def test_qwen3_moe_without_norm_topk_prob_routes_as_transformers_does(qwen3_moe, tmp_path):
+    """A config.json without norm_topk_prob: transformers' Qwen3MoeConfig default (no renormalisation), not True."""
+    import transformers
+
+    config = json.loads((qwen3_moe / "config.json").read_text())
+    del config["norm_topk_prob"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = transformers.AutoConfig.from_pretrained(tmp_path).norm_topk_prob
+    assert expected == transformers.Qwen3MoeConfig().norm_topk_prob
+    assert load_spec(tmp_path).norm_topk_prob == expected
+
+
+def test_sliding_window_attention_is_refused(qwen2, tmp_path):
+    """Megatron attends to every earlier token; transformers slides the window in the layers these configs name."""
+    import transformers
+
+    config = json.loads((qwen2 / "config.json").read_text())
+    assert set(config["layer_types"]) == {"full_attention"}  # Qwen2.5's kind of config.json loads
+    load_spec(qwen2)
+    sliding = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    layers = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
+    for bad, message in [(sliding | {"layer_types": None}, r"use_sliding_window=True \(sliding_window=16, "
+                                                           r"max_window_layers=2\): sliding-window attention"),
+                         ({"layer_types": layers}, r"layer_types holds \['sliding_attention'\]: sliding-window")]:
+        (tmp_path / "config.json").write_text(json.dumps(config | bad))
+        assert "sliding_attention" in transformers.AutoConfig.from_pretrained(tmp_path).layer_types
+        with pytest.raises(UserError, match=rf"^model.hf_path = '{tmp_path}': .*{message}.* Fix: use a model with "
+                                            "full attention in every layer"):
+            load_spec(tmp_path, "model.hf_path")
+
+
+def test_export_states_the_dtype_it_writes(llama, tmp_path):
+    """An fp32 base trained in bf16 exports bf16 weights: config.json says bfloat16, so dtype="auto" loads them as
+    written."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.hf_io import write_hf
+
+    spec = load_spec(llama)
+    assert spec.hf_config["dtype"] == "float32"
+    write_hf(tmp_path / "hf", ((n, t.bfloat16()) for n, t in all_tensors(llama).items()), spec, source_dir=llama)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config == spec.hf_config | {"dtype": "bfloat16"}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto").dtype == torch.bfloat16
+    old = spec.hf_config | {"torch_dtype": "float32"}  # transformers 4's key
+    del old["dtype"]
+    write_hf(tmp_path / "hf4", ((n, t.bfloat16()) for n, t in all_tensors(llama).items()),
+             dataclasses.replace(spec, hf_config=old))
+    assert json.loads((tmp_path / "hf4" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_spec_reads_llama3_rope_and_qwen2_tied(llama, qwen2):

@@ -26,3 +26,14 @@ def test_logits_logprobs_values_match_transformers(tmp_path):
     for row in results:
         for key in ("logits", "logprobs", "chunked_logprobs", "values"):
             assert row[key] < MAX_ABS_DIFF, row
+
+
+def test_a_fractional_rope_theta_is_used_whole(tmp_path):
+    """rope_theta 10.5 is not 10 (megatron-core's rotary_base is typed int, and megarl once passed int(rope_theta));
+    10.5, not a real model's 10000.5: the fraction of that moves these logits by 6e-7, under float32's noise."""
+    # Qwen2's plain RoPE: with llama3 scaling megarl computes the frequencies itself
+    qwen2 = make_hf_model(tmp_path / "qwen2", "qwen2", rope_theta=10.5)
+    [row] = run_worker("parity.py", tmp_path, qwen2, nproc=1)
+    assert (row["tp"], row["pp"]) == (1, 1)
+    for key in ("logits", "logprobs", "chunked_logprobs", "values"):
+        assert row[key] < MAX_ABS_DIFF, row

@@ -24,6 +24,7 @@ from megarl.config.lora import TARGET_PATHS
 from megarl.errors import UserError
 from megarl.lora.saved import BASE_MODEL, LORA_DIR, SavedAdapters, adapter_files
 from megarl.lora.shards import factor_to_hf
+from megarl.models.hf_io import atomic_dir
 from megarl.models.mapping import param_rules
 from megarl.models.spec import ModelSpec, load_spec
 
@@ -47,9 +48,11 @@ def export_peft(ckpt: str | Path, out: str | Path, base_model: str | None = None
     record = json.loads(recorded.read_text()) if recorded.is_file() else None
     if base_model is None and record is not None:
         base_model = record.get("path")
-    write_peft(out, load_spec(ckpt), saved.lora, saved.factor, base_model)
-    adapter = manifest.describe(out, [out / ADAPTER_FILE], sync=False)
-    (out / EXPORT).write_text(json.dumps({"adapter": adapter, "base_model": record}, indent=1) + "\n")
+    # as the other exports: refused over a non-empty --out, and never left half-written there
+    with atomic_dir(out) as tmp:
+        write_peft(tmp, load_spec(ckpt), saved.lora, saved.factor, base_model)
+        adapter = manifest.describe(tmp, [tmp / ADAPTER_FILE], sync=False)
+        (tmp / EXPORT).write_text(json.dumps({"adapter": adapter, "base_model": record}, indent=1) + "\n")
 
 
 def check_export(adapter: Path, base: str) -> None:

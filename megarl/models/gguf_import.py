@@ -29,7 +29,9 @@ def _load(gguf: Path) -> tuple[Any, Any]:
         import gguf as _  # noqa: F401
     except ImportError:
         raise UserError("--gguf needs the `gguf` package. Fix: pip install -r requirements.txt.") from None
-    check_whole(gguf)
+    reader = check_whole(gguf)
+    if reader is not None:
+        check_rope_scaling(reader, gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -41,24 +43,49 @@ def _load(gguf: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def check_whole(path: Path) -> None:
+def check_whole(path: Path) -> Any:
     """Refuse a GGUF file cut short, in its header (the reader's struct.error) or in its tensor data (which
-    transformers reports without saying so), by the byte its last tensor ends at."""
+    transformers reports without saying so), by the byte its last tensor ends at. Its GGUFReader, or None for a
+    file that is no GGUF at all."""
     from gguf import GGUFReader
 
     size = path.stat().st_size
     fix = "Fix: download or convert the file again; a partial download is the usual cause."
     try:
-        tensors = GGUFReader(path).tensors
+        reader = GGUFReader(path)
     except Exception as err:  # its reads run past the end, or its values are garbage
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
-                return  # not a GGUF at all: transformers names what it is not
+                return None  # not a GGUF at all: transformers names what it is not
         raise UserError(f"--gguf {path} cannot be read ({type(err).__name__}: {err}); the file ({size} bytes) is "
                         f"truncated or damaged. {fix}") from None
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in tensors), default=0)
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise UserError(f"--gguf {path} is truncated: its tensors end at byte {end}, the file has {size}. {fix}")
+    return reader
+
+
+def check_rope_scaling(reader: Any, path: Path) -> None:
+    """Refuse a GGUF file whose RoPE is scaled: transformers' GGUF loader carries no scaling of a Llama/Qwen model
+    into its config (llama.cpp stores Llama 3.1/3.2's `llama3` scaling as per-frequency factors in a
+    `rope_freqs.weight` tensor, which it skips, and other kinds as `rope.scaling.*` keys, which it does not read),
+    so the converted model would run unscaled RoPE and give other logits."""
+    held = []
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        held.append("a `rope_freqs.weight` tensor (per-frequency RoPE factors: llama.cpp's form of Llama 3.1/3.2's "
+                    "`llama3` rope scaling)")
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else ""
+    keys = {k: reader.fields[k].contents() for k in reader.fields
+            if k.startswith(f"{arch}.rope.scaling.") or k == f"{arch}.rope.scale_linear"}
+    # llama.cpp never scales a model whose scaling type is "none", whatever other keys say
+    if keys and keys.get(f"{arch}.rope.scaling.type") != "none":
+        held.append(", ".join(f"{k} = {v!r}" for k, v in sorted(keys.items())))
+    if held:
+        raise UserError(f"--gguf {path} holds {' and '.join(held)}: its RoPE is scaled, and transformers' GGUF "
+                        "reader drops that scaling, so the converted model would give other logits than the "
+                        "original. Fix: convert from the original HuggingFace checkpoint instead (its config.json "
+                        "carries rope_scaling, which megarl supports for `llama3`), e.g. hf-to-mcore on it or "
+                        "model.hf_path pointing at it.")
 
 
 def hub_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:

@@ -192,7 +192,9 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> 
             post_process=last,
             share_embeddings_and_output_weights=spec.tie_word_embeddings and not opts.critic,
             position_embedding_type="rope",
-            rotary_base=int(spec.rope_theta),
+            # a float: megatron-core types it int but only raises it to a power, and int() would drop a
+            # fractional rope_theta's part (transformers uses it whole)
+            rotary_base=spec.rope_theta,
             vp_stage=vp if groups.dims.vpp else None,
         )
         if spec.rope_scaling is not None:

@@ -123,7 +123,10 @@ def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], s
     with atomic_dir(Path(out_dir)) as tmp:
         shard: dict[str, torch.Tensor] = {}
         shard_bytes, shards = 0, []
+        floats: set[torch.dtype] = set()
         for name, tensor in tensors:
+            if tensor.is_floating_point():
+                floats.add(tensor.dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + nbytes > max_shard_bytes:
                 shards.append(shard)
@@ -142,4 +145,15 @@ def write_hf(out_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], s
                                                 indent=2))
         if source_dir is not None:  # its tokenizer and generation config; config.json is the spec's (a critic's
             copy_model_files(Path(source_dir), tmp)  # checkpoint exports as a reward model)
-        (tmp / "config.json").write_text(json.dumps(spec.hf_config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(stated_dtype(spec.hf_config, floats), indent=2) + "\n")
+
+
+def stated_dtype(config: dict[str, Any], dtypes: set[torch.dtype]) -> dict[str, Any]:
+    """``config`` stating the dtype of the weights written beside it, ``dtypes`` (transformers' dtype="auto", SGLang
+    and vLLM load in it): an fp32 base trained in bf16 exports bf16 weights. Weights of mixed dtypes are the
+    source's own, kept by a bit-exact round trip, so its config already says what it meant by them."""
+    if len(dtypes) != 1:
+        return config
+    name = str(next(iter(dtypes))).removeprefix("torch.")
+    # transformers 5 writes `dtype`, older files `torch_dtype`: set whichever the config has
+    return config | {key: name for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]}

@@ -47,7 +47,7 @@ class ModelSpec:
     """Experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 0
     """Each expert's MLP width."""
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     """Renormalise the top-k routing probabilities to sum to 1 (softmax over all experts, then top-k)."""
 
     @property
@@ -115,6 +115,22 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
     return theta, scaling
 
 
+def _refuse_sliding_window(cfg: dict[str, Any], path: Path) -> None:
+    """Megatron's layers attend to every earlier token: a model whose layers transformers (and the engines) run
+    with a sliding window would score and train differently from how it generates."""
+    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if cfg.get("use_sliding_window") or sliding:
+        found = (f"use_sliding_window={cfg.get('use_sliding_window')!r} (sliding_window="
+                 f"{cfg.get('sliding_window')!r}, max_window_layers={cfg.get('max_window_layers')!r})"
+                 if cfg.get("use_sliding_window") else f"layer_types holds {sorted(set(sliding))}")
+        raise UserError(f"{path}: {found}: sliding-window attention is not supported; megarl's Megatron layers "
+                        "attend to every earlier token. Fix: use a model with full attention in every layer "
+                        "(use_sliding_window false, as Qwen2.5's and Qwen3's released models have); if the window "
+                        "is at least as long as every sequence you train and generate, the two are the same, and a "
+                        "copy of the model with use_sliding_window false and layer_types all \"full_attention\" "
+                        "is that model.")
+
+
 def load_spec(hf_dir: str | Path, field: str | None = None) -> ModelSpec:
     """Read ``hf_dir/config.json``; a missing, corrupt or unsupported config is a UserError (naming ``field``, the
     config key that gave the directory, where there is one)."""
@@ -165,6 +181,7 @@ def spec_from_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
         raise UserError(f"{path}: hidden_act={cfg['hidden_act']!r} is not supported (Llama/Qwen2/Qwen3 use silu).")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UserError(f"{path}: attention_bias/mlp_bias are not supported by megarl's Llama mapping.")
+    _refuse_sliding_window(cfg, path)
     theta, scaling = _rope(cfg, path)
     moe: dict[str, Any] = {}
     if family == "qwen3_moe":
@@ -202,4 +219,5 @@ def _moe(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}.")
     return {"num_experts": num_experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": int(_require(cfg, "moe_intermediate_size", path)),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}
+            # transformers' Qwen3MoeConfig default: a config.json without the key routes without renormalising.
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
