@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -196,18 +197,21 @@ def test_a_conversation_is_rendered_again_with_another_tokenizer(tmp_path):
     sequences, lens = [prompt_ids + response], [len(prompt_ids)]
     cfg = build_config(with_rm() | {"data": {"train_path": "x", "num_prompts_per_step": 16,
                                              "apply_chat_template": True}})
-    same = reward_inputs(sequences, lens, ["echo 6 0"], True, policy, decoder(policy), cfg)
+    stop = [policy.eos_token_id]
+    same = reward_inputs(sequences, lens, ["echo 6 0"], stop, True, policy, decoder(policy), cfg)
     assert same == sequences
-    rendered = reward_inputs(sequences, lens, ["echo 6 0"], False, other, decoder(policy), cfg)
-    expected = other.apply_chat_template([{"role": "user", "content": "echo 6 0"},
-                                          {"role": "assistant", "content": decoder(policy)(response)}],
-                                         tokenize=True, return_dict=True)["input_ids"]
-    assert rendered == [list(expected)] and rendered != sequences
-    # without the chat template: the prompt and the response as one text
+    rendered = reward_inputs(sequences, lens, ["echo 6 0"], stop, False, other, decoder(policy), cfg)
+    # the prompt with the assistant header, then the response's text: cut by the budget (no EOS), it has no end token
+    text = other.encode(decoder(policy)(response), add_special_tokens=False)
+    expected = other.apply_chat_template([{"role": "user", "content": "echo 6 0"}], tokenize=True,
+                                         add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert rendered == [list(expected) + text] and rendered != sequences
+    # without the chat template: the prompt as text, then the response's, then the EOS of a sample that stopped
     plain = build_config(with_rm() | {"data": {"train_path": "x", "num_prompts_per_step": 16,
                                                "apply_chat_template": False}})
-    rendered = reward_inputs(sequences, lens, ["echo 6 0"], False, other, decoder(policy), plain)
-    assert rendered == [other("echo 6 0" + decoder(policy)(response))["input_ids"]]
+    stopped = [sequences[0] + stop]
+    rendered = reward_inputs(stopped, lens, ["echo 6 0"], stop, False, other, decoder(policy), plain)
+    assert rendered == [other("echo 6 0")["input_ids"] + text + [other.eos_token_id]]
 
 
 def test_the_memory_plan_counts_the_reward_model_in_its_phase_or_throughout(tmp_path):
@@ -250,7 +254,8 @@ def tiny_reward_model(path: Path, seed: int = 0, own_vocabulary: bool = True) ->
 def test_the_tiny_recipe_trains_with_a_reward_model(tmp_path):
     """GRPO on the echo task with a reward model beside the rule, on 2 data-parallel ranks: the step's reward is
     rule + 0.5 x the model's score, and that score is transformers' of the conversation rendered again as text (the
-    reward model has its own chat template, so it never reads the policy's ids)."""
+    reward model has its own chat template, so it never reads the policy's ids), ending in its EOS where the sample
+    stopped."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from helpers import train_recipe
@@ -272,12 +277,28 @@ def test_the_tiny_recipe_trains_with_a_reward_model(tmp_path):
     samples = [json.loads(line) for line in (run / "samples" / "step_1.jsonl").read_text().splitlines()]
     assert len(samples) == 8 * 8
     rule = reward([s["response"] for s in samples], [s["prompt"].split()[-1] for s in samples])
-    with torch.no_grad():
-        expected = [float(model(torch.tensor([tokenizer(s["prompt"] + s["response"])["input_ids"]])).logits[0, 0])
-                    for s in samples]
-    for s, r, e in zip(samples, rule, expected, strict=True):  # trainer.log_samples: each part of the reward
-        assert s["reward/rule"] == r and s["reward/reward_model"] == pytest.approx(e, abs=1e-4), (s, r, e)
-        assert s["reward"] == pytest.approx(r + 0.5 * e, abs=1e-4), (s, r, e)
+    # The tiny policy's decode joins its tokens' text with nothing between and none of its words begins another, so
+    # a logged response's words are its tokens but the special ones: one fewer is the EOS it stopped at, or a <pad>
+    # it sampled (a sample cut by the budget), which the log cannot tell apart.
+    words = re.compile("|".join(re.escape(w) for w in tokenizer.get_vocab() if w not in tokenizer.all_special_tokens))
+
+    def score(s: dict[str, Any], stopped: bool) -> float:
+        """transformers' score of the sample as reward-model training renders it: the prompt, the response's text,
+        and the EOS if it ``stopped``."""
+        ids = (tokenizer(s["prompt"])["input_ids"] + tokenizer.encode(s["response"], add_special_tokens=False)
+               + ([tokenizer.eos_token_id] if stopped else []))
+        with torch.no_grad():
+            return float(model(torch.tensor([ids])).logits[0, 0])
+
+    ended = 0
+    for s, r in zip(samples, rule, strict=True):  # trainer.log_samples: each part of the reward
+        special = len(words.findall(s["response"])) < s["response_tokens"]
+        expected = {score(s, False)} | ({score(s, True)} if special else set())
+        got = s["reward/reward_model"]
+        assert s["reward/rule"] == r and any(got == pytest.approx(e, abs=1e-4) for e in expected), (s, r, expected)
+        ended += special and got == pytest.approx(score(s, True), abs=1e-4)
+        assert s["reward"] == pytest.approx(r + 0.5 * got, abs=1e-4), (s, r, got)
+    assert ended > 0  # samples that stopped were scored at the reward model's EOS
 
 
 @pytest.mark.slow
@@ -436,25 +457,30 @@ def test_the_phase_scores_each_sample_of_its_prompt_and_refuses_a_conversation_p
         cfg = build_config({"model": {"hf_path": str(TOKENIZER)}, "data": {"train_path": "x",
                             "apply_chat_template": False, "num_prompts_per_step": 2},
                             "rollout": {"num_samples_per_prompt": 2}, "reward_model": {"path": str(rm)}}, sets)
-        return RewardModelPhase(cfg, learner, policy, load_spec(TOKENIZER))  # type: ignore[arg-type]
+        return RewardModelPhase(cfg, learner, policy, load_spec(TOKENIZER),  # type: ignore[arg-type]
+                                (policy.eos_token_id,))
 
     texts = ["echo 1 2 3 4 5 6", "echo 3 4 5 6 7 8"]  # 6 tokens each (the tiny vocabulary: digits)
     prompts = [TokenizedPrompt(PromptRecord(t, t[-1]), policy(t)["input_ids"]) for t in texts]
     step = phase()
     take = step.step_prompts.remembering(lambda: prompts)
     assert take() == prompts
+    # the first sample stopped at EOS, the others were cut by the token budget
     responses = [policy.encode(r, add_special_tokens=False) for r in (" 2", " 1", " 4", " 3")]
+    responses[0].append(policy.eos_token_id)
     batch = Batch.build([prompts[i // 2].tokens for i in range(4)], responses, [[0.0] * len(r) for r in responses],
                         [1.0, 0.0, 1.0, 0.0])
     metrics = step(batch)
     tokenizer = load_tokenizer(str(rm))
-    assert seen[-1] == [tokenizer(texts[i // 2] + policy.decode(responses[i]))["input_ids"] for i in range(4)]
+    # its vocabulary is the policy's (another template, unused without data.apply_chat_template): rendered again,
+    # each conversation is the policy's own ids, the end token on the sample that stopped and on no other
+    assert tokenizer.get_vocab() == policy.get_vocab() and seen[-1] == batch.sequences
     assert batch.rewards["rule"].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert batch.rewards["reward_model"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert batch.scores.tolist() == [1.0, 1.0, 3.0, 3.0] and metrics["reward_model/score_mean"] == 1.5
     short = phase("actor.max_tokens_per_gpu=6", "rollout.max_prompt_tokens=4", "rollout.max_new_tokens=2")
     short.step_prompts.remembering(lambda: prompts)()
-    with pytest.raises(UserError, match=r"reward_model.path = .*has 7 tokens, more than actor.max_tokens_per_gpu "
+    with pytest.raises(UserError, match=r"reward_model.path = .*has 8 tokens, more than actor.max_tokens_per_gpu "
                                         r"= 6.*raise actor.max_tokens_per_gpu"):
         short(batch)
 

@@ -34,8 +34,10 @@ class PairsConfig:
     """Render each conversation with the tokenizer's chat template (when it has one): the prompt with the
     assistant header, then the response and the EOS token, as the policy's samples look; else plain text."""
     end_with_eos: bool = True
-    """End every response with the tokenizer's EOS token, as a sample that stopped reads; false when the pairs'
-    text carries it where it belongs (pairs made of the policy's own samples, some cut by the token budget)."""
+    """End every response with the tokenizer's EOS token, as a sample that stopped reads (and as RL renders one
+    again for this reward model); false when the pairs' text carries it where it belongs (pairs made of the
+    policy's own samples, some cut by the token budget). A model whose pad_token_id is the EOS never reads it
+    (start-up warns)."""
     max_tokens: int = 2048
     """Longest conversation (prompt and response) in tokens; a longer pair stops start-up, unless drop_long."""
     drop_long: bool = False

@@ -18,9 +18,12 @@ from megarl.rewards.reward_model import RunningStats, combine, reward_inputs
 
 
 class RewardModelPhase:
-    def __init__(self, cfg: Config, learner: Learner, tokenizer: Any, spec: ModelSpec) -> None:
+    def __init__(self, cfg: Config, learner: Learner, tokenizer: Any, spec: ModelSpec, stop_ids: tuple[int, ...]
+                 ) -> None:
+        """``stop_ids``: the tokens generation stops at; a sample ending in one finished, and a conversation
+        rendered again ends in the reward model's end token only then."""
         assert cfg.reward_model.path is not None and learner.reward_model is not None
-        self.cfg, self.learner = cfg, learner
+        self.cfg, self.learner, self.stop_ids = cfg, learner, stop_ids
         found = check_reward_model(cfg.reward_model.path, cfg.model.hf_path, tokenizer, spec)
         self.shares_tokens, self.tokenizer = found.shares_tokens, found.tokenizer
         self.decode = decoder(tokenizer)
@@ -36,8 +39,8 @@ class RewardModelPhase:
         if not self.shares_tokens:
             n = self.cfg.rollout.num_samples_per_prompt
             texts = [record.prompt for record in self.step_prompts.records(batch.sequences, batch.prompt_lens, n)]
-        inputs = reward_inputs(batch.sequences, batch.prompt_lens, texts, self.shares_tokens, self.tokenizer,
-                               self.decode, self.cfg)
+        inputs = reward_inputs(batch.sequences, batch.prompt_lens, texts, self.stop_ids, self.shares_tokens,
+                               self.tokenizer, self.decode, self.cfg)
         actor = self.cfg.actor
         longest = max(len(s) for s in inputs)
         if actor.dynamic_batch and longest > actor.max_tokens_per_gpu:  # a conversation rendered again can be longer

@@ -41,7 +41,8 @@ class RLTrainer:
         spec = load_spec(cfg.model.hf_path)
         self.learner = Learner(cfg, groups, spec)
         self.reward_model: RewardModelPhase | JudgePhase | None = \
-            RewardModelPhase(cfg, self.learner, tokenizer, spec) if cfg.reward_model.path else None
+            RewardModelPhase(cfg, self.learner, tokenizer, spec, self.rollout.stop_ids) if cfg.reward_model.path \
+            else None
         if cfg.reward_model.judge is not None:  # an LLM judge in an engine of its own (rank 0's)
             self.reward_model = JudgePhase(cfg, groups.rank, groups.dims.world_size, tokenizer)
         self.sync = WeightSync(cfg, groups, spec, self.times)

@@ -3,18 +3,21 @@ rule reward, r = rule_weight x rule + weight x clip(normalise(rm)).
 
 The reward model reads the conversation as its own tokenizer renders it. With the policy's vocabulary and chat
 template it reads the policy's token ids as they are; with any other it reads the prompt and the response as text,
-rendered again by its tokenizer and chat template: a token id of one vocabulary is never read with another.
+rendered again by its tokenizer and chat template as reward-model training renders a pair (megarl.data.conversation):
+a token id of one vocabulary is never read with another.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 
 from megarl.config import Config, RewardModelConfig
+from megarl.data.conversation import render_conversation
+from megarl.rollout.stops import ends_in_stop
 
 
 class RunningStats:
@@ -72,29 +75,26 @@ def combine(rule: torch.Tensor, rm: torch.Tensor, cfg: RewardModelConfig, stats:
     return total, metrics
 
 
-def render(prompt: str, response: str, tokenizer: Any, cfg: Config) -> list[int]:
-    """The reward model's token ids of one conversation, the prompt as data.* renders it for the policy and the
-    response as the assistant's turn: through its chat template with data.apply_chat_template (and a template),
-    else as plain text (the prompt, data.response_prefix and the response end to end)."""
+def render(prompt: str, response: str, finished: bool, tokenizer: Any, cfg: Config) -> list[int]:
+    """The reward model's token ids of one sample, as reward-model training renders a pair's conversation
+    (megarl.data.conversation): the prompt as data.* renders it for the policy (data.system_prompt, the user turn),
+    the response after data.response_prefix, and the end token only if the sample ``finished`` (a response the
+    token budget cut has none, as the policy's own ids have none)."""
     d = cfg.data
-    prefix = d.response_prefix or ""
-    if d.apply_chat_template and tokenizer.chat_template is not None:
-        system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt is not None else []
-        messages = [*system, {"role": "user", "content": prompt}, {"role": "assistant", "content": prefix + response}]
-        encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
-        return list(encoded["input_ids"])
-    text = prompt if d.system_prompt is None else f"{d.system_prompt}\n\n{prompt}"
-    return list(tokenizer(text + prefix + response)["input_ids"])
+    system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt is not None else []
+    return render_conversation([*system, {"role": "user", "content": prompt}], (d.response_prefix or "") + response,
+                               tokenizer, d.apply_chat_template, finished)
 
 
 def reward_inputs(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], prompts: Sequence[str] | None,
-                  shares_tokens: bool, tokenizer: Any, decode: Callable[[list[int]], str], cfg: Config
-                  ) -> list[list[int]]:
+                  stop_ids: Collection[int], shares_tokens: bool, tokenizer: Any,
+                  decode: Callable[[list[int]], str], cfg: Config) -> list[list[int]]:
     """What the reward model reads of each sample: the policy's ids when it shares their tokenizer, else the
     conversation rendered again (``prompts``: each sample's prompt text; the response decoded by ``decode``, the
-    policy's tokenizer without special tokens)."""
+    policy's tokenizer without special tokens). A sample finished where its last token is one of ``stop_ids``, the
+    tokens generation stops at (megarl.rollout.stops)."""
     if shares_tokens:
         return [list(s) for s in sequences]
     assert prompts is not None and len(prompts) == len(sequences), "a re-rendered conversation needs its prompt"
-    return [render(prompt, decode(list(seq[n:])), tokenizer, cfg)
+    return [render(prompt, decode(list(seq[n:])), ends_in_stop(seq[n:], stop_ids), tokenizer, cfg)
             for seq, n, prompt in zip(sequences, prompt_lens, prompts, strict=True)]

@@ -1,8 +1,9 @@
-"""Preference pairs as token ids: each conversation as a policy's sample of it looks, so that the reward model
-trains on what it will score. With the chat template: the prompt's turns with the assistant header
-(add_generation_prompt), then the response's text and the EOS token, where a sample stops; without it: the
-prompt as plain text (turns joined by blank lines, with the tokenizer's BOS), then the response and the EOS.
-(data.end_with_eos: false leaves the EOS to the response's text, for pairs of samples a token budget cut.)"""
+"""Preference pairs as token ids: each conversation rendered as RL's reward phase renders a sample
+(megarl.data.conversation), so that the reward model trains on what it will score. With the chat template: the
+prompt's turns with the assistant header (add_generation_prompt), then the response's text and the EOS token, where
+a sample stops; without it: the prompt as plain text (turns joined by blank lines, with the tokenizer's BOS), then
+the response and the EOS. (data.end_with_eos: false leaves the EOS to the response's text, for pairs of samples a
+token budget cut.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.data.conversation import end_token_id, render_conversation
 from megarl.data.preferences import Messages, PreferencePair
 from megarl.errors import UserError
 
@@ -23,20 +25,28 @@ class TokenizedPair:
 
 def conversation_ids(prompt: Messages, response: Messages, tokenizer: Any, chat_template: bool, eos: bool,
                      source: str) -> list[int]:
-    """The token ids of ``prompt`` then ``response`` (one assistant turn) as a policy's sample, ending in the EOS
-    token with ``eos``."""
+    """The token ids of ``prompt`` then ``response`` (one assistant turn) as RL's reward phase renders a sample
+    (megarl.data.conversation), ending in the end token with ``eos``."""
     if len(response) != 1:
         raise UserError(f"{source}: the response has {len(response)} turns; reward-model training takes one "
                         "assistant turn per response. Fix: keep the earlier turns in the prompt.")
-    if chat_template and tokenizer.chat_template is not None:
-        ids = list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                                 return_dict=True)["input_ids"])
-    else:
-        ids = list(tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"])
-    ids += tokenizer.encode(response[0]["content"], add_special_tokens=False)
-    if eos and tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    return ids
+    return render_conversation(prompt, response[0]["content"], tokenizer, chat_template, eos)
+
+
+def pad_end_note(tokenizer: Any, pad: int | None, eos: bool) -> str | None:
+    """With ``eos`` (data.end_with_eos), a model whose pad token (config.json's pad_token_id) is the end token is
+    scored before that token: transformers' sequence classification reads the last token that is not the pad
+    token, and megarl reads where an exported model will (megarl.models.reward_model.last_position), so every
+    response is scored as if it had no end token. Llama and Mistral fine-tunes often set pad to EOS."""
+    end = end_token_id(tokenizer)
+    if not eos or end is None or pad != end:
+        return None
+    return (f"megarl: warning: data.end_with_eos = true appends {tokenizer.convert_ids_to_tokens(end)!r} (id {end}), "
+            "which is also the model's pad_token_id (config.json): a conversation is scored at its last token that "
+            "is not the pad token, as transformers scores the exported model, so the end token is never read and a "
+            "finished response scores as a cut one. Fix: give the model a pad token of its own (pad_token_id in "
+            "model.hf_path's config.json and the tokenizer's pad_token, e.g. an unused reserved token), or set "
+            "data.end_with_eos: false, which trains on the tokens the scores read now.")
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, chat_template: bool, eos: bool, max_tokens: int,

@@ -76,8 +76,8 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
     """Everything that can be checked before the process groups: config, model, layout, tokenizer and pairs."""
     from megarl.data.preferences import load_pairs
     from megarl.data.tokenizer import load_tokenizer
-    from megarl.models.reward_model import load_body_spec
-    from megarl.rm.pairs import tokenize_pairs
+    from megarl.models.reward_model import load_body_spec, pad_token_id
+    from megarl.rm.pairs import pad_end_note, tokenize_pairs
     from megarl.run.tracking import record_if_it_ends
 
     cfg = load_reward_training(config, overrides)
@@ -106,6 +106,8 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
               f"{'a reward model' if from_reward_model else 'a causal LM with a new scalar head'} from "
               f"{cfg.model.hf_path}; TP={cfg.parallel.tensor_parallel} PP={cfg.parallel.pipeline_parallel} DP={dp}",
               flush=True)
+        if (note := pad_end_note(tokenizer, pad_token_id(spec), d.end_with_eos)) is not None:
+            print(note, flush=True)
     return Prepared(cfg=cfg, spec=spec, from_reward_model=from_reward_model, train=train, held_out=held_out, dp=dp,
                     out_dir=out_dir, hand_over=hand_over)
 
