@@ -437,7 +437,7 @@ def test_a_resume_finds_its_reward_model_by_its_weights_not_its_path(tmp_path):
 def test_the_phase_scores_each_sample_of_its_prompt_and_refuses_a_conversation_past_the_budget(tmp_path):
     """RewardModelPhase with a stand-in learner: each sample is rendered with its own prompt's text (samples of a
     prompt contiguous), the rewards' parts are kept, and a rendered conversation longer than the actor's token
-    budget is an error naming both."""
+    budget or the reward model's context is an error naming both."""
     from types import SimpleNamespace
 
     from megarl.data.batching import TokenizedPrompt
@@ -483,6 +483,14 @@ def test_the_phase_scores_each_sample_of_its_prompt_and_refuses_a_conversation_p
     with pytest.raises(UserError, match=r"reward_model.path = .*has 8 tokens, more than actor.max_tokens_per_gpu "
                                         r"= 6.*raise actor.max_tokens_per_gpu"):
         short(batch)
+    # start-up bounds the policy's tokens by the reward model's context; rendered again, a conversation is checked
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 7}))
+    narrow = phase()
+    narrow.step_prompts.remembering(lambda: prompts)()
+    with pytest.raises(UserError, match=r"reward_model.path = .*has 8 tokens, past its context "
+                                        r"\(max_position_embeddings = 7\)"):
+        narrow(batch)
 
 
 @pytest.mark.slow

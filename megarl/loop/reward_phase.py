@@ -26,6 +26,7 @@ class RewardModelPhase:
         self.cfg, self.learner, self.stop_ids = cfg, learner, stop_ids
         found = check_reward_model(cfg.reward_model.path, cfg.model.hf_path, tokenizer, spec)
         self.shares_tokens, self.tokenizer = found.shares_tokens, found.tokenizer
+        self.context = found.spec.max_position_embeddings
         self.decode = decoder(tokenizer)
         self.stats = RunningStats()
         """reward_model.normalize: every score so far (a checkpoint keeps them)."""
@@ -48,6 +49,12 @@ class RewardModelPhase:
                             f"tokenizer and chat template has {longest} tokens, more than actor.max_tokens_per_gpu = "
                             f"{actor.max_tokens_per_gpu}, the micro-batches it scores in. Fix: raise "
                             f"actor.max_tokens_per_gpu to at least {longest}.")
+        if longest > self.context:  # start-up bounds the policy's tokens; another tokenizer's count can be higher
+            raise UserError(f"reward_model.path = {self.cfg.reward_model.path!r}: a conversation rendered with its "
+                            f"tokenizer and chat template has {longest} tokens, past its context "
+                            f"(max_position_embeddings = {self.context}); its score would be out of what it was "
+                            "trained on. Fix: lower rollout.max_new_tokens or max_prompt_tokens, or use a reward model "
+                            "with a longer context.")
         scores = self.learner.reward_scores(inputs)
         batch.rewards = batch.rewards | {"rule": batch.scores.clone(), "reward_model": scores}
         batch.scores, metrics = combine(batch.scores, scores, self.cfg.reward_model, self.stats)
