@@ -186,6 +186,9 @@ def test_prompt_template_formats_record_fields(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"line 1 has no key 'topic', which data.prompt_template names; its keys are "
                                         r"\['answer', 'question', 'unit'\]"):
         load_prompts(path, template="{topic}: {question}")
+    with pytest.raises(UserError, match=r"data.prompt_template = .* names \{answer\}, the reference answer "
+                                        r"\(data.answer_key\): every prompt would hold the answer"):
+        load_prompts(path, template="{question} (hint: {answer})")
 
 
 @pytest.mark.parametrize(("template", "expected"), [("{question", "is not a format string"),

@@ -75,6 +75,11 @@ def load_prompts(path_or_name: str, prompt_key: str = "question", answer_key: st
             f"{field} = {path_or_name!r} has suffix {path.suffix!r}. Fix: convert it to .jsonl "
             "(one JSON object per line) or .parquet."
         )
+    keys = _key_fields(field)
+    if template is not None and answer_key in template_fields(template, keys["prompt_template"]):
+        raise UserError(f"{keys['prompt_template']} = {template!r} names {{{answer_key}}}, the reference answer "
+                        f"({keys['answer_key']}): every prompt would hold the answer its reward checks. Fix: leave "
+                        f"{{{answer_key}}} out of the template.")
     records = [_record(row, where, prompt_key, answer_key, template, field) for where, row in rows]
     if not records:
         raise UserError(f"{field} = {path_or_name!r} holds no records. Fix: point it at a non-empty file.")
