@@ -112,6 +112,34 @@ def test_bad_eval_sets_fail_at_start_up(tmp_path: Path, dataset: dict, expected:
     assert expected in str(err.value)
 
 
+def test_an_eval_set_inherits_or_drops_the_training_datas_system_prompt_and_prefix() -> None:
+    """An eval set's system_prompt and response_prefix: null takes data's, "" none for that set (it took data's,
+    as "" is false), text its own."""
+    from megarl.config import build_config
+    from megarl.data.batching import tokenize_prompts
+    from megarl.data.prompts import load_prompts
+    from megarl.data.tokenizer import load_tokenizer
+    from megarl.eval.in_training import load_eval_sets
+
+    tokenizer = load_tokenizer(str(REPO / "recipes" / "tiny" / "model"))
+    sets = [{"name": name, "path": "recipes/tiny/echo.jsonl", "max_prompts": 1, **own}
+            for name, own in (("inherits", {}), ("drops", {"system_prompt": "", "response_prefix": ""}),
+                              ("owns", {"system_prompt": "7", "response_prefix": "8"}))]
+    cfg = build_config({"model": {"hf_path": "recipes/tiny/model"},
+                        "data": {"train_path": "recipes/tiny/echo.jsonl", "apply_chat_template": False,
+                                 "system_prompt": "5", "response_prefix": "6"}, "eval": {"datasets": sets}})
+    record = load_prompts("recipes/tiny/echo.jsonl")[:1]
+
+    def tokens(system: str | None, prefix: str | None) -> list[int]:
+        [prompt], _ = tokenize_prompts(record, tokenizer, False, cfg.rollout.max_prompt_tokens,
+                                       system_prompt=system, response_prefix=prefix)
+        return prompt.tokens
+
+    got = [s.prompts[0].tokens for s in load_eval_sets(cfg, tokenizer, ())]
+    assert got == [tokens("5", "6"), tokens(None, None), tokens("7", "8")]
+    assert len({tuple(t) for t in got}) == 3
+
+
 def test_a_damaged_checkpoint_is_not_evaluated_or_exported(tmp_path: Path) -> None:
     """--model RUN, RUN/step_N and the documented RUN/step_N/actor, and convert mcore-to-hf --ckpt step_N/actor,
     all check the actor against the checkpoint's manifest (the actor form and the export used to read zeroed

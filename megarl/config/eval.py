@@ -22,9 +22,9 @@ class EvalDatasetConfig:
     prompt_template: str | None = None
     """Format string over the record's fields; null = data.prompt_template."""
     system_prompt: str | None = None
-    """System turn before every prompt; null = data.system_prompt."""
+    """System turn before every prompt; null = data.system_prompt, "" = none for this set."""
     response_prefix: str | None = None
-    """Text every response starts with; null = data.response_prefix."""
+    """Text every response starts with; null = data.response_prefix, "" = none for this set."""
     reward: str | None = None
     """Reward function "module:function" scoring the samples; null = trainer.reward."""
     max_prompts: int | None = None

@@ -46,14 +46,19 @@ def _load(cfg: Config, d: EvalDatasetConfig, where: str, tokenizer: Any, stop: t
     records = load_prompts(d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, template,
                            f"{where}.path")[:d.max_prompts]
     prompts, _ = tokenize_prompts(records, tokenizer, data.apply_chat_template, cfg.rollout.max_prompt_tokens,
-                                  source=repr(d.path), system_prompt=d.system_prompt or data.system_prompt,
-                                  response_prefix=d.response_prefix or data.response_prefix, field=f"{where}.path")
+                                  source=repr(d.path), system_prompt=_own(d.system_prompt, data.system_prompt),
+                                  response_prefix=_own(d.response_prefix, data.response_prefix), field=f"{where}.path")
     reward_fn = load_reward(d.reward or str(cfg.trainer.reward), f"{where}.reward")  # one is set (Config)
     params = SamplingParams(n=d.num_samples or e.num_samples,
                             temperature=e.temperature if d.temperature is None else d.temperature,
                             max_new_tokens=d.max_new_tokens or e.max_new_tokens or cfg.rollout.max_new_tokens,
                             stop_token_ids=stop, seed=cfg.rollout.seed)
     return EvalSet(d.name, prompts, reward_fn, params)
+
+
+def _own(value: str | None, inherited: str | None) -> str | None:
+    """An eval set's own text ("": none for this set), else the training data's."""
+    return inherited if value is None else value or None
 
 
 class InTrainingEval:
