@@ -4,7 +4,9 @@ cache they carry between sessions survives the trip in parts small enough to com
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,41 @@ def test_pack_carries_flashattention3_only_when_asked(tmp_path):
     assert without == ["bwrap", "sglang-0.5.17-py3-none-any.whl", "sglang_kernel_slim.zip"]
     with_fa3, manifest_fa3 = packed(FA3="1")
     assert with_fa3 == sorted([*without, "sglang_kernel_fa3.zip"]) and manifest_fa3 != manifest
+
+
+FAKE_PIP = """#!/usr/bin/env bash
+# Stands in for `python3 -m pip download ... -d DIR SPEC...`: the kernel wheel is a small zip, the rest nothing.
+while (( $# )); do case $1 in -d) dir=$2; shift ;; sglang-kernel==*) kernel=1 ;; esac; shift; done
+[[ -n ${kernel:-} ]] || exit 0
+python3 -c "import sys, zipfile
+with zipfile.ZipFile(sys.argv[1] + '/sglang_kernel-0.4.5-cp310-abi3-manylinux2014_x86_64.whl', 'w') as z:
+    for name in ('sgl_kernel/flash_ops.abi3.so', 'sgl_kernel/sm90/common_ops.abi3.so', 'sgl_kernel/sm100/x.so'):
+        z.writestr(name, name)" "$dir"
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("zip") and shutil.which("unzip")), reason="zip and unzip are not installed")
+def test_a_first_pack_slims_the_kernel_wheel_and_keeps_flashattention3_apart_when_asked(tmp_path):
+    """On an empty cache pack fetches the kernel wheel and keeps its sm90 ops (the first pack used to stop with
+    "the download failed" after a download that worked); FA3=1 fetches it again for FlashAttention-3 alone."""
+    repo = tmp_path / "repo"
+    for name in ["benchmarks/h200_stage.sh", "benchmarks/h200_common.sh", "benchmarks/h200/stage.sh",
+                 "benchmarks/h200/download.sh"]:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes((REPO / name).read_bytes())
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    cache = repo / ".stage" / "cache"
+    cache.mkdir(parents=True)
+    (cache / "bwrap").write_bytes(b"bwrap")
+    pip = tmp_path / "fake_python"
+    pip.write_text(FAKE_PIP)
+    pip.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "FA3"} | {"PYTHON": str(pip)}
+    subprocess.run(["bash", "benchmarks/h200_stage.sh", "pack"], cwd=repo, check=True, capture_output=True, env=env)
+    with zipfile.ZipFile(cache / "sglang_kernel_slim.zip") as slim:
+        assert sorted(slim.namelist()) == ["sgl_kernel/", "sgl_kernel/sm90/", "sgl_kernel/sm90/common_ops.abi3.so"]
+    assert not (cache / "sglang_kernel_fa3.zip").exists()
+    subprocess.run(["bash", "benchmarks/h200_stage.sh", "pack"], cwd=repo, check=True, capture_output=True,
+                   env=env | {"FA3": "1"})
+    with zipfile.ZipFile(cache / "sglang_kernel_fa3.zip") as fa3:
+        assert fa3.namelist() == ["sgl_kernel/flash_ops.abi3.so"]

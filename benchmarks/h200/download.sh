@@ -59,5 +59,5 @@ if [[ ! -f $dir/sglang_kernel_slim.zip || ( -n ${FA3:-} && ! -f $dir/sglang_kern
     rm -rf sgl_kernel/flash_ops.abi3.so sgl_kernel/flashmla_ops.abi3.so sgl_kernel/infllm_ops.*.so sgl_kernel/sm100 &&
     zip -qr "$tmp/slim.zip" .)
   [[ -f $dir/sglang_kernel_slim.zip ]] || mv "$tmp/slim.zip" "$dir/sglang_kernel_slim.zip"
-  [[ -f $tmp/fa3.zip ]] && mv "$tmp/fa3.zip" "$dir/sglang_kernel_fa3.zip"
+  if [[ -f $tmp/fa3.zip ]]; then mv "$tmp/fa3.zip" "$dir/sglang_kernel_fa3.zip"; fi
 fi
