@@ -405,3 +405,21 @@ def test_an_error_with_reward_workers_ends_with_its_paragraph_alone(tmp_path) ->
         "megarl error: trainer.reward = 'raising_w:reward' raised KeyError: 'answer' (scoring 2 completions). Fix: "
         "make it return a score for every completion, e.g. 0.0 for one it cannot parse; MEGARL_DEBUG=1 shows the "
         "traceback."]
+
+
+def test_a_reward_says_whether_it_reads_the_tool_turns(tmp_path, monkeypatch) -> None:
+    """reads_tool_turns survives load_reward's wrapper for a function and for a callable object whose class sets
+    it (functools.wraps copies an instance's attributes only); unset, a reward reads the policy's text."""
+    (tmp_path / "verifiers.py").write_text(
+        "class Seen:\n    reads_tool_turns = True\n    def __call__(self, completions, answers):\n"
+        "        return [0.0] * len(completions)\n\n"
+        "seen = Seen()\n\n"
+        "def checks(completions, answers):\n    return [0.0] * len(completions)\n\n"
+        "checks.reads_tool_turns = True\n\n"
+        "def plain(completions, answers):\n    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from megarl.rewards.registry import load_reward
+    from megarl.rewards.text import reads_tool_turns
+
+    assert [reads_tool_turns(load_reward(f"verifiers:{name}")) for name in ("seen", "checks", "plain")] == \
+        [True, True, False]

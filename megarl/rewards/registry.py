@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from megarl.config.imports import import_spec
 from megarl.errors import UserError
+from megarl.rewards.text import reads_tool_turns
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 """fn(completions, answers) -> one score per completion."""
@@ -42,4 +43,5 @@ def _named(fn: RewardFn, where: str) -> RewardFn:
                             "Fix: make it return a score for every completion, e.g. 0.0 for one it cannot parse; "
                             "MEGARL_DEBUG=1 shows the traceback.") from err
 
+    reward.reads_tool_turns = reads_tool_turns(fn)  # type: ignore[attr-defined]  # wraps copies an instance's only
     return reward
