@@ -163,7 +163,13 @@ def test_a_gguf_with_scaled_rope_is_refused(tmp_path: Path) -> None:
         assert str(err.value).startswith(f"--gguf {tmp_path / name}.gguf {held}: its RoPE is scaled")
         assert "Fix: convert from the original HuggingFace checkpoint" in str(err.value)
         assert not (tmp_path / "out").exists()
-    # llama.cpp's "none" scales nothing: such a file converts
-    write_gguf(tmp_path / "none.gguf", lambda writer: writer.add_rope_scaling_type(gguf.RopeScalingType.NONE))
-    gguf_to_hf(tmp_path / "none.gguf", tmp_path / "out", dtype="float32")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+    # llama.cpp's "none", or a factor of 1, scales nothing: such a file converts
+    def unit(writer: Any) -> None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(1.0)
+
+    for name, extra in [("none", lambda writer: writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)),
+                        ("unit", unit)]:
+        write_gguf(tmp_path / f"{name}.gguf", extra)
+        gguf_to_hf(tmp_path / f"{name}.gguf", tmp_path / name, dtype="float32")
+        assert json.loads((tmp_path / name / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"

@@ -77,8 +77,9 @@ def check_rope_scaling(reader: Any, path: Path) -> None:
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else ""
     keys = {k: reader.fields[k].contents() for k in reader.fields
             if k.startswith(f"{arch}.rope.scaling.") or k == f"{arch}.rope.scale_linear"}
-    # llama.cpp never scales a model whose scaling type is "none", whatever other keys say
-    if keys and keys.get(f"{arch}.rope.scaling.type") != "none":
+    # llama.cpp never scales a model whose scaling type is "none", whatever other keys say, nor by a factor of 1
+    factor = keys.get(f"{arch}.rope.scaling.factor", keys.get(f"{arch}.rope.scale_linear"))
+    if keys and keys.get(f"{arch}.rope.scaling.type") != "none" and factor != 1.0:
         held.append(", ".join(f"{k} = {v!r}" for k, v in sorted(keys.items())))
     if held:
         raise UserError(f"--gguf {path} holds {' and '.join(held)}: its RoPE is scaled, and transformers' GGUF "
