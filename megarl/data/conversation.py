@@ -30,7 +30,8 @@ def render_conversation(prompt: Sequence[dict[str, str]], response: str, tokeniz
 
 
 def end_token_id(tokenizer: Any) -> int | None:
-    """The token a finished response ends with: the tokenizer's EOS, where the policy's engine stops when both
-    share the tokenizer (megarl.loop.bootstrap.stop_ids), so that both paths of RL give the same ids."""
+    """The token a finished response ends with: the tokenizer's EOS, one the policy's engine stops at when both
+    share the tokenizer (megarl.loop.bootstrap.stop_ids), so that both paths of RL give the same ids for a sample
+    that stopped there (generation_config.json may add other stop ids, which the shared path keeps as sampled)."""
     eos = tokenizer.eos_token_id
     return int(eos) if eos is not None else None
