@@ -85,4 +85,6 @@ def test_without_keep_frozen_every_offload_copies():
     model = _Model()
     residency = ModelResidency(model, keep_frozen=False)
     round_trip(residency)
+    expected = model.values()
     assert round_trip(residency) == 0
+    assert all(torch.equal(v, expected[k]) for k, v in model.values().items())
