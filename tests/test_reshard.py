@@ -126,6 +126,7 @@ def test_engine_workers_outside_the_trainers_world_receive_exactly_their_bytes(t
     rows = _handover_group(out, model, engines_started=2, timeout_s=300)
     assert sorted(rows) == ["engine_0", "engine_1", "trainer_0", "trainer_1"]
     for name, part in rows.items():
+        assert isinstance(part, list), (name, part)  # a member's error, as the worker wrote it
         assert [r["R"] for r in part] == [1, 2], name
         for r in part:
             assert r["exact"] and r["in_engine"] and r["verified"], (name, r)
