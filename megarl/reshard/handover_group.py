@@ -46,6 +46,11 @@ def handover_group(rank: int, size: int, host: str, port: int, *, backend: str, 
     try:
         store = dist.TCPStore(host, port, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     except dist.DistError as err:
+        if rank == 0:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise HandoverGroupTimeout(f"{where}: member 0 could not serve the meeting point ({reason}). Another "
+                                       f"process may hold port {port}: start again (the port is chosen afresh) or "
+                                       "free it.") from err
         raise HandoverGroupTimeout(f"{where}: member {rank} could not reach member 0 (the trainer's rank 0, "
                                    f"which serves the meeting point) within {timeout_s:.0f} s ({type(err).__name__})"
                                    ". See the trainer's log for why it is not there.") from err
