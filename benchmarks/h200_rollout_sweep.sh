@@ -16,7 +16,9 @@
 #              attention_backend=fa3 in a setting needs the parts packed with FA3=1 (benchmarks/h200_stage.sh);
 #              DATA and TEMPLATE (the GSM8K recipe's: gsm8k and its prompt template); VARIANTS (bare-n1,adapter),
 #              REPEATS (2); a setting gets TCFG s at most (260);
-#              DEADLINE (s since the call began, 570): a setting with less than 100 s left is skipped
+#              DEADLINE (s since the call began, 570): a setting with less than 100 s left is skipped;
+#              profile=N in a setting traces N decode steps of one more pass (rollout_speed.py --profile) and prints
+#              where a step's time goes (benchmarks/decode_trace_summary.py, into NAME.trace.txt)
 # Results: /tmp/rs/MODEL_NAME.{json,log,decode.json}, packed into $OUT/rollout_sweep.tgz after each setting.
 # As run (benchmarks/results/h200/rollout_speed), before h200_stage.sh: five calls carrying SGLang's four parts and the
 # GGUF's five slices by hand (benchmarks/results/h200/rollout_speed/README.md).
@@ -88,19 +90,26 @@ json.dump(c, open(p, 'w'), indent=1)" "$dir"
           left=$(( ${DEADLINE:-570} - SECONDS ))
           if (( left < 100 )); then echo "[sweep] $model $name skipped: $left s left"; continue; fi
         fi
-        engine_args=(); variants=${VARIANTS:-bare-n1,adapter}; repeats=${REPEATS:-2}
+        engine_args=(); variants=${VARIANTS:-bare-n1,adapter}; repeats=${REPEATS:-2}; profile=()
+        base=/tmp/rs/${model}_$name; start=$SECONDS
         for kv in ${common//\// } ${sets//\// }; do
           case $kv in
-            variants=*) variants=${kv#*=} ;; repeats=*) repeats=${kv#*=} ;; *) engine_args+=(--engine-arg "$kv") ;;
+            variants=*) variants=${kv#*=} ;; repeats=*) repeats=${kv#*=} ;;
+            profile=*) profile=(--profile "${base}_trace" --profile-steps "${kv#*=}") ;;
+            *) engine_args+=(--engine-arg "$kv") ;;
           esac
         done
-        base=/tmp/rs/${model}_$name; start=$SECONDS
         echo "[sweep] $model $name: ${engine_args[*]//--engine-arg /} variants $variants repeats $repeats"
         limit=$(( left - 15 < ${TCFG:-260} ? left - 15 : ${TCFG:-260} ))
         timeout -k 10 $limit python3 benchmarks/rollout_speed.py --model "$dir" --data "$DATA" \
           ${TEMPLATE:+--prompt-template "$TEMPLATE"} --prompts 64 --samples 8 --max-new-tokens 256 --engine sglang \
-          "${engine_args[@]}" --variants "$variants" --repeats "$repeats" --json "$base.json" > "$base.log" 2>&1
+          "${engine_args[@]}" --variants "$variants" --repeats "$repeats" --json "$base.json" "${profile[@]}" \
+          > "$base.log" 2>&1
         rc=$?
+        for trace in "${base}_trace"/*DECODE*.trace.json.gz; do
+          [[ -f $trace ]] && python3 benchmarks/decode_trace_summary.py "$trace" --json "$base.trace.json" |
+            tee "$base.trace.txt" | head -12
+        done
         python3 benchmarks/sglang_decode_log.py "$base.log" --json "$base.decode.json" > /dev/null 2>&1
         python3 - "$base" "$name" "$rc" "$((SECONDS - start))" <<'EOF'
 import json, sys

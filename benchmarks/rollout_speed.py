@@ -2,7 +2,7 @@
 
   python benchmarks/rollout_speed.py --model HF_DIR --data NAME_OR_PATH [--prompt-template T] [--prompts 64]
       [--samples 8] [--max-new-tokens 256] [--engine sglang|vllm] [--engine-arg KEY=VALUE ...] [--repeats 3]
-      [--variants bare,adapter,...] [--json OUT]
+      [--variants bare,adapter,...] [--json OUT] [--profile DIR [--profile-steps 20]]
 
 Variants, run in turn on one engine (alternating, ``--repeats`` times each; the first pass of all is a warm-up):
   bare              the engine's own API: one request per prompt asking for n samples, no logprobs, no seeds
@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -43,6 +44,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", default="bare,bare+logprobs,adapter,adapter-noseed",
                         help="comma-separated, from: " + ", ".join(VARIANTS))
     parser.add_argument("--json")
+    parser.add_argument("--profile", metavar="DIR", help="SGLang: after the timed passes, one more pass of the first "
+                        "variant with SGLang's profiler tracing its first --profile-steps decode steps (GPU activity) "
+                        "into DIR (benchmarks/decode_trace_summary.py reads the DECODE trace)")
+    parser.add_argument("--profile-steps", type=int, default=20)
     return parser.parse_args()
 
 
@@ -142,6 +147,13 @@ def main() -> None:
                     runs[name].append((time.perf_counter() - start, generated))
                 print(f"[rollout_speed] pass {rep} {name}: {time.perf_counter() - start:.2f} s, {generated} tokens",
                       flush=True)
+        if args.profile and kind == "sglang":
+            engine.engine.start_profile(output_dir=args.profile, num_steps=args.profile_steps, profile_by_stage=True,
+                                        activities=["GPU"])
+            variants[chosen[0]]()
+            traces = sorted(str(p) for p in Path(args.profile).glob("*.trace.json.gz"))
+            print(f"[rollout_speed] profiled pass of {chosen[0]}: {', '.join(traces) or 'no trace written'}",
+                  flush=True)
     finally:
         engine.shutdown()
     def rate(times: list[tuple[float, int]]) -> float:
