@@ -50,10 +50,8 @@ def test_kernel_cache_travels_in_parts_under_a_device_calls_file_limit(tmp_path)
     assert (jit / "sgl_kernel_jit_norm.so").read_bytes() == b"module" and not (jit / "norm.cuda.o").exists()
 
 
-def test_pack_carries_flashattention3_only_when_asked(tmp_path):
-    """pack cuts every file of .stage/cache into the parts but SGLang's FlashAttention-3 module (1.1 GB unpacked,
-    about 8 more device calls), which travels only with FA3=1; turning it on or off cuts the parts anew. The
-    downloads are skipped: the cache already holds the kernels, and PYTHON=true stands in for pip."""
+def _packing_repo(tmp_path: Path) -> tuple[Path, Path]:
+    """A git repository holding the packing scripts alone, with an empty download cache: (repo, cache)."""
     repo = tmp_path / "repo"
     for name in ["benchmarks/h200_stage.sh", "benchmarks/h200_common.sh", "benchmarks/h200/stage.sh",
                  "benchmarks/h200/download.sh"]:
@@ -62,6 +60,14 @@ def test_pack_carries_flashattention3_only_when_asked(tmp_path):
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     cache = repo / ".stage" / "cache"
     cache.mkdir(parents=True)
+    return repo, cache
+
+
+def test_pack_carries_flashattention3_only_when_asked(tmp_path):
+    """pack cuts every file of .stage/cache into the parts but SGLang's FlashAttention-3 module (1.1 GB unpacked,
+    about 8 more device calls), which travels only with FA3=1; turning it on or off cuts the parts anew. The
+    downloads are skipped: the cache already holds the kernels, and PYTHON=true stands in for pip."""
+    repo, cache = _packing_repo(tmp_path)
     for name, size in [("sglang-0.5.17-py3-none-any.whl", 3000), ("sglang_kernel_slim.zip", 2000),
                        ("sglang_kernel_fa3.zip", 5000), ("bwrap", 100)]:
         (cache / name).write_bytes(os.urandom(size))
@@ -96,14 +102,7 @@ with zipfile.ZipFile(sys.argv[1] + '/sglang_kernel-0.4.5-cp310-abi3-manylinux201
 def test_a_first_pack_slims_the_kernel_wheel_and_keeps_flashattention3_apart_when_asked(tmp_path):
     """On an empty cache pack fetches the kernel wheel and keeps its sm90 ops (the first pack used to stop with
     "the download failed" after a download that worked); FA3=1 fetches it again for FlashAttention-3 alone."""
-    repo = tmp_path / "repo"
-    for name in ["benchmarks/h200_stage.sh", "benchmarks/h200_common.sh", "benchmarks/h200/stage.sh",
-                 "benchmarks/h200/download.sh"]:
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_bytes((REPO / name).read_bytes())
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    cache = repo / ".stage" / "cache"
-    cache.mkdir(parents=True)
+    repo, cache = _packing_repo(tmp_path)
     (cache / "bwrap").write_bytes(b"bwrap")
     pip = tmp_path / "fake_python"
     pip.write_text(FAKE_PIP)
