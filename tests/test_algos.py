@@ -78,6 +78,25 @@ def test_grpo_advantages_by_hand() -> None:
         grpo_advantages(scores, 3)
 
 
+@pytest.mark.parametrize("std_normalize", [True, False])
+def test_a_group_of_equal_scores_gets_exactly_zero_whatever_the_score(std_normalize: bool) -> None:
+    """Scores such as 0.1 (the GSM8K format reward) are not exact in binary: a float32 group mean of eight of them
+    is off by a rounding step, which the std normalisation turned into advantages of 1-10% for a group with no
+    signal. Every equal group gets 0 in the scores' dtype; an unequal group keeps its float64 value."""
+    for group in (4, 5, 8, 16):
+        for k in range(41):
+            score = k / 20
+            scores = torch.full((2 * group,), score, dtype=torch.float32)
+            scores[group:] = torch.arange(group, dtype=torch.float32) * 0.1 + score
+            adv = grpo_advantages(scores, group, std_normalize=std_normalize)
+            assert adv.dtype == torch.float32
+            assert torch.equal(adv[:group], torch.zeros(group)), (group, score, adv[:group])
+            ref = scores[group:].double() - scores[group:].double().mean()
+            if std_normalize:
+                ref = ref / (scores[group:].double().std() + 1e-6)
+            torch.testing.assert_close(adv[group:], ref.float(), rtol=1e-6, atol=1e-6)
+
+
 def test_whiten_by_hand() -> None:
     x = t([1, 2, 3], [4, 99, 99])
     mask = t([1, 1, 1], [1, 0, 0])

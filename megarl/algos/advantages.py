@@ -47,11 +47,14 @@ def grpo_advantages(
     """
     if group_size < 2 or scores.numel() % group_size:
         raise ValueError(f"grpo_advantages: {scores.numel()} scores do not form groups of {group_size} (>= 2)")
-    groups = scores.reshape(-1, group_size)
+    # In float32 the mean of equal scores such as 0.1 can be off by a rounding step, which std-normalising would
+    # blow up into an advantage of a few percent for a group with no signal: float64, and equal groups set to 0.
+    groups = scores.reshape(-1, group_size).double()
     centred = groups - groups.mean(dim=1, keepdim=True)
     if std_normalize:
         centred = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    centred = torch.where((groups == groups[:, :1]).all(dim=1, keepdim=True), 0.0, centred)
+    return centred.reshape(-1).to(scores.dtype)
 
 
 @torch.no_grad()
