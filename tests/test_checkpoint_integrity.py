@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 
 from helpers import run_worker, zero_data
 from megarl import checkpoint
-from megarl.checkpoint import manifest, model_files, saving
+from megarl.checkpoint import manifest, model_files, resuming, saving
 from megarl.checkpoint.best_on_resume import check_best
 from megarl.checkpoint.keep_best import best_step, mark_best
 from megarl.distributed.parallel import ParallelDims
@@ -317,3 +317,48 @@ def test_with_keep_best_off_a_stale_best_is_set_aside_and_no_best_rebuilt(world,
     check_best(world, None, 2, 0)  # step 2 is trained again
     assert best_step(world) is None and (world / "best.json.stale").is_file()
     assert "checkpoint.keep_best is off, so no best is rebuilt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pointer", ["", ".", "../elsewhere", "step_x"])
+def test_a_latest_that_names_no_checkpoint_resumes_the_newest_that_verifies_and_renames_nothing_else(
+        world, capsys, pointer):
+    """A `latest` reading "" or "." made auto take checkpoint.dir itself for a damaged checkpoint and rename the
+    whole directory *.damaged (metrics, lock and all): the next launch started again from step 0."""
+    save(world, 1)
+    newest = save(world, 2)
+    (world / "metrics.jsonl").write_text('{"step": 2}\n')
+    (world / "latest").write_text(pointer)
+    assert checkpoint.find("auto", str(world)) == newest
+    assert "not a checkpoint's name" in capsys.readouterr().out
+    assert world.is_dir() and (world / "metrics.jsonl").is_file() and not world.with_name("ckpt.damaged").exists()
+    (newest / "trainer.json").write_text("{")  # the newest damaged: only it is set aside
+    assert checkpoint.find("auto", str(world)) == world / "step_000001"
+    assert sorted(p.name for p in world.iterdir() if p.name.startswith("step")) == ["step_000001",
+                                                                                    "step_000002.damaged"]
+    assert resuming.set_aside(world) == "nothing: not a checkpoint's directory" and world.is_dir()
+
+
+def test_a_failure_after_the_rename_names_the_saved_checkpoint_and_how_to_resume_from_it(world, monkeypatch, capsys):
+    """The checkpoint is complete once renamed: a full disk while `latest` is pointed at it must not say that the
+    partial checkpoint was removed; it names the checkpoint to resume from, and auto says that it leaves it alone."""
+    save(world, 1)
+    real = manifest.fsync_file
+
+    def full(path):
+        if Path(path).name == ".latest.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path)
+
+    monkeypatch.setattr(manifest, "fsync_file", full)
+    with pytest.raises(UserError) as err:
+        save(world, 2)
+    message = str(err.value)
+    assert "step_000002 is saved and verifies, but pointing `latest` at it failed" in message
+    assert "`latest` still names step_000001" in message and f"free space in {world}" in message
+    assert f"checkpoint.resume: {world / 'step_000002'}" in message and "removed" not in message
+    monkeypatch.setattr(manifest, "fsync_file", real)
+    assert checkpoint.verify(world / "step_000002") is None
+    capsys.readouterr()
+    assert checkpoint.find("auto", str(world)) == world / "step_000001"
+    assert "holds step_000002, later than `latest` (step_000001): left alone" in capsys.readouterr().out
+    assert checkpoint.find(str(world / "step_000002"), str(world)) == world / "step_000002"

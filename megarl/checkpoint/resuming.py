@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -64,18 +63,31 @@ def _candidates(root: Path) -> list[Path]:
     """Where ``auto`` looks, in order: the checkpoint ``latest`` names, then the earlier ones, newest first.
     Later ones than ``latest`` belong to a run that was resumed from an earlier checkpoint: not this one's."""
     found = checkpoints(root)
+    newest_first = [found[s] for s in sorted(found, reverse=True)]
     if not (root / LATEST).is_file():
-        return [found[s] for s in sorted(found, reverse=True)]
-    named = root / (root / LATEST).read_text().strip()
-    match = STEP_DIR.fullmatch(named.name)
-    below = int(match.group(1)) if match else math.inf  # a damaged pointer: every checkpoint is a candidate
-    return [named] + [found[s] for s in sorted(found, reverse=True) if s < below and found[s] != named]
+        return newest_first
+    text = (root / LATEST).read_text().strip()
+    match = STEP_DIR.fullmatch(text)
+    if match is None:  # a damaged pointer ("", ".", a path): every checkpoint is a candidate, and only they
+        if dist.get_rank() == 0:
+            print(f"megarl: {root / LATEST} reads {text[:80]!r}, not a checkpoint's name: resuming from the newest "
+                  "checkpoint that verifies", flush=True)
+        return newest_first
+    named, below = root / text, int(match.group(1))
+    later = [found[s].name for s in sorted(found, reverse=True) if s > below]
+    if later and dist.get_rank() == 0:
+        print(f"megarl: {root} holds {', '.join(later)}, later than `latest` ({text}): left alone (a run resumed from "
+              "an earlier checkpoint wrote them, or a save stopped before it moved `latest`). To resume from one, "
+              f"set checkpoint.resume to its path ({root / later[0]}).", flush=True)
+    return [named] + [found[s] for s in sorted(found, reverse=True) if s < below]
 
 
 def set_aside(path: Path) -> str:
     """Rename a damaged checkpoint *.damaged (out of every later resume's and rotation's sight); its new name."""
     if not path.exists():
         return "nothing: it is missing"
+    if not STEP_DIR.fullmatch(path.name):  # never checkpoint.dir itself, or anything but a checkpoint in it
+        return "nothing: not a checkpoint's directory"
     target = path.with_name(path.name + ".damaged")
     n = 1
     while target.exists():

@@ -95,11 +95,15 @@ def _write_and_publish(root: Path, name: str, tmp: Path, step: int, models: Mapp
         if not failed:
             try:
                 _publish(root, tmp, name, {k: v for _, f in reports for k, v in f.items()}, keep_last)
+            except _Published as err:
+                published[0] = str(err)
             except Exception as err:  # noqa: BLE001
                 error, published[0] = err, _describe_error(err, root)
         if failed or published[0] is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast_object_list(published, src=0)
+    if isinstance(published[0], str):
+        raise UserError(published[0]) from None
     if published[0] is not None:
         failed.append((0, published[0]))
     if failed:
@@ -164,10 +168,35 @@ def _publish(root: Path, tmp: Path, name: str, files: dict[str, dict[str, Any]],
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    manifest.fsync_dir(root)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name)
-    manifest.fsync_file(pointer)
-    os.replace(pointer, root / LATEST)
-    manifest.fsync_dir(root)
-    rotate(root, keep_last, final)
+    try:
+        manifest.fsync_dir(root)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(name)
+        manifest.fsync_file(pointer)
+        os.replace(pointer, root / LATEST)
+        manifest.fsync_dir(root)
+    except Exception as err:  # noqa: BLE001 - named, with what is where now
+        raise _Published(_published_message(root, name, "pointing `latest` at it", err)) from err
+    try:
+        rotate(root, keep_last, final)
+    except Exception as err:  # noqa: BLE001
+        raise _Published(_published_message(root, name, f"removing checkpoints older than the last {keep_last}",
+                                             err)) from err
+
+
+class _Published(Exception):
+    """A failure after the checkpoint was renamed into place: it is complete, so the message says what is where."""
+
+
+def _published_message(root: Path, name: str, what: str, err: Exception) -> str:
+    full, detail = _describe_error(err, root) or (False, repr(err))
+    try:
+        latest = (root / LATEST).read_text().strip() or "nothing"
+    except OSError:
+        latest = "nothing"
+    where = "`latest` names it" if latest == name else \
+        f"`latest` still names {latest}, which checkpoint.resume: auto would resume from"
+    fix = f"free space in {root}, then " if full else ""
+    resume = "checkpoint.resume: auto" if latest == name else f"checkpoint.resume: {root / name}"
+    return (f"checkpoint.dir = {str(root)!r}: {name} is saved and verifies, but {what} failed ({detail}); {where}. "
+            f"Nothing was deleted. Fix: {fix}resume with {resume}.")
