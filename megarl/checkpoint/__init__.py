@@ -26,7 +26,9 @@ Layout of ``checkpoint.dir``:
   latest                      name of the newest complete checkpoint (replaced atomically)
   step_000005.damaged/        a checkpoint that failed verification, set aside by ``resume: auto``
 A crash while saving leaves only a ``.step_*.tmp`` directory, which is never read; the previous
-checkpoint and ``latest`` stay as they were. Every file is fsynced, then checksummed, and the directories
+checkpoint and ``latest`` stay as they were. One between the rename and ``latest``'s update leaves a complete
+checkpoint later than ``latest``: ``resume: auto`` names it and resumes from ``latest`` (later checkpoints are also
+what a run resumed from an earlier one leaves), and a failure there says which to resume from. Every file is fsynced, then checksummed, and the directories
 are fsynced before the rename. A resume first verifies the checkpoint (``verify``: each rank checks its
 share of the bytes) and compares the experiment (resume_check.py). Resuming restores weights, optimizer state, LR
 schedule and data position in any TP/PP/DP layout (and with or without the distributed optimizer):
