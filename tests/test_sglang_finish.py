@@ -39,7 +39,10 @@ def test_the_models_eos_ids_are_read_as_an_int_or_a_list(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     assert model_eos_ids(tmp_path) == (7,)  # no generation config: the model config's
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9, None]}))
-    assert model_eos_ids(tmp_path) == (2, 9)  # the generation config's, as the engines take them, not config.json's
+    # SGLang stops at both files' ids (vLLM at the generation config's alone, and is asked for the rest)
+    assert model_eos_ids(tmp_path) == (2, 9, 7)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [9, 2]}))
+    assert model_eos_ids(tmp_path) == (2, 9)
     assert model_eos_ids(tmp_path / "missing") == ()
 
 
@@ -49,6 +52,16 @@ def test_a_budget_that_ends_on_eos_is_a_stop_and_one_that_ends_elsewhere_is_a_cu
         scripted([5, EOS], "length"), scripted([5, 6], "length"), scripted([5, 40], "length")]
     done = engine.generate([[3], [4], [8]], SamplingParams(max_new_tokens=2, stop_token_ids=[40]))
     assert [c.finish_reason for c in done] == ["stop", "length", "stop"]
+
+
+def test_a_budget_that_ends_on_the_model_configs_own_eos_is_a_stop(engine, tmp_path):
+    """SGLang stops at config.json's EOS too when generation_config.json lists others: a chunk that ends on it
+    comes back "length" and must not be resumed past it."""
+    config_eos = json.loads((tmp_path / "m" / "config.json").read_text())["eos_token_id"]
+    assert config_eos not in (EOS, 128)
+    engine.engine.generate = lambda input_ids, sampling_params, return_logprob, **kw: [
+        scripted([5, config_eos], "length")]
+    assert engine.generate([[3]], SamplingParams(max_new_tokens=2))[0].finish_reason == "stop"
 
 
 def test_an_aborted_request_that_kept_an_eos_is_a_stop(engine):
@@ -77,3 +90,13 @@ def test_a_kv_cache_is_flushed_when_it_wakes(engine):
     engine.engine.flush_cache = lambda: types.SimpleNamespace(success=False)
     with pytest.raises(RuntimeError, match="did not flush its KV cache"):
         engine.wake("all")
+
+
+def test_a_sample_sglang_ended_for_nan_probabilities_stops_the_step(engine):
+    """SGLang writes a stop token over a token it sampled outside the vocabulary and reports a "stop": trained as
+    a clean stop, with the logprob of a token never sampled, unless the adapter refuses it."""
+    out = scripted([5, EOS], "stop")
+    out["meta_info"]["finish_reason"]["matched"] = "NaN happened"
+    engine.engine.generate = lambda input_ids, sampling_params, return_logprob, **kw: [out]
+    with pytest.raises(RuntimeError, match="NaN probabilities in prompt 0's sample"):
+        engine.generate([[3]], SamplingParams(max_new_tokens=2))

@@ -25,17 +25,17 @@ Layout of ``checkpoint.dir``:
   step_000012/manifest.json   size and CRC-32 of every other file (manifest.py)
   latest                      name of the newest complete checkpoint (replaced atomically)
   step_000005.damaged/        a checkpoint that failed verification, set aside by ``resume: auto``
-A crash while saving leaves only a ``.step_*.tmp`` directory, which is never read; the previous
-checkpoint and ``latest`` stay as they were. One between the rename and ``latest``'s update leaves a complete
-checkpoint later than ``latest``: ``resume: auto`` names it and resumes from ``latest`` (later checkpoints are also
-what a run resumed from an earlier one leaves), and a failure there says which to resume from. Every file is fsynced, then checksummed, and the directories
-are fsynced before the rename. A resume first verifies the checkpoint (``verify``: each rank checks its
-share of the bytes) and compares the experiment (resume_check.py). Resuming restores weights, optimizer state, LR
-schedule and data position in any TP/PP/DP layout (and with or without the distributed optimizer):
-each saved parameter is merged into its HF form and split again for the new layout (see
-mcore_ckpt.reshard), so the run continues as an uninterrupted run in the new layout would, up to
-float rounding. The RNG states are restored only in the same layout; elsewhere the ranks keep
-their fresh seeding (the RL loop draws its randomness from per-step seeds).
+A crash while saving leaves only a ``.step_*.tmp`` directory, which is never read; the previous checkpoint and
+``latest`` stay as they were. One between the rename and ``latest``'s update leaves a complete checkpoint later than
+``latest``: ``resume: auto`` names it and resumes from ``latest`` (later checkpoints are also what a run resumed
+from an earlier one leaves), and a failure there says which to resume from. Every file is fsynced, then checksummed,
+and the directories are fsynced before the rename. A resume first verifies the checkpoint (``verify``: each rank
+checks its share of the bytes) and compares the experiment (resume_check.py). Resuming restores weights, optimizer
+state, LR schedule and data position in any TP/PP/DP layout (and with or without the distributed optimizer): each
+saved parameter is merged into its HF form and split again for the new layout (see mcore_ckpt.reshard), so the run
+continues as an uninterrupted run in the new layout would, up to float rounding. The RNG states are restored only in
+the same layout; elsewhere the ranks keep their fresh seeding (the RL loop draws its randomness from per-step
+seeds).
 """
 
 from megarl.checkpoint.paths import COMMON, LATEST, OPTIMIZER, TRAINER, checkpoints, rotate

@@ -301,6 +301,12 @@ class SGLangEngine:
                                f"{prompt_index} (finish reason {finish!r})")
         if finish == "abort" and not abortable:
             raise RuntimeError(f"SGLang aborted prompt {prompt_index}'s request: {meta.get('finish_reason')}")
+        if (meta.get("finish_reason") or {}).get("matched") == "NaN happened":
+            # SGLang sampled outside the vocabulary (NaN probabilities) and wrote a stop token in its place: a clean
+            # stop to anything downstream, trained with the logprob of a token never sampled.
+            raise RuntimeError(f"SGLang's sampler met NaN probabilities in prompt {prompt_index}'s sample (the engine "
+                               "replaced the token with a stop token). The engine's weights or logits are not finite:"
+                               " check the last weight hand-over (rollout.verify_every) and the learning rate.")
         reason: Literal["stop", "length", "abort"] = finish if finish in ("length", "abort") \
             and not ends_in_stop(tokens, stop_ids) else "stop"
         return Completion(prompt_index=prompt_index, token_ids=tokens, logprobs=logprobs, finish_reason=reason,

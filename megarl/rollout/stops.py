@@ -14,21 +14,21 @@ from pathlib import Path
 
 
 def model_eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
-    """The EOS ids the engines stop at besides the requested stop ids (``eos_token_id``: an int, a list or null):
-    generation_config.json's where it names them, as vLLM and transformers take them, else config.json's; a file
-    that is missing or unreadable adds nothing (the tokenizer's EOS is still asked for)."""
+    """The EOS ids a sample ends at besides the requested stop ids (``eos_token_id``: an int, a list or null):
+    generation_config.json's, then config.json's. SGLang stops at both files' ids; vLLM and transformers at
+    generation_config.json's where it names any: megarl asks every engine to stop at all of them, so that a sample
+    ends at the same token whichever engine made it, and a sample ending in one is complete (``ends_in_stop``). A
+    file that is missing or unreadable adds nothing (the tokenizer's EOS is still asked for)."""
+    ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         try:
             value = json.loads((Path(hf_dir) / name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
-        ids: list[int] = []
         for x in value if isinstance(value, list) else [value]:
             if isinstance(x, int) and not isinstance(x, bool) and x >= 0 and x not in ids:
                 ids.append(x)
-        if ids:
-            return tuple(ids)
-    return ()
+    return tuple(ids)
 
 
 def ends_in_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> bool:
