@@ -64,6 +64,17 @@ def test_layout_and_run_length_may_change(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_a_longer_run_under_a_decaying_learning_rate_says_how_the_rate_moves(tmp_path, capsys):
+    """trainer.num_steps may change, but under a cosine decay the rate at the resumed step jumps: one line says so,
+    naming the optimizer (the critic's constant schedule is not named)."""
+    path = saved_checkpoint(tmp_path, config("ppo", "actor.optimizer.lr_schedule=cosine", "trainer.num_steps=8"),
+                            roles=("actor", "critic"))
+    check_unchanged(config("ppo", "actor.optimizer.lr_schedule=cosine", "trainer.num_steps=16"), path, rank=0)
+    out = capsys.readouterr().out
+    assert "trainer.num_steps 8 -> 16 re-sizes the learning-rate decay: after 4 steps actor.optimizer" in out
+    assert "critic.optimizer" not in out
+
+
 def test_a_grpo_checkpoint_resumed_as_ppo_says_so(tmp_path):
     path = saved_checkpoint(tmp_path, config("grpo"))
     ppo = config("ppo", "algorithm.kl_coef=0.0")

@@ -2,7 +2,8 @@
 algorithm, reward, data, sampling, batch shape, optimizer, seeds) must equal the checkpoint's, unless
 ``checkpoint.allow_changes`` lists them. The layout (parallel.*, the distributed optimizer, micro-batching,
 offloading, the engine's settings) and trainer.num_steps may change freely: the checkpoint reshards on load,
-and a longer run is the same experiment continued."""
+and a longer run is the same experiment continued (a decaying learning rate is re-sized to it, which one line says:
+schedule_change.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint import manifest
+from megarl.checkpoint.schedule_change import resized_schedule
 from megarl.config import Config
 from megarl.config.experiment import allowed_changes, defines_experiment
 from megarl.distributed.rank0 import from_rank0
@@ -62,6 +64,12 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
                         "the checkpoint's values; or, to continue with the change deliberately, list them in "
                         f"checkpoint.allow_changes (--set checkpoint.allow_changes={keys}); or set "
                         "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
+    schedules = {"actor.optimizer": cfg.actor.optimizer} | (
+        {"critic.optimizer": cfg.critic.optimizer} if cfg.algorithm.name == "ppo" else {})
+    resized = resized_schedule(schedules, saved.get("trainer.num_steps"), cfg.trainer.num_steps,
+                               state["step"] + 1)
+    if resized and rank == 0:
+        print(resized, flush=True)
     if found and rank == 0:
         print(f"megarl: resuming {path} with "
               + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in found)

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from megarl.checkpoint.schedule_change import resized_schedule
 from megarl.config.reward_training import RewardTrainingConfig, load_reward_training
 from megarl.config.yaml_io import check
 from megarl.distributed.parallel import ParallelGroups
@@ -38,14 +41,18 @@ class Prepared:
 
     def check_unchanged(self, path: Path) -> None:
         """Refuse a resume whose recipe changes what the checkpoint at ``path`` trained, naming each key."""
-        saved = json.loads((path / "trainer.json").read_text()).get("config", {})
-        now = self.cfg.to_flat_dict()
+        state = json.loads((path / "trainer.json").read_text())
+        saved, now = state.get("config", {}), self.cfg.to_flat_dict()
         changed = [k for k in now if k.startswith(DEFINING) and k in saved and saved[k] != now[k]]
         if changed:
             raise UserError(f"checkpoint {path} was trained with "
                             + ", ".join(f"{k} = {saved[k]!r}" for k in changed) + "; this recipe has "
                             + ", ".join(f"{now[k]!r}" for k in changed) + ". Fix: restore them, or start anew "
                             "(checkpoint.resume: none, or another checkpoint.dir).")
+        resized = resized_schedule({"training.optimizer": self.cfg.training.optimizer},
+                                   saved.get("trainer.num_steps"), self.cfg.trainer.num_steps, state["step"] + 1)
+        if resized and dist.get_rank() == 0:
+            print(resized, flush=True)
 
 
 def check_layout(cfg: RewardTrainingConfig, spec: ModelSpec, world: int) -> int:
