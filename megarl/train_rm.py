@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, groups, log = start(run)
     trainer = RewardTrainer(cfg, groups, run.spec, run.from_reward_model)
-    loader = PromptLoader(run.train, cfg.data.pairs_per_step, cfg.data.shuffle, cfg.data.seed)
+    loader = PromptLoader(run.train, cfg.data.pairs_per_step, cfg.data.shuffle, cfg.data.seed,
+                          key=lambda p: [p.chosen, p.rejected])
     models = {"reward_model": trainer.model}
     first = 0
     found = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)

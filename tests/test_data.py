@@ -178,6 +178,22 @@ def test_loader_errors() -> None:
         PromptLoader(list(range(9)), batch_size=2).load_state_dict(state)
 
 
+def test_a_resume_over_as_many_but_other_prompts_is_refused_unless_allowed() -> None:
+    """The loader's state says where in which order: over other prompts of the same count (another file, the same one
+    edited) it would silently continue elsewhere. The items' keys are compared (the source line is not a key)."""
+    records = [PromptRecord(f"q{i}", str(i), source=f"a.jsonl line {i}") for i in range(10)]
+    key = lambda r: [r.prompt, r.answer]  # noqa: E731
+    state = json.loads(json.dumps(PromptLoader(records, batch_size=2, key=key).state_dict()))
+    moved = [PromptRecord(r.prompt, r.answer, source=f"b.jsonl line {i}") for i, r in enumerate(records)]
+    PromptLoader(moved, batch_size=2, key=key).load_state_dict(state)  # the same prompts from another path
+    edited = [*records[:9], PromptRecord("q9 edited", "9")]
+    with pytest.raises(UserError, match="as many, but not the same ones.*allow_changes=data.train_path"):
+        PromptLoader(edited, batch_size=2, key=key).load_state_dict(state)
+    PromptLoader(edited, batch_size=2, key=key).load_state_dict(state, allow_other_items=True)
+    del state["digest"]  # a checkpoint of a megarl before digests: not compared
+    PromptLoader(edited, batch_size=2, key=key).load_state_dict(state)
+
+
 def test_prompt_template_formats_record_fields(tmp_path: Path) -> None:
     path = write(tmp_path / "p.jsonl", '{"question": "1 + 1?", "unit": "apples", "answer": 2}\n')
     template = 'Q: {question} ({unit}) Output the answer after "####".'

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -18,10 +20,13 @@ class PromptLoader(Generic[T]):
     Epoch e visits the items in the order of a permutation seeded by (seed, e), so any epoch can be
     rebuilt from the state alone. The tail of an epoch that cannot fill a batch is skipped (every step
     gets the same number of prompts); shuffling moves different items into it each epoch.
-    state_dict() after k batches, loaded into a fresh loader, makes it yield batch k + 1 onwards.
+    state_dict() after k batches, loaded into a fresh loader, makes it yield batch k + 1 onwards, over the same
+    items: ``key(item)`` (JSON values; default: its repr) names what makes an item itself, and a digest of the keys
+    in order travels with the state.
     """
 
-    def __init__(self, items: Sequence[T], batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, items: Sequence[T], batch_size: int, shuffle: bool = True, seed: int = 0,
+                 key: Callable[[T], Any] = repr) -> None:
         if batch_size > len(items):
             raise UserError(
                 f"data.num_prompts_per_step = {batch_size}, but the dataset has only {len(items)} prompts "
@@ -34,6 +39,11 @@ class PromptLoader(Generic[T]):
         self.epoch = 0
         self.position = 0  # items of this epoch's order already yielded
         self._order = self._permutation()
+        digest = hashlib.sha256()
+        for item in items:
+            digest.update(json.dumps(key(item)).encode())
+            digest.update(b"\0")
+        self.digest = digest.hexdigest()[:16]
 
     def _permutation(self) -> np.ndarray:
         if not self.shuffle:
@@ -54,15 +64,26 @@ class PromptLoader(Generic[T]):
         return [self.items[i] for i in picked]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": len(self.items)}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": len(self.items),
+                "digest": self.digest}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where `state` left off; the checkpoint's seed replaces this loader's."""
+    def load_state_dict(self, state: dict[str, Any], allow_other_items: bool = False) -> None:
+        """Continue where `state` left off; the checkpoint's seed replaces this loader's. Items other than the
+        checkpoint's (as many, but another file, or the same one edited) are refused unless ``allow_other_items``
+        (a checkpoint of a megarl before digests is not compared)."""
         if state["num_items"] != len(self.items):
             raise UserError(
                 f"the checkpoint's prompt loader was over {state['num_items']} prompts, but data.train_path now "
                 f"gives {len(self.items)}, so the resumed order would differ. Fix: use the same data (and "
                 "rollout.max_prompt_tokens) as the checkpointed run, or start fresh with checkpoint.resume: none."
+            )
+        if state.get("digest", self.digest) != self.digest and not allow_other_items:
+            raise UserError(
+                f"the checkpoint's prompt loader was over {state['num_items']} prompts, and data.train_path now "
+                "gives as many, but not the same ones (another file, or the same one edited: their digests differ), "
+                "so the resumed order would visit other prompts than the saved one meant. Fix: point data.train_path "
+                "back at the checkpointed run's data, or start fresh with checkpoint.resume: none (an RL run "
+                "continues on this data deliberately with --set checkpoint.allow_changes=data.train_path)."
             )
         self.seed = state["seed"]
         self.epoch = state["epoch"]

@@ -11,6 +11,7 @@ from megarl import checkpoint
 from megarl.checkpoint.best_on_resume import check_best
 from megarl.checkpoint.resume_check import check_unchanged
 from megarl.config import load_config, run_dir, validate_layout
+from megarl.config.experiment import allowed_changes
 from megarl.config.imports import import_spec
 from megarl.config.yaml_io import check
 from megarl.errors import UserError
@@ -190,7 +191,8 @@ def setup(config_path: str, overrides: Sequence[str]
     out_dir = run_dir(cfg)
     from megarl.data.loader import PromptLoader
 
-    loader = PromptLoader(prompts, cfg.data.num_prompts_per_step, cfg.data.shuffle, cfg.data.seed)
+    loader = PromptLoader(prompts, cfg.data.num_prompts_per_step, cfg.data.shuffle, cfg.data.seed,
+                          key=lambda p: [p.record.prompt, p.record.answer])
 
     from megarl.platform import init_platform
 
@@ -233,7 +235,7 @@ def setup(config_path: str, overrides: Sequence[str]
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(state["loader"], "data.train_path" in allowed_changes(cfg.checkpoint.allow_changes))
         trainer.kl.load_state_dict(state["kl"])
         if trainer.reward_model is not None:  # reward_model.normalize's running statistics
             trainer.reward_model.load_state_dict(state.get("reward_model"))
