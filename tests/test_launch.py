@@ -113,6 +113,13 @@ def test_sbatch_scripts_parse(script):
     assert "#SBATCH --gpus-per-node=8" in text and "megarl.launch" in text
     if script.startswith("train"):  # checkpoint and requeue before the time limit or a preemption
         assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text and "train_until_signal srun" in text
+    # Slurm opens the output file before the script runs: a directory missing in a fresh clone fails the job at once
+    # with no log (JobLaunchFailure)
+    output = re.search(r"^#SBATCH --output=(.+)$", text, re.M)
+    assert output is not None
+    folder = str(Path(output.group(1)).parent)
+    tracked = subprocess.run(["git", "ls-files", folder], cwd=REPO, capture_output=True, text=True).stdout
+    assert folder == "." or tracked.strip(), f"{folder}/ is not in the repository"
 
 
 # Stands in for the job step: waits for the stop file named by its last argument, as the trainer would.
@@ -155,6 +162,32 @@ def test_slurm_signal_becomes_a_stop_file(tmp_path):
     assert code == 0, err
     assert "USR1 from Slurm" in out and "saved and stopped" in out
     assert not (tmp_path / "stop").exists()
+
+
+def test_a_stale_stop_file_of_a_requeued_job_does_not_stop_its_next_run(tmp_path):
+    """A requeued job keeps its id, so its stop file can outlive the run that never acknowledged it: the next run
+    must not see it (the fake step stops at once, exit 0, when it does: trained one step, COMPLETED)."""
+    (tmp_path / "stop").write_text("")
+    script = tmp_path / "job.sh"
+    step = "import pathlib, sys; sys.exit(5 if pathlib.Path(sys.argv[-1].split('=', 1)[1]).exists() else 0)"
+    script.write_text(f"set -euo pipefail\nsource {REPO}/scripts/slurm/common.sh\n"
+                      f"train_until_signal {sys.executable} -c \"{step}\"\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          env=clean | {"MEGARL_STOP_FILE": str(tmp_path / "stop")})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_job_steps_get_the_batch_jobs_cpus():
+    """srun no longer inherits --cpus-per-task: common.sh hands it on, unless the user set SRUN_CPUS_PER_TASK."""
+    def srun_cpus(env: dict[str, str]) -> str:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+        return subprocess.run(["bash", "-c", f"source {REPO}/scripts/slurm/common.sh; echo ${{SRUN_CPUS_PER_TASK:-}}"],
+                              cwd=REPO, capture_output=True, text=True, env=clean | env, check=True).stdout.strip()
+
+    assert srun_cpus({"SLURM_CPUS_PER_TASK": "64"}) == "64"
+    assert srun_cpus({"SLURM_CPUS_PER_TASK": "64", "SRUN_CPUS_PER_TASK": "8"}) == "8"
+    assert srun_cpus({}) == ""
 
 
 @pytest.mark.parametrize("failures", [2, 9])

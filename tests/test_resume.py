@@ -113,3 +113,13 @@ def test_a_damaged_metrics_line_before_the_last_is_an_error(tmp_path):
     with pytest.raises(UserError, match="metrics.jsonl line 2 is damaged"):
         forget_jsonl_steps(tmp_path, 1)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3  # left as it was
+
+
+def test_a_long_run_without_periodic_checkpoints_is_warned_at_start_up():
+    from megarl.checkpoint.notes import no_checkpoint_note
+
+    note = no_checkpoint_note(config("grpo", "trainer.num_steps=200"))
+    assert note is not None and "checkpoint.save_every = 0: this run of 200 steps saves no checkpoint" in note
+    assert no_checkpoint_note(config("grpo", "trainer.num_steps=5")) is None  # a smoke run
+    assert no_checkpoint_note(config("grpo", "trainer.num_steps=200", "checkpoint.dir=runs/x",
+                                     "checkpoint.save_every=20")) is None

@@ -51,7 +51,8 @@ class CheckpointConfig:
     dir: str | None = None
     """Checkpoint directory; null = no checkpoints."""
     save_every: int = 0
-    """Save every this many steps (and at the end); 0 = never."""
+    """Save every this many steps (and at the end); 0 = only when stop_file asks (start-up warns a run of 20 steps
+    or more: a crash or a preemption would restart it from step 0)."""
     keep_last: int = 2
     """Checkpoints to keep; older ones are deleted after a successful save (never the one just saved, nor
     any of a later step)."""

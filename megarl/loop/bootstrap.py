@@ -217,10 +217,12 @@ def setup(config_path: str, overrides: Sequence[str]
 
         if (warning := fp8_rollout_warning(cfg)) is not None:
             print(warning, flush=True)
+        from megarl.checkpoint.notes import no_checkpoint_note
         from megarl.loop.partial_rollouts import mps_note, prefill_note
         from megarl.rollout.sglang_notes import deterministic_note
 
-        for note in (prefill_note(cfg), mps_note(cfg, on_cuda=platform.device.type == "cuda"), deterministic_note(cfg)):
+        for note in (prefill_note(cfg), mps_note(cfg, on_cuda=platform.device.type == "cuda"), deterministic_note(cfg),
+                     no_checkpoint_note(cfg)):
             if note is not None:
                 print(note, flush=True)
     from megarl.loop.trainer import RLTrainer

@@ -7,6 +7,9 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off unless th
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export MEGARL_RDZV_PORT=${MEGARL_RDZV_PORT:-29500}
+# srun does not inherit the batch job's --cpus-per-task (Slurm 22.05 on): without this, clusters that bind tasks to
+# CPUs would run torchrun, its workers, the engines and the reward workers on one core per node.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}; fi
 # Compiled kernels (torch.compile's FlexAttention in the trainer, Triton kernels in the engines) cached beside the job
 # rather than in each node's /tmp or home directory, so a requeued job or the next run does not compile them again (an H200's first
 # step: 25.7 s of scoring and 11.5 s of generation on a fresh machine, 5.5 s and 3.4 s with the caches warm).
@@ -15,13 +18,18 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-.cache/torchinductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-.cache/triton}
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
 
-# Slurm sends USR1 to this batch shell 10 minutes before the time limit or a preemption (the
-# launchers' --signal=B:USR1@600). train_until_signal runs the job step in the background, turns the
+# Slurm sends USR1 to this batch shell 10 minutes before the time limit (the launchers' --signal=B:USR1@600), and
+# before a preemption only where the cluster sets PreemptParameters=send_user_signal; otherwise a preemption sends
+# SIGTERM, which stops the trainer without a checkpoint, and the requeued job resumes from the last periodic one
+# (checkpoint.save_every). train_until_signal runs the job step in the background, turns the
 # signal into the trainer's stop file (checkpoint.stop_file: save after the current step, exit 0) and
 # requeues the job, which resumes from that checkpoint (checkpoint.resume: auto).
 export MEGARL_STOP_FILE=${MEGARL_STOP_FILE:-logs/megarl-${SLURM_JOB_ID:-local}.stop}
 train_until_signal() {
   local stop_asked=0 pid rc
+  # A requeued job keeps its id, so the stop file of a signal its last run never acknowledged would stop this run
+  # after one step, as COMPLETED.
+  rm -f "$MEGARL_STOP_FILE"
   trap 'stop_asked=1; echo "megarl: USR1 from Slurm: checkpoint after this step, then requeue"; touch "$MEGARL_STOP_FILE"' USR1
   "$@" --set checkpoint.stop_file="$MEGARL_STOP_FILE" &
   pid=$!
