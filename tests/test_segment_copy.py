@@ -446,3 +446,18 @@ def test_cuda_refuses_freed_and_offloaded_storage() -> None:
     with pytest.raises(RuntimeError, match="overflow a 64-bit size"):
         C.BufferPool(4, 2**62, "cuda")
     torch.cuda.synchronize()
+
+
+def test_a_build_without_cuda_kernels_is_refused_on_a_gpu_before_the_first_step(monkeypatch):
+    """A megarl._C built on a login node has the CPU kernels only: a GPU run must stop at start-up naming the
+    rebuild, not at its first hand-over."""
+    import types
+
+    from megarl.errors import UserError
+    from megarl.reshard import kernels
+
+    monkeypatch.setattr(kernels, "extension", lambda: types.SimpleNamespace(with_cuda=lambda: False))
+    with pytest.raises(UserError, match="built without its CUDA kernels.*MEGARL_FORCE_CUDA=1"):
+        kernels.check_cuda_build()
+    monkeypatch.setattr(kernels, "extension", lambda: types.SimpleNamespace(with_cuda=lambda: True))
+    kernels.check_cuda_build()

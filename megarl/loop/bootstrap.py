@@ -197,6 +197,10 @@ def setup(config_path: str, overrides: Sequence[str]
     from megarl.platform import init_platform
 
     platform = init_platform()
+    if platform.device.type == "cuda":
+        from megarl.reshard.kernels import check_cuda_build
+
+        check_cuda_build()
     from megarl.distributed.parallel import ParallelDims, init_distributed, init_model_parallel, model_parallel_seed
 
     init_distributed(platform, cfg.parallel.timeout_minutes)

@@ -15,6 +15,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from megarl.errors import UserError
+
 
 class Segment(NamedTuple):
     """One row of a segment table. Offsets, strides and sizes are in bytes."""
@@ -55,6 +57,17 @@ def extension() -> ModuleType:
             f"megarl._C, megarl's compiled extension, cannot be imported ({err}). Build it from the "
             "repository root, with torch already installed: pip install --no-build-isolation -e ."
         ) from err
+
+
+def check_cuda_build() -> None:
+    """On a GPU, megarl._C must hold its CUDA kernels: one built on a machine without a GPU (a login node) has only
+    the CPU ones, which the first weight hand-over would find after a whole rollout and update."""
+    if not extension().with_cuda():
+        raise UserError(
+            "megarl._C was built without its CUDA kernels (on a machine without a GPU or nvcc, such as a login "
+            "node), but this run is on GPUs: the weight hand-over would fail after the first step. Fix: rebuild it "
+            "where nvcc is found (pip install --no-build-isolation -e . on a GPU node, or with MEGARL_FORCE_CUDA=1 "
+            "on a build machine without a GPU).")
 
 
 def segment_table(segments: Iterable[Segment]) -> torch.Tensor:
