@@ -24,10 +24,20 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def kernel_family(name: str) -> str:
-    """A kernel's name without template arguments and launch parameters, which differ per batch size."""
-    name = re.sub(r"<.*", "", name)
-    name = re.sub(r"\(.*", "", name)
-    return name.strip()[:90] or "?"
+    """A kernel's name without its template arguments, argument list and return type, which differ per batch size
+    and say nothing of what it does."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    kept, depth = [], 0
+    for ch in name:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            break
+        elif depth == 0:
+            kept.append(ch)
+    return "".join(kept).strip()[:90] or "?"
 
 
 def summarize(trace: dict, top: int = 15) -> dict:

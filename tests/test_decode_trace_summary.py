@@ -37,7 +37,11 @@ def test_a_decode_step_is_split_into_gpu_time_and_the_hosts():
 
 
 def test_kernel_names_lose_their_template_and_argument_lists():
-    assert kernel_family("void flash::kernel<Traits<128>, true>(Params)") == "void flash::kernel"
+    assert kernel_family("void flash::kernel<Traits<128>, true>(Params)") == "flash::kernel"
+    assert kernel_family("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>(float*, "
+                         "at::native::(anonymous namespace)::Epilogue)") == "at::native::cunn_SoftMaxForward"
+    assert kernel_family("void at::native::reduce_kernel<512, 1, Op<a::b<c>, d> >(Op<e>)") == \
+        "at::native::reduce_kernel"
     assert kernel_family("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
 
 
