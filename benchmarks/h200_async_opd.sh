@@ -209,6 +209,7 @@ for part in $PART; do case $part in
         cp .git_rev /tmp/tree/ 2>/dev/null; cd /tmp/tree && echo "[h200] runs from /tmp/tree: $(cat .git_rev 2>/dev/null)"
     fi
     export PYTHONPATH=/tmp/site:$PWD
+    rm -f /tmp/runs.done  # an earlier start's: wait would take these runs for done at once
     setsid nohup bash -c "OUT=/tmp/runs_out PART=runs RUNS='$RUNS' STEPS=$STEPS EVAL_EVERY=$EVAL_EVERY CHUNK=$CHUNK \
       GSM8K_STEPS=$GSM8K_STEPS STEPS_8B=$STEPS_8B PROMPTS_8B=$PROMPTS_8B TOOL_STEPS=$TOOL_STEPS TESTS='$TESTS' FULL_LAYERS=$FULL_LAYERS GSM8K_EVAL_EVERY=$GSM8K_EVAL_EVERY WIDE=$WIDE PROFILE=${PROFILE:-} bash benchmarks/h200_async_opd.sh; touch /tmp/runs.done" > /dev/null 2>&1 < /dev/null &
     echo "[h200] runs started: $RUNS" ;;
