@@ -386,6 +386,13 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(async_rl={"mode": "colocated_async"}, algorithm={"rollout_correction": "token_tis",
                                                                       "dynamic_sampling": True}),
          ["`algorithm.dynamic_sampling`", "async_rl.mode = colocated_async"]),
+        (with_changes(rollout={"temperature": float("inf")}), ["`rollout.temperature`", "be a finite number > 0"]),
+        (with_changes(eval={"temperature": float("inf")}), ["`eval.temperature`", "be a finite number >= 0"]),
+        (with_changes(algorithm={"adaptive_kl": True, "kl_target": float("inf")}), ["`algorithm.kl_target`"]),
+        (with_changes(trainer={"seed": 2**64}), ["`trainer.seed`", "[0, 2147483647]"]),
+        (with_changes(rollout={"seed": -3}), ["`rollout.seed`", "[0, 2147483647]"]),
+        (with_changes(trainer={"num_steps": 10}, actor={"optimizer": {"num_warmup_steps": 10}}),
+         ["`actor.optimizer.num_warmup_steps`", "= 10", "below trainer.num_steps (10)"]),
     ],
 )
 def test_bad_values(data: dict[str, Any], expected: list[str]) -> None:
@@ -603,3 +610,15 @@ def test_cli_exits_2_without_traceback(tmp_path: Path) -> None:
     env["MEGARL_DEBUG"] = "1"
     debug = subprocess.run([sys.executable, "-c", code, str(bad)], env=env, capture_output=True, text=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_rollout_longer_than_the_models_context_is_refused_before_anything_is_built(tmp_path):
+    """The engines refuse it only after the models are built and the engine starts (vLLM naming no config key)."""
+    from helpers import REPO
+    from megarl.loop.bootstrap import check_run
+
+    with pytest.raises(UserError, match=r"`rollout.max_new_tokens` = 1000.*together 1016 tokens, past "
+                                        r"model.hf_path's max_position_embeddings \(64\)"):
+        check_run(str(REPO / "recipes/tiny_cpu_grpo.yaml"), [f"checkpoint.dir={tmp_path / 'run'}",
+                                                              "rollout.max_new_tokens=1000"],
+                  world=1, ranks_per_node=None, gpu_bytes=0)

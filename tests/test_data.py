@@ -205,6 +205,8 @@ def test_prompt_template_formats_record_fields(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"data.prompt_template = .* names \{answer\}, the reference answer "
                                         r"\(data.answer_key\): every prompt would hold the answer"):
         load_prompts(path, template="{question} (hint: {answer})")
+    with pytest.raises(UserError, match=r"names \{answer\}"):  # inside a format spec too
+        load_prompts(path, template="{question:{answer}}")
 
 
 @pytest.mark.parametrize(("template", "expected"), [("{question", "is not a format string"),
@@ -241,3 +243,10 @@ def test_response_prefix_ends_the_prompt_as_its_own_tokens() -> None:
     with pytest.raises(UserError, match="longer than rollout.max_prompt_tokens"):
         tokenize_prompts(records, tok, apply_chat_template=True, max_prompt_tokens=len(plain[0].tokens),
                          response_prefix="six")
+
+
+@pytest.mark.parametrize("template", ["{question:d}", "{question!x}"])
+def test_a_template_that_cannot_format_a_record_is_one_paragraph_naming_the_line(tmp_path: Path, template) -> None:
+    path = write(tmp_path / "p.jsonl", '{"question": "1 + 1?", "answer": 2}\n')
+    with pytest.raises(UserError, match=r"data.prompt_template = .* cannot format data.train_path .*line 1"):
+        load_prompts(path, template=template)

@@ -1,12 +1,14 @@
 """Every shipped recipe loads, and the 8-GPU recipes validate for their model on 8 GPUs."""
 
 import json
+import re
 
 import pytest
 
 from helpers import REPO
 from megarl.config import load_config, validate_layout
 from megarl.config.reward_training import load_reward_training
+from megarl.errors import UserError
 from megarl.models.presets import PRESETS, preset_or_hf_spec
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -36,3 +38,14 @@ def test_8b_recipes_validate_for_8_gpus(tmp_path, recipe, preset):
     assert cfg.rollout.gpu_memory_fraction == 0.7 and cfg.actor.dynamic_batch
     if spec.is_moe:  # checked before launch (megarl.loop.bootstrap): Megatron's MoE layers under TP need it
         assert cfg.parallel.sequence_parallel
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("checkpoint.allow_changes=data.train_path", "= \"data.train_path\", but it must be null for reward-model"),
+    ("training.optimizer.num_warmup_steps=400", "below trainer.num_steps (400)"),
+])
+def test_reward_model_training_refuses_what_it_would_ignore(override, expected):
+    """train_rm's resume refuses every change to what its steps trained, and a warm-up as long as the run never
+    reaches the learning rate: said when the recipe loads, not ignored."""
+    with pytest.raises(UserError, match=re.escape(expected)):
+        load_reward_training(REPO / "recipes" / "tiny_cpu_rm.yaml", [override, "trainer.num_steps=400"])

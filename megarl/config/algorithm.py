@@ -106,7 +106,7 @@ class AlgorithmConfig:
         within(self, "overlong_penalty", "[0, inf)", "use 1.0")
         if self.adaptive_kl:
             check(
-                self.kl_target is not None and self.kl_target > 0,
+                self.kl_target is not None and 0 < self.kl_target < float("inf"),
                 "kl_target",
                 self.kl_target,
                 "be > 0 when adaptive_kl is true",

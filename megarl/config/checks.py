@@ -21,8 +21,19 @@ def within(section: object, name: str, interval: str, fix: str) -> None:
         return
     above = value > float(low) if left == "(" else value >= float(low)
     below = value < float(high) if right == ")" else value <= float(high)
-    must = f"be {'>' if left == '(' else '>='} {low}" if high == "inf" else f"be in {interval}"
+    finite = " a finite number" if abs(value) == float("inf") else ""
+    must = f"be{finite} {'>' if left == '(' else '>='} {low}" if high == "inf" else f"be in {interval}"
     check(above and below, name, value, must, fix)
+
+
+SEED_RANGE = "[0, 2147483647]"
+"""Seeds megarl takes: every engine's seed fits (vLLM's is below 2^32), and the per-step seeds derived from them
+(a seed plus the step times a stride) stay far inside 64 bits."""
+
+
+def seeds(section: object, *names: str) -> None:
+    for name in names:
+        within(section, name, SEED_RANGE, "use a seed such as 0")
 
 
 def positive(section: object, *names: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from megarl.config.checks import nonempty, positive
+from megarl.config.checks import nonempty, positive, within
 from megarl.config.yaml_io import check
 
 
@@ -43,8 +43,7 @@ class EvalDatasetConfig:
         for name in ("max_prompts", "num_samples", "max_new_tokens"):
             value = getattr(self, name)
             check(value is None or value >= 1, name, value, "be null or >= 1", "use null for the default")
-        check(self.temperature is None or self.temperature >= 0, "temperature", self.temperature,
-              "be null or >= 0 (0 = greedy)", "use 0 for greedy decoding")
+        within(self, "temperature", "[0, inf)", "use 0 for greedy decoding (null: eval.temperature)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,7 +66,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check(self.every >= 0, "every", self.every, "be >= 0", "use 0 to evaluate only at the ends of the run")
         positive(self, "num_samples")
-        check(self.temperature >= 0, "temperature", self.temperature, "be >= 0 (0 = greedy)", "use 0 for greedy")
+        within(self, "temperature", "[0, inf)", "use 0 for greedy")
         check(self.max_new_tokens is None or self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
               "be null or >= 1", "use null for rollout.max_new_tokens")
         names = [d.name for d in self.datasets]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config.checks import IMPORT_PATH_RE, positive, within
+from megarl.config.checks import IMPORT_PATH_RE, positive, seeds, within
 from megarl.config.yaml_io import check
 
 JUDGE_FIELDS = ("prompt", "response", "answer")
@@ -67,6 +67,7 @@ class JudgeConfig:
               "unparsable_score", self.unparsable_score, "be a finite number", "use 0.0")
         positive(self, "max_prompt_tokens", "max_new_tokens", "tensor_parallel")
         within(self, "temperature", "[0, inf)", "use 0.0 for greedy verdicts")
+        seeds(self, "seed")
         within(self, "gpu_memory_fraction", "(0, 1]", "use 0.1")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megarl.config.checks import nonempty, positive, within
+from megarl.config.checks import nonempty, positive, seeds, within
 from megarl.config.model import ModelConfig, ParallelConfig
 from megarl.config.run import CheckpointConfig, TrackingConfig
 from megarl.config.training import OptimizerConfig
@@ -81,6 +81,7 @@ class RMTrainerConfig:
 
     def __post_init__(self) -> None:
         positive(self, "num_steps", "log_every")
+        seeds(self, "seed")
         within(self, "eval_every", "[0, inf)", "use 0 to never evaluate")
 
 
@@ -105,6 +106,14 @@ class RewardTrainingConfig:
     def __post_init__(self) -> None:
         check(self.checkpoint.keep_best is None, "checkpoint.keep_best", self.checkpoint.keep_best,
               "be null for reward-model training", "remove it (every checkpoint is kept by keep_last)")
+        # A resume of reward-model training refuses every change to what its steps trained (megarl.rm.setup)
+        check(not self.checkpoint.allow_changes, "checkpoint.allow_changes", self.checkpoint.allow_changes,
+              "be null for reward-model training, which resumes only the experiment it saved",
+              "remove it; to train on other data or settings, start a new checkpoint.dir")
+        warmup = self.training.optimizer.num_warmup_steps
+        check(warmup < self.trainer.num_steps, "training.optimizer.num_warmup_steps", warmup,
+              f"be below trainer.num_steps ({self.trainer.num_steps}): the learning rate would never reach "
+              "training.optimizer.lr", "shorten the warm-up (a few per cent of the run), or use 0")
 
     def to_flat_dict(self) -> dict[str, Any]:
         """Dotted keys to values, as mlflow's parameters and a checkpoint's record take them."""

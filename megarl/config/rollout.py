@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, within
+from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, seeds, within
 from megarl.config.yaml_io import check
 
 FP8_BLOCKS = (128, 64)
@@ -93,6 +93,7 @@ class RolloutConfig:
         positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")
         positive(self, "reshard_bucket_mb", "timeout_minutes")
         within(self, "temperature", "(0, inf)", "use 1.0 (greedy decoding, 0, gives nothing to train on)")
+        seeds(self, "seed")
         within(self, "top_p", "(0, 1]", "use 1.0 to disable nucleus sampling")
         check(
             self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "be -1 or >= 1", "use -1 for no top-k"

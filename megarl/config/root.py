@@ -65,6 +65,11 @@ class Config:
             check(defines_experiment(key, Config), "checkpoint.allow_changes", self.checkpoint.allow_changes,
                   f"name only fields that define the experiment, which `{key}` is not (a layout or run setting, "
                   "free to change on resume, or no field at all)", f"remove `{key}`, or fix its spelling")
+        for role in ("actor", "critic") if self.algorithm.name == "ppo" else ("actor",):
+            warmup = getattr(self, role).optimizer.num_warmup_steps
+            check(warmup < self.trainer.num_steps, f"{role}.optimizer.num_warmup_steps", warmup,
+                  f"be below trainer.num_steps ({self.trainer.num_steps}): the learning rate would never reach "
+                  f"{role}.optimizer.lr", "shorten the warm-up (a few per cent of the run), or use 0")
         n = self.rollout.num_samples_per_prompt
         if self.algorithm.name == "grpo":
             check(

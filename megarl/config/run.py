@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, within
+from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, seeds, within
 from megarl.config.yaml_io import check
 
 
@@ -33,6 +33,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         positive(self, "num_steps", "log_every")
+        seeds(self, "seed")
         within(self, "reward_workers", "[0, inf)", "use 0 to score in the training process")
         within(self, "log_samples", "[0, inf)", "use 0 to write no samples")
         check(self.reward is not None or self.reward_workers == 0, "reward_workers", self.reward_workers,

@@ -28,8 +28,12 @@ class PromptRecord:
 def template_fields(template: str, field: str) -> list[str]:
     """The record fields a prompt template names; a template Python cannot format, or with positional fields,
     is a UserError naming ``field``."""
+    def named(text: str) -> list[str]:  # a format spec may name fields too: "{question:{width}}"
+        return [n for _, name, spec, _ in string.Formatter().parse(text) if name is not None
+                for n in [name, *named(spec or "")]]
+
     try:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        names = named(template)
     except ValueError as err:
         raise UserError(f"{field} = {template!r} is not a format string ({err}). Fix: name record fields in "
                         "braces, e.g. \"{question}\", and write literal braces as {{ and }}.") from None
@@ -139,7 +143,12 @@ def _record(row: Any, where: str, prompt_key: str, answer_key: str, template: st
         if missing:
             raise UserError(f"{field} {where} has no key {missing[0]!r}, which {keys['prompt_template']} names; "
                             f"its keys are {sorted(row)}. Fix: name those keys in the template.")
-        row = row | {prompt_key: template.format_map(row)}
+        try:
+            row = row | {prompt_key: template.format_map(row)}
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:  # a format spec or conversion
+            raise UserError(f"{keys['prompt_template']} = {template!r} cannot format {field} {where} "
+                            f"({type(err).__name__}: {err}). Fix: name the record's fields plainly, as in "
+                            '"{question}", without a format spec (":d") or conversion ("!x").') from None
     for key_field, key in ((keys["prompt_key"], prompt_key), (keys["answer_key"], answer_key)):
         if key not in row:
             raise UserError(

@@ -37,6 +37,13 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     cfg.distill.check_teacher_dir()  # before the memory plan reads it
     cfg.reward_model.check_dir()
     check_rollout_tp(spec, cfg.rollout.tensor_parallel)
+    r = cfg.rollout
+    longest = r.max_prompt_tokens + r.max_new_tokens
+    check(longest <= spec.max_position_embeddings, "rollout.max_new_tokens", r.max_new_tokens,
+          f"fit the model's context with rollout.max_prompt_tokens ({r.max_prompt_tokens}): together {longest} "
+          f"tokens, past model.hf_path's max_position_embeddings ({spec.max_position_embeddings}), which the engines "
+          "refuse after the models are built",
+          f"lower rollout.max_new_tokens or max_prompt_tokens to {spec.max_position_embeddings} tokens together")
     from megarl.reshard.planner import check_fp8_rollout
 
     check_fp8_rollout(cfg, spec)
