@@ -163,6 +163,10 @@ def test_a_damaged_checkpoint_is_not_evaluated_or_exported(tmp_path: Path) -> No
     (step / manifest.MANIFEST).unlink()
     with pytest.raises(UserError, match="manifest.json is missing, though trainer.json says"):
         check_part(step / "actor", "--model")
+    abandoned = tmp_path / ".step_000004.tmp"  # a save that stopped before its manifest: nothing to check against
+    (abandoned / "actor").mkdir(parents=True)
+    with pytest.raises(UserError, match="part of .step_000004.tmp, a checkpoint that a save was still writing"):
+        check_part(abandoned / "actor", "--ckpt")
 
 
 
