@@ -296,3 +296,28 @@ def test_a_full_disk_in_an_evaluation_during_training_says_where_the_run_goes_on
                            "and trains the steps after it again.",
         "nothing": "free space on the run directory's disk (df -h) and run again: no checkpoint of this step was saved "
                    "(checkpoint.save_every = 0) nor of any before it, so the run starts anew."}[saved]
+
+
+def test_an_evaluations_reward_that_returns_no_score_per_completion_is_one_paragraph(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """megarl.eval.harness scored whatever came back: a None or a string was a traceback, a short list zip's
+    error, a NaN an accuracy of nan. Now one paragraph names the reward (--reward, or an eval set's) and the sample."""
+    from megarl.data.batching import TokenizedPrompt
+    from megarl.data.prompts import PromptRecord
+    from megarl.eval.harness import score
+    from megarl.rewards.registry import load_reward
+    from megarl.rollout.base import Completion
+
+    (tmp_path / "nanny.py").write_text("def reward(completions, answers):\n    return [1.0, float('nan')]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = [TokenizedPrompt(record=PromptRecord(prompt="q", answer="a"), tokens=[1])]
+    completions = [Completion(prompt_index=0, token_ids=[2], logprobs=[0.0], finish_reason="stop")] * 2
+    with pytest.raises(UserError, match=r"^--reward = 'nanny:reward' returned nan for sample 1 of the 2 "
+                                        r"completions it scored\. Fix: return one finite float"):
+        score(prompts, completions, load_reward("nanny:reward", "--reward"), 2, str)
+    with pytest.raises(UserError, match=r"^the reward function returned a list of 1 for 2 completions"):
+        score(prompts, completions, lambda texts, answers: [1.0], 2, str)
+    with pytest.raises(UserError, match=r"returned None for sample 0 of the 2"):
+        score(prompts, completions, lambda texts, answers: [None, 1.0], 2, str)
+    row, samples = score(prompts, completions, lambda texts, answers: [True, 0], 2, str)
+    assert row["accuracy"] == 0.5 and [s.reward for s in samples] == [1.0, 0.0]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 import threading
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -423,3 +426,39 @@ def test_a_reward_says_whether_it_reads_the_tool_turns(tmp_path, monkeypatch) ->
 
     assert [reads_tool_turns(load_reward(f"verifiers:{name}")) for name in ("seen", "checks", "plain")] == \
         [True, True, False]
+
+
+BAD_RETURNS = [
+    (None, "returned None for 4 completions"),
+    ({"a": 1.0}, "returned {'a': 1.0} (a dict) for 4 completions"),
+    ([1.0, 0.0, 1.0], "returned a list of 3 for 4 completions"),
+    ([None, 1.0, 0.0, 0.0], "returned None for sample 0 of the 4 completions it scored"),
+    ([1.0, "abc", 0.0, 0.0], "returned 'abc' (a str) for sample 1 of the 4"),
+    (["1.0", 1.0, 0.0, 0.0], "returned '1.0' (a str) for sample 0 of the 4"),
+    ([1.0, 0.0, math.nan, 0.0], "returned nan for sample 2 of the 4"),
+    ([1.0, 0.0, 0.0, np.float32("-inf")], "returned -inf for sample 3 of the 4"),
+]
+
+
+@pytest.mark.parametrize(("returned", "expected"), BAD_RETURNS)
+def test_a_reward_returning_no_score_per_completion_is_one_paragraph(returned, expected, tmp_path,
+                                                                      monkeypatch) -> None:
+    """trainer.reward's return is checked where it is called (a rank's or a worker's share), naming the spec, what
+    came back and the fix: a None or a string failed later as a traceback, a NaN trained silently."""
+    (tmp_path / "shaped.py").write_text("RETURNED = None\ndef reward(completions, answers):\n    return RETURNED\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scorer = RewardScorer("shaped:reward", 0)
+    monkeypatch.setattr(sys.modules["shaped"], "RETURNED", returned)
+    with pytest.raises(UserError) as info:
+        scorer(["a", "b", "c", "d"], [""] * 4)
+    message = str(info.value)
+    assert message.startswith(f"trainer.reward = 'shaped:reward' {expected}"), message
+    assert message.endswith("Fix: return one finite float (or int/bool) per completion, in the completions' order.")
+
+
+def test_bools_ints_and_numpy_numbers_are_scores(tmp_path, monkeypatch) -> None:
+    (tmp_path / "mixed.py").write_text("import numpy as np\ndef reward(completions, answers):\n"
+                                       "    return [True, 0, np.float32(0.5), np.float64(0.25)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    scores = load_reward("mixed:reward")(["a", "b", "c", "d"], [""] * 4)
+    assert scores == [1.0, 0.0, 0.5, 0.25] and all(type(s) is float for s in scores)

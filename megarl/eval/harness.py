@@ -20,7 +20,7 @@ from typing import Any
 
 from megarl.data.batching import TokenizedPrompt
 from megarl.errors import UserError
-from megarl.rewards.registry import RewardFn
+from megarl.rewards.registry import RewardFn, checked_scores
 from megarl.rewards.text import reads_tool_turns, reward_text
 from megarl.rollout.base import Completion, SamplingParams
 
@@ -51,9 +51,9 @@ def score(prompts: Sequence[TokenizedPrompt], completions: Sequence[Completion],
     """``k`` completions per prompt, grouped in prompt order, scored: (metrics, samples in that order)."""
     texts = [decode(c.token_ids) for c in completions]
     tool_turns = reads_tool_turns(reward_fn)
-    rewards = [float(r) for r in reward_fn([reward_text(decode, c.token_ids, c.policy_mask, tool_turns)
-                                            for c in completions],
-                                           [prompts[c.prompt_index].record.answer for c in completions])]
+    scores = reward_fn([reward_text(decode, c.token_ids, c.policy_mask, tool_turns) for c in completions],
+                       [prompts[c.prompt_index].record.answer for c in completions])
+    rewards = checked_scores(scores, len(completions), getattr(reward_fn, "where", "the reward function"))
     samples = [Sample(prompt=prompts[c.prompt_index].record.prompt, completion=text, reward=reward,
                       tokens=len(c.token_ids) if c.policy_mask is None else sum(c.policy_mask),
                       truncated=c.finish_reason == "length" if c.stats is None else c.stats["cut_by_budget"] > 0)

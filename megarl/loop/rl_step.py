@@ -8,7 +8,6 @@ token j of sequence i sits at column prompt_len_i - 1 + j.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from megarl.algos.losses import aggregate, policy_loss, value_loss
 from megarl.algos.shaping import overlong_penalty
 from megarl.config import AlgorithmConfig, RolloutConfig
 from megarl.errors import UserError, check_finite
+from megarl.rewards.registry import checked_scores
 
 
 @dataclass
@@ -141,16 +141,9 @@ def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, flo
             "logprob_diff_max": float(diff.max())}
 
 
-def check_scores(scores: Sequence[float], num_samples: int, reward: str, step: int) -> None:
-    """A reward function's output must be one finite number per sample: a NaN would train silently."""
-    if len(scores) != num_samples:
-        raise UserError(f"step {step}: trainer.reward = {reward} returned {len(scores)} scores for {num_samples} "
-                        "responses. Make it return one float per completion, in order.")
-    bad = [i for i, v in enumerate(scores) if not math.isfinite(float(v))]
-    if bad:
-        check_finite(f"step {step}", {f"reward of sample {i}": float(scores[i]) for i in bad[:3]},
-                     f"The reward function trainer.reward = {reward} returned non-finite scores for {len(bad)} of "
-                     f"{num_samples} responses; make it return finite floats.")
+def check_scores(scores: object, num_samples: int, reward: str, step: int) -> list[float]:
+    """The step's scores as floats, one finite number per sample (megarl.rewards.registry.checked_scores)."""
+    return checked_scores(scores, num_samples, f"step {step}: trainer.reward = {reward!r}")
 
 
 def check_drift(drift: dict[str, float], rollout: RolloutConfig, step: int) -> None:

@@ -171,7 +171,7 @@ class RolloutManager:
             live = {g.uid for g in list(self.partial.pool.groups)}
             for uid in [uid for uid in list(self._early) if uid not in live]:  # dropped as stale
                 self._early.pop(uid, None)
-        check_scores(scores, len(samples), str(self.cfg.trainer.reward), step)
+        scores = check_scores(scores, len(samples), str(self.cfg.trainer.reward), step)
         batch = Batch.build([g.prompt for g, _ in samples], [s.tokens for _, s in samples],
                             [s.logprobs for _, s in samples], scores)
         batch.current = batch.stack({i: torch.tensor([0.0] * (len(g.prompt) - 1) + [float(v == step)
@@ -217,7 +217,7 @@ class RolloutManager:
             rows = self.generate_all(prompts, params)
         with self.times.timed("rollout/reward"):
             scores = self._score_shares(rows, answers)
-        check_scores(scores, len(rows), str(self.cfg.trainer.reward), step)
+        scores = check_scores(scores, len(rows), str(self.cfg.trainer.reward), step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
                            [c.logprobs for c in rows], scores, routing, [c.policy_mask for c in rows],

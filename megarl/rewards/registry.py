@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+import numbers
+import reprlib
+from collections.abc import Callable, Collection, Mapping
 
 from megarl.config.imports import import_spec
 from megarl.errors import UserError
@@ -37,11 +40,39 @@ def _named(fn: RewardFn, where: str) -> RewardFn:
     @functools.wraps(fn)
     def reward(completions: list[str], answers: list[str]) -> list[float]:
         try:
-            return fn(completions, answers)
+            scores = fn(completions, answers)
         except Exception as err:
             raise UserError(f"{where} raised {type(err).__name__}: {err} (scoring {len(completions)} completions). "
                             "Fix: make it return a score for every completion, e.g. 0.0 for one it cannot parse; "
                             "MEGARL_DEBUG=1 shows the traceback.") from err
+        # here, before a rank's or a worker's share is gathered and sliced (a None would fail there, unnamed)
+        return checked_scores(scores, len(completions), where)
 
     reward.reads_tool_turns = reads_tool_turns(fn)  # type: ignore[attr-defined]  # wraps copies an instance's only
+    reward.where = where  # type: ignore[attr-defined]  # for the callers' own checks (megarl.eval.harness)
     return reward
+
+
+FIX = "Fix: return one finite float (or int/bool) per completion, in the completions' order."
+
+
+def checked_scores(scores: object, count: int, where: str) -> list[float]:
+    """``scores`` as ``count`` floats, else a UserError naming ``where`` (e.g. "trainer.reward = 'm:fn'") and what
+    came back: a None or a string fails later as a traceback, and a NaN averages into the metrics silently."""
+    if isinstance(scores, (str, bytes, Mapping)) or not isinstance(scores, Collection):
+        raise UserError(f"{where} returned {_shown(scores)} for {count} completions. {FIX}")
+    if len(scores) != count:
+        raise UserError(f"{where} returned a {type(scores).__name__} of {len(scores)} for {count} completions. {FIX}")
+    for i, value in enumerate(scores):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise UserError(f"{where} returned {_shown(value)} for sample {i} of the {count} completions it scored. "
+                            f"{FIX}")
+    return [float(value) for value in scores]
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, numbers.Real):
+        return str(float(value))
+    return f"{reprlib.repr(value)} (a {type(value).__name__})"
