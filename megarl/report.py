@@ -28,7 +28,26 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist: RUN_DIR must be a run's checkpoint.dir (where metrics.jsonl is).")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for number, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == lines[-1][0]:  # what a run killed while it wrote a row leaves
+                print(f"megarl: {path} line {number} is cut short ({line[:60]!r}), as a run killed while writing it "
+                      "leaves it; the report leaves it out", flush=True)
+                break
+            raise UserError(f"{path} line {number} is damaged ({err.msg}: {line[:80]!r}); only the last line may be "
+                            "cut short (a run killed while writing it), and the report skips that one. Fix: delete "
+                            f"or repair line {number}.") from None
+        fields = row if isinstance(row, dict) else {}
+        missing = [key for key in ("step", "reward_mean") if not isinstance(fields.get(key), (int, float))]
+        if missing:
+            raise UserError(f"{path} line {number} is not a training step's metrics: it has no numeric "
+                            f"{' or '.join(missing)} ({line[:80]!r}). Fix: RUN_DIR must be the checkpoint.dir of a "
+                            f"megarl.train run, whose every line has both; delete or repair line {number}.")
+        rows.append(row)
     if not rows:
         raise UserError(f"{path} holds no steps yet.")
     return rows

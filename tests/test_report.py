@@ -81,3 +81,31 @@ def test_the_plot_is_drawn_beside_an_imported_stand_in_ipython(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "metrics.png").stat().st_size > 1000
+
+
+def report_of(run_dir, text):
+    (run_dir / "metrics.jsonl").write_text(text)
+    return subprocess.run([sys.executable, "-m", "megarl.report", str(run_dir)], cwd=REPO, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(REPO)})
+
+
+def test_a_last_line_cut_short_by_a_killed_run_is_skipped_with_a_line_saying_so(tmp_path):
+    rows = "".join(json.dumps({"step": s, "reward_mean": 0.5, "time/generate": 1.0}) + "\n" for s in range(3))
+    proc = report_of(tmp_path, rows + '{"step": 3, "reward_me')
+    assert proc.returncode == 0, proc.stderr
+    assert f"megarl: {tmp_path / 'metrics.jsonl'} line 4 is cut short" in proc.stdout
+    assert "3 steps (steps 0-2)" in proc.stdout
+
+
+def test_a_damaged_line_or_a_row_without_the_metrics_is_one_paragraph_naming_the_line(tmp_path):
+    """JSONDecodeError and KeyError 'reward_mean' tracebacks before."""
+    row = json.dumps({"step": 0, "reward_mean": 0.5}) + "\n"
+    path = tmp_path / "metrics.jsonl"
+    for text, expected in [(row + "garbage\n" + row, f"{path} line 2 is damaged (Expecting value: 'garbage')"),
+                           (row + "\n" + json.dumps({"step": "x", "reward": "y"}) + "\n",
+                            f"{path} line 3 is not a training step's metrics: it has no numeric step or reward_mean"),
+                           ("[1, 2]\n", f"{path} line 1 is not a training step's metrics")]:
+        proc = report_of(tmp_path, text)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        message = proc.stderr.strip()
+        assert expected in message and "Fix:" in message and "\n" not in message, message
