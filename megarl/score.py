@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.logprob_chunk_tokens < 0:
         raise UserError(f"--logprob-chunk-tokens {args.logprob_chunk_tokens}: must be >= 0. Pass 1024, or 0 for "
                         "the full logits.")
+    if args.micro_batch_size < 1:
+        raise UserError(f"--micro-batch-size {args.micro_batch_size}: must be >= 1 (sequences per forward pass). "
+                        "Pass 4, or 1 where memory is short.")
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UserError(f"--temperature {args.temperature}: must be a finite number > 0 (greedy decoding, T = 0, "
                         "has no log-probabilities). Pass the sampling temperature, e.g. --temperature 1.0.")

@@ -133,3 +133,13 @@ def test_score_refuses_an_expert_parallel_size_that_cannot_split(tmp_path, flags
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "--ep" in last and needle in last, last
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_score_rejects_a_micro_batch_size_below_one_before_building_the_model(size):
+    """Refused with --logprob-chunk-tokens and --temperature, at parsing: it failed in range() after the build."""
+    proc = subprocess.run([sys.executable, "-m", "megarl.score", "--hf", "no-model", "--input", "x.jsonl",
+                           "--output", "o.jsonl", "--micro-batch-size", size],
+                          cwd=REPO, capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--micro-batch-size {size}: must be >= 1" in proc.stderr.strip().splitlines()[-1]
