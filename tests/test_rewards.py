@@ -457,8 +457,11 @@ def test_a_reward_returning_no_score_per_completion_is_one_paragraph(returned, e
 
 
 def test_bools_ints_and_numpy_numbers_are_scores(tmp_path, monkeypatch) -> None:
-    (tmp_path / "mixed.py").write_text("import numpy as np\ndef reward(completions, answers):\n"
-                                       "    return [True, 0, np.float32(0.5), np.float64(0.25)]\n")
+    (tmp_path / "mixed.py").write_text("import numpy as np, torch\ndef reward(completions, answers):\n"
+                                       "    return [True, 0, np.float32(0.5), np.float64(0.25)]\n"
+                                       "def tensor(completions, answers):\n"
+                                       "    return torch.tensor([0.5, 1.0])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     scores = load_reward("mixed:reward")(["a", "b", "c", "d"], [""] * 4)
     assert scores == [1.0, 0.0, 0.5, 0.25] and all(type(s) is float for s in scores)
+    assert load_reward("mixed:tensor")(["a", "b"], ["", ""]) == [0.5, 1.0]  # a reward model's scores, as a tensor

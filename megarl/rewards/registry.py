@@ -63,11 +63,17 @@ def checked_scores(scores: object, count: int, where: str) -> list[float]:
         raise UserError(f"{where} returned {_shown(scores)} for {count} completions. {FIX}")
     if len(scores) != count:
         raise UserError(f"{where} returned a {type(scores).__name__} of {len(scores)} for {count} completions. {FIX}")
+    floats = []
     for i, value in enumerate(scores):
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        try:  # numbers, numpy's and torch's scalars; never text, which float() would read
+            number = float(value) if not isinstance(value, (str, bytes)) else math.nan  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
             raise UserError(f"{where} returned {_shown(value)} for sample {i} of the {count} completions it scored. "
                             f"{FIX}")
-    return [float(value) for value in scores]
+        floats.append(number)
+    return floats
 
 
 def _shown(value: object) -> str:
