@@ -31,10 +31,11 @@ def test_lr_at_is_megatrons_schedule_as_megarl_builds_it(schedule, warmup):
 def test_the_line_names_each_optimizer_whose_rate_moves_and_nothing_else():
     cosine = OptimizerConfig(lr=1e-5, lr_schedule="cosine")
     constant = OptimizerConfig(lr=1e-5)
-    line = resized_schedule({"actor.optimizer": cosine, "critic.optimizer": constant}, 10, 20, 5)
+    line = resized_schedule({"actor.optimizer": cosine, "critic.optimizer": constant}, 10, 20, 4)
     assert line is not None and "trainer.num_steps 10 -> 20" in line and "after 5 steps" in line
     assert "actor.optimizer.lr_schedule cosine gives 8.54e-06 where the saved run had 5e-06" in line
     assert "critic" not in line
     assert resized_schedule({"actor.optimizer": constant}, 10, 20, 5) is None
     assert resized_schedule({"actor.optimizer": cosine}, 20, 20, 5) is None
-    assert resized_schedule({"actor.optimizer": cosine}, None, 20, 5) is None  # a checkpoint without a config
+    assert resized_schedule({"actor.optimizer": cosine}, None, 20, 4) is None  # a checkpoint without a config
+    assert resized_schedule({"actor.optimizer": cosine}, 10, 20, None) is None  # nor its step

@@ -66,8 +66,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
                         "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
     schedules = {"actor.optimizer": cfg.actor.optimizer} | (
         {"critic.optimizer": cfg.critic.optimizer} if cfg.algorithm.name == "ppo" else {})
-    resized = resized_schedule(schedules, saved.get("trainer.num_steps"), cfg.trainer.num_steps,
-                               state["step"] + 1)
+    resized = resized_schedule(schedules, saved.get("trainer.num_steps"), cfg.trainer.num_steps, state.get("step"))
     if resized and rank == 0:
         print(resized, flush=True)
     if found and rank == 0:

@@ -29,12 +29,13 @@ def lr_at(optim: OptimizerConfig, num_steps: int, step: int) -> float:
 
 
 def resized_schedule(schedules: dict[str, OptimizerConfig], saved_steps: object, num_steps: int,
-                     done: int) -> str | None:
-    """The line to print when resuming after ``done`` steps with ``num_steps`` where the checkpoint's run had
-    ``saved_steps``, for each optimizer (``schedules``: its config field's prefix -> its config) whose learning rate
-    changes by it; None when none does."""
-    if not isinstance(saved_steps, int) or saved_steps == num_steps:
+                     saved_step: object) -> str | None:
+    """The line to print when resuming the checkpoint of step ``saved_step`` (0-based: ``saved_step + 1`` steps done)
+    with ``num_steps`` where its run had ``saved_steps``, for each optimizer (``schedules``: its config field's
+    prefix -> its config) whose learning rate changes by it; None when none does, or the checkpoint does not say."""
+    if not isinstance(saved_steps, int) or not isinstance(saved_step, int) or saved_steps == num_steps:
         return None
+    done = saved_step + 1
     moved = [(name, lr_at(o, saved_steps, done), lr_at(o, num_steps, done)) for name, o in schedules.items()]
     moved = [(name, a, b) for name, a, b in moved if not math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)]
     if not moved:

@@ -50,7 +50,7 @@ class Prepared:
                             + ", ".join(f"{now[k]!r}" for k in changed) + ". Fix: restore them, or start anew "
                             "(checkpoint.resume: none, or another checkpoint.dir).")
         resized = resized_schedule({"training.optimizer": self.cfg.training.optimizer},
-                                   saved.get("trainer.num_steps"), self.cfg.trainer.num_steps, state["step"] + 1)
+                                   saved.get("trainer.num_steps"), self.cfg.trainer.num_steps, state.get("step"))
         if resized and dist.get_rank() == 0:
             print(resized, flush=True)
 
