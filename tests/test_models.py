@@ -107,6 +107,30 @@ def test_sliding_window_attention_is_refused(qwen2, tmp_path):
             load_spec(tmp_path, "model.hf_path")
 
 
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"rope_parameters": {"rope_theta": "abc"}}, '`rope_parameters.rope_theta` is "abc", but it must be a positive '
+                                                 "finite number"),
+    ({"rope_parameters": [1]}, r"`rope_parameters` is \[1\], but it must be a JSON object"),
+    ({"rope_scaling": "linear"}, '`rope_scaling` is "linear", but it must be a JSON object'),
+    ({"vocab_size": None}, "`vocab_size` is null, but it must be a positive integer"),
+    ({"num_hidden_layers": "two"}, '`num_hidden_layers` is "two", but it must be a positive integer'),
+    ({"num_attention_heads": 0}, "`num_attention_heads` is 0, but it must be a positive integer"),
+    ({"num_key_value_heads": True}, "`num_key_value_heads` is true, but it must be a positive integer"),
+    ({"rms_norm_eps": -1}, "`rms_norm_eps` is -1, but it must be a positive finite number"),
+    ({"tie_word_embeddings": "yes"}, '`tie_word_embeddings` is "yes", but it must be true or false'),
+    ({"layer_types": "full_attention"}, '`layer_types` is "full_attention", but it must be a list'),
+    ({"architectures": "Qwen2ForCausalLM"}, r'`architectures` is "Qwen2ForCausalLM", not a list of class names\. '
+                                            r'Write .* "architectures": \["Qwen2ForCausalLM"\]'),
+    ({"architectures": "DELETE"}, r'`architectures` is missing\. Write .* "architectures": \["Qwen2ForCausalLM"\]'),
+])
+def test_damaged_config_values_name_the_field(qwen2, tmp_path, bad, message):
+    """load_spec reads config.json before transformers does: a damaged value is a paragraph, not a traceback."""
+    config = {k: v for k, v in (json.loads((qwen2 / "config.json").read_text()) | bad).items() if v != "DELETE"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=rf"^model.hf_path = '{tmp_path}': {tmp_path}/config.json: {message}"):
+        load_spec(tmp_path, "model.hf_path")
+
+
 def test_export_states_the_dtype_it_writes(llama, tmp_path):
     """An fp32 base trained in bf16 exports bf16 weights: config.json says bfloat16, so dtype="auto" loads them as
     written."""

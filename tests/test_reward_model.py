@@ -151,6 +151,22 @@ def test_start_up_refuses_what_is_no_one_label_reward_model(tmp_path):
         load_reward_spec(str(TOKENIZER))
 
 
+def test_a_reward_models_damaged_config_values_name_the_field(tmp_path):
+    """As a policy's: `architectures` as a string, or a value of the wrong type, is a paragraph naming it."""
+    from megarl.models.reward_model import load_body_spec
+
+    model = make_reward_model(tmp_path / "rm", "qwen2")
+    config = json.loads((model / "config.json").read_text())
+    for bad, message in [({"architectures": "Qwen2ForSequenceClassification"},
+                          r'`architectures` is "Qwen2ForSequenceClassification", not a list of class names\. Write '
+                          r'.*"architectures": \["Qwen2ForSequenceClassification"\]'),
+                         ({"num_labels": "one"}, r"holds a value megarl cannot read \(ValueError: .*'one'"),
+                         ({"hidden_size": 64.0}, "`hidden_size` is 64.0, but it must be a positive integer")]:
+        (model / "config.json").write_text(json.dumps(config | bad))
+        with pytest.raises(UserError, match=rf"^reward_model.path = '{model}': {model}/config.json.*{message}"):
+            load_body_spec(str(model), "reward_model.path")
+
+
 def test_running_stats_clip_and_weights():
     from megarl.rewards.reward_model import RunningStats, combine
 

@@ -24,7 +24,15 @@ from megarl.models.gpt import BuildOptions, load_weights
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import hf_shapes
 from megarl.models.reward_format import HEAD, SEQUENCE_CLASSIFICATION, num_labels
-from megarl.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec, load_spec, read_config, spec_from_config
+from megarl.models.spec import (
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+    architectures,
+    damaged_values,
+    load_spec,
+    read_config,
+    spec_from_config,
+)
 from megarl.models.trainable import MegatronModel
 
 FIELD = "reward_model.path"
@@ -32,20 +40,27 @@ FIELD = "reward_model.path"
 
 def load_reward_spec(hf_dir: str, field: str = FIELD) -> ModelSpec:
     """The body's spec of a reward model directory, after refusing another architecture or more than one label."""
-    cfg = read_config(hf_dir)
     path = Path(hf_dir) / "config.json"
-    archs = cfg.get("architectures") or []
+    try:
+        with damaged_values(path):
+            return _reward_spec(read_config(hf_dir), path)
+    except UserError as err:
+        raise UserError(f"{field} = {hf_dir!r}: {err}") from None
+
+
+def _reward_spec(cfg: dict[str, Any], path: Path) -> ModelSpec:
+    archs = architectures(cfg, path, SEQUENCE_CLASSIFICATION)
     arch = next((a for a in archs if a in SEQUENCE_CLASSIFICATION), None)
     if arch is None:
         causal = " (a causal LM: its head predicts tokens, not a reward)" if any(
             a in SUPPORTED_ARCHITECTURES for a in archs) else ""
-        raise UserError(f"{field} = {hf_dir!r}: architecture {archs or cfg.get('model_type')}{causal} is not a "
+        raise UserError(f"architecture {archs}{causal} is not a "
                         f"reward model megarl loads; it loads {sorted(SEQUENCE_CLASSIFICATION)} with num_labels 1. "
                         "Fix: point it at such a directory (Skywork-Reward's format), or save yours with "
                         "transformers' AutoModelForSequenceClassification (num_labels=1).")
     labels = num_labels(cfg)
     if labels != 1:
-        raise UserError(f"{field} = {hf_dir!r}: {arch} has num_labels = {labels} (id2label "
+        raise UserError(f"{arch} has num_labels = {labels} (id2label "
                         f"{cfg.get('id2label')}) but a reward model has 1: one scalar per sample. Fix: use a reward "
                         "model with one label (score.weight of shape [1, hidden_size]).")
     return spec_from_config(cfg | {"architectures": [SEQUENCE_CLASSIFICATION[arch]]}, path)
@@ -55,10 +70,12 @@ def load_body_spec(hf_dir: str, field: str) -> tuple[ModelSpec, bool]:
     """The body's spec of ``hf_dir`` and whether it is a reward model (its body and head), else a causal LM (its
     body, under a head of the caller's); errors name ``field``, the config key that gave the directory."""
     try:
-        archs = read_config(hf_dir).get("architectures") or []
+        archs = read_config(hf_dir).get("architectures")
     except UserError as err:
         raise UserError(f"{field} = {hf_dir!r}: {err}") from None
-    if any(a in SEQUENCE_CLASSIFICATION for a in archs):
+    # A bare string still tells which kind of model it is, so that the refusal suggests its own class.
+    listed = archs if isinstance(archs, list) else [archs]
+    if any(isinstance(a, str) and a in SEQUENCE_CLASSIFICATION for a in listed):
         return load_reward_spec(hf_dir, field), True
     return load_spec(hf_dir, field), False
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,11 +99,54 @@ def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
     return cfg[key]
 
 
+def _bad(path: Path, key: str, value: Any, should: str) -> UserError:
+    return UserError(f"{path}: `{key}` is {json.dumps(value)}, but it must be {should}; correct that field of "
+                     "config.json or download the model again.")
+
+
+def _positive_int(cfg: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
+    """``cfg[key]``, required unless ``default`` is given (then also taken for null, as transformers does)."""
+    value = _require(cfg, key, path) if default is None else cfg.get(key)
+    if value is None and default is not None:
+        return default
+    # bool is an int in Python; a JSON true is damage, not 1.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _bad(path, key, value, "a positive integer")
+    return value
+
+
+def _positive_float(cfg: dict[str, Any], key: str, path: Path, default: float | None, within: str = "") -> float:
+    """``cfg[key]`` (required where ``default`` is None) of the object ``within`` names ("" for the top level)."""
+    value = cfg.get(key, default) if default is not None else _require(cfg, key, path)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise _bad(path, f"{within}{key}", value, "a positive finite number")
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], key: str, path: Path) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(path, key, value, "true or false")
+    return value
+
+
+def _object(cfg: dict[str, Any], key: str, path: Path) -> dict[str, Any] | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise _bad(path, key, value, "a JSON object (or null)")
+    return value or None
+
+
 def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 writes `rope_parameters` (theta inside); older files use rope_theta/rope_scaling.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    params = _object(cfg, "rope_parameters", path) or {}
+    scaling, within = _object(cfg, "rope_scaling", path), "rope_scaling."
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling, within = params, "rope_parameters."
+    theta = (_positive_float(cfg, "rope_theta", path, 10000.0) if "rope_theta" in cfg
+             else _positive_float(params, "rope_theta", path, 10000.0, "rope_parameters."))
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "default":
@@ -111,14 +156,17 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
                             "`llama3`). Use a model without this rope scaling.")
         else:
             for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                _require(scaling, key, path)
+                _positive_float(scaling, key, path, None, within)
     return theta, scaling
 
 
 def _refuse_sliding_window(cfg: dict[str, Any], path: Path) -> None:
     """Megatron's layers attend to every earlier token: a model whose layers transformers (and the engines) run
     with a sliding window would score and train differently from how it generates."""
-    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    layer_types = cfg.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise _bad(path, "layer_types", layer_types, 'a list of one attention type per layer ("full_attention")')
+    sliding = [t for t in layer_types if t != "full_attention"]
     if cfg.get("use_sliding_window") or sliding:
         found = (f"use_sliding_window={cfg.get('use_sliding_window')!r} (sliding_window="
                  f"{cfg.get('sliding_window')!r}, max_window_layers={cfg.get('max_window_layers')!r})"
@@ -136,11 +184,24 @@ def load_spec(hf_dir: str | Path, field: str | None = None) -> ModelSpec:
     config key that gave the directory, where there is one)."""
     path = Path(hf_dir) / "config.json"
     try:
-        return spec_from_config(read_config(hf_dir), path)
+        with damaged_values(path):
+            return spec_from_config(read_config(hf_dir), path)
     except UserError as err:
         if field is None:
             raise
         raise UserError(f"{field} = {str(hf_dir)!r}: {err}") from None
+
+
+@contextmanager
+def damaged_values(path: Path) -> Iterator[None]:
+    """A damaged value of config.json that the checks do not foresee is still the file's fault: a UserError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as err:
+        raise UserError(f"{path} holds a value megarl cannot read ({type(err).__name__}: {err}). Correct "
+                        "config.json or download the model again.") from None
 
 
 def read_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -162,18 +223,31 @@ def read_config(hf_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def architectures(cfg: dict[str, Any], path: Path, supported: dict[str, str]) -> list[str]:
+    """config.json's `architectures`: a list of class names, as transformers writes it."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs):
+        return archs
+    model_type = str(cfg.get("model_type")).replace("_", "").lower()
+    example = next((a for a in sorted(supported) if a.lower().startswith(model_type)), sorted(supported)[0])
+    found = "missing" if archs is None else f"{json.dumps(archs)}, not a list of class names"
+    raise UserError(f"{path}: `architectures` is {found}. Write the model's class there as a list, e.g. "
+                    f"\"architectures\": [\"{example}\"] (megarl supports {sorted(supported)}), or download the "
+                    "model again.")
+
+
 def spec_from_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
     """The spec of a config.json read from ``path`` (named in errors)."""
-    archs = cfg.get("architectures") or []
+    archs = architectures(cfg, path, SUPPORTED_ARCHITECTURES)
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise UserError(f"{path}: architecture {archs or cfg.get('model_type')} is not supported; megarl "
-                        f"supports {sorted(SUPPORTED_ARCHITECTURES)}.")
+        raise UserError(f"{path}: architecture {archs} is not supported; megarl supports "
+                        f"{sorted(SUPPORTED_ARCHITECTURES)}.")
     family = SUPPORTED_ARCHITECTURES[arch]
-    num_heads = int(_require(cfg, "num_attention_heads", path))
-    hidden = int(_require(cfg, "hidden_size", path))
-    num_kv = int(cfg.get("num_key_value_heads") or num_heads)
-    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    num_heads = _positive_int(cfg, "num_attention_heads", path)
+    hidden = _positive_int(cfg, "hidden_size", path)
+    num_kv = _positive_int(cfg, "num_key_value_heads", path, num_heads)
+    head_dim = _positive_int(cfg, "head_dim", path, hidden // num_heads)
     if num_heads % num_kv:
         raise UserError(f"{path}: num_attention_heads={num_heads} is not a multiple of "
                         f"num_key_value_heads={num_kv}. Fix the config.")
@@ -188,19 +262,19 @@ def spec_from_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
         moe = _moe(cfg, path)
     return ModelSpec(
         family=family,
-        vocab_size=int(_require(cfg, "vocab_size", path)),
+        vocab_size=_positive_int(cfg, "vocab_size", path),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size", path)),
-        num_layers=int(_require(cfg, "num_hidden_layers", path)),
+        intermediate_size=_positive_int(cfg, "intermediate_size", path),
+        num_layers=_positive_int(cfg, "num_hidden_layers", path),
         num_attention_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive_float(cfg, "rms_norm_eps", path, 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", path),
         qkv_bias=family == "qwen2",
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", path, 4096),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         hf_config=cfg,
         **moe,
@@ -209,8 +283,8 @@ def spec_from_config(cfg: dict[str, Any], path: Path) -> ModelSpec:
 
 def _moe(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """The MoE fields of a Qwen3-MoE config.json (transformers >= 5 writes num_local_experts for num_experts)."""
-    num_experts = int(cfg.get("num_experts") or _require(cfg, "num_local_experts", path))
-    top_k = int(_require(cfg, "num_experts_per_tok", path))
+    num_experts = _positive_int(cfg, "num_experts" if cfg.get("num_experts") else "num_local_experts", path)
+    top_k = _positive_int(cfg, "num_experts_per_tok", path)
     if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
         raise UserError(f"{path}: decoder_sparse_step={cfg.get('decoder_sparse_step')} and mlp_only_layers="
                         f"{cfg.get('mlp_only_layers')}: megarl's Qwen3-MoE mapping needs experts in every layer "
@@ -218,6 +292,6 @@ def _moe(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     if not 1 <= top_k <= num_experts:
         raise UserError(f"{path}: num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}.")
     return {"num_experts": num_experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": int(_require(cfg, "moe_intermediate_size", path)),
+            "moe_intermediate_size": _positive_int(cfg, "moe_intermediate_size", path),
             # transformers' Qwen3MoeConfig default: a config.json without the key routes without renormalising.
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
+            "norm_topk_prob": _flag(cfg, "norm_topk_prob", path)}
