@@ -294,3 +294,16 @@ def test_incomplete_checkpoint_is_rejected(llama, tmp_path):
     proc = convert("mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"))
     assert proc.returncode == 2 and "missing or unreadable" in proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_whose_sizes_are_not_positive_is_refused_by_name(llama, tmp_path):
+    """tp 0 (or pp 0, or a negative size) passed the int check and failed deep in the mapping (IndexError)."""
+    assert convert("hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "mc")).returncode == 0
+    meta_file = tmp_path / "mc" / "megarl_checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    for key, value in [("tp", 0), ("pp", 0), ("tp", -2), ("ep", 0)]:
+        meta_file.write_text(json.dumps(meta | {key: value}))
+        proc = convert("mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf"))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{meta_file} is corrupt: `{key}` is {value}, but it must be a positive integer" in proc.stderr
+    assert not (tmp_path / "hf").exists()

@@ -89,6 +89,12 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, int]:
         ok = False
     if not ok:
         raise UserError(f"{path} is corrupt or of another format. Re-create the checkpoint.")
+    for key in ("version", "tp", "pp", "ep"):
+        value = meta.get(key, 1 if key == "ep" else None)  # ep: written since expert parallelism
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{path} is corrupt: `{key}` is {json.dumps(value)}, but it must be a positive integer "
+                            "(a parallel size it was written with). Re-create the checkpoint, or use another "
+                            "step's checkpoint of the run.")
     if meta["version"] > VERSION:
         raise UserError(f"{path} has format version {meta['version']}; this megarl reads up to {VERSION}. "
                         "Upgrade megarl.")
