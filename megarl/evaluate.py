@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -77,8 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.engine_args[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as err:
             parser.error(f"--engine-arg {item!r}: its value is not YAML ({' '.join(str(err).split())[:120]})")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:  # nan fails every comparison, so this refuses it too
+        parser.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and args.num_samples > 1:
         parser.error(f"--num-samples {args.num_samples} with --temperature 0 gives {args.num_samples} identical "
                      "greedy samples; pass a temperature > 0 for pass@k")

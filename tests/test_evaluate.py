@@ -321,3 +321,14 @@ def test_an_evaluations_reward_that_returns_no_score_per_completion_is_one_parag
         score(prompts, completions, lambda texts, answers: [None, 1.0], 2, str)
     row, samples = score(prompts, completions, lambda texts, answers: [True, 0], 2, str)
     assert row["accuracy"] == 0.5 and [s.reward for s in samples] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_temperature_that_is_not_finite_and_non_negative_is_refused(value: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from megarl.evaluate import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "m", "--data", "d", "--temperature", value])
+    assert exit_.value.code == 2
+    assert f"--temperature must be a finite number >= 0 (0 = greedy), got {float(value)}" in capsys.readouterr().err
