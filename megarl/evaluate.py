@@ -95,9 +95,15 @@ def resolve(args: argparse.Namespace) -> Any:
     """Fill the options left out from --config's recipe (or DEFAULTS); the recipe's Config, or None."""
     cfg = None
     if args.config is not None:
-        from megarl.config import load_config
+        from megarl.config.root import build_config
+        from megarl.config.yaml_io import read_yaml
 
-        cfg = load_config(args.config, [f"model.hf_path={args.model}"])
+        recipe, origins = read_yaml(args.config)
+        # Set as it is, not as a --set: YAML would read a path like `123` or `a: b` as another type.
+        model = recipe.get("model") or {}
+        if isinstance(model, dict):
+            recipe["model"], origins["model.hf_path"] = model | {"hf_path": args.model}, "--model"
+        cfg = build_config(recipe, (), origins)
         data, rollout = cfg.data, cfg.rollout
         given: dict[str, object] = {"reward": cfg.trainer.reward, "max_new_tokens": rollout.max_new_tokens,
                  "max_prompt_tokens": rollout.max_prompt_tokens, "prompt_key": data.prompt_key,

@@ -332,3 +332,13 @@ def test_a_temperature_that_is_not_finite_and_non_negative_is_refused(value: str
         parse_args(["--model", "m", "--data", "d", "--temperature", value])
     assert exit_.value.code == 2
     assert f"--temperature must be a finite number >= 0 (0 = greedy), got {float(value)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["123", "runs/a: b", "null", "[x]"])
+def test_a_recipes_model_is_the_model_path_as_typed(tmp_path: Path, model: str) -> None:
+    """--config R --model PATH: the path is a string whatever it looks like in YAML, not a --set the user never
+    typed."""
+    from megarl.evaluate import parse_args, resolve
+
+    args = parse_args(["--model", model, "--data", "gsm8k:test", "--config", str(REPO / "recipes/tiny_cpu_grpo.yaml")])
+    assert resolve(args).model.hf_path == model
