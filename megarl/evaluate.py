@@ -124,18 +124,30 @@ def hf_model(path: Path, scratch: Path) -> tuple[Path, str | None]:
     """``path`` itself when it is a HF directory; else the actor of the megarl checkpoint it names, exported, and
     the dtype its run trained in (model.dtype), so that the engine runs as the in-training eval did."""
     from megarl.checkpoint.part_check import check_part
+    from megarl.errors import UserError
     from megarl.models.hf_io import write_hf
     from megarl.models.mcore_ckpt import META, open_mcore
 
+    accepts = ("--model takes a HF model directory (config.json, *.safetensors), a megarl Megatron checkpoint "
+               "(hf-to-mcore's output, a run's checkpoint.dir, one of its step_N directories, or its actor "
+               "directory) or a PEFT adapter directory (adapter_config.json, from mcore-to-hf --peft).")
+    if not path.is_dir():
+        raise UserError(f"--model {path}: no such directory. {accepts}")
     trained = None
     if (path / "adapter_config.json").is_file():
         return merge_adapter(path, scratch), None
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
+        if not path.is_dir():
+            raise UserError(f"--model {path.parent}: its `latest` file names {path.name}, which is not a directory "
+                            "there. Pass one of its step_N directories.")
     if (path / "actor" / META).is_file():
         trained = trained_dtype(path)
         path = path / "actor"
     if not (path / META).is_file():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {path} holds none of config.json, {META}, actor/{META}, a `latest` file or "
+                            f"adapter_config.json. {accepts}")
         return path, trained
     check_part(path, "--model")
     out = scratch / "hf"

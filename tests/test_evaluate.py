@@ -342,3 +342,20 @@ def test_a_recipes_model_is_the_model_path_as_typed(tmp_path: Path, model: str) 
 
     args = parse_args(["--model", model, "--data", "gsm8k:test", "--config", str(REPO / "recipes/tiny_cpu_grpo.yaml")])
     assert resolve(args).model.hf_path == model
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ("MISSING", "--model MISSING: no such directory. --model takes a HF model directory"),
+    ("EMPTY", "EMPTY holds none of config.json, megarl_checkpoint.json"),
+    ("LATEST", "LATEST: its `latest` file names step_9, which is not a directory"),
+])
+def test_a_model_that_is_no_model_directory_says_what_model_takes(tmp_path: Path, model: str, expected: str) -> None:
+    from megarl.evaluate import main
+
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "LATEST").mkdir()
+    (tmp_path / "LATEST" / "latest").write_text("step_9\n")
+    with pytest.raises(UserError) as err:
+        main(["--model", str(tmp_path / model), "--data", "gsm8k:test"])
+    assert expected.replace(model, str(tmp_path / model)) in str(err.value)
+    assert "a PEFT adapter directory" in str(err.value) or model == "LATEST"
