@@ -122,6 +122,9 @@ def test_sliding_window_attention_is_refused(qwen2, tmp_path):
     ({"architectures": "Qwen2ForCausalLM"}, r'`architectures` is "Qwen2ForCausalLM", not a list of class names\. '
                                             r'Write .* "architectures": \["Qwen2ForCausalLM"\]'),
     ({"architectures": "DELETE"}, r'`architectures` is missing\. Write .* "architectures": \["Qwen2ForCausalLM"\]'),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}},
+     r"`rope_scaling.high_freq_factor` is 4.0, but it must be above rope_scaling.low_freq_factor \(4.0\)"),
 ])
 def test_damaged_config_values_name_the_field(qwen2, tmp_path, bad, message):
     """load_spec reads config.json before transformers does: a damaged value is a paragraph, not a traceback."""

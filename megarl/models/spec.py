@@ -157,6 +157,9 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
         else:
             for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 _positive_float(scaling, key, path, None, within)
+            if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # the smoothing between them divides
+                raise _bad(path, f"{within}high_freq_factor", scaling["high_freq_factor"],
+                           f"above {within}low_freq_factor ({scaling['low_freq_factor']})")
     return theta, scaling
 
 
