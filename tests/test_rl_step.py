@@ -194,3 +194,33 @@ def test_a_steps_scores_that_are_not_one_finite_number_per_sample_are_one_paragr
     assert str(info.value).startswith(f"step 3: trainer.reward = 'mine:reward' {expected}"), str(info.value)
     assert "Fix: return one finite float (or int/bool) per completion" in str(info.value)
     assert check_scores([True, 2], 2, "mine:reward", 3) == [1.0, 2.0]
+
+
+def test_a_bad_reward_return_on_one_rank_stops_every_rank_alike(monkeypatch):
+    """The reward's return is checked where it returns, on the rank that scored it: that rank sends its paragraph
+    through the scores' gather and raises it, and every other rank raises the same paragraph instead of waiting in
+    the gather for scores that never come."""
+    import types
+
+    from megarl.loop import rollout_manager as rm
+
+    manager = rm.RolloutManager.__new__(rm.RolloutManager)
+    manager.groups = types.SimpleNamespace(dims=types.SimpleNamespace(world_size=2), rank=0)
+    manager._host_group = None
+    sent = []
+
+    def gather(part, world, group):
+        sent.append(part)
+        return [part, rm._Stopped("trainer.reward = 'm:f' returned None for sample 0")]
+
+    monkeypatch.setattr(rm, "every_rank", gather)
+    with pytest.raises(UserError, match="returned None for sample 0"):  # the other rank's, raised here
+        manager._every_rank_or_stop(lambda: [1.0, 0.0])
+
+    def bad():
+        raise UserError("trainer.reward = 'm:f' returned 'x' (a str) for sample 1")
+
+    sent.clear()
+    with pytest.raises(UserError, match="a str"):
+        manager._every_rank_or_stop(bad)
+    assert sent == [rm._Stopped("trainer.reward = 'm:f' returned 'x' (a str) for sample 1")]

@@ -68,9 +68,17 @@ class PromptLoader(Generic[T]):
                 "digest": self.digest}
 
     def load_state_dict(self, state: dict[str, Any], allow_other_items: bool = False) -> None:
-        """Continue where `state` left off; the checkpoint's seed replaces this loader's. Items other than the
-        checkpoint's (as many, but another file, or the same one edited) are refused unless ``allow_other_items``
-        (a checkpoint of a megarl before digests is not compared)."""
+        """Continue where `state` left off; the checkpoint's seed replaces this loader's (``check_state`` first)."""
+        self.check_state(state, allow_other_items)
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self._order = self._permutation()
+
+    def check_state(self, state: dict[str, Any], allow_other_items: bool = False) -> None:
+        """Refuse a state saved over another number of items, or over as many other ones (another file, the same
+        one edited, another prompt template) unless ``allow_other_items``; a state of a megarl before digests is
+        not compared. Cheap: a resume asks it before anything is built."""
         if state["num_items"] != len(self.items):
             raise UserError(
                 f"the checkpoint's prompt loader was over {state['num_items']} prompts, but data.train_path now "
@@ -79,13 +87,10 @@ class PromptLoader(Generic[T]):
             )
         if state.get("digest", self.digest) != self.digest and not allow_other_items:
             raise UserError(
-                f"the checkpoint's prompt loader was over {state['num_items']} prompts, and data.train_path now "
-                "gives as many, but not the same ones (another file, or the same one edited: their digests differ), "
-                "so the resumed order would visit other prompts than the saved one meant. Fix: point data.train_path "
-                "back at the checkpointed run's data, or start fresh with checkpoint.resume: none (an RL run "
-                "continues on this data deliberately with --set checkpoint.allow_changes=data.train_path)."
+                f"the checkpoint's prompt loader was over {state['num_items']} prompts, and the data now gives as "
+                "many, but not the same ones (their digests differ: data.train_path's file was replaced or edited, "
+                "or the prompt template or keys changed), so the resumed order would visit other prompts than the "
+                "saved one meant. Fix: restore the checkpointed run's data and prompt settings, or start fresh with "
+                "checkpoint.resume: none (an RL run continues on other prompts deliberately with "
+                "checkpoint.allow_changes naming the field that changed, e.g. data.train_path)."
             )
-        self.seed = state["seed"]
-        self.epoch = state["epoch"]
-        self.position = state["position"]
-        self._order = self._permutation()

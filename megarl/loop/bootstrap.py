@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -239,8 +240,13 @@ def setup(config_path: str, overrides: Sequence[str]
     from megarl.loop.trainer import RLTrainer
 
     resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
+    allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
+    other_prompts = bool(allowed & {"data.train_path", "data.prompt_template", "data.prompt_key", "data.answer_key"})
     if resume_from is not None:
         check_unchanged(cfg, resume_from, groups.rank)
+        saved_loader = json.loads((resume_from / checkpoint.TRAINER).read_text()).get("loader")
+        if saved_loader is not None:
+            loader.check_state(saved_loader, other_prompts)
     startup.mark("process groups")
     trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)  # models, engine (factory's marks), first push
     startup.mark("first weight push")
@@ -248,7 +254,7 @@ def setup(config_path: str, overrides: Sequence[str]
     if resume_from is not None:
         trainer.sleep_engine()  # the restored state needs the memory
         state = checkpoint.load(resume_from, trainer.trained_models(), prepare=trainer.hold_for_checkpoint)
-        loader.load_state_dict(state["loader"], "data.train_path" in allowed_changes(cfg.checkpoint.allow_changes))
+        loader.load_state_dict(state["loader"], other_prompts)
         trainer.kl.load_state_dict(state["kl"])
         if trainer.reward_model is not None:  # reward_model.normalize's running statistics
             trainer.reward_model.load_state_dict(state.get("reward_model"))

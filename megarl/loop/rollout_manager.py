@@ -20,6 +20,7 @@ from megarl.config import Config
 from megarl.data.batching import TokenizedPrompt
 from megarl.data.tokenizer import decoder
 from megarl.distributed.parallel import ParallelGroups
+from megarl.errors import UserError
 from megarl.loop.partial_rollouts import PartialRollouts, carries_samples
 from megarl.loop.rl_step import Batch, check_scores, shaped_scores
 from megarl.loop.timing import PartTimes
@@ -158,12 +159,14 @@ class RolloutManager:
         with self.times.timed("rollout/reward"):
             mine = list(filter(self._mine, taken))
             late = [g for g in mine if g.uid not in self._early]  # restored by a resume: not scored yet
-            now = iter(self.scorer([self.decode(s.tokens) for g in late for s in g.samples],
-                                   [g.answer for g in late for _ in g.samples]) if late else [])
-            scored = {g.uid: self.scorer.result(self._early.pop(g.uid)) if g.uid in self._early
-                      else [next(now) for _ in g.samples] for g in mine}
-            scored = {uid: part for share in every_rank(scored, self.groups.dims.world_size, self._host_group)
-                      for uid, part in share.items()}
+
+            def score_mine() -> dict[int, list[float]]:
+                now = iter(self.scorer([self.decode(s.tokens) for g in late for s in g.samples],
+                                       [g.answer for g in late for _ in g.samples]) if late else [])
+                return {g.uid: self.scorer.result(self._early.pop(g.uid)) if g.uid in self._early
+                        else [next(now) for _ in g.samples] for g in mine}
+
+            scored = {uid: part for share in self._every_rank_or_stop(score_mine) for uid, part in share.items()}
             scores = [x for g in taken for x in scored[g.uid]]
             assert self.partial is not None
             # separate: the generation thread goes on meanwhile, admitting groups and scoring those it finishes, so
@@ -229,12 +232,28 @@ class RolloutManager:
         world, rank = self.groups.dims.world_size, self.groups.rank
         mine = rows[rank::world]
         tool_turns = reads_tool_turns(self.scorer)
-        part = self.scorer([reward_text(self.decode, c.token_ids, c.policy_mask, tool_turns) for c in mine],
-                           [answers[c.prompt_index] for c in mine]) if mine else []
         scores = [0.0] * len(rows)
-        for r, share in enumerate(every_rank(part, world, self._host_group)):
+        for r, share in enumerate(self._every_rank_or_stop(lambda: self.scorer(
+                [reward_text(self.decode, c.token_ids, c.policy_mask, tool_turns) for c in mine],
+                [answers[c.prompt_index] for c in mine]) if mine else [])):
             scores[r::world] = share
         return scores
+
+    def _every_rank_or_stop(self, score: Callable[[], Any]) -> list[Any]:
+        """``score()``'s result from every rank. A UserError on one rank (a reward function's bad return, checked
+        where it returns) is raised on every rank alike: the others would wait in the gather until the deadline."""
+        world = self.groups.dims.world_size
+        try:
+            part = score()
+        except UserError as err:
+            if world > 1:
+                every_rank(_Stopped(str(err)), world, self._host_group)
+            raise
+        everything = every_rank(part, world, self._host_group)
+        stopped = [p for p in everything if isinstance(p, _Stopped)]
+        if stopped:
+            raise UserError(stopped[0].message)
+        return everything
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
@@ -271,6 +290,13 @@ class RolloutManager:
         if failures:
             raise EngineFailed(failures[0])
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stopped:
+    """A rank's part when its scoring raised a UserError: the message every rank raises."""
+
+    message: str
 
 
 def every_rank(part: Any, world_size: int, group: dist.ProcessGroup | None) -> list[Any]:
