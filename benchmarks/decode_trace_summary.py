@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import re
 from collections import Counter
 from pathlib import Path
 

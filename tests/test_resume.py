@@ -121,5 +121,8 @@ def test_a_long_run_without_periodic_checkpoints_is_warned_at_start_up():
     note = no_checkpoint_note(config("grpo", "trainer.num_steps=200"))
     assert note is not None and "checkpoint.save_every = 0: this run of 200 steps saves no checkpoint" in note
     assert no_checkpoint_note(config("grpo", "trainer.num_steps=5")) is None  # a smoke run
+    # no checkpoint.dir at all: its fix names the directory too (save_every alone would be refused)
+    assert "checkpoint.dir is null" in (no_checkpoint_note(config("grpo", "trainer.num_steps=200",
+                                                                  "checkpoint.dir=null")) or "")
     assert no_checkpoint_note(config("grpo", "trainer.num_steps=200", "checkpoint.dir=runs/x",
                                      "checkpoint.save_every=20")) is None

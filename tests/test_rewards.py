@@ -437,6 +437,7 @@ BAD_RETURNS = [
     (["1.0", 1.0, 0.0, 0.0], "returned '1.0' (a str) for sample 0 of the 4"),
     ([1.0, 0.0, math.nan, 0.0], "returned nan for sample 2 of the 4"),
     ([1.0, 0.0, 0.0, np.float32("-inf")], "returned -inf for sample 3 of the 4"),
+    (np.array(0.5), "returned array(0.5) (a ndarray) for 4 completions"),  # its len() raises
 ]
 
 

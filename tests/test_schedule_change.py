@@ -31,11 +31,24 @@ def test_lr_at_is_megatrons_schedule_as_megarl_builds_it(schedule, warmup):
 def test_the_line_names_each_optimizer_whose_rate_moves_and_nothing_else():
     cosine = OptimizerConfig(lr=1e-5, lr_schedule="cosine")
     constant = OptimizerConfig(lr=1e-5)
-    line = resized_schedule({"actor.optimizer": cosine, "critic.optimizer": constant}, 10, 20, 4)
+    line = resized_schedule({"actor.optimizer": (cosine, cosine), "critic.optimizer": (constant, constant)}, 10, 20, 4)
     assert line is not None and "trainer.num_steps 10 -> 20" in line and "after 5 steps" in line
     assert "actor.optimizer.lr_schedule cosine gives 8.54e-06 where the saved run had 5e-06" in line
     assert "critic" not in line
-    assert resized_schedule({"actor.optimizer": constant}, 10, 20, 5) is None
-    assert resized_schedule({"actor.optimizer": cosine}, 20, 20, 5) is None
-    assert resized_schedule({"actor.optimizer": cosine}, None, 20, 4) is None  # a checkpoint without a config
-    assert resized_schedule({"actor.optimizer": cosine}, 10, 20, None) is None  # nor its step
+    assert resized_schedule({"actor.optimizer": (constant, constant)}, 10, 20, 5) is None
+    assert resized_schedule({"actor.optimizer": (cosine, cosine)}, 20, 20, 5) is None
+    assert resized_schedule({"actor.optimizer": (cosine, cosine)}, None, 20, 4) is None  # a checkpoint without a config
+    assert resized_schedule({"actor.optimizer": (cosine, cosine)}, 10, 20, None) is None  # nor its step
+
+
+def test_the_saved_runs_rate_comes_from_the_saved_optimizer_settings():
+    """With actor.optimizer.lr also changed (checkpoint.allow_changes), "the saved run had" is the saved lr's curve."""
+    from megarl.checkpoint.schedule_change import saved_optimizer
+
+    now = OptimizerConfig(lr=2e-5, lr_schedule="cosine")
+    saved = saved_optimizer({"actor.optimizer.lr": 1e-5, "actor.optimizer.lr_schedule": "cosine"}, "actor.optimizer",
+                            now)
+    assert saved.lr == 1e-5 and now.lr == 2e-5
+    line = resized_schedule({"actor.optimizer": (saved, now)}, 10, 20, 4)
+    assert line is not None and "gives 1.71e-05 where the saved run had 5e-06" in line
+    assert saved_optimizer({"actor.optimizer.lr": "oops"}, "actor.optimizer", now) is now  # unreadable: as now

@@ -13,6 +13,10 @@ def no_checkpoint_note(cfg: Config) -> str | None:
     preemption or a node failure restarts such a run from step 0, and its end leaves no weights to export."""
     if cfg.checkpoint.save_every or cfg.trainer.num_steps < LONG_RUN_STEPS:
         return None
+    if cfg.checkpoint.dir is None:
+        return (f"megarl: warning: checkpoint.dir is null: this run of {cfg.trainer.num_steps} steps keeps no "
+                "checkpoint, so a crash, a preemption or a node failure restarts it from step 0, and its end leaves "
+                "no weights to export. Fix: set checkpoint.dir and checkpoint.save_every (for example 20).")
     return (f"megarl: warning: checkpoint.save_every = 0: this run of {cfg.trainer.num_steps} steps saves no "
             "checkpoint (only a stop file, such as the Slurm launchers' before the time limit, makes one), so a "
             "crash, a preemption or a node failure restarts it from step 0, and its end leaves no weights to export. "

@@ -22,9 +22,9 @@ def check_part(model_dir: Path, flag: str) -> None:
     match that checkpoint's manifest; a checkpoint of a megarl before manifests passes with a line."""
     fix = "Fix: use another checkpoint of the run (its step_N/actor)."
     parent = model_dir.resolve().parent.name
-    if parent.startswith(".step_") and parent.endswith((".tmp", ".old")):  # never published, or being replaced
-        raise UserError(f"{flag} {model_dir} is part of {parent}, a checkpoint that a save was still writing (or "
-                        f"replacing) when it stopped: it was never verified. {fix}")
+    if parent.startswith(".step_") and parent.endswith(".tmp"):  # never published
+        raise UserError(f"{flag} {model_dir} is part of {parent}, a checkpoint that a save was still writing when it "
+                        f"stopped: it was never verified. {fix}")
     step_dir = checkpoint_of(model_dir)
     if step_dir is None:
         return

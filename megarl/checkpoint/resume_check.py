@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint import manifest
-from megarl.checkpoint.schedule_change import resized_schedule
+from megarl.checkpoint.schedule_change import resized_schedule, saved_optimizer
 from megarl.config import Config
 from megarl.config.experiment import allowed_changes, defines_experiment
 from megarl.distributed.rank0 import from_rank0
@@ -64,8 +64,9 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
                         "the checkpoint's values; or, to continue with the change deliberately, list them in "
                         f"checkpoint.allow_changes (--set checkpoint.allow_changes={keys}); or set "
                         "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
-    schedules = {"actor.optimizer": cfg.actor.optimizer} | (
+    optimizers = {"actor.optimizer": cfg.actor.optimizer} | (
         {"critic.optimizer": cfg.critic.optimizer} if cfg.algorithm.name == "ppo" else {})
+    schedules = {name: (saved_optimizer(saved, name, o), o) for name, o in optimizers.items()}
     resized = resized_schedule(schedules, saved.get("trainer.num_steps"), cfg.trainer.num_steps, state.get("step"))
     if resized and rank == 0:
         print(resized, flush=True)

@@ -165,7 +165,7 @@ def _publish(root: Path, tmp: Path, name: str, files: dict[str, dict[str, Any]],
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)  # the new one is in place: a leftover .old is never read
     else:
         os.replace(tmp, final)
     try:

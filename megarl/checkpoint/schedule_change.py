@@ -5,9 +5,12 @@ continued), and said in one line with both rates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 from megarl.config.training import OptimizerConfig
+from megarl.errors import UserError
 
 
 def lr_at(optim: OptimizerConfig, num_steps: int, step: int) -> float:
@@ -28,19 +31,31 @@ def lr_at(optim: OptimizerConfig, num_steps: int, step: int) -> float:
     return optim.min_lr + coeff * (optim.lr - optim.min_lr)
 
 
-def resized_schedule(schedules: dict[str, OptimizerConfig], saved_steps: object, num_steps: int,
-                     saved_step: object) -> str | None:
+def saved_optimizer(saved: dict[str, Any], prefix: str, current: OptimizerConfig) -> OptimizerConfig:
+    """The optimizer config under ``prefix`` in a checkpoint's flattened config (``current`` where it has none, or
+    one this megarl cannot read)."""
+    values = {f.name: saved[f"{prefix}.{f.name}"] for f in dataclasses.fields(current) if f"{prefix}.{f.name}" in saved}
+    try:
+        return dataclasses.replace(current, **values)
+    except (TypeError, ValueError, UserError):
+        return current
+
+
+def resized_schedule(schedules: dict[str, tuple[OptimizerConfig, OptimizerConfig]], saved_steps: object,
+                     num_steps: int, saved_step: object) -> str | None:
     """The line to print when resuming the checkpoint of step ``saved_step`` (0-based: ``saved_step + 1`` steps done)
     with ``num_steps`` where its run had ``saved_steps``, for each optimizer (``schedules``: its config field's
-    prefix -> its config) whose learning rate changes by it; None when none does, or the checkpoint does not say."""
+    prefix -> its saved config and its config now) whose learning rate changes by it; None when none does, or the
+    checkpoint does not say."""
     if not isinstance(saved_steps, int) or not isinstance(saved_step, int) or saved_steps == num_steps:
         return None
     done = saved_step + 1
-    moved = [(name, lr_at(o, saved_steps, done), lr_at(o, num_steps, done)) for name, o in schedules.items()]
+    moved = [(name, lr_at(old, saved_steps, done), lr_at(new, num_steps, done))
+             for name, (old, new) in schedules.items()]
     moved = [(name, a, b) for name, a, b in moved if not math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)]
     if not moved:
         return None
     return (f"megarl: trainer.num_steps {saved_steps} -> {num_steps} re-sizes the learning-rate decay: after {done} "
-            "steps " + "; ".join(f"{name}.lr_schedule {schedules[name].lr_schedule} gives {b:.3g} where the "
+            "steps " + "; ".join(f"{name}.lr_schedule {schedules[name][1].lr_schedule} gives {b:.3g} where the "
                                    f"saved run had {a:.3g}" for name, a, b in moved)
             + ". To keep the saved run's curve, resume with its trainer.num_steps.")

@@ -76,7 +76,7 @@ class CheckpointConfig:
     the resume naming each. The layout (parallel.*, the distributed optimizer) may always change."""
 
     def __post_init__(self) -> None:
-        within(self, "save_every", "[0, inf)", "use 0 to never save")
+        within(self, "save_every", "[0, inf)", "use 0 to save only when a stop file asks")
         check(self.stop_file is None or self.dir is not None, "stop_file", self.stop_file,
               "come with checkpoint.dir (a stop saves a checkpoint)", "set checkpoint.dir or stop_file: null")
         check(

@@ -59,12 +59,18 @@ FIX = "Fix: return one finite float (or int/bool) per completion, in the complet
 def checked_scores(scores: object, count: int, where: str) -> list[float]:
     """``scores`` as ``count`` floats, else a UserError naming ``where`` (e.g. "trainer.reward = 'm:fn'") and what
     came back: a None or a string fails later as a traceback, and a NaN averages into the metrics silently."""
-    if isinstance(scores, (str, bytes, Mapping)) or not isinstance(scores, Collection):
+    listed: list[object] | None = None
+    if isinstance(scores, Collection) and not isinstance(scores, (str, bytes, Mapping)):
+        try:  # a 0-d array or tensor is a Collection whose iteration raises
+            listed = list(scores)
+        except TypeError:
+            pass
+    if listed is None:
         raise UserError(f"{where} returned {_shown(scores)} for {count} completions. {FIX}")
-    if len(scores) != count:
-        raise UserError(f"{where} returned a {type(scores).__name__} of {len(scores)} for {count} completions. {FIX}")
+    if len(listed) != count:
+        raise UserError(f"{where} returned a {type(scores).__name__} of {len(listed)} for {count} completions. {FIX}")
     floats = []
-    for i, value in enumerate(scores):
+    for i, value in enumerate(listed):
         try:  # numbers, numpy's and torch's scalars; never text, which float() would read
             number = float(value) if not isinstance(value, (str, bytes)) else math.nan  # type: ignore[arg-type]
         except (TypeError, ValueError):

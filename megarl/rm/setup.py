@@ -49,7 +49,8 @@ class Prepared:
                             + ", ".join(f"{k} = {saved[k]!r}" for k in changed) + "; this recipe has "
                             + ", ".join(f"{now[k]!r}" for k in changed) + ". Fix: restore them, or start anew "
                             "(checkpoint.resume: none, or another checkpoint.dir).")
-        resized = resized_schedule({"training.optimizer": self.cfg.training.optimizer},
+        optim = self.cfg.training.optimizer  # its fields cannot change on a resume (DEFINING)
+        resized = resized_schedule({"training.optimizer": (optim, optim)},
                                    saved.get("trainer.num_steps"), self.cfg.trainer.num_steps, state.get("step"))
         if resized and dist.get_rank() == 0:
             print(resized, flush=True)
