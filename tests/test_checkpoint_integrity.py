@@ -362,3 +362,19 @@ def test_a_failure_after_the_rename_names_the_saved_checkpoint_and_how_to_resume
     assert checkpoint.find("auto", str(world)) == world / "step_000001"
     assert "holds step_000002, later than `latest` (step_000001): left alone" in capsys.readouterr().out
     assert checkpoint.find(str(world / "step_000002"), str(world)) == world / "step_000002"
+
+
+def test_a_new_best_lets_the_old_best_go_when_keep_last_does_not_hold_it(tmp_path, capsys):
+    """keep_last 1 and keep_best: the last step's evaluation made it the best, and the former best, kept only as the
+    best, stayed on disk for good (no save came after it to rotate it away)."""
+    from megarl.eval.in_training import InTrainingEval
+
+    for step in (79, 119):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    mark_best(tmp_path, "eval/acc", 79, {"eval/acc": 0.5})
+    evals = InTrainingEval.__new__(InTrainingEval)
+    evals.best_metric, evals.keep_last, evals.rank, evals.out_dir = "eval/acc", 1, 0, tmp_path
+    evals.keep_best(119, {"eval/acc": 0.75})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000119"] and best_step(tmp_path) == 119
+    evals.keep_best(119, {"eval/acc": 0.25})  # no better: nothing moves
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000119"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.keep_best import mark_best
+from megarl.checkpoint.paths import rotate
 from megarl.config import Config, EvalDatasetConfig
 from megarl.data.batching import TokenizedPrompt, tokenize_prompts
 from megarl.data.prompts import load_prompts
@@ -68,7 +69,7 @@ class InTrainingEval:
         self.every, self.num_steps, self.sets = cfg.eval.every, cfg.trainer.num_steps, sets
         self.before_train = cfg.eval.before_train and bool(sets)
         self.out_dir, self.rank = out_dir, rank
-        self.best_metric = cfg.checkpoint.keep_best
+        self.best_metric, self.keep_last = cfg.checkpoint.keep_best, cfg.checkpoint.keep_last
         self.saves, self.save_every = cfg.checkpoint.dir is not None, cfg.checkpoint.save_every
 
     def due(self, step: int) -> bool:
@@ -80,6 +81,9 @@ class InTrainingEval:
         if self.best_metric is not None and self.rank == 0 and mark_best(self.out_dir, self.best_metric, step, metrics):
             print(f"megarl: step {step}'s checkpoint is the best so far on {self.best_metric} "
                   f"({metrics[self.best_metric]:.4f}); it stays outside checkpoint.keep_last", flush=True)
+            # The best before it was kept only as the best: outside keep_last, it goes now, not at the next save
+            # (after the last step there is none, and it stayed for good).
+            rotate(self.out_dir, self.keep_last, self.out_dir / f"step_{step:06d}")
 
     def run(self, trainer: Any, decode: Any, label: str) -> dict[str, float]:
         """Evaluate the weights the engines hold now; ``label``: "initial" or "step_N" (the samples' file)."""
