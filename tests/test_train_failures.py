@@ -33,8 +33,10 @@ def test_nan_reward_stops_training_with_one_message(tmp_path):
                                             "MEGARL_NPROC": "1", "OMP_NUM_THREADS": "1", "MEGARL_DEBUG": "0"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("megarl error: step 0: reward of sample 0 = nan"), proc.stderr[-3000:]
-    assert "trainer.reward = nan_reward:reward" in last and proc.stderr.count("megarl error") == 2  # worker + launcher
+    # checked where the reward returns, before any rank gathers the scores
+    assert last.startswith("megarl error: trainer.reward = 'nan_reward:reward' returned nan for sample 0 of the "), \
+        proc.stderr[-3000:]
+    assert "Fix: return one finite float" in last and proc.stderr.count("megarl error") == 2  # worker + launcher
     assert not list((tmp_path / "ckpt").glob("step_*"))  # nothing saved
     metrics = tmp_path / "ckpt" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # nothing logged for the failed step
