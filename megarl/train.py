@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None) -> None:
             # not the trainer's. Async: the same weights correct the KL, distillation and entropy terms (offpolicy).
             is_weights, kept, correction = rollout_correction(old, batch.rollout_logprobs, batch.mask, algo)
             offpolicy = offpolicy_weights(batch, is_weights, kept)
+            loss_mask = actor_loss_mask(batch, kept)
             advantages, returns, kl_metrics = advantages_and_returns(
                 batch, algo, cfg.rollout.num_samples_per_prompt, trainer.kl.value, ref, old, values,
-                cfg.response_budget(), offpolicy=offpolicy)
+                cfg.response_budget(), offpolicy=offpolicy, loss_mask=loss_mask)
             distill: dict[str, float] = {}
             if teacher is not None:  # each token's reverse KL to the teacher: its own negative advantage (or a loss)
                 distilled, distill = reverse_kl_advantages(old, teacher, batch.mask, cfg.distill.coef, offpolicy)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             if offpolicy is not None:
                 extras["offpolicy_weights"] = offpolicy[0]
             with tracker.phase("update"):  # clipped policy updates, epochs x shuffled mini-batches
-                metrics = trainer.update_actor(batch, extras, step, actor_loss_mask(batch, kept))
+                metrics = trainer.update_actor(batch, extras, step, loss_mask)
             with tracker.phase("critic"):
                 if values is not None and returns is not None:
                     metrics |= trainer.update_critic(batch, {"old_values": values, "returns": returns}, step,

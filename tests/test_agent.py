@@ -719,7 +719,7 @@ def test_gae_bootstraps_across_tool_tokens_against_a_float64_loop() -> None:
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(batch.mask.shape, generator=gen)
     adv, ret, _ = advantages_and_returns(batch, algo, 1, 0.0, None, batch.rollout_logprobs, values, 400,
-                                        offpolicy=None)
+                                        offpolicy=None, loss_mask=batch.mask)
     assert ret is not None
     raw_all: list[float] = []
     want_ret = torch.zeros_like(ret, dtype=torch.float64)
@@ -763,7 +763,7 @@ def test_actor_loss_and_gradient_of_a_multi_turn_sample_match_one_masked_sequenc
         return logp.gather(-1, tokens[:, 1:, None])[..., 0]
 
     old = (logprobs().detach() + 0.1 * torch.randn(tokens.shape[0], width)) * batch.mask
-    adv, _, _ = advantages_and_returns(batch, algo, 3, 0.0, None, old, None, 400, offpolicy=None)
+    adv, _, _ = advantages_and_returns(batch, algo, 3, 0.0, None, old, None, 400, offpolicy=None, loss_mask=batch.mask)
     weights = token_weights(actor_loss_mask(batch, batch.mask), aggregation, 400)  # type: ignore[arg-type]
     loss, _ = actor_loss(logprobs(), {"old_logprobs": old, "advantages": adv, "weights": weights}, algo, 0.0)
     grads = torch.autograd.grad(loss, list(model.parameters()))

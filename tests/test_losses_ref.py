@@ -156,7 +156,7 @@ def test_ppo_advantages_are_whitened_gae_of_kl_penalised_rewards(estimator: str,
     algo = AlgorithmConfig(name="ppo", gamma=gamma, gae_lambda=lam, kl_coef=coef, kl_in_reward=kl_in_reward,
                            kl_estimator=estimator)  # type: ignore[arg-type]
     adv, ret, metrics = advantages_and_returns(batch, algo, 1, coef, ref, old, values, max_new_tokens=8,
-                                               offpolicy=None)
+                                               offpolicy=None, loss_mask=batch.mask)
     mask, lp, rf, v = batch.mask.tolist(), old.tolist(), ref.tolist(), values.tolist()
     rewards = [[0.0] * len(row) for row in mask]
     kl_sum = 0.0
@@ -175,6 +175,24 @@ def test_ppo_advantages_are_whitened_gae_of_kl_penalised_rewards(estimator: str,
     assert metrics["kl"] == pytest.approx(kl_sum / sum(map(sum, mask)), rel=1e-6)
 
 
+def test_ppo_whitening_leaves_out_sequences_the_loss_leaves_out() -> None:
+    """A sequence the rollout correction rejects is out of the loss: it must not move the mean or the scale of the
+    others' whitened advantages, which are then those of the batch without it."""
+    batch, old, ref, values = ppo_batch()
+    algo = AlgorithmConfig(name="ppo", gamma=0.95, gae_lambda=0.6, kl_coef=0.3)
+    kept = batch.mask.clone()
+    kept[1] = 0
+    adv, _, _ = advantages_and_returns(batch, algo, 1, 0.3, ref, old, values, max_new_tokens=8, offpolicy=None,
+                                       loss_mask=kept)
+    rows = [0, 2]
+    alone = batch.select(rows)
+    t = alone.mask.shape[1]
+    want, _, _ = advantages_and_returns(alone, algo, 1, 0.3, ref[rows, :t], old[rows, :t], values[rows, :t],
+                                        max_new_tokens=8, offpolicy=None, loss_mask=alone.mask)
+    close(adv[rows, :t], want.tolist(), atol=1e-6)
+    assert not adv[1].any()
+
+
 @pytest.mark.parametrize("group,std_normalize", [(3, True), (5, True), (2, False), (5, False)])
 @pytest.mark.parametrize("kl_in_reward", [True, False])
 def test_grpo_advantages_match_loops(group: int, std_normalize: bool, kl_in_reward: bool) -> None:
@@ -190,7 +208,7 @@ def test_grpo_advantages_match_loops(group: int, std_normalize: bool, kl_in_rewa
     algo = AlgorithmConfig(name="grpo", kl_coef=coef, kl_in_reward=kl_in_reward, kl_estimator="k2",
                            grpo_std_normalize=std_normalize)
     adv, ret, _ = advantages_and_returns(batch, algo, group, coef, ref, old, None, max_new_tokens=8,
-                                         offpolicy=None)
+                                         offpolicy=None, loss_mask=batch.mask)
     assert ret is None
     mask, lp, rf = batch.mask.tolist(), old.tolist(), ref.tolist()
     shaped = [s - coef * sum(ref_kl(lp[i][t], rf[i][t], "k2")[0] for t, m in enumerate(mask[i]) if m)

@@ -59,7 +59,7 @@ def dapo_batch() -> Batch:
 def update(trainer: Learner, batch: Batch, step: int) -> None:
     algo = trainer.cfg.algorithm
     advantages, _, _ = advantages_and_returns(batch, algo, GROUP, 0.0, None, batch.rollout_logprobs, None, 8,
-                                             offpolicy=None)
+                                             offpolicy=None, loss_mask=batch.mask)
     extras = {"old_logprobs": batch.rollout_logprobs, "advantages": advantages}
     trainer.update_actor(batch, extras, step, actor_loss_mask(batch, batch.mask))
 

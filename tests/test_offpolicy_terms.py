@@ -57,7 +57,7 @@ def test_the_kl_metric_under_staleness_is_the_proximal_policys_kl(estimator):
     old = proximal_logprobs(batch, PROXIMAL_LOGITS)
     ref = REFERENCE[[s[1] for s in batch.sequences]][:, None]
     _, _, metrics = advantages_and_returns(batch, algo, 20, 1.0, ref, old, None, 4,
-                                           offpolicy=weights_of(batch, old, algo))
+                                           offpolicy=weights_of(batch, old, algo), loss_mask=batch.mask)
     logp = torch.log_softmax(PROXIMAL_LOGITS, 0)
     exact = float((logp.exp() * kl_estimate(logp, REFERENCE, estimator)).sum())
     behaviour = float((BEHAVIOUR * kl_estimate(logp, REFERENCE, estimator)).sum())
@@ -71,7 +71,7 @@ def test_the_entropy_metric_under_staleness_is_the_proximal_policys():
     batch = stale_batch()
     old = proximal_logprobs(batch, PROXIMAL_LOGITS)
     _, _, metrics = advantages_and_returns(batch, ALGO, 20, 0.0, None, old, None, 4,
-                                           offpolicy=weights_of(batch, old, ALGO))
+                                           offpolicy=weights_of(batch, old, ALGO), loss_mask=batch.mask)
     p = torch.softmax(PROXIMAL_LOGITS, 0)
     assert metrics["entropy"] == pytest.approx(float(-(p * p.log()).sum()), rel=1e-12)
     assert abs(float(-(BEHAVIOUR * p.log()).sum()) - metrics["entropy"]) > 0.01
@@ -151,7 +151,7 @@ def test_the_metrics_average_over_the_tokens_the_correction_keeps():
     kept = (ratio >= 1 / 1.5) & (ratio <= 1.5)
     assert 0 < int(kept.sum()) < 20  # the test needs both kinds
     _, _, metrics = advantages_and_returns(batch, algo, 20, 1.0, ref, old, None, 4,
-                                           offpolicy=weights_of(batch, old, algo))
+                                           offpolicy=weights_of(batch, old, algo), loss_mask=batch.mask)
     k = kl_estimate(old, ref, "k3")[:, 0]
     assert metrics["kl"] == pytest.approx(float((ratio * k)[kept].sum() / kept.sum()), rel=1e-12)
     assert metrics["entropy"] == pytest.approx(float(-(ratio * old[:, 0])[kept].sum() / kept.sum()), rel=1e-12)

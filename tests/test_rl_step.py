@@ -35,14 +35,16 @@ def test_grpo_kl_in_reward_is_subtracted_from_scores_before_group_normalisation(
     algo = AlgorithmConfig(name="grpo", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1")
     old = batch.rollout_logprobs.clone()
     ref = old - batch.mask * torch.tensor([[0.0, 0.4, 0.6], [0.0, 0.2, 0.0]])  # k1 = 0.4 + 0.6 and 0.2
-    adv, _, metrics = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8, offpolicy=None)
+    adv, _, metrics = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8, offpolicy=None,
+                                             loss_mask=batch.mask)
     # Scores 1 - 0.5 * 1.0 = 0.5 and 1 - 0.5 * 0.2 = 0.9: centred -0.2, +0.2; unbiased std 0.2828.
     expected = 0.2 / math.sqrt(0.08)
     torch.testing.assert_close(adv[:, 1], torch.tensor([-expected, expected]), atol=1e-4, rtol=0)
     assert metrics["kl"] == pytest.approx(1.2 / 3)
     # Without the KL in the reward the equal scores carry no signal.
     algo = AlgorithmConfig(name="grpo", kl_coef=0.5, kl_estimator="k1")
-    adv, _, _ = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8, offpolicy=None)
+    adv, _, _ = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8, offpolicy=None,
+                                       loss_mask=batch.mask)
     assert adv.abs().max() == 0
 
 
@@ -54,7 +56,7 @@ def test_ppo_kl_in_reward_uses_the_configured_estimator() -> None:
     for estimator, kl in (("k1", -3.0), ("k2", 4.5), ("k3", 10.0)):
         algo = AlgorithmConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, kl_estimator=estimator)
         _, returns, metrics = advantages_and_returns(batch, algo, 1, 0.1, ref, old, values, max_new_tokens=8,
-                                                    offpolicy=None)
+                                                    offpolicy=None, loss_mask=batch.mask)
         assert returns is not None
         assert metrics["kl"] == pytest.approx(kl)
         assert returns[0, 1].item() == pytest.approx(-0.1 * kl)  # the one token's reward, gamma = lambda = 1
@@ -64,7 +66,7 @@ def test_overlong_penalty_shapes_grpo_advantages() -> None:
     batch = batch_of([1.0, 1.0], [8, 4])  # limit 8, buffer 4: the first response loses the full penalty
     algo = AlgorithmConfig(name="grpo", overlong_buffer_tokens=4, overlong_penalty=1.0)
     adv, _, metrics = advantages_and_returns(batch, algo, 2, 0.0, None, batch.rollout_logprobs, None, max_new_tokens=8,
-                                          offpolicy=None)
+                                          offpolicy=None, loss_mask=batch.mask)
     assert metrics["overlong_penalty"] == pytest.approx(-0.5)
     assert adv[0, 1] < 0 < adv[1, 1]
 

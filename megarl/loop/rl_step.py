@@ -193,9 +193,12 @@ def shaped_scores(batch: Batch, algo: AlgorithmConfig, max_new_tokens: int) -> t
 def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int, kl_coef: float,
                            ref_logprobs: torch.Tensor | None, trainer_logprobs: torch.Tensor,
                            values: torch.Tensor | None, max_new_tokens: int, *,
-                           offpolicy: tuple[torch.Tensor, torch.Tensor] | None
+                           offpolicy: tuple[torch.Tensor, torch.Tensor] | None, loss_mask: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Advantages [N, T] (and returns for the critic) for GRPO or KL-PPO with GAE.
+
+    PPO whitens its advantages over ``loss_mask`` [N, T] (``actor_loss_mask``: the tokens the actor's loss counts),
+    so that sequences the rollout correction rejects move neither the mean nor the scale of those it trains on.
 
     With kl_in_reward the KL estimate (algorithm.kl_estimator) times kl_coef is a reward: per token for
     PPO, and for GRPO summed over each response and subtracted from its score before the group
@@ -231,7 +234,7 @@ def advantages_and_returns(batch: Batch, algo: AlgorithmConfig, group_size: int,
     rewards = kl_penalized_rewards(scores, kl if kl is not None else torch.zeros_like(batch.mask),
                                    batch.mask, coef)
     adv, returns = gae(rewards, values * batch.mask, batch.mask, algo.gamma, algo.gae_lambda)
-    return whiten(adv, batch.mask), returns, metrics
+    return whiten(adv, loss_mask), returns, metrics
 
 
 def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: AlgorithmConfig, kl_coef: float,
