@@ -202,13 +202,8 @@ def test_a_bad_reward_return_on_one_rank_stops_every_rank_alike(monkeypatch):
     """The reward's return is checked where it returns, on the rank that scored it: that rank sends its paragraph
     through the scores' gather and raises it, and every other rank raises the same paragraph instead of waiting in
     the gather for scores that never come."""
-    import types
-
     from megarl.loop import rollout_manager as rm
 
-    manager = rm.RolloutManager.__new__(rm.RolloutManager)
-    manager.groups = types.SimpleNamespace(dims=types.SimpleNamespace(world_size=2), rank=0)
-    manager._host_group = None
     sent = []
 
     def gather(part, world, group):
@@ -217,12 +212,12 @@ def test_a_bad_reward_return_on_one_rank_stops_every_rank_alike(monkeypatch):
 
     monkeypatch.setattr(rm, "every_rank", gather)
     with pytest.raises(UserError, match="returned None for sample 0"):  # the other rank's, raised here
-        manager._every_rank_or_stop(lambda: [1.0, 0.0])
+        rm.every_rank_or_stop(lambda: [1.0, 0.0], 2, None, UserError, str, UserError)
 
     def bad():
         raise UserError("trainer.reward = 'm:f' returned 'x' (a str) for sample 1")
 
     sent.clear()
     with pytest.raises(UserError, match="a str"):
-        manager._every_rank_or_stop(bad)
+        rm.every_rank_or_stop(bad, 2, None, UserError, str, UserError)
     assert sent == [rm._Stopped("trainer.reward = 'm:f' returned 'x' (a str) for sample 1")]

@@ -166,7 +166,9 @@ class RolloutManager:
                 return {g.uid: self.scorer.result(self._early.pop(g.uid)) if g.uid in self._early
                         else [next(now) for _ in g.samples] for g in mine}
 
-            scored = {uid: part for share in self._every_rank_or_stop(score_mine) for uid, part in share.items()}
+            shares = every_rank_or_stop(score_mine, self.groups.dims.world_size, self._host_group, UserError, str,
+                                        UserError)
+            scored = {uid: part for share in shares for uid, part in share.items()}
             scores = [x for g in taken for x in scored[g.uid]]
             assert self.partial is not None
             # separate: the generation thread goes on meanwhile, admitting groups and scoring those it finishes, so
@@ -233,27 +235,16 @@ class RolloutManager:
         mine = rows[rank::world]
         tool_turns = reads_tool_turns(self.scorer)
         scores = [0.0] * len(rows)
-        for r, share in enumerate(self._every_rank_or_stop(lambda: self.scorer(
-                [reward_text(self.decode, c.token_ids, c.policy_mask, tool_turns) for c in mine],
-                [answers[c.prompt_index] for c in mine]) if mine else [])):
+
+        def score_mine() -> list[float]:
+            return self.scorer([reward_text(self.decode, c.token_ids, c.policy_mask, tool_turns) for c in mine],
+                               [answers[c.prompt_index] for c in mine]) if mine else []
+
+        # A reward's bad return (a UserError, checked where it returns) stops every rank with the same paragraph.
+        shares = every_rank_or_stop(score_mine, world, self._host_group, UserError, str, UserError)
+        for r, share in enumerate(shares):
             scores[r::world] = share
         return scores
-
-    def _every_rank_or_stop(self, score: Callable[[], Any]) -> list[Any]:
-        """``score()``'s result from every rank. A UserError on one rank (a reward function's bad return, checked
-        where it returns) is raised on every rank alike: the others would wait in the gather until the deadline."""
-        world = self.groups.dims.world_size
-        try:
-            part = score()
-        except UserError as err:
-            if world > 1:
-                every_rank(_Stopped(str(err)), world, self._host_group)
-            raise
-        everything = every_rank(part, world, self._host_group)
-        stopped = [p for p in everything if isinstance(p, _Stopped)]
-        if stopped:
-            raise UserError(stopped[0].message)
-        return everything
 
     def generate_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples of every prompt on every rank, grouped in prompt order; engine i's driver samples
@@ -272,31 +263,47 @@ class RolloutManager:
         mine, seeded = self.engine.group.share(len(prompts), params)
         assert enough is None or self.engine.group.num_groups == 1, "generate_until runs on one engine"
         mine_prompts = [prompts[i] for i in mine]
-        world = self.groups.dims.world_size
-        try:
-            made = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
+
+        def made() -> list[Completion]:
+            done = (self._rollout_loop.generate(self.engine, mine_prompts, seeded) if enough is None
                     else self.engine.generate_until(mine_prompts, seeded, enough))
-        except Exception as err:
-            if world == 1:
-                raise
-            # Every rank learns of it in the gather and stops here too: separate's generation threads would
-            # otherwise wait for this rank's part, and their learners for their batches, until the deadline.
-            every_rank(f"rank {self.groups.rank}'s rollout engine failed, so this rank stops too: "
-                       f"{' '.join(str(err).split())[:1500]}", world, group or self._host_group)
-            raise
-        done = [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in made]
-        everything = every_rank(done, world, group or self._host_group)
-        failures = [part for part in everything if isinstance(part, str)]
-        if failures:
-            raise EngineFailed(failures[0])
+            return [dataclasses.replace(c, prompt_index=mine[c.prompt_index]) for c in done]
+
+        def failed(err: Exception) -> str:
+            return (f"rank {self.groups.rank}'s rollout engine failed, so this rank stops too: "
+                    f"{' '.join(str(err).split())[:1500]}")
+
+        # An engine's failure stops every rank alike: separate's generation threads would otherwise wait for this
+        # rank's part, and their learners for their batches, until the deadline.
+        everything = every_rank_or_stop(made, self.groups.dims.world_size, group or self._host_group, Exception,
+                                        failed, EngineFailed)
         return sorted((c for part in everything for c in part), key=lambda c: c.prompt_index)  # stable per prompt
 
 
 @dataclasses.dataclass(frozen=True)
 class _Stopped:
-    """A rank's part when its scoring raised a UserError: the message every rank raises."""
+    """A rank's part when making it raised: the message every other rank raises."""
 
     message: str
+
+
+def every_rank_or_stop(make: Callable[[], Any], world_size: int, group: dist.ProcessGroup | None,
+                       catching: type[Exception], describe: Callable[[Exception], str],
+                       stop: Callable[[str], Exception]) -> list[Any]:
+    """``make()``'s result from every rank (``every_rank``). Where ``make`` raises ``catching`` on one rank, that
+    rank raises it and every other rank raises ``stop(describe(err))``: otherwise they would wait in the gather for
+    its part until the deadline."""
+    try:
+        part = make()
+    except catching as err:
+        if world_size > 1:
+            every_rank(_Stopped(describe(err)), world_size, group)
+        raise
+    everything = every_rank(part, world_size, group)
+    stopped = [p for p in everything if isinstance(p, _Stopped)]
+    if stopped:
+        raise stop(stopped[0].message)
+    return everything
 
 
 def every_rank(part: Any, world_size: int, group: dist.ProcessGroup | None) -> list[Any]:
