@@ -606,7 +606,7 @@ def test_the_reward_reads_the_policys_text_unless_it_asks_for_the_tool_turns(too
                            generate_all=lambda prompts, params: outs, scorer=reward, decode=decode,
                            groups=SimpleNamespace(rank=0, dims=SimpleNamespace(world_size=1)), _host_group=None)
     fake._score_shares = lambda rows, answers: RolloutManager._score_shares(fake, rows, answers)  # type: ignore[arg-type]
-    batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], 0, 0)  # type: ignore[arg-type]
+    batch = RolloutManager._rollout(fake, [encode("A\n")], ["france"], 0)  # type: ignore[arg-type]
     assert outs[0].stats is not None and outs[0].stats["cut_by_budget"] == 1
     expected = FIRST + FRANCE + "nev" if tool_turns else FIRST + "\nnev"
     assert seen == [expected] and batch.scores.tolist() == [float(tool_turns)]

@@ -20,7 +20,6 @@ from megarl.algos.losses import aggregate, policy_loss, value_loss
 from megarl.algos.shaping import overlong_penalty
 from megarl.config import AlgorithmConfig, RolloutConfig
 from megarl.errors import UserError, check_finite
-from megarl.rewards.registry import checked_scores
 
 
 @dataclass
@@ -139,11 +138,6 @@ def logprob_drift(batch: Batch, trainer_logprobs: torch.Tensor) -> dict[str, flo
     diff = (batch.rollout_logprobs - trainer_logprobs).abs() * mask
     return {"logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
             "logprob_diff_max": float(diff.max())}
-
-
-def check_scores(scores: object, num_samples: int, reward: str, step: int) -> list[float]:
-    """The step's scores as floats, one finite number per sample (megarl.rewards.registry.checked_scores)."""
-    return checked_scores(scores, num_samples, f"step {step}: trainer.reward = {reward!r}")
 
 
 def check_drift(drift: dict[str, float], rollout: RolloutConfig, step: int) -> None:

@@ -22,7 +22,7 @@ from megarl.data.tokenizer import decoder
 from megarl.distributed.parallel import ParallelGroups
 from megarl.errors import UserError
 from megarl.loop.partial_rollouts import PartialRollouts, carries_samples
-from megarl.loop.rl_step import Batch, check_scores, shaped_scores
+from megarl.loop.rl_step import Batch, shaped_scores
 from megarl.loop.timing import PartTimes
 from megarl.rewards.scorer import RewardScorer
 from megarl.rewards.text import reads_tool_turns, reward_text
@@ -114,7 +114,7 @@ class RolloutManager:
         num_kept = num_dropped = rounds = 0
         while num_kept < wanted and rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
             prompts = next_prompts()
-            batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts], step,
+            batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts],
                                   step * algo.dynamic_sampling_max_rounds + rounds)
             rounds += 1
             if not algo.dynamic_sampling:
@@ -176,7 +176,6 @@ class RolloutManager:
             live = {g.uid for g in list(self.partial.pool.groups)}
             for uid in [uid for uid in list(self._early) if uid not in live]:  # dropped as stale
                 self._early.pop(uid, None)
-        scores = check_scores(scores, len(samples), str(self.cfg.trainer.reward), step)
         batch = Batch.build([g.prompt for g, _ in samples], [s.tokens for _, s in samples],
                             [s.logprobs for _, s in samples], scores)
         batch.current = batch.stack({i: torch.tensor([0.0] * (len(g.prompt) - 1) + [float(v == step)
@@ -210,7 +209,7 @@ class RolloutManager:
         if self.partial is not None and "in_flight" in state:
             self.partial.load_state_dict(state["in_flight"])
 
-    def _rollout(self, prompts: list[list[int]], answers: list[str], step: int, seed_offset: int) -> Batch:
+    def _rollout(self, prompts: list[list[int]], answers: list[str], seed_offset: int) -> Batch:
         """The prompts' samples, scored; every rank returns the whole batch (samples of one prompt contiguous)."""
         r = self.cfg.rollout
         # Each round's samples take the next range of seeds (100003 apart, as runs always have, unless more).
@@ -222,7 +221,6 @@ class RolloutManager:
             rows = self.generate_all(prompts, params)
         with self.times.timed("rollout/reward"):
             scores = self._score_shares(rows, answers)
-        scores = check_scores(scores, len(rows), str(self.cfg.trainer.reward), step)
         routing: Any = [c.routed_experts for c in rows] if self.cfg.algorithm.routing_replay else None
         return Batch.build([prompts[c.prompt_index] for c in rows], [c.token_ids for c in rows],
                            [c.logprobs for c in rows], scores, routing, [c.policy_mask for c in rows],
