@@ -37,8 +37,9 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
-    """Refuse to resume ``path`` under a config that defines another experiment (every rank alike)."""
+def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
+    """Refuse to resume ``path`` under a config that defines another experiment (every rank alike); else its
+    trainer.json."""
     if cfg.algorithm.name == "ppo" and not (path / "critic").is_dir():
         raise UserError(f"checkpoint {path} holds no critic (it was saved by a grpo run), but algorithm.name = "
                         "ppo trains one: algorithm grpo -> ppo cannot resume. Fix: set algorithm.name: grpo to "
@@ -53,7 +54,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
         if rank == 0:
             print(f"megarl: {path} holds no config (saved by a megarl before resumes compared them): the "
                   "experiment is not checked against it", flush=True)
-        return
+        return state
     found = changes(saved, cfg.to_flat_dict())
     refused = [(k, a, b) for k, a, b in found if k not in allowed]
     if refused:
@@ -74,6 +75,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> None:
         print(f"megarl: resuming {path} with "
               + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in found)
               + " (checkpoint.allow_changes); the resumed mlflow run keeps the params it started with", flush=True)
+    return state
 
 
 def check_teacher_unchanged(cfg: Config, saved: dict[str, Any] | None, path: Path, allowed: set[str],

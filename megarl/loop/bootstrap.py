@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -243,8 +242,7 @@ def setup(config_path: str, overrides: Sequence[str]
     allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
     other_prompts = bool(allowed & {"data.train_path", "data.prompt_template", "data.prompt_key", "data.answer_key"})
     if resume_from is not None:
-        check_unchanged(cfg, resume_from, groups.rank)
-        saved_loader = json.loads((resume_from / checkpoint.TRAINER).read_text()).get("loader")
+        saved_loader = check_unchanged(cfg, resume_from, groups.rank).get("loader")
         if saved_loader is not None:
             loader.check_state(saved_loader, other_prompts)
     startup.mark("process groups")
