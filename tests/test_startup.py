@@ -37,11 +37,11 @@ def clock(monkeypatch):
 
 def test_the_first_step_prints_every_part_adding_up_to_the_total(clock, tmp_path, capsys):
     mod, now = clock
-    (tmp_path / "engine_0.log").write_text(SGLANG_LOG)
     for part, seconds in [("imports", 0), ("config and data", 3), ("process groups", 1), ("models built", 4)]:
         now[0] += seconds
         mod.mark(part)
     mod.engine_log(tmp_path / "engine_0.log")
+    (tmp_path / "engine_0.log").write_text(SGLANG_LOG)
     now[0] += 80
     mod.mark("engine start")
     now[0] += 0.5
@@ -60,6 +60,23 @@ def test_the_first_step_prints_every_part_adding_up_to_the_total(clock, tmp_path
     now[0] += 4
     mod.mark("engine start")  # an engine restarted mid-run is not start-up
     assert mod.step_ended() == {} and capsys.readouterr().out == "" and mod._parts["engine start"] == 80
+
+
+def test_the_capture_is_this_runs_in_a_log_earlier_runs_wrote_to(clock, tmp_path, capsys):
+    """A run resumed in the same directory appends to the engine's log: the earlier run's 53 s capture (an H100's
+    fresh start) is not this run's (7 s, its kernels cached), which counted 60 s before (gpu_round_af59f6c)."""
+    mod, now = clock
+    log = tmp_path / "engine_0.log"
+    log.write_text("Capturing batches (bs=1 avail_mem=6.45 GB): 100%|##########| 52/52 [00:53<00:00,  1.04s/it]\n")
+    mod.mark("models built")
+    mod.engine_log(log)
+    with log.open("a") as f:
+        f.write("Capturing batches (bs=1 avail_mem=6.45 GB): 100%|##########| 52/52 [00:07<00:00,  7.11it/s]\n")
+    now[0] += 20
+    mod.mark("engine start")
+    mod.engine_log(log)  # registered again for the same log (an engine restarted during start-up): still this run's
+    mod.step_ended()
+    assert "engine start 20.0 s (of which SGLang's CUDA graph capture 7.0 s)" in capsys.readouterr().out
 
 
 def test_other_ranks_print_nothing_but_log_the_parts(clock, capsys, monkeypatch):

@@ -14,7 +14,7 @@ _origin: float | None = None
 _last: float | None = None
 _parts: dict[str, float] = {}
 _steps: list[float] = []  # the perf_counter at the end of each step, up to the second
-_engine_log: Path | None = None
+_engine_log: tuple[Path, int] | None = None  # the engine's log and its size when this run's engine started
 
 
 def process_age() -> float:
@@ -41,9 +41,11 @@ def mark(part: str) -> None:
 
 
 def engine_log(path: Path) -> None:
-    """The engine's log, where SGLang reports its CUDA graph captures."""
+    """The engine's log, where SGLang reports its CUDA graph captures, as the engine starts. The log is appended to
+    by every run in the same directory (a resume, a requeued job): only what it gains from here on is this run's."""
     global _engine_log
-    _engine_log = path
+    if _engine_log is None or _engine_log[0] != path:  # an engine restarted during start-up: its captures count
+        _engine_log = (path, path.stat().st_size if path.is_file() else 0)
 
 
 def graph_capture_s(text: str) -> float | None:
@@ -80,8 +82,11 @@ def step_ended() -> dict[str, float]:
 
 def line() -> str:
     graphs = None
-    if _engine_log is not None and _engine_log.is_file():
-        graphs = graph_capture_s(_engine_log.read_text(errors="replace"))
+    if _engine_log is not None and _engine_log[0].is_file():
+        path, start = _engine_log
+        with path.open("rb") as f:
+            f.seek(start)
+            graphs = graph_capture_s(f.read().decode(errors="replace"))
     parts = []
     for part, seconds in _parts.items():
         note = f" (of which SGLang's CUDA graph capture {graphs:.1f} s)" if part == "engine start" and graphs else ""
