@@ -79,6 +79,21 @@ def test_the_capture_is_this_runs_in_a_log_earlier_runs_wrote_to(clock, tmp_path
     assert "engine start 20.0 s (of which SGLang's CUDA graph capture 7.0 s)" in capsys.readouterr().out
 
 
+def test_the_first_step_is_compared_with_a_steady_one_without_the_evaluations(clock, capsys):
+    """Held-out evaluations after the first or the second step are not the steps' training: the first step's is a
+    part of its own, and the comparison leaves both out."""
+    mod, now = clock
+    mod.mark("engine start")
+    now[0] += 13
+    row = mod.step_ended(aside=3.0)
+    assert "first step 10.0 s, eval after the first step 3.0 s" in capsys.readouterr().out
+    assert row["startup/first_step_s"] == 10 and row["startup/eval_after_the_first_step_s"] == 3
+    assert row["startup/total_s"] == pytest.approx(sum(v for k, v in row.items() if k != "startup/total_s"))
+    now[0] += 14
+    mod.step_ended(aside=9.0)
+    assert capsys.readouterr().out == "megarl: the first step took 2.0x a steady one (10.0 s against 5.0 s)\n"
+
+
 def test_other_ranks_print_nothing_but_log_the_parts(clock, capsys, monkeypatch):
     mod, now = clock
     monkeypatch.setenv("RANK", "1")
