@@ -337,7 +337,7 @@ def test_tiny_grpo_recipe_trains_a_lora_actor_with_a_kl_to_its_base(tmp_path, ha
     moved = math.sqrt(2 * rows[2]["kl"])  # k3 ~ E[r^2] / 2: a typical |log ratio| to the base at step 2
     assert all(r["logprob_diff_max"] < 1e-3 < moved / 10 for r in rows), [(r["logprob_diff_max"], moved) for r in rows]
     assert (tmp_path / "step_000002" / "actor" / "lora" / "rank0000.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.glob("adapter_*")) == (
+    assert sorted(p.name for p in tmp_path.glob("adapters/engine_0/*")) == (
         ["adapter_000001", "adapter_000002"] if handover == "adapter" else [])
     # The checkpoint's weights are the adapted model (made for the checkpoint where no merged buffer is kept): the
     # --merge export is what peft makes of the --peft one.
@@ -445,3 +445,36 @@ def test_the_peft_export_is_atomic_and_refuses_a_non_empty_out(tmp_path, monkeyp
     assert sorted(f.name for f in (tmp_path / "adapter").iterdir()) == [
         "adapter_config.json", export.ADAPTER_FILE, export.EXPORT]
     export.check_export(tmp_path / "adapter", str(base))
+
+
+def test_adapter_handovers_of_two_engines_and_of_a_resumed_run_do_not_collide(tmp_path):
+    """actor.lora.handover adapter: each engine group's driver writes its adapters numbered from 0 in its own
+    directory (two drivers in one run_dir took the same adapter_000000: the second rename failed), and a resumed
+    process, counting from 0 again, is not stopped by what the earlier one left."""
+    import types
+
+    from megarl.lora.handover import AdapterHandover
+    from megarl.models.spec import load_spec
+
+    spec = load_spec(make_hf_model(tmp_path / "llama", "llama"))
+    params = {n: torch.zeros(s) for n, s in lora_factor_shapes(spec, LORA_RANK).items()}
+    actor = types.SimpleNamespace(spec=spec, adapter_params=lambda: params)
+    loaded: list = []
+
+    def engine(index):
+        return types.SimpleNamespace(engine=object(), group=types.SimpleNamespace(index=index),
+                                     load_adapter=loaded.append)
+
+    run, cfg = tmp_path / "run", LoraConfig(rank=LORA_RANK, alpha=8.0)
+    first, second = AdapterHandover(actor, cfg, engine(0), run), AdapterHandover(actor, cfg, engine(1), run)
+    for _ in range(3):
+        first()
+        second()
+    assert loaded[-2:] == [run / "adapters" / "engine_0" / "adapter_000002",
+                           run / "adapters" / "engine_1" / "adapter_000002"]
+    resumed = AdapterHandover(actor, cfg, engine(0), run)
+    assert list((run / "adapters" / "engine_0").iterdir()) == []
+    for _ in range(3):
+        resumed()
+    assert sorted(p.name for p in (run / "adapters" / "engine_0").iterdir()) == ["adapter_000001", "adapter_000002"]
+    assert (loaded[-1] / "adapter_model.safetensors").is_file()

@@ -18,8 +18,15 @@ from megarl.lora.export import write_peft
 class AdapterHandover:
     """Hands a LoRA actor (TP1, PP1: every rank holds its adapters whole) to its group's engine."""
 
-    def __init__(self, actor: Any, cfg: LoraConfig, engine: Any, directory: Path) -> None:
-        self.actor, self.cfg, self.engine, self.directory = actor, cfg, engine, directory
+    def __init__(self, actor: Any, cfg: LoraConfig, engine: Any, run_dir: Path) -> None:
+        """The adapters go to ``run_dir``/adapters/engine_<the group's index>: one directory per engine, as every
+        group's driver writes its own, numbered from 0 in each process. Whatever an earlier process of the run left
+        there (a resume in the same checkpoint.dir) is removed first, not taken for this run's."""
+        self.actor, self.cfg, self.engine = actor, cfg, engine
+        self.directory = run_dir / "adapters" / f"engine_{engine.group.index}"
+        if engine.engine is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory.mkdir(parents=True)
         self._written: list[Path] = []
         self._count = 0
 
