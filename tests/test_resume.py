@@ -44,6 +44,21 @@ def test_a_resume_with_a_changed_experiment_is_refused_naming_each_field(tmp_pat
     assert "checkpoint.allow_changes=data.num_prompts_per_step,model.dtype,rollout.num_samples_per_prompt" in message
 
 
+def test_a_lora_run_resumed_without_lora_or_the_reverse_is_refused_before_anything_loads(tmp_path):
+    """actor.lora set on one side and null on the other flattens to keys the two configs do not share: the resume
+    went on and failed later calling the checkpoint damaged (LoRA -> null: its optimizer lacks the base weights'
+    state). It is a change of the experiment, named with what each side has."""
+    lora = config("grpo", "actor.lora.rank=8")
+    with pytest.raises(UserError) as err:
+        check_unchanged(config(), saved_checkpoint(tmp_path / "a", lora), rank=0)
+    message = str(err.value)
+    assert 'saved with actor.lora {"rank": 8, "alpha": 16.0' in message and "sets actor.lora: null" in message
+    assert "--merge" in message and "damaged" not in message, message
+    with pytest.raises(UserError, match=r"saved with actor.lora null, and this config sets actor.lora: \{\"rank\": 8"):
+        check_unchanged(lora, saved_checkpoint(tmp_path / "b", config()), rank=0)
+    check_unchanged(lora, saved_checkpoint(tmp_path / "c", lora), rank=0)
+
+
 def test_listed_changes_resume_with_a_line_naming_them(tmp_path, capsys):
     path = saved_checkpoint(tmp_path, config())
     check_unchanged(config("grpo", "rollout.num_samples_per_prompt=4", "checkpoint.allow_changes="

@@ -33,6 +33,19 @@ def changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, A
     return [(k, old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
 
 
+def section_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(section, saved fields or None, current fields or None) of each optional section (actor.lora,
+    reward_model.judge) set on one side and null on the other. The two flatten to the section's fields on one side
+    and one null key on the other: they share no key, so ``changes`` cannot see it."""
+    old, new = experiment(saved), experiment(current)
+
+    def fields(flat: dict[str, Any], section: str) -> dict[str, Any] | None:
+        return {k[len(section) + 1:]: v for k, v in flat.items() if k.startswith(section + ".")} or None
+
+    nulls = sorted({k for flat in (saved, current) for k, v in flat.items() if v is None})
+    return [(k, fields(old, k), fields(new, k)) for k in nulls if (fields(old, k) is None) != (fields(new, k) is None)]
+
+
 def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
@@ -55,7 +68,17 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
             print(f"megarl: {path} holds no config (saved by a megarl before resumes compared them): the "
                   "experiment is not checked against it", flush=True)
         return state
-    found = changes(saved, cfg.to_flat_dict())
+    current = cfg.to_flat_dict()
+    for section, before, after in section_changes(saved, current):
+        lora = " A LoRA run's checkpoint holds the adapters and their optimizer's state, not the whole model's: " \
+               "to fine-tune every weight from it, export it merged (python -m megarl.convert mcore-to-hf --ckpt " \
+               f"{path / 'actor'} --out DIR --merge) and start a new run from DIR (model.hf_path)." \
+               if section == "actor.lora" else ""
+        raise UserError(f"checkpoint {path} was saved with {section} {_show(before)}, and this config sets "
+                        f"{section}: {_show(after)}: a resume continues the run it was saved by.{lora} Fix: set "
+                        f"{section} back to the checkpoint's, or checkpoint.resume: none (or another "
+                        "checkpoint.dir) to start a new run.")
+    found = changes(saved, current)
     refused = [(k, a, b) for k, a, b in found if k not in allowed]
     if refused:
         listed = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in refused)
