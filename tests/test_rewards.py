@@ -88,6 +88,13 @@ def test_format_reward() -> None:
                          [""] * 6) == [0.1, 0.1, 0.0, 0.0, 0.1, 0.1]
 
 
+def test_the_format_bonus_goes_where_the_reward_reads_a_number_after_the_last_hashes() -> None:
+    """The format reward read any "####" and a number, where the reward reads the last "####": a step's heading
+    ("#### 3. Add") got the bonus, and "#### (5)" or "#### ~5", which the reward reads, did not."""
+    texts = ["#### (5)", "#### ~5", "####\n5", "#### 3. Add them", "#### -", "#### 4\n#### x", "#### 7 + 1 = 8"]
+    assert format_reward(texts, [""] * len(texts)) == [0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 0.0]
+
+
 def test_load_reward_by_import_path() -> None:
     assert load_reward("megarl.rewards.gsm8k:reward").__wrapped__ is reward  # type: ignore[attr-defined]
     assert load_reward("megarl.rewards.gsm8k:format_reward").__wrapped__ is format_reward  # type: ignore[attr-defined]
@@ -178,7 +185,19 @@ def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool)
     ("The answer: 4\n####\n", "4", "4", 1.0),
     ("#### 4\n#### x", "4", "4", 1.0),
     ("#### 4 apples", "4", "4", 1.0),
-    ("#### 2+2", "2", "4", 0.0),
+    ("#### 2+2", None, "2", 0.0),  # arithmetic after the number: math-verify's, which leaves it undone
+    # An equation or a fraction after "####" is read whole, not as its first number (which was paid: 7 for "7/2").
+    ("#### 15 + 3 = 18", "18", "18", 1.0),
+    ("#### 15 + 3 = 18", "18", "15", 0.0),
+    ("#### 2 * 9 = 18", "18", "2", 0.0),
+    ("#### $15 + $3 = $18", "18", "18", 1.0),
+    ("#### 7/2", "7/2", "7", 0.0),
+    ("#### 1/2", "1/2", "0.5", 1.0),
+    ("#### 18 - 2 = 16", "16", "16", 1.0),
+    ("#### $18/day", "18", "18", 1.0),  # a unit, not a division
+    # Markdown bold around an answer math-verify finds without "####".
+    ("The answer is **18**", "18", "18", 1.0),
+    ("$18 per day.\n\n**Final Answer:** **18**", "18", "18", 1.0),
     ("#### 4 or 5", "4", "5", 0.0),
     ("#### 44", "44", "4", 0.0),
     ("964 * 494", None, "476216", 0.0),

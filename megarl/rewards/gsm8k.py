@@ -20,15 +20,19 @@ from math_verify import parse as _math_verify_parse
 _NUMBER = r"(?:\\?\$[-−]|[-−]?(?:\\?\$)?)(?>\d(?:,?\d)*(?:\.\d+)?|\.\d+)"
 # The number right after "####", allowing spaces, markdown bold ("#### **18**"), a leading "+", "~" or "≈" and
 # parentheses ("#### (18)"), unless it numbers a markdown heading ("#### 3. Add them", "#### 2) Subtract",
-# "#### (3) Add them"): that is a step title, not the answer.
+# "#### (3) Add them"): that is a step title, not the answer; nor when arithmetic follows it ("#### 15 + 3 = 18",
+# "#### 7/2", "#### 1e3"): the first number is not the answer, and the text goes to math-verify, which reads an
+# equation's right side and a fraction whole ("#### 7/2" was paid as 7). A unit is not arithmetic ("#### $18/day").
+_ARITHMETIC_AFTER = r"(?![ \t]*(?:[-+*/×÷^][ \t]*\(?[ \t]*[\d.$\\]|=)|[eE][-+]?\d)"
 _HASH_ANSWER_RE = re.compile(
-    rf"^[\s*]*(?:[+~≈][ \t]*)?(?P<open>\()?[ \t]*(?P<number>{_NUMBER})"
+    rf"^[\s*]*(?:[+~≈][ \t]*)?(?P<open>\()?[ \t]*(?P<number>{_NUMBER}){_ARITHMETIC_AFTER}"
     r"(?(open)[ \t]*\)(?![.]?[ \t]*[A-Za-z])|(?![.)][ \t]*[A-Za-z]))")
-_FORMAT_RE = re.compile(rf"####[\s*]*{_NUMBER}")
 # An integer fraction as math-verify hands it back written: "8/2", or "\frac{8}{2}" (its LaTeX parser has already
 # divided those, so the value alone cannot tell "4" from "8/2").
 _FRACTION_RE = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}|(?<![\d.])(-?\d+)\s*/\s*(-?\d+)(?![\d.])")
-_TRAILING_STOP_RE = re.compile(rf"\s*({_NUMBER})\.\s*")
+# A number math-verify found but could not parse for what is around it: "\boxed{723.}" (its LaTeX parser refuses the
+# "."), "the answer is **18**" (markdown bold, which the "####" path allows too).
+_WRITTEN_NUMBER_RE = re.compile(rf"[\s*]*({_NUMBER})[\s*]*\.?[\s*]*")
 _CLEAN = str.maketrans({"\\": None, "$": None, ",": None, "−": "-"})
 
 
@@ -49,7 +53,7 @@ def _math_verify_number(text: str) -> str | None:
         return None
     parsed = [item for item in found if isinstance(item, sympy.Basic)]
     if not parsed:
-        plain = _TRAILING_STOP_RE.fullmatch(written)  # "\boxed{723.}": its LaTeX parser refuses the "."
+        plain = _WRITTEN_NUMBER_RE.fullmatch(written)
         return _clean(plain.group(1)) if plain else None
     for item in parsed:
         if _is_percent(item):
@@ -103,15 +107,19 @@ def extract_answer(text: str) -> str | None:
     the search go back to the text before it, the same way; text without "####" goes to math-verify whole. A
     number written before the last "####" never stands in for one after it that cannot be read.
     """
+    after, match = _final_part(text)
+    return _clean(match.group("number")) if match else _math_verify_number(after)
+
+
+def _final_part(text: str) -> tuple[str, re.Match[str] | None]:
+    """(the text extract_answer reads the answer from, the number right after its "####" or None)."""
     while True:
         text, hashes, after = text.rpartition("####")
         if not hashes:
-            return _math_verify_number(after)
+            return after, None
         match = _HASH_ANSWER_RE.match(after)
-        if match:
-            return _clean(match.group("number"))
-        if re.search(r"\d", after):
-            return _math_verify_number(after)
+        if match or re.search(r"\d", after):
+            return after, match
 
 
 def _value(answer: str | None) -> Fraction | None:
@@ -139,8 +147,9 @@ def reward(completions: list[str], answers: list[str]) -> list[float]:
 
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """0.1 per completion that ends its reasoning GSM8K-style with "#### <number>", else 0.0.
+    """0.1 per completion that ends its reasoning GSM8K-style with "#### <number>", else 0.0: where
+    ``extract_answer`` reads the number right after a "####" ("#### (5)", "#### ~5"; not a heading's "#### 3. Add").
 
     `answers` is unused; it is there so this has the signature of every reward function.
     """
-    return [0.1 if _FORMAT_RE.search(completion) else 0.0 for completion in completions]
+    return [0.1 if _final_part(c)[1] is not None else 0.0 for c in completions]
