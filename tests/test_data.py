@@ -38,6 +38,21 @@ def test_jsonl_with_custom_keys(tmp_path: Path) -> None:
     ]
 
 
+def test_numeric_answers_are_written_as_numbers_the_reward_reads(tmp_path: Path) -> None:
+    """JSON numbers as answers: str() wrote 1e16 as "1e+16" and 0.00005 as "5e-05", which the GSM8K reward reads
+    as 1 and 5 (paying a wrong answer, refusing the right one); NaN and Infinity, which json reads, are refused."""
+    from megarl.rewards.gsm8k import reward
+
+    path = write(tmp_path / "n.jsonl", '{"q": "a", "a": 1e16}\n{"q": "b", "a": 0.00005}\n{"q": "c", "a": 2.5}\n'
+                 '{"q": "d", "a": 7}\n')
+    answers = [r.answer for r in load_prompts(path, prompt_key="q", answer_key="a")]
+    assert answers == ["10000000000000000", "0.00005", "2.5", "7"]
+    assert reward(["#### 10000000000000000", "#### 0.00005", "#### 1", "#### 5"], answers[:2] * 2) == [1, 1, 0, 0]
+    for bad in ("NaN", "Infinity"):
+        with pytest.raises(UserError, match=f"line 1: 'a' \\(data.answer_key\\) is {bad.lower()[:3]}"):
+            load_prompts(write(tmp_path / "bad.jsonl", f'{{"q": "a", "a": {bad}}}\n'), prompt_key="q", answer_key="a")
+
+
 def test_parquet(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import string
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +173,14 @@ def _record(row: Any, where: str, prompt_key: str, answer_key: str, template: st
             f"{field} {where}: {answer_key!r} ({keys['answer_key']}) is a {type(answer).__name__}, not a string "
             "or number. Fix: store the reference answer as text."
         )
-    return PromptRecord(prompt=prompt, answer=str(answer), source=where)
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise UserError(
+            f"{field} {where}: {answer_key!r} ({keys['answer_key']}) is {answer}, not a number a response can "
+            "equal. Fix: give the record its reference answer, or remove it."
+        )
+    # A float as written positionally: str() gives "1e+16" and "5e-05", which answer extraction reads as 1 and 5.
+    text = format(Decimal(repr(answer)), "f") if isinstance(answer, float) else str(answer)
+    return PromptRecord(prompt=prompt, answer=text, source=where)
 
 
 def _key_fields(field: str) -> dict[str, str]:
