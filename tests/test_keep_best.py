@@ -82,8 +82,10 @@ def test_a_misspelled_metric_is_refused_when_the_config_loads() -> None:
     base = {"model": {"hf_path": "m"}, "data": {"train_path": "gsm8k"},
             "eval": {"every": 10, "num_samples": 4, "temperature": 1.0,
                      "datasets": [{"name": "gsm8k", "path": "gsm8k:test"}]}}
-    for metric in ("accuracy", "pass@4", "mean_length"):
+    for metric in ("accuracy", "pass@4", "mean@4"):
         build_config(base | {"checkpoint": {"dir": "d", "save_every": 20, "keep_best": f"eval/gsm8k/{metric}"}})
-    with pytest.raises(UserError, match="name a metric eval/gsm8k has: accuracy, mean_length, truncated_fraction, "
-                                        "pass@4, mean@4"):
-        build_config(base | {"checkpoint": {"dir": "d", "save_every": 20, "keep_best": "eval/gsm8k/acuracy"}})
+    # Also what eval/ logs but has no better end: keep_best kept the most truncated step and let the least go.
+    for metric in ("acuracy", "truncated_fraction", "mean_length"):
+        with pytest.raises(UserError, match="name a metric of eval/gsm8k where higher is better: accuracy, pass@4, "
+                                            "mean@4"):
+            build_config(base | {"checkpoint": {"dir": "d", "save_every": 20, "keep_best": f"eval/gsm8k/{metric}"}})

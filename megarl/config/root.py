@@ -246,9 +246,11 @@ class Config:
               f"name a held-out metric eval/<name>/<metric> of an eval dataset ({', '.join(names) or 'none given'})",
               "write e.g. eval/<name>/accuracy, with that name under eval.datasets")
         k = e.datasets[names.index(parts[1])].num_samples or e.num_samples
-        metrics = ["accuracy", "mean_length", "truncated_fraction", *([f"pass@{k}", f"mean@{k}"] if k > 1 else [])]
-        check(parts[2] in metrics, "checkpoint.keep_best", best, f"name a metric eval/{parts[1]} has: "
-              f"{', '.join(metrics)} (a misspelled one is never logged, so no checkpoint would be kept)",
+        # The best is the highest: mean_length and truncated_fraction, which eval/ also logs, have no better end
+        # that keep_best could keep (it kept the most truncated step's checkpoint and let the least go).
+        metrics = ["accuracy", *([f"pass@{k}", f"mean@{k}"] if k > 1 else [])]
+        check(parts[2] in metrics, "checkpoint.keep_best", best, f"name a metric of eval/{parts[1]} where higher is "
+              f"better: {', '.join(metrics)} (a misspelled one is never logged, so no checkpoint would be kept)",
               f"write e.g. eval/{parts[1]}/accuracy")
         check(c.save_every > 0 and (e.every == 0 or c.save_every % e.every == 0), "checkpoint.save_every",
               c.save_every, f"be a multiple of eval.every = {e.every} with checkpoint.keep_best, so that saved steps "

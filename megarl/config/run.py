@@ -66,7 +66,8 @@ class CheckpointConfig:
     exits with code 0; null = STOP in dir (off without a dir). The Slurm scripts create it when Slurm
     signals the end of the time limit or a preemption (--signal)."""
     keep_best: str | None = None
-    """A held-out metric, e.g. eval/gsm8k/accuracy: the checkpoint of the step that scored highest on it stays
+    """A held-out metric where higher is better (accuracy, pass@k, mean@k), e.g. eval/gsm8k/accuracy: the
+    checkpoint of the step that scored highest on it stays
     outside keep_last's rotation (best.json in dir names it). Needs save_every to be a multiple of eval.every,
     so that saved steps are evaluated; null = none."""
     allow_changes: str | None = None
