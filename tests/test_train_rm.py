@@ -142,6 +142,20 @@ def test_a_resume_that_changes_the_training_data_is_refused(single, tmp_path):
         run.check_unchanged(latest)
 
 
+def test_a_micro_batch_budget_that_cannot_hold_the_longest_conversation_is_refused_at_start(tmp_path):
+    """A conversation trains with one token more than data.max_tokens bounds: a budget of exactly data.max_tokens
+    passed start-up and stopped the run at the first step that drew a conversation that long."""
+    from megarl.errors import UserError
+    from megarl.rm.setup import prepare
+
+    sets = [f"checkpoint.dir={tmp_path}", "tracking.backend=none", "training.max_tokens_per_gpu=16"]
+    refused = (r"`training.max_tokens_per_gpu` = 16, but it must hold the longest conversation data.max_tokens = 16 "
+               r"allows.*set training.max_tokens_per_gpu: 17")
+    with pytest.raises(UserError, match=refused):
+        prepare(str(REPO / RECIPE), sets, world=1)
+    prepare(str(REPO / RECIPE), [*sets[:2], "training.max_tokens_per_gpu=17"], world=1)
+
+
 @pytest.mark.parametrize("override, needle", [
     ("data.pairs_per_step=30000", "`data.pairs_per_step` = 30000, but it must be at most the 28672 training pairs"),
     ("data.max_tokens=3", "have a conversation longer than data.max_tokens = 3"),

@@ -97,6 +97,16 @@ def prepare(config: str, overrides: Sequence[str], world: int) -> Prepared:
           f"be at most the model's context, max_position_embeddings = {spec.max_position_embeddings} "
           f"({cfg.model.hf_path}): longer conversations would be scored past the positions it was trained on, and "
           "nothing would fail", f"set data.max_tokens: {spec.max_position_embeddings} or less")
+    t, p = cfg.training, cfg.parallel
+    # A conversation trains with one token more than it is scored on (megarl.rm.trainer), its row rounded up to the
+    # TP ranks under sequence parallelism: the longest the data allows must fit a micro-batch, or a step fails hours
+    # in, on the first batch that draws one.
+    multiple = p.tensor_parallel if p.sequence_parallel else 1
+    longest = -(-(cfg.data.max_tokens + 1) // multiple) * multiple
+    check(not t.dynamic_batch or longest <= t.max_tokens_per_gpu, "training.max_tokens_per_gpu", t.max_tokens_per_gpu,
+          f"hold the longest conversation data.max_tokens = {cfg.data.max_tokens} allows, trained with one token "
+          f"more ({longest} token slots)", f"set training.max_tokens_per_gpu: {longest} or more, or lower "
+          "data.max_tokens")
     tokenizer = load_tokenizer(cfg.model.hf_path)
     d = cfg.data
     train, dropped = tokenize_pairs(load_pairs(d.train_path, "data.train_path"), tokenizer, d.apply_chat_template,
