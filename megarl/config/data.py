@@ -30,7 +30,8 @@ class DataConfig:
     apply_chat_template: bool = True
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     shuffle: bool = True
-    """Shuffle prompts each epoch."""
+    """Shuffle prompts each epoch; false = in file order, as a cycle (a batch that reaches the end goes on from the
+    start, so every prompt is trained on)."""
     seed: int = 0
     """Shuffle seed."""
     num_prompts_per_step: int = 64

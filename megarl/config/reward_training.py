@@ -43,7 +43,7 @@ class PairsConfig:
     drop_long: bool = False
     """Skip pairs longer than max_tokens (counted at start-up) instead of stopping with an error."""
     shuffle: bool = True
-    """Shuffle the training pairs each epoch."""
+    """Shuffle the training pairs each epoch; false = in file order, as a cycle (every pair is trained on)."""
     seed: int = 0
     """Shuffle seed."""
 

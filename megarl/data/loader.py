@@ -19,7 +19,9 @@ class PromptLoader(Generic[T]):
 
     Epoch e visits the items in the order of a permutation seeded by (seed, e), so any epoch can be
     rebuilt from the state alone. The tail of an epoch that cannot fill a batch is skipped (every step
-    gets the same number of prompts); shuffling moves different items into it each epoch.
+    gets the same number of prompts); shuffling moves different items into it each epoch. Without shuffling the
+    items are a cycle instead: a batch that reaches the end goes on from the start (a skipped tail would be the
+    same items every epoch, never trained on).
     state_dict() after k batches, loaded into a fresh loader, makes it yield batch k + 1 onwards, over the same
     items: ``key(item)`` (JSON values; default: its repr) names what makes an item itself, and a digest of the keys
     in order travels with the state.
@@ -55,6 +57,13 @@ class PromptLoader(Generic[T]):
         return self
 
     def __next__(self) -> list[T]:
+        if not self.shuffle:
+            n = len(self.items)
+            picked = [(self.position + i) % n for i in range(self.batch_size)]
+            self.position += self.batch_size
+            if self.position >= n:
+                self.epoch, self.position = self.epoch + 1, self.position - n
+            return [self.items[i] for i in picked]
         if self.position + self.batch_size > len(self.items):
             self.epoch += 1
             self.position = 0
