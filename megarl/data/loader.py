@@ -59,11 +59,11 @@ class PromptLoader(Generic[T]):
     def __next__(self) -> list[T]:
         if not self.shuffle:
             n = len(self.items)
-            picked = [(self.position + i) % n for i in range(self.batch_size)]
+            cycled = [self.items[(self.position + i) % n] for i in range(self.batch_size)]
             self.position += self.batch_size
             if self.position >= n:
                 self.epoch, self.position = self.epoch + 1, self.position - n
-            return [self.items[i] for i in picked]
+            return cycled
         if self.position + self.batch_size > len(self.items):
             self.epoch += 1
             self.position = 0
