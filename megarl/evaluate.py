@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from megarl.rollout.base import RolloutEngine
+from megarl.rollout.stops import sample_stop_ids
 from megarl.run.command import run_main
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"megarl: the {kind} engine's output goes to {engine_log} (removed after a successful evaluation)",
               file=sys.stderr, flush=True)
         engine = make_engine(kind, model, args, engine_log)
-        stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        stop = sample_stop_ids(tokenizer.eos_token_id, model)
         params = SamplingParams(n=args.num_samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 stop_token_ids=stop, seed=args.seed)
         calls = engine.generate if loop is None else functools.partial(loop.generate, engine)

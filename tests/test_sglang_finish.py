@@ -14,7 +14,7 @@ import pytest
 from helpers import make_hf_model
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.sglang import SGLangEngine
-from megarl.rollout.stops import model_eos_ids
+from megarl.rollout.stops import model_eos_ids, sample_stop_ids
 
 EOS = 7
 
@@ -44,6 +44,19 @@ def test_the_models_eos_ids_are_read_as_an_int_or_a_list(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [9, 2]}))
     assert model_eos_ids(tmp_path) == (2, 9)
     assert model_eos_ids(tmp_path / "missing") == ()
+
+
+def test_training_and_evaluation_stop_at_the_same_ids(tmp_path):
+    """In-training evaluation (and megarl.evaluate) stopped at the tokenizer's EOS alone, while training's samples
+    ended at config.json's too: on vLLM an evaluation ran past a token where a training sample ends."""
+    import types
+
+    from megarl.loop.bootstrap import stop_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    tokenizer = types.SimpleNamespace(eos_token_id=2)
+    assert stop_ids(tokenizer, str(tmp_path)) == sample_stop_ids(2, tmp_path) == (2, 7)
+    assert sample_stop_ids(None, tmp_path) == (7,) and sample_stop_ids(7, tmp_path) == (7,)
 
 
 def test_a_budget_that_ends_on_eos_is_a_stop_and_one_that_ends_elsewhere_is_a_cut(engine):

@@ -107,7 +107,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
                                         d.drop_long_prompts, repr(d.train_path), d.system_prompt, d.response_prefix)
     from megarl.eval.in_training import load_eval_sets
 
-    eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer))
+    eval_sets = load_eval_sets(cfg, tokenizer, stop_ids(tokenizer, cfg.model.hf_path))
     return cfg, spec, dp, prompts, dropped, tokenizer, eval_sets
 
 
@@ -160,9 +160,11 @@ def check_judge(judge: Any) -> None:
     load_parse(judge.parse)
 
 
-def stop_ids(tokenizer: Any) -> tuple[int, ...]:
-    """Generation stops at the tokenizer's EOS (the engines also stop at generation_config.json's)."""
-    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+def stop_ids(tokenizer: Any, hf_path: str) -> tuple[int, ...]:
+    """Generation stops at the tokenizer's EOS and the model's own (megarl.rollout.stops.sample_stop_ids)."""
+    from megarl.rollout.stops import sample_stop_ids
+
+    return sample_stop_ids(tokenizer.eos_token_id, hf_path)
 
 
 EXPECTED_WARNINGS = (
@@ -246,7 +248,8 @@ def setup(config_path: str, overrides: Sequence[str]
         if saved_loader is not None:
             loader.check_state(saved_loader, other_prompts)
     startup.mark("process groups")
-    trainer = RLTrainer(cfg, groups, stop_ids(tokenizer), tokenizer)  # models, engine (factory's marks), first push
+    stops = stop_ids(tokenizer, cfg.model.hf_path)
+    trainer = RLTrainer(cfg, groups, stops, tokenizer)  # models, engine (factory's marks), first push
     startup.mark("first weight push")
     start_step, run_id, unlogged = 0, None, None
     if resume_from is not None:

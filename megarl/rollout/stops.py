@@ -31,6 +31,13 @@ def model_eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def sample_stop_ids(eos_token_id: int | None, hf_dir: str | Path) -> tuple[int, ...]:
+    """What every engine is asked to stop at, in training and in evaluation alike: the tokenizer's EOS and the
+    model's own (``model_eos_ids``). An evaluation that stopped at the tokenizer's alone ran past an EOS that only
+    config.json names on vLLM, where training's samples end."""
+    return tuple(dict.fromkeys(((eos_token_id,) if eos_token_id is not None else ()) + model_eos_ids(hf_dir)))
+
+
 def ends_in_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> bool:
     """Whether a sample's last token is one that ends it (so its finish reason is "stop")."""
     return bool(tokens) and tokens[-1] in stop_ids
