@@ -156,12 +156,18 @@ cache_save() {
     echo "[stage] kernel cache of ${#paths[@]} folders and modules: $(cat "$OUT"/kernel_cache.tgz.* | wc -c) bytes in $(ls "$OUT"/kernel_cache.tgz.* | wc -l) parts"
 }
 
-# On the device: restore the carried .stage/kernel_cache/kernel_cache.tgz.* parts to the paths they came from,
-# dated now (tar -m): flashinfer's JIT builds through ninja, which rebuilds a module whose sources are newer than it,
-# and the install has just dated flashinfer's sources; restored with its saved dates, its RMSNorm module was rebuilt
-# at the first forward, 48.8 s of a fresh H100's first graph capture (benchmarks/results/h100/gpu_round_af59f6c).
+# On the device: restore the carried .stage/kernel_cache/kernel_cache.tgz.* parts to the paths they came from, as
+# built now. flashinfer's JIT builds through ninja, which rebuilds a module older than its sources, and the install
+# has just dated flashinfer's sources: restored as saved, its RMSNorm module was rebuilt at the first forward, 48.8 s
+# of a fresh H100's first graph capture (benchmarks/results/h100/gpu_round_af59f6c). So the files are dated now
+# (tar -m), and each build's .ninja_log, which records the dates ninja compares, takes their new dates (restat).
 cache_load() {
   compgen -G "$STAGE_DIR/kernel_cache/kernel_cache.tgz.*" > /dev/null ||
     stage_die "no $STAGE_DIR/kernel_cache/kernel_cache.tgz.* here: carry $STAGE_DIR/kernel_cache with this call"
-  cat "$STAGE_DIR"/kernel_cache/kernel_cache.tgz.* | tar xzPmf - && echo "[stage] kernel cache restored"
+  cat "$STAGE_DIR"/kernel_cache/kernel_cache.tgz.* | tar xzPmf - || stage_die "the kernel cache did not unpack"
+  local log
+  find "$HOME/.cache/flashinfer" -name .ninja_log 2>/dev/null | while read -r log; do
+    (cd "$(dirname "$log")" && ninja -t restat > /dev/null) || echo "[stage] ninja -t restat failed in $(dirname "$log")"
+  done
+  echo "[stage] kernel cache restored"
 }
