@@ -91,8 +91,9 @@ def test_format_reward() -> None:
 def test_the_format_bonus_goes_where_the_reward_reads_a_number_after_the_last_hashes() -> None:
     """The format reward read any "####" and a number, where the reward reads the last "####": a step's heading
     ("#### 3. Add") got the bonus, and "#### (5)" or "#### ~5", which the reward reads, did not."""
-    texts = ["#### (5)", "#### ~5", "####\n5", "#### 3. Add them", "#### -", "#### 4\n#### x", "#### 7 + 1 = 8"]
-    assert format_reward(texts, [""] * len(texts)) == [0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 0.0]
+    texts = ["#### (5)", "#### ~5", "####\n5", "#### 3. Add them", "#### -", "#### 4\n#### x", "#### 7 + 1 = 8",
+             "#### 1/2 cup", "#### 18 = 6 * 3", "#### 2 * 3 + y"]
+    assert format_reward(texts, [""] * len(texts)) == [0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 0.0]
 
 
 def test_load_reward_by_import_path() -> None:
@@ -195,6 +196,14 @@ def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool)
     ("#### 1/2", "1/2", "0.5", 1.0),
     ("#### 18 - 2 = 16", "16", "16", 1.0),
     ("#### $18/day", "18", "18", 1.0),  # a unit, not a division
+    ("#### 18 = 6 * 3", "18", "18", 1.0),  # the answer, then its working
+    ("#### 18=6*3", "18", "18", 1.0),
+    ("#### 0.2 = 20%", "0.2", "0.2", 1.0),
+    # The equation's line alone: what follows it is not the answer.
+    ("#### 15 + 3 = 18\n\nI hope this helps! Let me know if you have 2 more questions.", "18", "18", 1.0),
+    ("#### 15 + 3 = 18\nStep 4: 7", "18", "7", 0.0),
+    ("#### 7/2\nThat is 3.5 pies.", "7/2", "3.5", 1.0),
+    ("#### 7/2\nThat is 3 pies.", "7/2", "3", 0.0),
     # Markdown bold around an answer math-verify finds without "####".
     ("The answer is **18**", "18", "18", 1.0),
     ("$18 per day.\n\n**Final Answer:** **18**", "18", "18", 1.0),

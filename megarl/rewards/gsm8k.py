@@ -20,13 +20,16 @@ from math_verify import parse as _math_verify_parse
 _NUMBER = r"(?:\\?\$[-−]|[-−]?(?:\\?\$)?)(?>\d(?:,?\d)*(?:\.\d+)?|\.\d+)"
 # The number right after "####", allowing spaces, markdown bold ("#### **18**"), a leading "+", "~" or "≈" and
 # parentheses ("#### (18)"), unless it numbers a markdown heading ("#### 3. Add them", "#### 2) Subtract",
-# "#### (3) Add them"): that is a step title, not the answer; nor when arithmetic follows it ("#### 15 + 3 = 18",
-# "#### 7/2", "#### 1e3"): the first number is not the answer, and the text goes to math-verify, which reads an
-# equation's right side and a fraction whole ("#### 7/2" was paid as 7). A unit is not arithmetic ("#### $18/day").
-_ARITHMETIC_AFTER = r"(?![ \t]*(?:[-+*/×÷^][ \t]*\(?[ \t]*[\d.$\\]|=)|[eE][-+]?\d)"
+# "#### (3) Add them"): that is a step title, not the answer; nor when an operator and a number follow it
+# ("#### 15 + 3 = 18", "#### 7/2", "#### 1e3"): the first number is not the answer ("#### 7/2" was paid as 7), and
+# that line goes to math-verify, which reads an equation's right side and a fraction whole. Not arithmetic: a unit
+# ("#### $18/day") and an answer followed by its working ("#### 18 = 6 * 3").
+_LEAD = r"^[\s*]*(?:[+~≈][ \t]*)?(?P<open>\()?[ \t]*"
+_ARITHMETIC = r"[ \t]*[-+*/×÷^][ \t]*\(?[ \t]*[\d.$\\]|[eE][-+]?\d"
 _HASH_ANSWER_RE = re.compile(
-    rf"^[\s*]*(?:[+~≈][ \t]*)?(?P<open>\()?[ \t]*(?P<number>{_NUMBER}){_ARITHMETIC_AFTER}"
+    rf"{_LEAD}(?P<number>{_NUMBER})(?!{_ARITHMETIC})"
     r"(?(open)[ \t]*\)(?![.]?[ \t]*[A-Za-z])|(?![.)][ \t]*[A-Za-z]))")
+_HASH_ARITHMETIC_RE = re.compile(rf"{_LEAD}{_NUMBER}(?:{_ARITHMETIC})")
 # An integer fraction as math-verify hands it back written: "8/2", or "\frac{8}{2}" (its LaTeX parser has already
 # divided those, so the value alone cannot tell "4" from "8/2").
 _FRACTION_RE = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}|(?<![\d.])(-?\d+)\s*/\s*(-?\d+)(?![\d.])")
@@ -101,23 +104,28 @@ def _written_number(item: sympy.Basic) -> bool:
 def extract_answer(text: str) -> str | None:
     """The final numeric answer in `text`, without "$" and thousands commas, or None.
 
-    From the last "####" (GSM8K's own format): (1) the number right after it, unless that numbers a heading;
-    else (2) the number math-verify (a required dependency, so that scores never depend on what happens to be
-    installed) parses from the text after it. Only when that text has no digit at all ("####" left empty) does
-    the search go back to the text before it, the same way; text without "####" goes to math-verify whole. A
-    number written before the last "####" never stands in for one after it that cannot be read.
+    From the last "####" (GSM8K's own format): (1) the number right after it, unless that numbers a heading or
+    arithmetic follows it; else (2) the number math-verify (a required dependency, so that scores never depend on
+    what happens to be installed) parses from its line where arithmetic follows ("#### 15 + 3 = 18"), from the
+    text after it otherwise. Only when that text has no digit at all ("####" left empty) does the search go back to
+    the text before it, the same way; text without "####" goes to math-verify whole. A number written before the
+    last "####" never stands in for one after it that cannot be read.
     """
     after, match = _final_part(text)
     return _clean(match.group("number")) if match else _math_verify_number(after)
 
 
 def _final_part(text: str) -> tuple[str, re.Match[str] | None]:
-    """(the text extract_answer reads the answer from, the number right after its "####" or None)."""
+    """(the text extract_answer reads the answer from, the number right after its "####" or None). Where
+    arithmetic follows the "####", the text is that line alone: what comes after it ("Let me know if you have 2
+    more questions") is not the answer."""
     while True:
         text, hashes, after = text.rpartition("####")
         if not hashes:
             return after, None
         match = _HASH_ANSWER_RE.match(after)
+        if match is None and _HASH_ARITHMETIC_RE.match(after):
+            return after.lstrip().split("\n", 1)[0], None
         if match or re.search(r"\d", after):
             return after, match
 
@@ -148,8 +156,19 @@ def reward(completions: list[str], answers: list[str]) -> list[float]:
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     """0.1 per completion that ends its reasoning GSM8K-style with "#### <number>", else 0.0: where
-    ``extract_answer`` reads the number right after a "####" ("#### (5)", "#### ~5"; not a heading's "#### 3. Add").
+    ``extract_answer`` reads the answer right after a "####" ("#### (5)", "#### ~5", "#### 1/2"; not a heading's
+    "#### 3. Add").
 
     `answers` is unused; it is there so this has the signature of every reward function.
     """
-    return [0.1 if _final_part(c)[1] is not None else 0.0 for c in completions]
+    return [0.1 if _hash_answer(c) else 0.0 for c in completions]
+
+
+def _hash_answer(text: str) -> bool:
+    """Whether ``extract_answer`` reads the answer right after a "####": the number there, or the equation or
+    fraction that starts there ("#### 1/2 cup")."""
+    after, match = _final_part(text)
+    if match is not None:
+        return True
+    head = text.rpartition("####")[2]
+    return bool(_HASH_ARITHMETIC_RE.match(head)) and _math_verify_number(after) is not None
