@@ -57,6 +57,21 @@ def test_a_lora_run_resumed_without_lora_or_the_reverse_is_refused_before_anythi
     with pytest.raises(UserError, match=r"saved with actor.lora null, and this config sets actor.lora: \{\"rank\": 8"):
         check_unchanged(lora, saved_checkpoint(tmp_path / "b", config()), rank=0)
     check_unchanged(lora, saved_checkpoint(tmp_path / "c", lora), rank=0)
+    with pytest.raises(UserError, match="neither resumes as the other"):  # allow_changes cannot name it
+        check_unchanged(config("grpo", "checkpoint.allow_changes=actor.lora.rank"), saved_checkpoint(tmp_path / "d",
+                                                                                                    lora), rank=0)
+
+
+def test_a_judge_turned_on_at_resume_is_refused_unless_its_fields_are_allowed(tmp_path, capsys):
+    """A judge holds no state of the run: like reward_model.path, turning it on is a change allow_changes may
+    name (by its fields: the section itself is no field)."""
+    judged = ("reward_model.judge.model=recipes/tiny/model",)
+    path = saved_checkpoint(tmp_path, config())
+    with pytest.raises(UserError, match=r"saved with reward_model.judge null.*allow_changes \(e.g. "
+                                        r"reward_model.judge.model\)"):
+        check_unchanged(config("grpo", *judged), path, rank=0)
+    check_unchanged(config("grpo", *judged, "checkpoint.allow_changes=reward_model.judge.model"), path, rank=0)
+    assert "with reward_model.judge null -> {" in capsys.readouterr().out
 
 
 def test_listed_changes_resume_with_a_line_naming_them(tmp_path, capsys):

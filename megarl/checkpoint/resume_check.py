@@ -69,15 +69,23 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
                   "experiment is not checked against it", flush=True)
         return state
     current = cfg.to_flat_dict()
-    for section, before, after in section_changes(saved, current):
-        lora = " A LoRA run's checkpoint holds the adapters and their optimizer's state, not the whole model's: " \
-               "to fine-tune every weight from it, export it merged (python -m megarl.convert mcore-to-hf --ckpt " \
-               f"{path / 'actor'} --out DIR --merge) and start a new run from DIR (model.hf_path)." \
-               if section == "actor.lora" else ""
-        raise UserError(f"checkpoint {path} was saved with {section} {_show(before)}, and this config sets "
-                        f"{section}: {_show(after)}: a resume continues the run it was saved by.{lora} Fix: set "
-                        f"{section} back to the checkpoint's, or checkpoint.resume: none (or another "
-                        "checkpoint.dir) to start a new run.")
+    toggled = section_changes(saved, current)
+    for section, before, after in toggled:
+        if section == "actor.lora":  # the checkpoint's state is the adapters' (or the whole model's) alone
+            raise UserError(
+                f"checkpoint {path} was saved with actor.lora {_show(before)}, and this config sets actor.lora: "
+                f"{_show(after)}: a LoRA run's checkpoint holds the adapters and their optimizer's state, a full "
+                "fine-tuning run's the whole model's, so neither resumes as the other. Fix: set actor.lora back to "
+                "the checkpoint's; to fine-tune every weight from a LoRA checkpoint, export it merged (python -m "
+                f"megarl.convert mcore-to-hf --ckpt {path / 'actor'} --out DIR --merge) and start a new run from "
+                "DIR (model.hf_path, checkpoint.resume: none).")
+        if not any(k.startswith(section + ".") for k in allowed):  # e.g. a judge, which holds no state
+            raise UserError(
+                f"checkpoint {path} was saved with {section} {_show(before)}, and this config sets {section}: "
+                f"{_show(after)}: a resume continues the run it was saved by. Fix: set {section} back to the "
+                "checkpoint's; or, to continue with the change deliberately, list its fields in "
+                f"checkpoint.allow_changes (e.g. {section}.{next(iter(before or after))}); or set "
+                "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
     found = changes(saved, current)
     refused = [(k, a, b) for k, a, b in found if k not in allowed]
     if refused:
@@ -94,9 +102,9 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
     resized = resized_schedule(schedules, saved.get("trainer.num_steps"), cfg.trainer.num_steps, state.get("step"))
     if resized and rank == 0:
         print(resized, flush=True)
-    if found and rank == 0:
+    if (found or toggled) and rank == 0:
         print(f"megarl: resuming {path} with "
-              + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in found)
+              + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in found + toggled)
               + " (checkpoint.allow_changes); the resumed mlflow run keeps the params it started with", flush=True)
     return state
 
