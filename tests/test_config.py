@@ -347,6 +347,11 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
             ["`critic.mini_batch_size`", "= 5"],
         ),
         (with_changes(actor={"max_tokens_per_gpu": 1000}), ["`actor.max_tokens_per_gpu`", "2048"]),
+        # under sequence parallelism a row's slots round up to the TP ranks: a budget of the sample alone failed at
+        # the first step that drew one that long
+        (with_changes(parallel={"tensor_parallel": 2, "sequence_parallel": True}, rollout={"max_new_tokens": 1023},
+                      actor={"max_tokens_per_gpu": 2047}),
+         ["`actor.max_tokens_per_gpu` = 2047", "= 2047 (2048 slots: rows round up to tensor_parallel = 2"]),
         (with_changes(rollout={"engine_args": "triton"}), ["`rollout.engine_args`", "must be a mapping"]),
         (with_changes(rollout={"verify_every": -1}), ["`rollout.verify_every`", "= -1", ">= 0"]),
         (with_changes(rollout={"verify_every": 5, "engine": "vllm"}),

@@ -135,7 +135,12 @@ class Config:
         self._check_eval()
         self._check_keep_best()
         batch = self.data.num_prompts_per_step * n
-        longest = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        # Sequence parallelism splits every row over the TP ranks: a row's slots are rounded up to them.
+        multiple = self.parallel.tensor_parallel if self.parallel.sequence_parallel else 1
+        sample = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
+        longest = -(-sample // multiple) * multiple
+        rounded = f" ({longest} slots: rows round up to tensor_parallel = {multiple} with sequence_parallel)" \
+            if longest != sample else ""
         for name, section in self.trained_sections():
             mini = section.mini_batch_size
             check(
@@ -150,7 +155,7 @@ class Config:
                 not section.dynamic_batch or section.max_tokens_per_gpu >= longest,
                 f"{name}.max_tokens_per_gpu",
                 section.max_tokens_per_gpu,
-                f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} so one sample fits",
+                f"be >= rollout.max_prompt_tokens + rollout.max_new_tokens = {sample}{rounded} so one sample fits",
                 f"raise it to at least {longest} or shorten the rollout limits",
             )
 
