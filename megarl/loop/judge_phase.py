@@ -22,7 +22,7 @@ from megarl.loop.step_prompts import StepPrompts
 from megarl.rewards.judge import judge_text, load_parse, parse_verdicts, render
 from megarl.rewards.reward_model import RunningStats, combine
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.stops import model_eos_ids
+from megarl.rollout.stops import sample_stop_ids
 
 
 class JudgePhase:
@@ -52,8 +52,7 @@ class JudgePhase:
 
         j, cfg = self.judge, self.cfg
         self.tokenizer = load_tokenizer(j.model, "reward_model.judge.model")
-        eos = self.tokenizer.eos_token_id
-        self.stop_ids = tuple(dict.fromkeys(((eos,) if eos is not None else ()) + model_eos_ids(j.model)))
+        self.stop_ids = sample_stop_ids(self.tokenizer.eos_token_id, j.model)
         log_file = run_dir(cfg) / "judge_engine.log"
         print(f"megarl: starting the judge's {cfg.rollout.engine} engine ({j.model}, tensor_parallel "
               f"{j.tensor_parallel}); its output goes to {log_file}", flush=True)

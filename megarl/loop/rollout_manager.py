@@ -32,7 +32,6 @@ from megarl.rollout.factory import make_engine
 from megarl.rollout.failures import EngineFailed
 from megarl.rollout.group import EngineGroup, GroupEngine, start_engine
 from megarl.rollout.inflight import Group
-from megarl.rollout.stops import model_eos_ids
 
 EngineState = Literal["asleep", "weights", "awake"]
 
@@ -41,9 +40,9 @@ class RolloutManager:
     def __init__(self, cfg: Config, groups: ParallelGroups, stop_ids: tuple[int, ...], tokenizer: Any,
                  times: PartTimes) -> None:
         self.cfg, self.groups, self.times = cfg, groups, times
-        # The model's own EOS ids end a sample as the tokenizer's does (the engines stop at both): async_rl's pool
-        # completes a sample by them whatever finish reason the engine gives (megarl.rollout.stops).
-        self.stop_ids = tuple(dict.fromkeys((*stop_ids, *model_eos_ids(cfg.model.hf_path))))
+        # The tokenizer's and the model's own EOS ids (bootstrap.stop_ids): async_rl's pool completes a sample by
+        # them whatever finish reason the engine gives (megarl.rollout.stops).
+        self.stop_ids = stop_ids
         self._rollout_loop = make_rollout(cfg, tokenizer)  # tools load and are checked before any model is built
         self.scorer = RewardScorer(cfg.trainer.reward, cfg.trainer.reward_workers)
         self.decode = decoder(tokenizer)
