@@ -5,7 +5,9 @@ silently for a trainer not running as root)."""
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from megarl.tools import reap
 from megarl.tools.reap import remove_tree
 from megarl.tools.sandbox import SandboxConfig, run_python
 
+REPO = Path(__file__).resolve().parents[1]
 DEEP_AND_LOCKED = ("import os\nfor i in range(1200):\n    os.mkdir('d')\n    os.chdir('d')\n"
                    "open('f', 'w').write('x')\nos.symlink('/etc', 'link')\nos.chdir('/'.join(['..'] * 600))\n"
                    "os.mkdir('locked')\nopen('locked/f', 'w').close()\nos.chmod('locked', 0)\nos.chmod('.', 0)\n"
@@ -53,3 +56,32 @@ def test_removal_never_follows_a_symlink_out(tmp_path):
     (tree / "a" / "out").symlink_to(outside)
     remove_tree(str(tree))
     assert not tree.exists() and (outside / "keep").exists()
+
+
+ZOMBIES = """
+import ctypes, os
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: as a trainer that is its container's PID 1
+from megarl.tools.sandbox import SandboxConfig, run_python
+codes = ["import time; time.sleep(100)", "print('hi')", "import os\\nwhile True: os.write(1, b'x' * 65536)"]
+ends = [run_python(code, SandboxConfig(timeout_s=1, output_bytes=200)).end for code in codes]
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if fields[0] == "Z" and int(fields[1]) == os.getpid():
+        zombies.append(pid)
+print(ends, len(zombies))
+"""
+
+
+def test_calls_that_time_out_leave_no_zombie_to_the_trainers_reaper():
+    """A timed-out call killed bwrap before bwrap had reaped the sandbox's init: the init became a zombie of the
+    nearest reaper, which no one collects where the trainer is its container's PID 1 (a run of infinite loops would
+    fill the process table)."""
+    proc = subprocess.run([sys.executable, "-c", ZOMBIES], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ends, zombies = proc.stdout.rsplit(" ", 1)
+    assert ends.count("timeout") == 2 and int(zombies) == 0, proc.stdout

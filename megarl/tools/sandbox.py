@@ -219,8 +219,14 @@ def _run_bwrap(code: str, config: SandboxConfig) -> SandboxResult:
                 os.write(block_w, b"1")
                 fds.close(block_w)
                 kept, dropped, timed_out = _collect(proc, deadline, config.output_bytes)
-                # bwrap's child is the PID namespace's init: every process of the call dies with it
+                # bwrap's child is the PID namespace's init: every process of the call dies with it. bwrap then
+                # reaps it and exits: killed before that, it left the init to the trainer's reaper as a zombie (one
+                # a timed-out call; never collected where the trainer is its container's PID 1).
                 _signal(signal.pidfd_send_signal, pidfd, signal.SIGKILL)
+                try:
+                    proc.wait(timeout=_CLEANUP_S)
+                except subprocess.TimeoutExpired:
+                    pass
             except (OSError, ValueError) as err:
                 start_error = f"sandbox failed: {err}"
                 # bwrap may have said why before it exited (a bind source it cannot read): kill it, keep that
