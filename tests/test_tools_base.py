@@ -216,6 +216,47 @@ def test_tool_failures_and_timeouts_become_observations():
     assert took < 0.5
 
 
+class Exiting:
+    """A tool that parses its call with argparse, which exits on one it cannot parse."""
+
+    name = "exiting"
+    description = "argparse"
+
+    def run(self, call):
+        import argparse
+
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--n", type=int, required=True)
+        return str(2 * parser.parse_args(call.split()).n)
+
+
+class AsyncExiting(Exiting):
+    name = "async_exiting"
+
+    async def run(self, call):
+        if call == "interrupt":
+            raise KeyboardInterrupt
+        return Exiting.run(self, call)
+
+
+def test_a_tool_that_exits_is_an_error_of_its_call_and_frees_its_worker(capsys):
+    """argparse calls sys.exit on a call it cannot parse: a sync tool's thread ended silently, its call reported
+    a timeout and its worker was never given back (after two, every call of every tool was refused); an async
+    tool's SystemExit ended the tools' event loop. Now each is that call's error, and the next calls run."""
+    pool = ToolPool([Exiting(), AsyncExiting()], max_workers=2, timeout_s=5)
+    calls = [("exiting", "oops"), ("exiting", "oops"), ("async_exiting", "oops"), ("async_exiting", "interrupt"),
+             ("exiting", "--n 3"), ("async_exiting", "--n 4")]
+
+    async def main():
+        return [await pool.run(name, call) for name, call in calls]
+
+    results = asyncio.run(main())
+    assert [r.status for r in results] == ["error"] * 4 + ["ok"] * 2, results
+    assert "the tool raised SystemExit(2) instead of returning" in results[0].observation
+    assert "the tool raised KeyboardInterrupt() instead of returning" in results[3].observation
+    assert [r.observation for r in results[4:]] == ["6", "8"] and all(r.wall_s < 1 for r in results)
+
+
 def test_a_timed_out_sync_call_keeps_its_worker_and_later_calls_do_not_wait_for_it():
     """A thread cannot be stopped: the overrunning call keeps its worker, and a call that finds every worker held
     so is a timeout at once instead of waiting for a worker that may never come back."""

@@ -107,12 +107,22 @@ class ToolPool:
         budget = PrintBudget(tool.name, self.output_chars)
         if inspect.iscoroutinefunction(tool.run):
             CALL_BUDGET.set(budget)  # this task's context: the tool's coroutine runs in it
-            out = await run()
+            try:
+                out = await run()
+            except (SystemExit, KeyboardInterrupt) as raised:  # out of the loop, they would end the tools' thread
+                raise exited(raised) from None
         else:
             out = await _in_daemon_thread(run, budget, f"megarl-tool-{tool.name}")
         if not isinstance(out, str | ToolOutput):
             raise TypeError(f"tool {tool.name!r} returned a {type(out).__name__}, not a str or ToolOutput")
         return out
+
+
+def exited(raised: BaseException) -> RuntimeError:
+    """A tool's SystemExit or KeyboardInterrupt (argparse exits on a call it cannot parse) as the call's error: the
+    call is the tool's, the process and the tools' thread are not."""
+    return RuntimeError(f"the tool raised {type(raised).__name__}({raised}) instead of returning; a tool returns its "
+                        "errors as text")
 
 
 def _in_daemon_thread(run: Callable[[], Any], budget: PrintBudget, name: str) -> asyncio.Future[Any]:
@@ -136,6 +146,8 @@ def _in_daemon_thread(run: Callable[[], Any], budget: PrintBudget, name: str) ->
             out = run()
         except Exception as raised:
             err = raised
+        except (SystemExit, KeyboardInterrupt) as raised:  # would end this thread silently, the call never settled
+            err = exited(raised)
         try:
             loop.call_soon_threadsafe(settle, out, err)
         except RuntimeError:  # the loop is closed: nobody waits for this call any more
