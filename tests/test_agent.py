@@ -454,6 +454,30 @@ def test_tool_errors_and_timeouts_become_observations() -> None:
     assert all(c.finish_reason == "stop" for c in outs)
 
 
+class Blocking:
+    """An async tool that blocks the event loop (time.sleep inside async def): no deadline can fire."""
+
+    name = "blocking"
+    description = "blocks"
+
+    async def run(self, call: str) -> str:
+        time.sleep(float(call))
+        return "slept"
+
+
+def test_a_tool_that_blocks_the_tools_event_loop_stops_the_run_with_a_paragraph(monkeypatch) -> None:
+    """Nothing can time out an async tool that blocks the loop: the rollout waited for it with no limit (for ever,
+    with a socket read). Now no call ending well past agent.tool_timeout_s is a paragraph naming the cause."""
+    from megarl.errors import UserError
+    from megarl.rollout import agent
+
+    monkeypatch.setattr(agent, "STUCK_SLACK_S", 0.5)
+    engine = ScriptedEngine({"A": [call("blocking", "3"), "a<eos>"]})
+    with pytest.raises(UserError, match=r"no tool call of 1 has ended in 0.7 s, though each ends at "
+                                        r"agent.tool_timeout_s = 0.1 s: the tools' event loop is blocked"):
+        loop(Blocking, tool_timeout_s=0.1).generate(engine, [encode("A\n")], PARAMS)  # the tool sleeps 3 s
+
+
 def test_one_token_delimiter_stops_the_engine() -> None:
     cfg = AgentConfig(tools=[ToolConfig(spec=f"{__name__}:Lookup")], observation_template=OBS)
     agent = AgentLoop(cfg, lambda text: [STOP] if text == "</tool_call>" else encode(text), decode, 4096)

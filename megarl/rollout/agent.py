@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megarl.config import AgentConfig
+from megarl.errors import UserError
 from megarl.rollout.base import Completion, SamplingParams, request_seed
 from megarl.tools.base import load_tool
 from megarl.tools.inert import InertText
@@ -72,6 +73,11 @@ class _Sample:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
+STUCK_SLACK_S = 30.0
+"""How long past twice agent.tool_timeout_s the loop waits for any tool call to end before it calls the tools'
+event loop stuck."""
+
+
 class AgentLoop:
     """Multi-turn rollouts with ``cfg``'s tools; ``encode``/``decode`` are the policy's tokenizer (no special tokens
     added), ``context`` the engine's max_model_len. ``inert`` makes tool output unable to spell a special token
@@ -110,7 +116,7 @@ class AgentLoop:
             if running:  # the next engine call takes the samples whose tools are done
                 done, _ = futures.wait(running, timeout=self.cfg.tool_wait_s)
                 if not done and not ready:  # the engine would idle: it waits for one at least
-                    done, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+                    done = self._wait_for_a_tool(running)
                 for future in sorted(done, key=lambda f: running[f].index):
                     s = running.pop(future)
                     start = time.perf_counter()
@@ -122,6 +128,21 @@ class AgentLoop:
         return [Completion(prompt_index=s.prompt_index, token_ids=s.tokens, logprobs=s.logprobs, finish_reason=s.finish
                            or "length", policy_mask=s.mask, stats=s.stats, routed_experts=_routing(s))
                 for s in samples]
+
+    def _wait_for_a_tool(self, running: dict[futures.Future[ToolResult], _Sample]) -> set[Any]:
+        """The calls done once one is. Every call ends by agent.tool_timeout_s on the tools' event loop: none ending
+        well past it means the loop itself is stuck, which would hang the run silently."""
+        limit = 2 * self.cfg.tool_timeout_s + STUCK_SLACK_S
+        done, _ = futures.wait(running, timeout=limit, return_when=futures.FIRST_COMPLETED)
+        if not done:
+            state = "has stopped" if not self._thread.is_alive() else "is blocked"
+            raise UserError(
+                f"no tool call of {len(running)} has ended in {limit:g} s, though each ends at agent.tool_timeout_s "
+                f"= {self.cfg.tool_timeout_s:g} s: the tools' event loop {state}. An async tool (`async def run`) "
+                "that calls something blocking (time.sleep, a socket read, file I/O) holds the loop and every other "
+                "call with it. Fix: await asyncio.to_thread(...) for its blocking work, or make its run a plain def "
+                "(it then runs in a thread of its own).")
+        return done
 
     def _call_engine(self, engine: Generator, batch: list[_Sample], params: SamplingParams) -> None:
         """One engine call of every sample in ``batch``; each gets its output and, where its turn ended in a tool
