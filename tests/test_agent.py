@@ -30,6 +30,7 @@ from megarl.loop.rollout_manager import RolloutManager
 from megarl.rollout.agent import AgentLoop, SingleTurn, agent_metrics, make_rollout
 from megarl.rollout.base import Completion, SamplingParams, request_seed
 from megarl.rollout.group import EngineGroup
+from megarl.tools.base import ToolOutput
 
 EOS = 0
 STOP = 1  # a one-token "</tool_call>" in the vocabulary of test_one_token_delimiter_stops_the_engine
@@ -452,6 +453,38 @@ def test_tool_errors_and_timeouts_become_observations() -> None:
     assert [(s["tool_errors"], s["tool_timeouts"]) for s in stats] == [(1, 0), (0, 1), (1, 0), (1, 0)]
     assert stats[1]["tool_wall_s"] == pytest.approx(0.3, abs=0.2)
     assert all(c.finish_reason == "stop" for c in outs)
+
+
+class BrokenSandbox:
+    """A tool whose sandbox fails every call (its metadata as the Python tool's says so)."""
+
+    name, description = "broken", "its sandbox fails"
+    metadata: dict = {}
+
+    def run(self, call: str) -> ToolOutput:
+        return ToolOutput(text="sandbox failed", status="error", metadata=self.metadata)
+
+
+def test_a_sandbox_that_fails_its_calls_is_counted_apart_and_said_once(monkeypatch, capsys) -> None:
+    """A broken sandbox (bwrap or the cgroups failing mid-run) made every call an error, counted as the model's own
+    programs' errors: training went on with no sign of it. Such calls are now agent/tool_sandbox_failures too, and
+    the first prints a warning naming what the sandbox said."""
+    from megarl.tools import python_exec
+    from megarl.tools.sandbox import SandboxResult
+
+    broken = SandboxResult(output="", end="sandbox failed: bwrap: Can't find source path /usr: Permission denied")
+    monkeypatch.setattr(python_exec, "run_python", lambda code, config: broken)
+    tool = python_exec.PythonExecutor.__new__(python_exec.PythonExecutor)
+    tool.config = None
+    out = tool.run("print(1)")
+    assert out.status == "error" and out.metadata["sandbox_failed"] is True
+
+    monkeypatch.setattr(BrokenSandbox, "metadata", out.metadata)
+    engine = ScriptedEngine({k: [call("broken", "x"), "a<eos>"] for k in "AB"})
+    outs = loop(BrokenSandbox).generate(engine, [encode("A\n"), encode("B\n")], PARAMS)
+    assert [(c.stats["tool_errors"], c.stats["tool_sandbox_failures"]) for c in outs] == [(1, 1), (1, 1)]
+    printed = capsys.readouterr().out
+    assert printed.count("megarl: warning: a tool's sandbox failed a call") == 1 and "Permission denied" in printed
 
 
 class Blocking:

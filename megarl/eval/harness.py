@@ -62,8 +62,8 @@ def score(prompts: Sequence[TokenizedPrompt], completions: Sequence[Completion],
     out = metrics(grouped, [s.tokens for s in samples], [s.truncated for s in samples])
     if completions and completions[0].stats:  # multi-turn: how the tools were used
         out |= {f"agent/{key}": sum((c.stats or {})[key] for c in completions) / len(completions)
-                for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_tokens", "cut_by_budget",
-                            "cut_by_turns")}
+                for key in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures",
+                            "tool_tokens", "cut_by_budget", "cut_by_turns")}
     return out, samples
 
 

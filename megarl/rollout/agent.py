@@ -29,11 +29,13 @@ from megarl.tools.base import load_tool
 from megarl.tools.inert import InertText
 from megarl.tools.pool import ToolPool, ToolResult
 
-STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_wall_s", "tool_tokens", "cut_by_budget",
-         "cut_by_turns", "engine_calls", "wasted_tokens", "loop_s")
+STATS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_sandbox_failures", "tool_wall_s", "tool_tokens",
+         "cut_by_budget", "cut_by_turns", "engine_calls", "wasted_tokens", "loop_s")
 """Per-sample statistics of a multi-turn rollout (Completion.stats), means logged as agent/<name>. ``loop_s``: the
 seconds the loop itself spent on the sample between engine calls (finding a call's end, parsing it, encoding the
-tool's answer), its overhead apart from the engine's and the tools' time."""
+tool's answer), its overhead apart from the engine's and the tools' time. ``tool_sandbox_failures``: calls whose
+tool says its sandbox failed them (``ToolOutput.metadata["sandbox_failed"]``), errors of the machine and not of
+the model's program, counted among ``tool_errors`` too."""
 
 _SEED_STRIDE = 1 << 40
 """A sample's engine call c samples at its first call's seed + c * stride (its first is the single-turn rollout's):
@@ -92,6 +94,7 @@ class AgentLoop:
         # tokenizer does), and a sample stopped there short of a call goes on in the next engine call.
         end = encode(cfg.call_end)
         self._pause: tuple[int, ...] = (end[-1],) if cfg.pause_at_call_end or len(end) == 1 else ()
+        self._sandbox_warned = False
         # The tools' event loop runs in a thread of its own: calls go on while the engine generates.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="megarl-tools", daemon=True)
@@ -221,6 +224,14 @@ class AgentLoop:
         s.stats["tool_wall_s"] += result.wall_s
         s.stats["tool_errors"] += result.status == "error"
         s.stats["tool_timeouts"] += result.status == "timeout"
+        if result.metadata.get("sandbox_failed"):
+            s.stats["tool_sandbox_failures"] += 1
+            if not self._sandbox_warned:  # once a process: the statistic counts them
+                self._sandbox_warned = True
+                print(f"megarl: warning: a tool's sandbox failed a call, which the model sees as an error of its "
+                      f"program: {result.metadata.get('end')} (leftover processes: "
+                      f"{result.metadata.get('survivors') or 'none'}); agent/tool_sandbox_failures counts them",
+                      flush=True)
         obs = self.encode(self.cfg.observation_template.replace("{observation}", self.inert(result.observation)))
         if len(s.tokens) + len(obs) >= s.budget:  # no room left for the policy to answer it
             s.finish, s.stats["cut_by_budget"] = "length", 1.0

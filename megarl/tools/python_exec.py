@@ -32,6 +32,8 @@ class PythonExecutor:
             status = "ok"
         else:
             status = "error"
+        # Not the program's doing: the sandbox could not run it, or processes outlived the call (a bug).
+        broken = result.end.startswith("sandbox failed") or bool(result.survivors)
         return ToolOutput(text=result.observation, status=status,
-                          metadata={"end": result.end, "isolation": result.layers,
+                          metadata={"end": result.end, "isolation": result.layers, "sandbox_failed": broken,
                                     "truncated_bytes": result.truncated_bytes, "survivors": result.survivors})
