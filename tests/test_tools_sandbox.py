@@ -88,6 +88,9 @@ def test_the_python_tool_reports_how_the_call_ended_and_what_confined_it():
     assert set(ok.metadata["isolation"]) == {"sandbox", "seccomp", "uid", "limits"}
     assert (looped.status, looped.text) == ("error", "[killed: CPU time limit]")
     assert PythonExecutor(timeout_s=0.3).run("import time; time.sleep(5)").status == "timeout"
+    # Arguments written as an object (Qwen's tool format): the program, not a dict literal that prints nothing.
+    assert tool.run('{"code": "print(6 * 7)"}').text == "42"
+    assert tool.run('{"a": 1, "b": "print(1)"}').text == "(no output)"
 
 
 @pytest.mark.parametrize("field, value, must", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from megarl.tools.base import Status, ToolOutput
@@ -24,7 +25,7 @@ class PythonExecutor:
         require_isolation(self.config)
 
     def run(self, call: str) -> ToolOutput:
-        result = run_python(call, self.config)
+        result = run_python(script(call), self.config)
         status: Status
         if result.end.startswith("timeout"):
             status = "timeout"
@@ -37,3 +38,16 @@ class PythonExecutor:
         return ToolOutput(text=result.observation, status=status,
                           metadata={"end": result.end, "isolation": result.layers, "sandbox_failed": broken,
                                     "truncated_bytes": result.truncated_bytes, "survivors": result.survivors})
+
+
+def script(call: str) -> str:
+    """The call's program. Chat templates with a tool format write a call's arguments as an object, e.g. Qwen's
+    {"name": "python", "arguments": {"code": "print(1)"}}, which reaches the tool as JSON text: as a program, a dict
+    literal that prints nothing ("(no output)", status ok). An object of one string is that string."""
+    try:
+        parsed = json.loads(call)
+    except ValueError:
+        return call
+    if isinstance(parsed, dict) and len(parsed) == 1 and isinstance(value := next(iter(parsed.values())), str):
+        return value
+    return call
