@@ -51,6 +51,20 @@ def test_tracker_logs_to_an_explicit_uri_and_cuts_long_params(tmp_path, monkeypa
     assert tracker.history[1]["entropy"] == pytest.approx(3.5 / 3)
 
 
+def test_metric_names_mlflow_refuses_are_logged_under_names_it_takes(tmp_path):
+    """eval.num_samples > 1 logs eval/<set>/pass@k: mlflow refused the name and failed the run at its first
+    evaluation. It logs pass_at_k; metrics.jsonl keeps the name megarl gives it."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = Tracker(load_config(GRPO, ["tracking.backend=mlflow", f"tracking.uri={uri}"]), rank=0,
+                      out_dir=tmp_path / "run")
+    tracker.log(0, tiny_batch(0), {"logprob_diff_max": 0.0, "eval/gsm8k/pass@4": 0.5, "eval/gsm8k/mean@4": 0.25})
+    tracker.close()
+    _, run = only_mlflow_run(uri)
+    assert run.data.metrics["eval/gsm8k/pass_at_4"] == 0.5 and run.data.metrics["eval/gsm8k/mean_at_4"] == 0.25
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert logged["eval/gsm8k/pass@4"] == 0.5
+
+
 def test_a_resumed_run_continues_its_mlflow_run_and_logs_each_step_once(tmp_path):
     """Checkpointed after step 0, interrupted after step 2: the resumed run logs steps 1 and 2 again, and
     both metrics.jsonl and the mlflow run then hold each step once, with the resumed values."""

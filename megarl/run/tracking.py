@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,8 @@ class Tracker:
         first = start_step - 1 if unlogged is not None else start_step  # the first step this run logs
         self.started = time.monotonic()
         self.times: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        """Each phase's seconds the last time it ran (``times`` adds up a step's)."""
         self.step_started: float | None = None
         """When the first phase of the step being timed began (perf_counter); None between a row and the next phase."""
         self.memory: dict[str, float] = {}
@@ -92,8 +95,8 @@ class Tracker:
                                (f"memory/{name}_device_gib", (total - free) / 2**30),
                                (f"memory/{name}_host_gib", (host_memory() or (0, 0))[1] / 2**30)):
                 self.memory[key] = max(self.memory.get(key, 0.0), value)
-        key = f"time/{name}"
-        self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+        key, self.last[name] = f"time/{name}", time.perf_counter() - start
+        self.times[key] = self.times.get(key, 0.0) + self.last[name]
 
     def row(self, step: int, batch: Any, metrics: dict[str, float]) -> dict[str, float]:
         """Step ``step``'s row as it stands: the batch's statistics, ``metrics`` and the phases' times so far, and
@@ -169,7 +172,13 @@ def write_row(jsonl: Any, mlflow: Any, step: int, row: dict[str, Any]) -> None:
         jsonl.write(json.dumps({"step": step} | row) + "\n")
         jsonl.flush()
         if mlflow is not None:
-            mlflow.log_metrics({k: v for k, v in row.items() if k != "step"}, step=step)
+            mlflow.log_metrics({mlflow_name(k): v for k, v in row.items() if k != "step"}, step=step)
+
+
+def mlflow_name(key: str) -> str:
+    """``key`` as mlflow takes a metric's name (letters, digits and ``_-. :/``; it refused ``eval/gsm8k/pass@4``
+    and failed the run at its first evaluation): ``@`` reads ``_at_``, anything else it refuses ``_``."""
+    return re.sub(r"[^\w\-. :/]", "_", key.replace("@", "_at_"), flags=re.ASCII)
 
 
 def close_with_the_process(close: Callable[..., None]) -> None:
