@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 held_out = evals.run(trainer, decode, f"step_{step}") if evaluate else {}
             evals.keep_best(step, held_out)
             tracker.log(step, batch, trained | trainer.step_metrics() | held_out
-                        | startup.step_ended(tracker.times["time/eval"] if evaluate else 0.0))
+                        | startup.step_ended(tracker.last["eval"] if evaluate else 0.0))
             held_out = {}
             if stop:
                 checkpoint.acknowledge_stop(cfg.checkpoint, step)

@@ -241,6 +241,20 @@ def test_a_steps_time_is_its_wall_time_and_throughput_leaves_out_only_its_evalua
     assert second["tokens_per_s"] == pytest.approx(tokens / 3.75)
 
 
+def test_a_phases_last_time_is_its_latest_run_alone(tmp_path, monkeypatch):
+    """Step 0's row adds the initial evaluation to the step's own (time/eval): the start-up line compares the
+    first step without the step's evaluation alone (tracker.last), or its first step went negative."""
+    import megarl.run.tracking as tracking
+
+    clock = [0.0]
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
+    tracker = Tracker(load_config(GRPO, ["tracking.backend=none"]), rank=0, out_dir=tmp_path / "run")
+    for seconds in (30.0, 20.0):  # the initial evaluation, then step 0's
+        with tracker.phase("eval"):
+            clock[0] += seconds
+    assert tracker.last["eval"] == 20.0 and tracker.times["time/eval"] == 50.0
+
+
 def test_a_resumed_rows_wall_time_adds_this_processs_part_to_the_checkpoints(tmp_path, monkeypatch):
     """A run stopped in the evaluation after its save finishes that step's row when it resumes: the row's time/step
     (up to the save) gains the resumed evaluation, so time/step - time/eval is the trained part, never negative."""
