@@ -111,7 +111,8 @@ def ref_actor(logp: Rows, old: Rows, adv: Rows, w: Rows, algo: AlgorithmConfig, 
             g_logp[i][t] += scale * grad
             if weight > 0:
                 count += 1
-                clipped += (r > 1 + high and a > 0) or (r < 1 - low and a < 0)
+                # tokens whose gradient a clip removes, the dual clip's among them
+                clipped += (r > 1 + high and a > 0) or (r < 1 - low and a < 0) or (c is not None and a < 0 and r > c)
             if ref is not None and not algo.kl_in_reward:
                 kl, dkl = ref_kl(logp[i][t], ref[i][t], algo.kl_estimator)
                 loss += kl_coef * weight * kl
@@ -266,6 +267,10 @@ def test_actor_loss_with_kl_and_entropy_terms_matches_loops(aggregation: str, es
     close(entropy.grad, g_ent)
     assert (metrics["clipped_tokens"].item(), metrics["num_tokens"].item()) == (clipped, count)
     assert metrics["kl_loss"].item() > 0 or estimator == "k1"
+    # the entropy metric is per token whatever the aggregation (a sum here, mean_metrics divides by the count)
+    counted = [e for row_e, row_w in zip(case["entropy"], w.tolist(), strict=True)
+               for e, x in zip(row_e, row_w, strict=True) if x > 0]
+    close(metrics["entropy_sum"], sum(counted), atol=1e-5)
 
 
 def test_kl_in_the_reward_leaves_the_loss() -> None:

@@ -115,3 +115,7 @@ def test_an_update_reports_its_steps_means_and_the_share_of_all_tokens_clipped()
              {"lr": 1.0, "loss": 3.0, "clipped_tokens": 3.0, "num_tokens": 30.0},
              {"lr": 0.5, "loss": 2.0, "clipped_tokens": 0.0, "num_tokens": 0.0}]
     assert mean_metrics(steps) == pytest.approx({"lr": 0.5, "loss": 2.0, "clip_fraction": 4 / 40})
+    # The entropy per counted token, whatever the loss aggregation made of its bonus term.
+    for step, entropy_sum in zip(steps, (5.0, 15.0, 0.0), strict=True):
+        step["entropy_sum"] = entropy_sum
+    assert mean_metrics(steps)["entropy"] == pytest.approx(20 / 40)

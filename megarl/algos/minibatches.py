@@ -21,9 +21,12 @@ def mini_batches(num_samples: int, size: int, seed: int, step: int, epoch: int) 
 
 def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     """One update's metrics from its optimizer steps' (MegatronModel.train_step): the mean of each, lr the last
-    step's, and clip_fraction the share of all steps' tokens that were clipped (from their counts,
-    clipped_tokens and num_tokens, which actor_loss reports)."""
+    step's, clip_fraction the share of all steps' tokens that were clipped and entropy their mean entropy (from
+    the counts and sums actor_loss reports: clipped_tokens, entropy_sum, num_tokens)."""
     totals = {k: sum(s[k] for s in steps) for k in steps[0]}
     if "num_tokens" in totals:
-        totals["clip_fraction"] = totals.pop("clipped_tokens") / max(totals.pop("num_tokens"), 1.0) * len(steps)
+        tokens = max(totals.pop("num_tokens"), 1.0) / len(steps)  # the mean below divides by len(steps) again
+        totals["clip_fraction"] = totals.pop("clipped_tokens") / tokens
+        if "entropy_sum" in totals:
+            totals["entropy"] = totals.pop("entropy_sum") / tokens
     return {k: v / len(steps) for k, v in totals.items()} | {"lr": steps[-1]["lr"]}

@@ -240,7 +240,7 @@ def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: Al
     as [b, L-1]. With teacher_logprobs (distill.form: loss), distill_coef x the k2 estimate of the reverse KL to the
     teacher is added. offpolicy_weights (async_rl: ``offpolicy_weights``) weight each token's KL and distillation
     terms, which the policy's is_weights do not reach. Metrics are sums over micro-batches and ranks: the weighted
-    losses, and clipped_tokens / num_tokens (counts).
+    losses, clipped_tokens / num_tokens (counts) and entropy_sum (over the counted tokens: mean_metrics divides).
     """
     w = extras["weights"]
     loss, _ = policy_loss(logprobs, extras["old_logprobs"], extras["advantages"], w, algo.clip_ratio_low,
@@ -249,6 +249,8 @@ def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: Al
     ratio = torch.exp((logprobs - extras["old_logprobs"]).clamp(-20, 20)).detach()
     adv = extras["advantages"]
     clipped = ((ratio > 1 + algo.clip_ratio_high) & (adv > 0)) | ((ratio < 1 - algo.clip_ratio_low) & (adv < 0))
+    if algo.dual_clip_c is not None:  # the dual clip's tokens lose their gradient too (policy_loss's dual)
+        clipped |= (adv < 0) & (ratio > algo.dual_clip_c)
     on = w > 0
     metrics = {"policy_loss": loss.detach(), "clipped_tokens": (clipped & on).sum().float(),
                "num_tokens": on.sum().float()}
@@ -268,7 +270,9 @@ def actor_loss(logprobs: torch.Tensor, extras: dict[str, torch.Tensor], algo: Al
     if entropy is not None:
         ent = aggregate(entropy, w, "weighted")
         loss = loss - algo.entropy_coef * ent
-        metrics["entropy"] = ent.detach()
+        # The metric is the entropy per token whatever the aggregation (the bonus under seq-mean-token-sum is a
+        # sequence's sum): a sum here, over the counted tokens in mean_metrics, as clip_fraction.
+        metrics["entropy_sum"] = (entropy.detach() * on).sum()
     return loss, metrics
 
 
