@@ -8,7 +8,9 @@ first eval at or above ACC on SET (the samples, or steps, it took).
 
 Reads the eval rows megarl writes into metrics.jsonl (``eval/<set>/initial/accuracy`` before the first step,
 ``eval/<set>/accuracy`` after a step) and each set's size from ``--n SET=N``. The test is the pooled two-sided
-z-test of two proportions, each eval scoring N prompts greedily once.
+z-test of two proportions, each eval scoring N prompts greedily once: first against last (``p_first_vs_last``, the
+comparison fixed in advance) and first against the best (``p_first_vs_best``, times the number of later evals,
+Bonferroni's bound: picking the best of several evals makes its plain p-value too small).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def main() -> None:
             first, best = points[0][1], max(acc for _, acc in points)
             entry = {"curve": points, "first": first, "best": best, "last": points[-1][1]}
             if eval_set in sizes:
-                entry |= {"n": sizes[eval_set], "p_first_vs_best": two_proportion_p(first, best, sizes[eval_set])}
+                n, later = sizes[eval_set], max(len(points) - 1, 1)
+                entry |= {"n": n, "p_first_vs_last": two_proportion_p(first, points[-1][1], n),
+                          "p_first_vs_best": min(1.0, later * two_proportion_p(first, best, n))}
             if eval_set == reach_set:
                 entry["reached"] = next((trained * scale for trained, acc in points if acc >= reach_acc), None)
             report[name]["sets"][eval_set] = entry
