@@ -115,6 +115,34 @@ def test_auto_fraction_fills_what_the_trainer_leaves(tmp_path):
     assert plan.total("generate") <= H200 and plan.total("generate") > 0.85 * H200  # little left unused
 
 
+def test_auto_fraction_leaves_room_for_an_optimizer_kept_on_the_gpu(tmp_path):
+    """auto was sized on the trainer at the engine's start, before Adam's moments exist: with the optimizer kept on
+    the GPU, check_memory then refused auto's own result, advising to set auto."""
+    spec = llama8b_body(tmp_path)
+    dims = ParallelDims(tp=2, pp=1, dp=4)
+    for kept in ("true", "false"):
+        cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, dims, "rollout.gpu_memory_fraction=auto",
+                             f"actor.offload_optimizer={kept}", "rollout.engine=sglang")
+        check_memory(plan, cfg, 8)
+        assert 0.3 < plan.engine_fraction <= 0.9
+
+
+def test_an_engine_share_smaller_than_the_engines_own_weights_is_refused(tmp_path):
+    """SGLang at 0.1 of an H200 beside the trainer was given about 9 GiB for 15 GiB of Llama-3-8B's weights on one
+    GPU: the plan accepted it, and the engine failed at its start, after the models were built."""
+    spec = llama8b_body(tmp_path)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    sets = ("rollout.engine=sglang", "rollout.alias_weights=false", "actor.offload_optimizer=true")
+    cfg, plan = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, *sets, "rollout.gpu_memory_fraction=0.08")
+    assert plan.engine_share < plan.engine_floor
+    with pytest.raises(UserError, match=r"`rollout.gpu_memory_fraction` = 0.08 gives the rollout engine [\d.]+ GiB "
+                                        r"on its GPU, less than the 1[56].\d GiB it needs.*set "
+                                        r"rollout.gpu_memory_fraction to 0\.\d\d or more"):
+        check_memory(plan, cfg, 1)
+    _, enough = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, *sets, "rollout.gpu_memory_fraction=0.3")
+    assert enough.engine_share > enough.engine_floor
+
+
 @pytest.mark.parametrize("run,recipe", [("ppo_tp2", "recipes/tiny_cpu_ppo.yaml"),
                                         ("ppo_tp2_auto", "recipes/tiny_cpu_ppo.yaml"),
                                         ("ppo_tp2_overlap", "recipes/tiny_cpu_ppo.yaml"),

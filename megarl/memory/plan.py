@@ -88,6 +88,10 @@ class MemoryPlan:
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     engine_fraction: float = 0.0
     """rollout.gpu_memory_fraction as the engine gets it (``auto`` resolved)."""
+    engine_share: int = 0
+    """Bytes that fraction gives a colocated engine for its weights and KV cache (0: engines apart)."""
+    engine_floor: int = 0
+    """The least share the engine starts with: its weights not mapped from the actor's, one sequence's KV cache."""
     host: dict[str, int] = field(default_factory=dict)
     """Pinned host bytes per GPU, by offloaded part (after the first step, when Adam's moments exist)."""
 
@@ -295,8 +299,9 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             parts["FP8 quantization buffers"] = fp8.buffer_bytes
         return parts
 
-    def with_overhead(parts: dict[str, int], phase: str = "") -> dict[str, int]:
-        parts = parts | buffers(phase)
+    def with_overhead(parts: dict[str, int], phase: str = "", bound: bool = True) -> dict[str, int]:
+        """``parts`` with the trainer's overhead, and the hand-over's buffers where they are ``bound``."""
+        parts = parts | buffers(phase) if bound else parts
         tensors = sum(parts.values())
         nccl = NCCL_OVERHEAD if dims.world_size > 1 else 0
         return parts | {"trainer overhead": TRAINER_OVERHEAD + nccl + int(FRAGMENTATION * tensors)}
@@ -323,11 +328,17 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
             "scoring activations (bound)": activation_bytes(rm_spec, cfg, cfg.actor, dims, False, logits=False,
                                                             segment_mask=masked)})
     plan.phases["handover"] = with_overhead(resident("handover"), "handover")
-    # The engine sizes itself when it starts, next to what the trainer holds while generating, before any step.
-    at_start = sum(with_overhead(resident("generate", started=False), "generate").values())
+    # The engine sizes itself when it starts: next to what the trainer holds before any step, and before the
+    # hand-over's buffers are bound (WeightSync.connect, after the engine's start), so it takes its share of those
+    # bytes too.
+    at_start = sum(with_overhead(resident("generate", started=False), bound=False).values())
     separate = cfg.async_rl.mode == "separate"
     apart = cfg.async_rl.engine_gpus > 0
-    beside = max(sum(parts.values()) for parts in plan.phases.values()) if separate else at_start
+    # What the trainer holds beside the awake engine: while generating after the first step (Adam's moments too
+    # where the optimizer stays on the GPU; auto sized on the start alone left no room for them), or, async_rl
+    # separate, in its busiest phase.
+    beside = max(sum(parts.values()) for parts in plan.phases.values()) if separate else \
+        sum(with_overhead(resident("generate"), "generate").values())
     # engines apart size themselves on GPUs of their own
     plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, 0, 0) if apart else \
         resolved_fraction(cfg, gpu_bytes, at_start, beside)
@@ -338,6 +349,13 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         engine = int(plan.engine_fraction * (gpu_bytes - at_start)) + ENGINE_OVERHEAD
     else:
         engine = int(plan.engine_fraction * gpu_bytes)
+    # The engine's share must hold the weights it does not map from the actor's memory and one whole sequence's
+    # KV cache: an engine given less fails at its start, after the trainer's models are built.
+    kv_heads = max(1, spec.num_kv_heads // cfg.rollout.tensor_parallel)
+    sequence = 2 * spec.num_layers * kv_heads * spec.head_dim * dtype * (cfg.rollout.max_prompt_tokens
+                                                                           + cfg.rollout.max_new_tokens)
+    plan.engine_share = engine - (ENGINE_OVERHEAD if cfg.rollout.engine == "sglang" else 0)
+    plan.engine_floor = int(engine_rank * (1 - aliased)) + sequence
     # Engines never share a GPU (engine g spans its group's GPUs); async_rl separate's never sleeps.
     asleep = {"engine awake": engine} if separate else {"engines asleep": ENGINE_ASLEEP}
     # the optimizer step comes after the last backward
@@ -456,7 +474,19 @@ def check_host_memory(plan: MemoryPlan, cfg: Config, gpus_per_node: int, host_by
 
 
 def check_memory(plan: MemoryPlan, cfg: Config, num_gpus: int) -> None:
-    """Refuse a plan with a phase that does not fit, naming every such phase, its numbers and the ways out."""
+    """Refuse a plan with a phase that does not fit, naming every such phase, its numbers and the ways out, and an
+    engine share too small for the engine's own weights."""
+    if plan.engine_share and plan.engine_share < plan.engine_floor:
+        least = plan.engine_fraction * plan.engine_floor / plan.engine_share
+        fix = (f"set rollout.gpu_memory_fraction to {min(least * 1.1, 0.95):.2f} or more"
+               if cfg.rollout.gpu_memory_fraction != "auto" else
+               "offload more of the trainer while generating (actor.offload_optimizer, actor.offload_weights) or "
+               "spread the engine over more GPUs (rollout.tensor_parallel)")
+        raise UserError(f"`rollout.gpu_memory_fraction` = {cfg.rollout.gpu_memory_fraction} gives the rollout engine "
+                        f"{plan.engine_share / GIB:.1f} GiB on its GPU, less than the {plan.engine_floor / GIB:.1f} "
+                        "GiB it needs to start (its weights not mapped from the actor's, and one sequence's KV cache "
+                        "of rollout.max_prompt_tokens + max_new_tokens): it would fail at its start, after the "
+                        f"models are built. Fix: {fix}.")
     usable = plan.gpu_bytes * (1 - MARGIN)
     over = [phase for phase in plan.phases if plan.total(phase) > usable]
     if not over:
