@@ -143,6 +143,21 @@ def test_an_engine_share_smaller_than_the_engines_own_weights_is_refused(tmp_pat
     assert enough.engine_share > enough.engine_floor
 
 
+def test_the_host_plan_counts_vllms_sleep_backup_and_its_hand_over_file(tmp_path):
+    """vLLM's level-1 sleep keeps the engine's weights in pinned host memory (rounded up to a power of two) and each
+    hand-over writes the engine rank's tensors to /dev/shm: neither was in the host plan, which then accepted nodes
+    killed at the first sleep. SGLang keeps no copy."""
+    spec = llama8b_body(tmp_path)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    _, sglang = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, "rollout.engine=sglang")
+    _, vllm = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, "rollout.engine=vllm")
+    weights = spec.num_params() * 2
+    assert vllm.host["hand-over file (/dev/shm)"] == weights
+    assert weights <= vllm.host["vLLM engine weights asleep"] < 2 * weights
+    assert vllm.host_bytes() - sglang.host_bytes() == sum(vllm.host[k] for k in vllm.host if k not in sglang.host)
+    assert not any("vLLM" in k or "/dev/shm" in k for k in sglang.host)
+
+
 @pytest.mark.parametrize("run,recipe", [("ppo_tp2", "recipes/tiny_cpu_ppo.yaml"),
                                         ("ppo_tp2_auto", "recipes/tiny_cpu_ppo.yaml"),
                                         ("ppo_tp2_overlap", "recipes/tiny_cpu_ppo.yaml"),

@@ -373,7 +373,13 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         for parts in plan.phases.values():
             parts["judge asleep"] = ENGINE_ASLEEP
         plan.phases["judge"] = with_overhead(resident("reward_model")) | asleep | {"judge awake": judge}
-    return _with_host(plan, resident)
+    plan = _with_host(plan, resident)
+    if cfg.rollout.engine == "vllm" and not separate:
+        # vLLM's sleep (level 1) keeps the engine's weights in pinned host memory, which torch rounds up to a power
+        # of two, and every hand-over writes the engine rank's tensors to /dev/shm, host memory too.
+        plan.host |= {"vLLM engine weights asleep": 1 << max(engine_rank - 1, 0).bit_length(),
+                      "hand-over file (/dev/shm)": engine_rank}
+    return plan
 
 
 @dataclass
