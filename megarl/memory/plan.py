@@ -283,8 +283,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         landing = engine_rank
     if cfg.async_rl.engine_gpus:  # engines apart: the bytes go straight to their GPUs
         landing = 0
-    # staging for bytes that cross GPUs
-    pool = 2 * cfg.rollout.reshard_bucket_mb * 2**20 if landing or cfg.async_rl.engine_gpus else 0
+    # staging for bytes that cross GPUs: two send buffers where SGLang copies in the engine, four otherwise
+    # (Resharder.bind)
+    buckets = 2 if cfg.rollout.engine == "sglang" and not cfg.async_rl.engine_gpus else 4
+    pool = buckets * cfg.rollout.reshard_bucket_mb * 2**20 if landing or cfg.async_rl.engine_gpus else 0
     fp8 = fp8_handover(cfg, spec, dims, dtype)
     if fp8 is not None:
         engine_rank = fp8.engine_bytes
