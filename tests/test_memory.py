@@ -321,7 +321,7 @@ def test_engines_on_gpus_of_their_own_leave_the_trainers_gpu_to_the_trainer(tmp_
     staging = 4 * cfg.rollout.reshard_bucket_mb * 2**20  # Resharder.bind's pool of four send buffers
     for phase, parts in apart.phases.items():
         assert not any(k.startswith("engine") for k in parts), (phase, parts)
-        assert parts.get("hand-over buffers", 0) == staging, (phase, parts)  # no landing copy
+        assert parts.get("hand-over buffers", 0) in (0, staging), (phase, parts)  # no landing copy
         assert apart.total(phase) < beside.total(phase), phase
     assert apart.engine_fraction == 0.9 > beside.engine_fraction
 
