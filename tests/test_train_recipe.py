@@ -224,6 +224,11 @@ def test_dapo_sampling_and_rollout_correction_at_a_temperature(tmp_path):
         # The echo task's first steps: about a third of the prompts have a sample that scores.
         assert r["sampling/rounds"] >= 2 and r["sampling/dropped_prompts"] > 0, r
         assert r["sampling/informative_prompts"] <= 32
+        # every prompt generated is accounted for (the informative ones past the batch's need were not)
+        assert (r["sampling/informative_prompts"] + r["sampling/dropped_prompts"] + r["sampling/surplus_prompts"]
+                == 32 * r["sampling/rounds"]), r
+        # the policy's mean reward over all it drew, at most the filtered batch's (the filter drops all-zero groups)
+        assert 0 <= r["sampling/reward_mean_drawn"] <= r["reward_mean"], r
         assert 1.0 - 1e-3 < r["rollout_correction/weight_mean"] < 1.0 + 1e-3  # float32 engine: ratios ~1
         assert r["rollout_correction/weight_max"] <= 1.5
         assert r["overlong_penalty"] < 0  # every response of 2 tokens reaches max_new_tokens unless it stops

@@ -110,7 +110,8 @@ class RolloutManager:
         n, wanted = r.num_samples_per_prompt, self.cfg.data.num_prompts_per_step
         kept: list[Batch] = []
         dropped: list[Batch] = []
-        num_kept = num_dropped = rounds = 0
+        num_kept = num_dropped = num_surplus = rounds = 0
+        drawn: list[torch.Tensor] = []  # every round's scores: the policy's, where reward_mean is the batch's
         while num_kept < wanted and rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
             prompts = next_prompts()
             batch = self._rollout([p.tokens for p in prompts], [p.record.answer for p in prompts],
@@ -119,11 +120,14 @@ class RolloutManager:
             if not algo.dynamic_sampling:
                 kept.append(batch)
                 break
+            drawn.append(batch.scores)
             good = informative_groups(shaped_scores(batch, algo, self.cfg.response_budget()), n).tolist()
-            take = [g for g, ok in enumerate(good) if ok][: wanted - num_kept]
+            informative = [g for g, ok in enumerate(good) if ok]
+            take = informative[: wanted - num_kept]
             skip = [g for g, ok in enumerate(good) if not ok]
             num_kept += len(take)
             num_dropped += len(skip)
+            num_surplus += len(informative) - len(take)
             if take:
                 kept.append(batch.select([g * n + j for g in take for j in range(n)]))
             if skip:
@@ -132,8 +136,12 @@ class RolloutManager:
             self.sleep()
         metrics: dict[str, float] = {}
         if algo.dynamic_sampling:
+            # reward_mean is the trained batch's, which the filter shapes (two samples a prompt: 0.5 whatever the
+            # policy does): the mean over every sample drawn is the policy's; informative prompts past the batch's
+            # need are generated and left unused.
             metrics = {"sampling/rounds": float(rounds), "sampling/informative_prompts": float(num_kept),
-                       "sampling/dropped_prompts": float(num_dropped)}
+                       "sampling/dropped_prompts": float(num_dropped), "sampling/surplus_prompts": float(num_surplus),
+                       "sampling/reward_mean_drawn": float(torch.cat(drawn).mean())}
             if num_kept < wanted:  # keep the configured batch size (mini-batches divide it): fill with no-signal groups
                 filler = Batch.concat(dropped)
                 kept.append(filler.select(range((wanted - num_kept) * n)).as_filler())
