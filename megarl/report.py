@@ -61,12 +61,14 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
         return sum(r[key] for r in part) / len(part)
 
     phases = ran_phases(rows)
-    times = ", ".join(f"{k[5:]} {statistics.median(r[k] for r in rows if k in r):.2f}s" for k in phases)
+    # Each phase's median over the steps that ran it: an evaluation every few steps was a median of 0.00 s.
+    times = ", ".join(f"{k[5:]} {statistics.median([r[k] for r in rows if r.get(k, 0) > 0] or [0.0]):.2f}s"
+                      for k in phases)
     lines = [f"megarl: {len(rows)} steps (steps {rows[0]['step']}-{rows[-1]['step']}) in {run_dir}",
              f"  reward {mean(first, 'reward_mean'):.3f} (first {len(first)} steps) -> "
              f"{mean(last, 'reward_mean'):.3f} (last {len(last)})",
              *eval_lines(rows),
-             f"  median phase times per step: {times}",
+             f"  median phase times (over the steps that ran each): {times}",
              f"  metrics: {run_dir / 'metrics.jsonl'}, plot: {plot_note or run_dir / 'metrics.png'}"]
     store = run_dir / "mlflow.db"
     if store.is_file():

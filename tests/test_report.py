@@ -52,6 +52,15 @@ def test_the_summary_and_plot_leave_out_phases_that_never_ran_and_set_the_first_
     assert sorted(t.get_text() for t in timing.get_legend().get_texts()) == ["generate", "step"]
 
 
+def test_the_summary_gives_each_phase_its_median_over_the_steps_that_ran_it(tmp_path):
+    """An evaluation every few steps had a median of 0.00 s over all steps."""
+    from megarl.report import summary
+
+    rows = [{"step": s, "reward_mean": 0.1, "time/generate": 2.0, "time/eval": 30.0 if s % 5 == 4 else 0.0,
+             "time/step": 3.5} for s in range(10)]
+    assert "eval 30.00s, generate 2.00s, step 3.50s" in summary(tmp_path, rows)
+
+
 def test_a_broken_plotting_library_does_not_fail_the_run(tmp_path):
     """The summary still prints, says why the plot is missing, and the exit code stays 0 (a GPU image
     had a matplotlib that could not plot, and a finished 10-step run exited 1)."""
