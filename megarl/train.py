@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
                          "reward_model": trainer.reward_model.state_dict() if trainer.reward_model else None,
                          "config": cfg.to_flat_dict(), "teacher": trainer.teacher_files,  # a resume compares them
                          "unlogged": {"row": tracker.row(step, batch, trained), "evaluate": evaluate}}
-                checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state, cfg.checkpoint.keep_last,
-                                prepare=trainer.hold_for_checkpoint)  # while the engine sleeps
+                with tracker.phase("checkpoint"):  # while the engine sleeps
+                    checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state,
+                                    cfg.checkpoint.keep_last, prepare=trainer.hold_for_checkpoint)
             if not (stop or last) or evaluate:
                 with tracker.phase("reshard"):  # new weights into the engine's layout, in place
                     trainer.push_weights()
