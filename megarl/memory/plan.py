@@ -377,10 +377,14 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         plan.phases["judge"] = with_overhead(resident("reward_model")) | asleep | {"judge awake": judge}
     plan = _with_host(plan, resident)
     if cfg.rollout.engine == "vllm" and not separate:
-        # vLLM's sleep (level 1) keeps the engine's weights in pinned host memory, which torch rounds up to a power
-        # of two, and every hand-over writes the engine rank's tensors to /dev/shm, host memory too.
-        plan.host |= {"vLLM engine weights asleep": 1 << max(engine_rank - 1, 0).bit_length(),
-                      "hand-over file (/dev/shm)": engine_rank}
+        # vLLM's sleep (level 1) keeps the engine's weights in pinned host memory, a block a tensor, each of which
+        # torch rounds up to a power of two; and every hand-over writes the engine rank's tensors to /dev/shm, host
+        # memory too.
+        from megarl.reshard.engine_layout import engine_tensors
+
+        pinned = sum(1 << max(math.prod(t.shape) * dtype - 1, 0).bit_length()
+                     for t in engine_tensors(spec, cfg.rollout.tensor_parallel, 0))
+        plan.host |= {"vLLM engine weights asleep": pinned, "hand-over file (/dev/shm)": engine_rank}
     return plan
 
 
