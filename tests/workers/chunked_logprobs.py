@@ -89,7 +89,8 @@ def main() -> None:
                                        routing=[routing[i] for i in mine] if routing else None)
             after = actor.score(batch.sequences, 40, 2, routing=routing)
             key = "chunked" if chunk else "full"
-            row[key] = {"head": chunked, "loss": metrics["loss"], "entropy": metrics["entropy"],
+            row[key] = {"head": chunked, "loss": metrics["loss"],
+                        "entropy": metrics["entropy_sum"] / metrics["num_tokens"],  # per token, as mean_metrics
                         "grad_norm": metrics["grad_norm"],
                         "before": torch.cat(before).tolist() if before else None,
                         "after": torch.cat(after).tolist() if after else None}

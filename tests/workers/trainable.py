@@ -134,7 +134,8 @@ def main() -> None:
                             "logprobs": torch.cat(taught).tolist()})
         if after is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
             results.append({"tp": tp, "pp": pp, "dp": dims.dp, "mode": mode, "loss": metrics["loss"],
-                            "grad_norm": metrics["grad_norm"], "entropy": metrics["entropy"],
+                            "grad_norm": metrics["grad_norm"],
+                            "entropy": metrics["entropy_sum"] / metrics["num_tokens"],  # per token, as mean_metrics
                             "update_skipped": metrics["update_skipped"],
                             "clip_fraction": metrics["clipped_tokens"] / metrics["num_tokens"],
                             "padding_fraction": metrics["padding_fraction"],
