@@ -11,6 +11,7 @@ receives a ``ParallelGroups`` and passes its groups explicitly.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -101,11 +102,15 @@ class ParallelGroups:
 
 
 def init_distributed(platform: Platform, timeout_minutes: int = 30) -> None:
-    """Join the torchrun job (env:// rendezvous) once per process; a hung collective times out."""
+    """Join the torchrun job (env:// rendezvous) once per process; a hung collective times out. A world of one
+    that no launcher gave a port (megarl.loop.bootstrap.standalone_env) meets in its own memory: a port picked
+    free and bound later can be taken in between by another process on a busy host."""
     if dist.is_initialized():
         return
+    alone = os.environ.get("WORLD_SIZE") == "1" and "MASTER_PORT" not in os.environ
     dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-                            device_id=platform.device if platform.is_cuda else None)
+                            device_id=platform.device if platform.is_cuda else None,
+                            **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}))
 
 
 def init_model_parallel(dims: ParallelDims, timeout_minutes: int = 30) -> ParallelGroups:

@@ -358,10 +358,9 @@ def check_writable(directory: Path, field: str) -> None:
 
 
 def standalone_env() -> None:
-    """Without torchrun (``python megarl/train.py``), run as a world of one process."""
+    """Without torchrun (``python megarl/train.py``), run as a world of one process; it names no port, so
+    megarl.distributed.parallel.init_distributed meets in the process's own memory."""
     if "RANK" in os.environ:
         return
-    from megarl.distributed.ports import free_port
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port("127.0.0.1")))
+    os.environ.pop("MASTER_PORT", None)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
