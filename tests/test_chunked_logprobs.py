@@ -6,7 +6,7 @@ not divide the tokens.
 
 from __future__ import annotations
 
-import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,9 +34,9 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
             "grad_w": grad_w}
 
 
-def _worker(rank: int, world: int, port: int, vocab_size: int, temperature: float, chunk: int, queue: mp.Queue,
+def _worker(rank: int, world: int, meeting: str, vocab_size: int, temperature: float, chunk: int, queue: mp.Queue,
             dtype: torch.dtype = torch.float32) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=meeting, rank=rank, world_size=world)
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(TOKENS, HIDDEN, generator=gen)
@@ -81,17 +81,12 @@ def _worker(rank: int, world: int, port: int, vocab_size: int, temperature: floa
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(world: int, vocab_size: int, temperature: float, chunk: int, dtype: torch.dtype) -> dict[int, dict]:
+def _run(tmp_path: Path, world: int, vocab_size: int, temperature: float, chunk: int, dtype: torch.dtype
+         ) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, vocab_size, temperature, chunk, queue, dtype))
+    meeting = f"file://{tmp_path / 'meeting'}"  # a port picked free can be taken before rank 0 binds it
+    procs = [ctx.Process(target=_worker, args=(r, world, meeting, vocab_size, temperature, chunk, queue, dtype))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -105,8 +100,8 @@ def _run(world: int, vocab_size: int, temperature: float, chunk: int, dtype: tor
 # and 3 padded rows) and 10 (rank 1's shard is padding only, where a local max is -inf).
 @pytest.mark.parametrize("world,vocab_size,temperature,chunk", [(1, 9, 0.7, 5), (1, 12, 1.0, 1), (2, 21, 0.7, 5),
                                                                 (2, 10, 1.3, 64), (2, 24, 1.0, 4)])
-def test_chunked_logprobs_match_float64_and_full_logits(world, vocab_size, temperature, chunk):
-    results = _run(world, vocab_size, temperature, chunk, torch.float32)
+def test_chunked_logprobs_match_float64_and_full_logits(world, vocab_size, temperature, chunk, tmp_path):
+    results = _run(tmp_path, world, vocab_size, temperature, chunk, torch.float32)
     # Nothing vanishes trivially (a shard of padding only has no weight gradient: some rank's has one).
     assert all(max(row["scale"][k] for row in results.values()) > 0.1 for k in ("lp", "grad_h", "grad_w")), results
     for rank, row in results.items():
@@ -119,10 +114,10 @@ def test_chunked_logprobs_match_float64_and_full_logits(world, vocab_size, tempe
             assert row["vs_full"][key] < 1e-6 * max(1.0, row["scale"][key]), (rank, key, row)
 
 
-def test_bfloat16_gradients_keep_the_model_dtype_and_match_full_logits():
+def test_bfloat16_gradients_keep_the_model_dtype_and_match_full_logits(tmp_path):
     """As Megatron's output layer: the product in bfloat16, the statistics in float32, gradients back in bfloat16;
     against the full-logits path within bfloat16 rounding (the weight's gradient rounds per chunk)."""
-    results = _run(2, 21, 0.7, 5, torch.bfloat16)
+    results = _run(tmp_path, 2, 21, 0.7, 5, torch.bfloat16)
     for rank, row in results.items():
         assert row["finite"] and row["no_grad"] == 0, (rank, row)
         assert row["grad_dtypes"] == ["torch.bfloat16", "torch.bfloat16"], (rank, row)
@@ -130,7 +125,7 @@ def test_bfloat16_gradients_keep_the_model_dtype_and_match_full_logits():
             assert row["vs_full"][key] < 1e-2 * max(1.0, row["scale"][key]), (rank, key, row)  # measured 4e-3
 
 
-def _frozen_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
+def _frozen_worker(rank: int, world: int, meeting: str, queue: mp.Queue) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Shapes(TorchDispatchMode):
@@ -146,7 +141,7 @@ def _frozen_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
                           if isinstance(t, torch.Tensor) and t.is_floating_point()]
             return out
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=meeting, rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(TOKENS, HIDDEN, generator=gen)
     weight = torch.randn(LOCAL_VOCAB, HIDDEN, generator=gen) * 0.5
@@ -164,12 +159,12 @@ def _frozen_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
-def test_a_frozen_weight_gets_no_gradient_and_the_hidden_states_the_same():
+def test_a_frozen_weight_gets_no_gradient_and_the_hidden_states_the_same(tmp_path):
     """LoRA freezes the output layer: backward gives the hidden states their float64 gradient and makes no tensor
     of the weight's shape (the float32 sum and its copy in the weight's dtype)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_frozen_worker, args=(0, 1, _free_port(), queue))
+    proc = ctx.Process(target=_frozen_worker, args=(0, 1, f"file://{tmp_path / 'meeting'}", queue))
     proc.start()
     proc.join(timeout=120)
     assert proc.exitcode == 0, proc.exitcode

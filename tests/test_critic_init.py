@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_reward_model import TOKENIZER, make_reward_model
 
-from helpers import REPO, free_port, make_hf_model
+from helpers import REPO, make_hf_model
 from megarl.errors import UserError
 
 
@@ -29,8 +29,8 @@ def built(tmp_path_factory):
     pairs.append(f"{root / 'qwen2_policy'}:-")
     out = root / "rows.json"
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-                        "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+                        "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_WORLD_SIZE": "1"}
     proc = subprocess.run([sys.executable, "tests/workers/critic_init.py", str(out), *pairs], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

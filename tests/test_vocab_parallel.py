@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import free_port
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 
 LOCAL_VOCAB = 4
@@ -27,8 +26,8 @@ def reference(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temp
     return chosen.detach(), entropy.detach(), grad_lp, grad_ent
 
 
-def _worker(rank: int, world: int, port: int, vocab_size: int, temperature: float, queue: mp.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, meeting: str, vocab_size: int, temperature: float, queue: mp.Queue) -> None:
+    dist.init_process_group("gloo", init_method=meeting, rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, LOCAL_VOCAB * world, generator=gen) * 3
     targets = torch.randint(0, vocab_size, (2, 3), generator=gen)
@@ -56,11 +55,12 @@ def _worker(rank: int, world: int, port: int, vocab_size: int, temperature: floa
 
 # vocab 7 of 8 columns: one padded column; vocab 3: rank 1's shard is padding only (the NaN case).
 @pytest.mark.parametrize("world,vocab_size,temperature", [(1, 3, 1.0), (2, 7, 0.7), (2, 3, 1.3), (2, 8, 1.0)])
-def test_vocab_parallel_logprobs_and_entropy_match_full_vocab(world, vocab_size, temperature):
+def test_vocab_parallel_logprobs_and_entropy_match_full_vocab(world, vocab_size, temperature, tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, vocab_size, temperature, queue)) for r in range(world)]
+    meeting = f"file://{tmp_path / 'meeting'}"  # a port picked free can be taken before rank 0 binds it
+    procs = [ctx.Process(target=_worker, args=(r, world, meeting, vocab_size, temperature, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:  # the rows are small: they fit the queue's pipe, so joining first cannot block
