@@ -71,6 +71,18 @@ def test_engine_side_errors_name_the_problem():
         state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1), 1))
 
 
+def test_an_engine_parameter_the_hand_over_never_writes_is_refused_by_name():
+    """A parameter outside megarl's engine layout (a family or engine version it does not know) would keep the
+    engine's starting weights while the actor trains, with every checksum of the written ones green."""
+    plan, src, _, params = _setup()
+    copy = Resharder(plan, 0, src, None, in_engine=True).engine_copy()
+    extra = dict(params, **{"model.layers.0.self_attn.o_proj.bias": torch.zeros(TINY.hidden_size)})
+    with pytest.raises(ValueError, match=r"1 parameters the hand-over never writes \(\['model.layers.0.self_attn"
+                                         r".o_proj.bias'\]\): they would keep the engine's starting weights"):
+        HandoverState().handle(FakeEngineModel(extra), copy.to_wire("k"))
+    HandoverState().handle(FakeEngineModel(params), copy.to_wire("k"))
+
+
 def test_an_engine_in_another_dtype_of_the_same_size_is_refused_by_name():
     """bf16 bits read as fp16 are other numbers while every checksum of the raw bits agrees: both sides refuse."""
     plan = make_plan(TINY, ParallelDims(tp=1, pp=1, dp=1), 1, element_size=2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -105,10 +106,23 @@ def checksum_message(key: str, result: torch.Tensor) -> list[tuple[str, torch.Te
     return [(PREFIX + "checksum." + key, result)]
 
 
+def check_covered(params: Iterable[str], written: Collection[str]) -> None:
+    """Every parameter of the engine's model is one the hand-over writes (``written``): one it never wrote would
+    keep the weights the engine started with while the actor trains, every checksum of the written ones green."""
+    never = sorted(set(params) - set(written))
+    if never:
+        raise ValueError(f"the engine's model holds {len(never)} parameters the hand-over never writes "
+                         f"({never[:4]}{', ...' if len(never) > 4 else ''}): they would keep the engine's starting "
+                         "weights while the actor trains, and rollouts would come from a model the trainer never "
+                         "had. megarl's engine layout (megarl.reshard.engine_layout) does not know them: this model "
+                         "family or engine version is not supported.")
+
+
 class EngineApplier:
     """Engine side of an ``EngineCopy``: validated and compiled once, replayed by ``run``."""
 
     def __init__(self, copy: EngineCopy, params: dict[str, torch.Tensor]) -> None:
+        check_covered(params, copy.dst_shapes)
         for name, shape in copy.dst_shapes.items():
             if name not in params:
                 raise ValueError(f"the engine has no parameter `{name}`; the engine's model and the trainer's "

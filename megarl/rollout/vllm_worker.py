@@ -68,12 +68,15 @@ def load_engine_tensors(model: torch.nn.Module, shapes: dict[str, tuple[int, ...
                         get: Callable[[str], torch.Tensor], layout: Layout, reload: Reload) -> str:
     """Write engine-layout tensors (``get(name)``, of ``shapes``) into ``model``; returns the path taken.
     ``layout``: this engine rank's HF pieces per engine tensor (megarl.rollout.vllm.engine_rank_layout)."""
+    from megarl.reshard.handover import check_covered
+
     params = dict(model.named_parameters())
     own = {name: _own_name(name, params) for name in shapes}
     unknown = sorted(n for n in own.values() if n not in params)
     if unknown:
         raise ValueError(f"the engine has no parameters {unknown[:3]} ({len(unknown)} unknown); the model and "
                          "the engine layout disagree")
+    check_covered(params, set(own.values()))
     if all(tuple(params[own[n]].shape) == tuple(s) for n, s in shapes.items()):
         for name in shapes:
             params[own[name]].copy_(get(name))
@@ -141,6 +144,7 @@ class MegarlWorkerExtension:
         (megarl.reshard.receiver); returns where hand-overs land ("in_place": the parameters, or "load")."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
+        from megarl.reshard.handover import check_covered
         from megarl.reshard.handover_group import handover_group
         from megarl.reshard.receiver import EngineReceiver
 
@@ -150,6 +154,7 @@ class MegarlWorkerExtension:
         device, gpu = next(model.parameters()).device, first_gpu + get_tensor_model_parallel_rank()
         plan_object = pickle.loads(plan)
         own = {name: _own_name(name, params) for name in plan_object.engine_shapes(gpu)}
+        check_covered(params, set(own.values()))
         by_engine_name = {name: params[mine] for name, mine in own.items() if mine in params}
         group = handover_group(gpu, plan_object.num_gpus, host, port, backend=backend, timeout_s=timeout_s,
                                device=device if device.type == "cuda" else None)
