@@ -107,10 +107,12 @@ def init_distributed(platform: Platform, timeout_minutes: int = 30) -> None:
     free and bound later can be taken in between by another process on a busy host."""
     if dist.is_initialized():
         return
-    alone = os.environ.get("WORLD_SIZE") == "1" and "MASTER_PORT" not in os.environ
-    dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-                            device_id=platform.device if platform.is_cuda else None,
-                            **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}))
+    timeout, device_id = datetime.timedelta(minutes=timeout_minutes), platform.device if platform.is_cuda else None
+    if os.environ.get("WORLD_SIZE") == "1" and "MASTER_PORT" not in os.environ:
+        dist.init_process_group(backend=platform.backend, timeout=timeout, device_id=device_id,
+                                store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend=platform.backend, timeout=timeout, device_id=device_id)
 
 
 def init_model_parallel(dims: ParallelDims, timeout_minutes: int = 30) -> ParallelGroups:
