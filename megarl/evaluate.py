@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.engine_args[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as err:
             parser.error(f"--engine-arg {item!r}: its value is not YAML ({' '.join(str(err).split())[:120]})")
+    from megarl.config.rollout import engine_arg_megarl_sets
+
+    if (found := engine_arg_megarl_sets(args.engine_args, EVALUATE_FLAGS)) is not None:
+        key, why = found
+        parser.error(f"--engine-arg {key}={args.engine_args[key]!r}: {why}")
     if not 0 <= args.temperature < math.inf:  # nan fails every comparison, so this refuses it too
         parser.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and args.num_samples > 1:
@@ -86,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "greedy samples; pass a temperature > 0 for pass@k")
     return args
 
+
+EVALUATE_FLAGS = {"dtype": "--dtype", "model": "--model", "model_path": "--model",
+                  "gpu_memory_utilization": "--gpu-memory-fraction", "mem_fraction_static": "--gpu-memory-fraction",
+                  "gpu_memory_fraction": "--gpu-memory-fraction", "seed": "--seed", "random_seed": "--seed",
+                  "max_model_len": "--max-prompt-tokens and --max-new-tokens (their sum)",
+                  "context_length": "--max-prompt-tokens and --max-new-tokens (their sum)",
+                  "tensor_parallel_size": "", "tp_size": "", "tensor_parallel": ""}
+"""--engine-arg keys that megarl.evaluate sets itself, and the flag that sets each ("": its own, one GPU)."""
 
 DEFAULTS = {"reward": "megarl.rewards.gsm8k:reward", "max_new_tokens": 1024, "max_prompt_tokens": 1024,
             "prompt_key": "question", "answer_key": "answer"}
@@ -226,7 +239,9 @@ def make_engine(kind: str, model: str, args: argparse.Namespace, log_file: Path 
 
     max_len = min(args.max_prompt_tokens + args.max_new_tokens, load_spec(model).max_position_embeddings)
     recipe = args.recipe_engine  # a recipe's engine arguments are its engine's: SGLang's mean nothing to vLLM
-    engine_args = (recipe[1] if recipe is not None and recipe[0] == kind else {}) | args.engine_args
+    # the recipe's dtype is its model.dtype, which --dtype already took
+    engine_args = ({k: v for k, v in recipe[1].items() if k != "dtype"} if recipe is not None and recipe[0] == kind
+                   else {}) | args.engine_args
     if kind == "vllm":
         from megarl.rollout.vllm import VLLMEngine
 

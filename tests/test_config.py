@@ -376,6 +376,13 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(rollout={"engine_args": {"dtype": "float16"}}),
          ["`rollout.engine_args.dtype`", '= "float16"', "model.dtype = bfloat16", "remove rollout.engine_args.dtype"]),
         (with_changes(rollout={"engine_args": {"dtype": "auto"}}), ["`rollout.engine_args.dtype`", '= "auto"']),
+        # megarl's own engine settings: given here they overrode the memory plan and the hand-over's layout unseen
+        (with_changes(rollout={"engine_args": {"mem_fraction_static": 0.95}}),
+         ["`rollout.engine_args.mem_fraction_static`", "= 0.95", "rollout.gpu_memory_fraction", "without a word"]),
+        (with_changes(rollout={"engine_args": {"tensor_parallel_size": 2}}),
+         ["`rollout.engine_args.tensor_parallel_size`", "set rollout.tensor_parallel instead"]),
+        (with_changes(rollout={"engine_args": {"attention_backend": "triton", "logprobs_mode": "raw_logprobs"}}),
+         ["`rollout.engine_args.logprobs_mode`", "megarl sets this engine argument itself, and", "Fix: remove it."]),
         (with_changes(async_rl={"mode": "separate", "max_staleness": 0}),
          ["`async_rl.max_staleness`", "= 0", "weights of the step before"]),
         (with_changes(async_rl={"engine_gpus": -1}), ["`async_rl.engine_gpus`", "= -1", ">= 0"]),

@@ -170,7 +170,8 @@ def test_a_damaged_checkpoint_is_not_evaluated_or_exported(tmp_path: Path) -> No
 
 
 
-def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """--engine-arg KEY=VALUE (YAML values) over --config's rollout.engine_args, passed to the engine as they are;
     the recipe's apply to its own engine only; a malformed one is refused by name."""
     import types
@@ -199,6 +200,15 @@ def test_engine_arguments_reach_the_engine_over_the_recipes(tmp_path: Path, monk
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--model", "m", "--data", "d", "--engine-arg", "enforce_eager"])
     assert exit_.value.code == 2
+    for given, flag in (("dtype=float16", "--dtype"), ("max_model_len=8", "--max-prompt-tokens"), ("seed=3", "--seed")):
+        with pytest.raises(SystemExit) as exit_:  # the engine got the key twice: a TypeError traceback
+            parse_args(["--model", "m", "--data", "d", "--engine-arg", given])
+        assert exit_.value.code == 2 and flag in capsys.readouterr().err
+    recipe.write_text(recipe.read_text().replace("max_num_seqs: 4", "max_num_seqs: 4, dtype: float32"))
+    args = parse_args(["--model", str(REPO / "recipes/tiny/model"), "--data", "gsm8k:test", "--config", str(recipe)])
+    resolve(args)
+    make_engine("vllm", str(REPO / "recipes/tiny/model"), args)  # the recipe's dtype is its model.dtype: --dtype's
+    assert seen["dtype"] == "float32" and seen["max_num_seqs"] == 4
 
 
 def test_a_full_disk_while_samples_are_written_is_one_paragraph_and_leaves_no_partial_file(tmp_path: Path) -> None:

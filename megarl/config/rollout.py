@@ -6,10 +6,46 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megarl.config.checks import IMPORT_PATH_RE, nonempty, positive, seeds, within
-from megarl.config.yaml_io import check
+from megarl.config.yaml_io import FieldError, check, show
 
 FP8_BLOCKS = (128, 64)
 """rollout.fp8_block's choices, the default first."""
+
+_LENGTH = "rollout.max_prompt_tokens and rollout.max_new_tokens (their sum)"
+_OWN = ""
+ENGINE_ARGS_MEGARL_SETS: dict[str, str] = {
+    "model": "model.hf_path", "model_path": "model.hf_path",
+    "tensor_parallel_size": "rollout.tensor_parallel", "tp_size": "rollout.tensor_parallel",
+    "tensor_parallel": "rollout.tensor_parallel",
+    "gpu_memory_utilization": "rollout.gpu_memory_fraction", "mem_fraction_static": "rollout.gpu_memory_fraction",
+    "gpu_memory_fraction": "rollout.gpu_memory_fraction",
+    "max_model_len": _LENGTH, "context_length": _LENGTH,
+    "seed": "rollout.seed", "random_seed": "rollout.seed",
+    "enable_sleep_mode": _OWN, "enable_memory_saver": _OWN, "enable_sleep": _OWN, "logprobs_mode": _OWN,
+    "skip_tokenizer_init": _OWN, "custom_weight_loader": _OWN, "model_loader_extra_config": _OWN,
+    "devices": _OWN, "log_file": _OWN, "max_batch": _OWN, "cpu_engines": _OWN, "aliases": _OWN,
+    "enable_return_routed_experts": "algorithm.routing_replay", "return_routed_experts": "algorithm.routing_replay",
+    "enable_lora": "actor.lora", "max_loras": "actor.lora", "max_lora_rank": "actor.lora", "lora_rank": "actor.lora",
+    "lora_targets": "actor.lora", "weight_dtype": "rollout.weight_dtype", "fp8_block": "rollout.fp8_block",
+}
+"""Engine arguments megarl derives from its own fields (SGLang's and vLLM's names, and the engine classes' own), and
+the field that sets each ("": megarl's own): given in rollout.engine_args they would override the memory plan, the
+layout the hand-over writes, or the logprobs the trainer compares, with no word (or collide with megarl's own
+argument)."""
+
+
+def engine_arg_megarl_sets(engine_args: dict[str, Any], field_of: dict[str, str] | None = None
+                           ) -> tuple[str, str] | None:
+    """The first of ``engine_args`` that megarl sets itself, and why it must go, naming the field to use instead
+    (``field_of``: a command's own names for them, e.g. its flags, and more keys it sets); None if there is none."""
+    for key in engine_args:
+        if key in ENGINE_ARGS_MEGARL_SETS or key in (field_of or {}):
+            use = (field_of or {}).get(key, ENGINE_ARGS_MEGARL_SETS.get(key, ""))
+            return key, (f"megarl sets this engine argument itself{f' from {use}' if use else ''}, and one given here "
+                         "would override it without a word (the memory plan, the layout the hand-over writes, the "
+                         "engines' sleep or the logprobs the trainer compares). Fix: remove it"
+                         + (f", and set {use} instead." if use else "."))
+    return None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,9 +121,10 @@ class RolloutConfig:
     parameters inside the engine and the trainer compares them with checksums of its own weights; a mismatch
     stops training naming the tensors. Needs rollout.engine = sglang (the in-engine hand-over)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments passed unchanged to sglang.Engine or vllm.LLM, e.g.
-    {attention_backend: triton}; they override megarl's own engine settings. A `dtype` among them must equal
-    model.dtype: the hand-over moves the trainer's bits unchanged."""
+    """Extra keyword arguments passed unchanged to sglang.Engine or vllm.LLM, e.g. {attention_backend: triton}.
+    Those megarl sets itself (memory share, tensor parallelism, context length, seed, sleep mode, logprobs mode, LoRA)
+    are refused, naming the field that sets them. A `dtype` among them must equal model.dtype: the hand-over moves
+    the trainer's bits unchanged."""
 
     def __post_init__(self) -> None:
         positive(self, "tensor_parallel", "num_samples_per_prompt", "max_new_tokens", "max_prompt_tokens")
@@ -119,6 +156,9 @@ class RolloutConfig:
               "be bf16 with rollout.engine = vllm (megarl's vLLM path hands over files of engine-layout tensors that "
               "its CPU backend repacks; it has no FP8 block-quantized loading)",
               "use rollout.engine: sglang, or weight_dtype: bf16")
+        if (found := engine_arg_megarl_sets(self.engine_args)) is not None:
+            key, why = found
+            raise FieldError(f"engine_args.{key}", f"= {show(self.engine_args[key])}: {why}")
         check(self.verify_every >= 0, "verify_every", self.verify_every, "be >= 0", "use 0 (off) or N >= 1")
         check(self.verify_every == 0 or self.engine == "sglang", "verify_every", self.verify_every,
               "be 0 with rollout.engine = vllm (its checksums need the in-engine hand-over; vLLM's CPU backend "
