@@ -386,6 +386,8 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(async_rl={"mode": "separate", "max_staleness": 0}),
          ["`async_rl.max_staleness`", "= 0", "weights of the step before"]),
         (with_changes(async_rl={"engine_gpus": -1}), ["`async_rl.engine_gpus`", "= -1", ">= 0"]),
+        # sync mode returned before this check while the launcher still held the GPUs back
+        (with_changes(async_rl={"engine_gpus": 4}), ["`async_rl.engine_gpus`", "= 4", "async_rl.mode = sync"]),
         (with_changes(async_rl={"mode": "colocated_async", "engine_gpus": 2},
                       algorithm={"rollout_correction": "token_tis"}),
          ["`async_rl.engine_gpus`", "= 2", "only separate engines"]),

@@ -175,7 +175,11 @@ class Config:
 
     def _check_async(self) -> None:
         """colocated_async: what its partial rollouts support, and the correction its stale samples need."""
-        a, algo = self.async_rl, self.algorithm
+        a, algo, r = self.async_rl, self.algorithm, self.rollout
+        # engine_gpus is read in every mode (the launcher holds those GPUs back): checked before sync returns
+        check(a.engine_gpus == 0 or a.mode == "separate", "async_rl.engine_gpus", a.engine_gpus,
+              f"be 0 with async_rl.mode = {a.mode}: only separate engines keep GPUs of their own",
+              "set async_rl.mode: separate, or async_rl.engine_gpus: 0")
         if a.mode == "sync":
             return
         wanted = self.data.num_prompts_per_step
@@ -197,10 +201,6 @@ class Config:
         check(a.mode != "separate" or a.max_staleness >= 1, "async_rl.max_staleness", a.max_staleness,
               "be >= 1 with async_rl.mode = separate: the engine generates with the weights of the step before",
               "set async_rl.max_staleness: 1 (one-step-off) or more")
-        r = self.rollout
-        check(a.engine_gpus == 0 or a.mode == "separate", "async_rl.engine_gpus", a.engine_gpus,
-              f"be 0 with async_rl.mode = {a.mode}: only separate engines keep GPUs of their own",
-              "set async_rl.mode: separate, or async_rl.engine_gpus: 0")
         check(a.engine_gpus == 0 or r.engine == "vllm", "async_rl.engine_gpus", a.engine_gpus,
               "be 0 with rollout.engine = sglang: SGLang's schedulers do not join the hand-over group yet",
               "set rollout.engine: vllm, or async_rl.engine_gpus: 0 (the engine beside the trainer)")
