@@ -288,6 +288,9 @@ def test_config_errors_name_the_key_and_the_fix():
     assert cfg.actor.lora == LoraConfig(rank=16, alpha=32.0) and cfg.actor.lora_on()
     assert not build_config(MINIMAL).actor.lora_on()
     assert not build_config(MINIMAL, ["actor.lora.rank=0"]).actor.lora_on()
+    # a section without a rank trained the whole model, its alpha and handover dropped unsaid
+    e = error_of(MINIMAL, ["actor.lora.alpha=32", "actor.lora.handover=adapter"])
+    assert "actor.lora.rank" in e and "sets alpha, handover" in e and "whole model would train" in e
 
 
 def test_memory_plan_counts_no_reference_and_the_adapters_optimizer_only():
