@@ -69,6 +69,10 @@ class EvalConfig:
         within(self, "temperature", "[0, inf)", "use 0 for greedy")
         check(self.max_new_tokens is None or self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
               "be null or >= 1", "use null for rollout.max_new_tokens")
+        for name, value in (("every", self.every), ("before_train", self.before_train)):
+            check(not value or bool(self.datasets), name, value, "be unset when eval.datasets is empty: nothing "
+                  "would be evaluated", f"add eval.datasets (a name and a path each), or set eval.{name}: "
+                  f"{0 if name == 'every' else 'false'}")
         names = [d.name for d in self.datasets]
         dupes = sorted({n for n in names if names.count(n) > 1})
         check(not dupes, "datasets", dupes, "name every dataset once", "give each dataset its own name")
