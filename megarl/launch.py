@@ -62,6 +62,14 @@ def trainer_ranks(gpus: int, reserved: int, where: str) -> int:
     return gpus - reserved
 
 
+def env_count(env: Mapping[str, str], name: str, what: str) -> int:
+    """The whole number >= 1 in environment variable ``name``; anything else is a UserError naming it."""
+    value = env[name]
+    if not value.strip().isdigit() or int(value) < 1:
+        raise UserError(f"{name} = {value!r} must be a whole number >= 1 ({what}). Fix: set it to one, or unset it.")
+    return int(value)
+
+
 def torchrun_command(script_args: list[str], env: Mapping[str, str], reserved: int = 0) -> list[str]:
     """The torchrun command line for this node of the allocation (``reserved``: GPUs each node keeps for the
     engines, async_rl.engine_gpus)."""
@@ -70,11 +78,12 @@ def torchrun_command(script_args: list[str], env: Mapping[str, str], reserved: i
         raise UserError(f"{', '.join(missing)} not set: `python -m megarl.launch` must run inside a Slurm job "
                         "(sbatch/salloc + srun). Outside Slurm call torchrun directly.")
     hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
-    nnodes = int(env["SLURM_NNODES"])
+    nnodes = env_count(env, "SLURM_NNODES", "the nodes of the Slurm job")
     if len(hosts) != nnodes:
         raise UserError(f"SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r} expands to {len(hosts)} hosts but "
                         f"SLURM_NNODES={nnodes}.")
-    gpus = int(env["MEGARL_GPUS_PER_NODE"]) if env.get("MEGARL_GPUS_PER_NODE") else _gpus_per_node(env)
+    gpus = env_count(env, "MEGARL_GPUS_PER_NODE", "GPUs per node") if env.get("MEGARL_GPUS_PER_NODE") \
+        else _gpus_per_node(env)
     gpus = trainer_ranks(gpus, reserved, "each node of the allocation")
     port = env.get("MEGARL_RDZV_PORT", "29500")
     return ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
@@ -116,7 +125,7 @@ def standalone_command(script_args: list[str], env: Mapping[str, str], reserved:
     """torchrun on this machine alone: MEGARL_NPROC ranks, else one per visible GPU (CUDA_VISIBLE_DEVICES or
     nvidia-smi) but the ``reserved`` last (the engines', async_rl.engine_gpus), else one."""
     if env.get("MEGARL_NPROC"):
-        nproc = int(env["MEGARL_NPROC"])
+        nproc = env_count(env, "MEGARL_NPROC", "the trainer ranks to start")
     elif env.get("CUDA_VISIBLE_DEVICES"):
         nproc = trainer_ranks(len(env["CUDA_VISIBLE_DEVICES"].split(",")), reserved, "CUDA_VISIBLE_DEVICES")
     else:  # nvidia-smi, not torch: no CUDA context in the launcher

@@ -389,7 +389,8 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         # an evaluation with nothing to evaluate never ran, unsaid
         (with_changes(eval={"every": 5, "datasets": []}), ["`eval.every`", "= 5", "nothing would be evaluated",
                                                            "add eval.datasets"]),
-        (with_changes(eval={"before_train": True, "datasets": []}), ["`eval.before_train`", "eval.before_train: false"]),
+        (with_changes(eval={"before_train": True, "datasets": []}),
+         ["`eval.before_train`", "eval.before_train: false"]),
         # sync mode returned before this check while the launcher still held the GPUs back
         (with_changes(async_rl={"engine_gpus": 4}), ["`async_rl.engine_gpus`", "= 4", "async_rl.mode = sync"]),
         (with_changes(async_rl={"mode": "colocated_async", "engine_gpus": 2},

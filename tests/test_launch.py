@@ -42,6 +42,12 @@ def test_gpus_kept_for_the_engines_are_not_given_trainer_ranks():
     assert standalone_command(["x.py"], {"MEGARL_NPROC": "2"}, reserved=2)[2] == "--nproc-per-node=2"  # as asked
     with pytest.raises(UserError, match=r"async_rl.engine_gpus = 8 leaves no GPU for the trainer: each node"):
         torchrun_command(["x.py"], ENV, reserved=8)
+    for name, value, call in (("MEGARL_NPROC", "abc", lambda e: standalone_command(["x.py"], e)),
+                              ("MEGARL_NPROC", "0", lambda e: standalone_command(["x.py"], e)),
+                              ("MEGARL_GPUS_PER_NODE", "x", lambda e: torchrun_command(["x.py"], e)),
+                              ("SLURM_NNODES", "two", lambda e: torchrun_command(["x.py"], e))):
+        with pytest.raises(UserError, match=rf"{name} = '{value}' must be a whole number >= 1"):
+            call(dict(ENV) | {name: value})  # a ValueError traceback, or MEGARL_NPROC=0 dividing by zero later
     recipe = str(REPO / "recipes/tiny_cpu_grpo.yaml")
     assert engine_gpus(["megarl/train.py", "--config", recipe, "--set", "async_rl.mode=separate", "--set",
                         "async_rl.engine_gpus=2", "--set", "algorithm.rollout_correction=token_tis"]) == 2
