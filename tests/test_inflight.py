@@ -176,6 +176,26 @@ def test_a_pool_saved_mid_run_goes_on_as_the_uninterrupted_one():
             for step, groups in expected]
 
 
+@pytest.mark.parametrize("n, wanted", [(4, 4), (2, 2), (2, 6)])
+def test_a_resume_that_changes_the_group_size_or_the_batch_trains_whole_groups_of_every_prompt_once(n, wanted):
+    """checkpoint.allow_changes may name rollout.num_samples_per_prompt and data.num_prompts_per_step. A restored
+    group of the old size mixed prompts in GRPO's groups (or crashed it); the old count of groups taken against the
+    new batch admitted nothing more, and the run stopped a step later with "none in flight"."""
+    prompts = [[3] * (1 + i % 7) for i in range(400)]
+    first, cursor = InFlight(n=2, budget=30, chunk=4, max_staleness=2, batch=4, capacity=12, stale="drop",
+                             seed=3), [0]
+    got = run(first, ScriptedEngine(stop=0.05), range(5), 4, prompts, cursor)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert any(s["tokens"] and not s["done"] for g in state["groups"] for s in g["samples"])
+    second = InFlight(n=n, budget=30, chunk=4, max_staleness=2, batch=wanted, capacity=3 * wanted, stale="drop",
+                      seed=3)
+    assert second.load_state_dict(state)[1] == (len(state["groups"]) if n != 2 else 0)
+    later = run(second, ScriptedEngine(stop=0.05), range(5, 12), wanted, prompts, cursor)
+    assert all(len(groups) == wanted and all(len(g.samples) == n for g in groups) for _, groups in later)
+    trained = [g.uid for _, groups in got + later for g in groups]
+    assert len(trained) == len(set(trained)) == 5 * 4 + 7 * wanted
+
+
 def test_metrics_count_staleness_versions_and_what_stays_in_flight():
     pool = InFlight(n=2, budget=10, chunk=4, max_staleness=2, batch=1, capacity=4, stale="drop", seed=0)
     pool.admit([([1], "a"), ([2], "b")], version=0)
@@ -655,7 +675,7 @@ def test_a_checkpoints_pool_with_samples_past_their_eos_is_cut_at_it_on_resume()
         s.logprobs, s.versions = [-0.5] * len(s.tokens), list(range(len(s.tokens)))
     state = json.loads(json.dumps(pool.state_dict()))
     resumed = InFlight(n=1, budget=9, chunk=2, max_staleness=2, batch=1, capacity=8, stale="drop", seed=1)
-    assert resumed.load_state_dict(state, frozenset([EOS])) == 3
+    assert resumed.load_state_dict(state, frozenset([EOS])) == (3, 0)
     got = {g.answer: (g.samples[0].tokens, g.samples[0].done, g.samples[0].truncated, g.samples[0].logprobs,
                       g.samples[0].versions) for g in resumed.groups}
     assert got == {"0": ([7, EOS], True, False, [-0.5] * 2, [0, 1]), "1": ([7, EOS], True, False, [-0.5] * 2, [0, 1]),

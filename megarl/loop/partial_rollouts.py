@@ -109,7 +109,11 @@ class PartialRollouts:
         return self.pool.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        cut = self.pool.load_state_dict(state, frozenset(self.params.stop_token_ids))
+        cut, restarted = self.pool.load_state_dict(state, frozenset(self.params.stop_token_ids))
+        if restarted:
+            print(f"megarl: {restarted} prompt(s) in flight in the checkpoint have groups of another "
+                  f"rollout.num_samples_per_prompt: each starts again from its prompt with "
+                  f"{self.pool.n} samples", flush=True)
         if cut:
             print(f"megarl: {cut} sample(s) in flight in the checkpoint ran past an EOS (written before megarl "
                   "completed a sample at its EOS whatever the engine's finish reason): each is cut after it and "

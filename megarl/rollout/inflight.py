@@ -253,15 +253,21 @@ class InFlight:
 
     def state_dict(self) -> dict[str, Any]:
         return {"groups": [dataclasses.asdict(g) for g in self.groups], "next_uid": self.next_uid,
-                "taken": self.taken, "dropped": self.dropped, "regenerated": self.regenerated}
+                "taken": self.taken, "dropped": self.dropped, "regenerated": self.regenerated, "batch": self.batch}
 
-    def load_state_dict(self, state: dict[str, Any], stop_ids: Collection[int] = ()) -> int:
+    def load_state_dict(self, state: dict[str, Any], stop_ids: Collection[int] = ()) -> tuple[int, int]:
         """The pool of ``state_dict``; a sample that runs past one of ``stop_ids`` is cut after the first and done
         (a checkpoint written before the stop rule of ``_call`` may hold text past an EOS, which training would score
-        and train on). How many samples were cut."""
+        and train on). A resume may change the batch and the group size (checkpoint.allow_changes): the groups taken
+        so far count in batches of this pool's size, and a group of another size restarts from its prompt (GRPO
+        would otherwise baseline other prompts' samples together). How many samples were cut, and groups
+        restarted."""
         self.groups = [Group(**{**g, "samples": [Partial(**s) for s in g["samples"]]}) for g in state["groups"]]
-        self.next_uid, self.taken = state["next_uid"], state["taken"]
-        self.dropped, self.regenerated = state["dropped"], state["regenerated"]
+        self.next_uid, self.dropped, self.regenerated = state["next_uid"], state["dropped"], state["regenerated"]
+        self.taken = state["taken"] // state.get("batch", self.batch) * self.batch
+        restarted = [g for g in self.groups if len(g.samples) != self.n]
+        for g in restarted:
+            g.samples = self._fresh(g.uid, 0)
         cut = 0
         for s in (s for g in self.groups for s in g.samples):
             first = next((i for i, t in enumerate(s.tokens) if t in stop_ids), None)
@@ -270,4 +276,4 @@ class InFlight:
             del s.tokens[first + 1:], s.logprobs[first + 1:], s.versions[first + 1:]
             s.done, s.truncated = True, False
             cut += 1
-        return cut
+        return cut, len(restarted)
