@@ -186,6 +186,13 @@ class MicroBatch:
         """[r, s-1, ...] per-position results -> {sequence index: its [len-1, ...] slice}."""
         return {i: out[row, start: start + n - 1] for i, row, start, n in self.spans}
 
+    def padding(self) -> torch.Tensor:
+        """[r, s] bool: True where no sequence is."""
+        pad = torch.ones_like(self.tokens, dtype=torch.bool)
+        for _, row, start, n in self.spans:
+            pad[row, start: start + n] = False
+        return pad
+
     def num_tokens(self) -> int:
         """Real (non-padding) tokens."""
         return sum(n for _, _, _, n in self.spans)

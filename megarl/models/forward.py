@@ -15,9 +15,10 @@ from megarl.models.logprobs import vocab_parallel_logprobs
 from megarl.models.spec import ModelSpec
 
 
-def model_inputs(batch: MicroBatch, device: torch.device, thd: bool = False
+def model_inputs(batch: MicroBatch, device: torch.device, thd: bool = False, padding: bool = False
                  ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """(tokens [r, s], GPTModel.forward's inputs) for one micro-batch.
+    """(tokens [r, s], GPTModel.forward's inputs) for one micro-batch; with ``padding`` its ``padding_mask`` too
+    (True on padding, in input_ids' shape), which keeps padding out of an MoE router's load-balancing loss.
 
     Without ``thd`` the rows go in as they are; the mask of packed rows is their [b, s] segment ids, which megarl's
     core attention (megarl.models.attention) reads, None for plain causal rows. GPTModel's RoPE then rotates by
@@ -34,11 +35,13 @@ def model_inputs(batch: MicroBatch, device: torch.device, thd: bool = False
     """
     tokens = batch.tokens.to(device)
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    pad = {"padding_mask": batch.padding().to(device)} if padding else {}
     if thd:
         return tokens, {"input_ids": tokens.reshape(1, -1), "position_ids": positions.reshape(1, -1),
-                        "attention_mask": None, "packed_seq_params": thd_params(batch, device)}
+                        "attention_mask": None, "packed_seq_params": thd_params(batch, device)} | {
+                            k: v.reshape(1, -1) for k, v in pad.items()}
     mask = None if batch.segments is None else batch.segments.to(device)
-    return tokens, {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
+    return tokens, {"input_ids": tokens, "position_ids": positions, "attention_mask": mask} | pad
 
 
 def thd_params(batch: MicroBatch, device: torch.device) -> Any:

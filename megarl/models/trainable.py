@@ -29,7 +29,7 @@ from megarl.models.forward import (
     output_rows,
     schedule_shape,
 )
-from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights
+from megarl.models.gpt import BuildOptions, build_model, canonical_params, chunk_layer_offset, load_hf_weights, unwrap
 from megarl.models.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_top1
 from megarl.models.optimizer_state import OptimizerState
 from megarl.models.routing import RoutingReplay, place_routing
@@ -284,6 +284,8 @@ class MegatronModel:
         thd = self.packing == "thd"
         num_mb = len(batches)
         dp = self.groups.dims.dp
+        # the router's load-balancing loss counts the tokens it is told are not padding
+        aux_loss, sp_shard = self.opts.moe_aux_loss_coeff > 0, self.opts.sequence_parallel
 
         def data() -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor]]]:
             yield from zip(batches, extra_batches, strict=True)
@@ -292,7 +294,11 @@ class MegatronModel:
             batch, part = next(it)
             if prepare is not None:
                 prepare(model, batch)
-            tokens, inputs = model_inputs(batch, device, thd)
+            tokens, inputs = model_inputs(batch, device, thd, padding=aux_loss)
+            if aux_loss and sp_shard and not unwrap(model).pre_process:
+                # GPTModel splits the mask along the sequence for sequence parallelism on the first stage only
+                inputs["padding_mask"] = inputs["padding_mask"].chunk(self.groups.dims.tp, dim=1)[
+                    self.groups.tp_rank].contiguous()
             part = {k: v.to(device) for k, v in part.items()}
             output = model(**inputs)
 
