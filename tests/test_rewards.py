@@ -224,6 +224,11 @@ def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool)
     ("\\boxed{40\\%}", "40", "40", 1.0),
     ("\\boxed{723.}", "723", "723", 1.0),
     ("We had 20. \\boxed{723.}", "723", "20", 0.0),  # math-verify went on to an earlier number
+    # LaTeX's thousands spacing: math-verify read "1\\,234" as 1 + 234.
+    ("\\boxed{1\\,234}", "1234", "1234", 1.0),
+    ("\\boxed{1\\,234}", "1234", "235", 0.0),
+    ("The total is 12\\ 345\\,678.", "12345678", "12345678", 1.0),
+    ("\\boxed{1~234}", "1234", "1234", 1.0),
 ])
 def test_the_answer_is_read_whole_and_from_after_the_last_hashes(text: str, reads: str | None, answer: str,
                                                                   score: float) -> None:

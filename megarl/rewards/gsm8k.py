@@ -37,6 +37,9 @@ _FRACTION_RE = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}|(?<![\
 # "."), "the answer is **18**" (markdown bold, which the "####" path allows too).
 _WRITTEN_NUMBER_RE = re.compile(rf"[\s*]*({_NUMBER})[\s*]*\.?[\s*]*")
 _CLEAN = str.maketrans({"\\": None, "$": None, ",": None, "−": "-"})
+# LaTeX's spacing between thousands ("1\,234", "12\ 345\,678", "1~234"): math-verify's parser reads the two sides as
+# a product or a sum ("\boxed{1\,234}" was 235), so it goes before the text reaches it.
+_LATEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
 
 
 def _clean(number: str) -> str:
@@ -50,7 +53,8 @@ def _math_verify_number(text: str) -> str | None:
     # "first_match": only the match math-verify ranks first (the last \boxed{}, the last "answer is"); when that
     # does not parse ("\boxed{723.}"), the default went on to an earlier number ("We had 20."). It also makes the
     # string it returns the one that value was parsed from.
-    found = _math_verify_parse(text, parsing_timeout=timeout, extraction_mode="first_match")
+    found = _math_verify_parse(_LATEX_THOUSANDS_RE.sub("", text), parsing_timeout=timeout,
+                               extraction_mode="first_match")
     written = next((item for item in found if isinstance(item, str)), "")
     if _division_left_undone(written):
         return None
