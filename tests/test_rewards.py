@@ -92,8 +92,9 @@ def test_the_format_bonus_goes_where_the_reward_reads_a_number_after_the_last_ha
     """The format reward read any "####" and a number, where the reward reads the last "####": a step's heading
     ("#### 3. Add") got the bonus, and "#### (5)" or "#### ~5", which the reward reads, did not."""
     texts = ["#### (5)", "#### ~5", "####\n5", "#### 3. Add them", "#### -", "#### 4\n#### x", "#### 7 + 1 = 8",
-             "#### 1/2 cup", "#### 18 = 6 * 3", "#### 2 * 3 + y"]
-    assert format_reward(texts, [""] * len(texts)) == [0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 0.0]
+             "#### 1/2 cup", "#### 18 = 6 * 3", "#### 2 * 3 + y", "#### 1/2\n####"]
+    assert format_reward(texts, [""] * len(texts)) == [0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 0.0, 0.1]
+    assert extract_answer("#### 1/2\n####") == "1/2"  # an empty last "####": the one before is read, and paid
 
 
 def test_load_reward_by_import_path() -> None:

@@ -115,23 +115,23 @@ def extract_answer(text: str) -> str | None:
     the text before it, the same way; text without "####" goes to math-verify whole. A number written before the
     last "####" never stands in for one after it that cannot be read.
     """
-    after, match = _final_part(text)
+    after, match, _ = _final_part(text)
     return _clean(match.group("number")) if match else _math_verify_number(after)
 
 
-def _final_part(text: str) -> tuple[str, re.Match[str] | None]:
-    """(the text extract_answer reads the answer from, the number right after its "####" or None). Where
-    arithmetic follows the "####", the text is that line alone: what comes after it ("Let me know if you have 2
-    more questions") is not the answer."""
+def _final_part(text: str) -> tuple[str, re.Match[str] | None, bool]:
+    """(the text extract_answer reads the answer from, the number right after its "####" or None, whether that text
+    is the equation or fraction that starts right after a "####"). Where arithmetic follows the "####", the text is
+    that line alone: what comes after it ("Let me know if you have 2 more questions") is not the answer."""
     while True:
         text, hashes, after = text.rpartition("####")
         if not hashes:
-            return after, None
+            return after, None, False
         match = _HASH_ANSWER_RE.match(after)
         if match is None and _HASH_ARITHMETIC_RE.match(after):
-            return after.lstrip().split("\n", 1)[0], None
+            return after.lstrip().split("\n", 1)[0], None, True
         if match or re.search(r"\d", after):
-            return after, match
+            return after, match, False
 
 
 def _value(answer: str | None) -> Fraction | None:
@@ -171,8 +171,5 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
 def _hash_answer(text: str) -> bool:
     """Whether ``extract_answer`` reads the answer right after a "####": the number there, or the equation or
     fraction that starts there ("#### 1/2 cup")."""
-    after, match = _final_part(text)
-    if match is not None:
-        return True
-    head = text.rpartition("####")[2]
-    return bool(_HASH_ARITHMETIC_RE.match(head)) and _math_verify_number(after) is not None
+    after, match, equation = _final_part(text)
+    return match is not None or (equation and _math_verify_number(after) is not None)
