@@ -391,6 +391,9 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
                                                            "add eval.datasets"]),
         (with_changes(eval={"before_train": True, "datasets": []}),
          ["`eval.before_train`", "eval.before_train: false"]),
+        # a distillation setting without a teacher did nothing, unsaid
+        (with_changes(distill={"coef": 0.3}), ["`distill.coef`", "= 0.3", "no distillation runs",
+                                               "set distill.teacher"]),
         # sync mode returned before this check while the launcher still held the GPUs back
         (with_changes(async_rl={"engine_gpus": 4}), ["`async_rl.engine_gpus`", "= 4", "async_rl.mode = sync"]),
         (with_changes(async_rl={"mode": "colocated_async", "engine_gpus": 2},

@@ -30,6 +30,10 @@ class DistillConfig:
     def __post_init__(self) -> None:
         within(self, "coef", "(0, inf)", "use 1.0 (Thinking Machines' on-policy distillation), or less to mix it "
                "with the task reward")
+        for name, default in (("coef", 1.0), ("form", "advantage")):
+            check(self.teacher is not None or getattr(self, name) == default, name, getattr(self, name),
+                  "be left unset while distill.teacher is null: no distillation runs", "set distill.teacher to the "
+                  f"teacher's directory, or remove distill.{name}")
 
     def check_teacher_dir(self) -> None:
         """At start-up, before anything reads the teacher: a model directory, or an error naming this field (the
