@@ -481,3 +481,50 @@ def test_with_a_host_uid_of_its_own_the_call_counts_against_that_uid_not_roots()
     limits = contained(LIMITS, python=python, host_uid=uid)  # PID 1 is as safe as under root's namespaces
     mem, seen, expected = _limits_seen(limits.output, config())
     assert mem == "Permission denied" and len(seen) == 2 and all(limits == expected for _, limits in seen), seen
+
+
+TRAINER = """
+import sys
+from megarl.tools.sandbox import SandboxConfig, run_python
+run_python(sys.argv[1], SandboxConfig(timeout_s=120.0, cpu_s=60))
+"""
+
+
+def _parent(pid):
+    fields = _read(Path(f"/proc/{pid}/stat")).rpartition(b")")[2].split()
+    return int(fields[1]) if fields else 0
+
+
+def test_a_call_dies_with_a_trainer_killed_mid_call_and_the_next_trainer_removes_its_cgroup():
+    """The trainer SIGKILLed (or ended by SIGTERM, which leaves a running call to the process's exit) while the code
+    sleeps: the call's processes die with it. Under a root trainer they lived on under the host's init: the call's
+    init dropped root, which cleared the parent-death signal bwrap had armed. The call's cgroup, which only the
+    ended call's own clean-up removed, is removed by the next trainer's first call."""
+    tag = f"{time.time() % 1000 + 1000:.6f}"  # a sleep duration no other process uses
+    code = f"import subprocess, time\nsubprocess.Popen(['sleep', '{tag}'])\ntime.sleep(600)\n"
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    trainer = subprocess.Popen([os.sys.executable, "-c", TRAINER, code], env=env)
+    try:
+        deadline, sleeper = time.monotonic() + 60, None
+        while sleeper is None and time.monotonic() < deadline and trainer.poll() is None:
+            sleeper = next((int(p.name) for p in Path("/proc").iterdir()  # not the trainer, whose argv has the tag
+                            if p.name.isdigit() and _read(p / "cmdline") == b"sleep\0" + tag.encode() + b"\0"), None)
+            time.sleep(0.05)
+        assert sleeper is not None, "the call never started"
+        script = _parent(sleeper)
+        call = [sleeper, script, _parent(script)]  # the sleep, the script's process, the call's init
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in call if Path(f"/proc/{p}").exists() and b"Z" not in _read(
+                Path(f"/proc/{p}/stat")).rpartition(b")")[2][:3]]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive == [], "processes of the call outlived its trainer"
+    finally:
+        trainer.kill()
+    if CGROUPED:
+        subprocess.run([os.sys.executable, "-c", TRAINER, "pass"], env=env, check=True, timeout=120)
+        own = cgroups._own_paths()
+        left = [d for point, kind, options in cgroups._mounts() for key in ([""] if kind == "cgroup2" else options)
+                if key in own for d in Path(point, own[key]).glob(f"megarl-sandbox-{trainer.pid}-*")]
+        assert left == []

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 _PERIOD_US = 100_000
+_swept = False
 
 
 def _read(path: Path) -> str:
@@ -45,6 +46,39 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
+def _parents() -> list[tuple[Path, int]]:
+    """The directories our calls' cgroups are made in (our own cgroup, per hierarchy), with the cgroup version."""
+    own = _own_paths()
+    return [(Path(point, own[c]), 2 if kind == "cgroup2" else 1) for point, kind, options in _mounts()
+            for c in ([""] if kind == "cgroup2" else sorted(options & {"memory", "pids", "cpu"})) if c in own]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> int:
+    """Kill what is left in the cgroups of calls whose trainer process is gone (killed mid-call: nothing of its
+    own removed them) and remove them; how many."""
+    removed = 0
+    for parent, version in _parents():
+        with contextlib.suppress(OSError):
+            stale = [d for d in parent.iterdir() if d.name.startswith("megarl-sandbox-")
+                     and d.name.split("-")[2].isdigit() and not _alive(int(d.name.split("-")[2]))]
+            for d in stale:
+                group = CallCgroup({"": d}, version)
+                group.kill(time.monotonic() + 2.0)
+                group.remove()
+                removed += not d.exists()
+    return removed
+
+
 class CallCgroup:
     """The cgroup directories of one call (one under v2; one per controller under v1)."""
 
@@ -53,7 +87,12 @@ class CallCgroup:
 
     @classmethod
     def create(cls, call_id: str, memory_bytes: int, max_processes: int, cpus: float) -> CallCgroup | None:
-        """A new cgroup with these limits, or None where this process may not make one."""
+        """A new cgroup with these limits, or None where this process may not make one. The first call of a
+        process first clears the cgroups dead trainers left (``sweep_stale``)."""
+        global _swept
+        if not _swept:
+            _swept = True
+            sweep_stale()
         for make in (cls._v2, cls._v1):
             group = make(f"megarl-sandbox-{call_id}")
             if group is None:

@@ -20,10 +20,12 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import sys
 import traceback
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
 _SIGNALS_QUEUED = 64
@@ -94,6 +96,14 @@ def main() -> None:
     if ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         sys.exit("megarl sandbox: could not make the call's init non-dumpable; refusing to run the code")
     report = spec["report_fd"]
+    # bwrap's --die-with-parent armed the parent-death signal, which a change of uid clears: armed again, the call
+    # dies with bwrap, and bwrap with the trainer. A trainer already gone closed the report's read end.
+    if ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        sys.exit("megarl sandbox: could not tie the call to the trainer's life; refusing to run the code")
+    watch = select.poll()
+    watch.register(report, 0)
+    if watch.poll(0):
+        sys.exit("megarl sandbox: the trainer is gone")
     # As PID 1 this process gets only the signals it handles, and Python handles SIGINT: the code's
     # os.kill(1, SIGINT) would end it before it reports. Ignored from before the fork, so no signal finds a window.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
