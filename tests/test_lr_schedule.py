@@ -73,3 +73,12 @@ def test_tiny_grpo_lr_follows_the_cosine_over_the_whole_run_and_resumes_with_it(
     for step in (3, 4, 5):  # the schedule, Adam's state and the data continue as in the uninterrupted run
         for key in ("actor/lr", "actor/loss", "actor/grad_norm", "reward_mean"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+    # Mini-batches of 128 from step 3 on: 2 optimizer steps per RL step, so the schedule goes on from RL step 3 of
+    # 6, 6 of 12 optimizer steps. It went on from the checkpoint's count, 12 of 12: the decay over at once.
+    halved = tmp_path / "halved"
+    halved.mkdir()
+    shutil.copytree(full / "step_000002", halved / "step_000002")
+    (halved / "latest").write_text("step_000002")
+    c = train(halved, "actor.mini_batch_size=128", "checkpoint.allow_changes=actor.mini_batch_size")
+    assert [c[s]["actor/lr"] for s in (3, 4, 5)] == pytest.approx([cosine_lr(2 * s + 1, 2, 12, 1e-3)
+                                                                   for s in (3, 4, 5)], rel=1e-6)

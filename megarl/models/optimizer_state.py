@@ -26,8 +26,11 @@ class OptimizerState:
     """The state of ``optimizer`` (Megatron's, possibly chained) with its LR ``scheduler``; ``params``: the model's
     trainable-or-frozen base parameters by canonical name, the default of ``slots``."""
 
-    def __init__(self, optimizer: Any, scheduler: Any, params: dict[str, torch.nn.Parameter]) -> None:
+    def __init__(self, optimizer: Any, scheduler: Any, params: dict[str, torch.nn.Parameter],
+                 updates_per_step: int = 1) -> None:
         self.optimizer, self.scheduler, self.params = optimizer, scheduler, params
+        self.updates_per_step = updates_per_step
+        """Optimizer steps per RL step, the unit of the scheduler's count."""
         self.inner = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         """The Megatron optimizers (several when chained, e.g. one per virtual pipeline chunk)."""
 
@@ -61,11 +64,20 @@ class OptimizerState:
         """What every rank shares: Adam's step count, the LR schedule, the loss scaler."""
         scaler = getattr(self.inner[0], "grad_scaler", None)
         return {"step": self._step(), "scheduler": self.scheduler.state_dict(),
-                "grad_scaler": None if scaler is None else scaler.state_dict()}
+                "grad_scaler": None if scaler is None else scaler.state_dict(),
+                "updates_per_step": self.updates_per_step}
 
     def load_common(self, common: dict[str, Any]) -> None:
+        """The checkpoint's state. The schedule goes on from the same RL step: a resume that changes the optimizer
+        steps per RL step (checkpoint.allow_changes of the mini-batch size or the epochs) would otherwise put it at
+        the checkpoint's count of optimizer steps, and a run halving them found its decay over at once."""
         self._set_step(common["step"])
         self.scheduler.load_state_dict(common["scheduler"])
+        saved = common.get("updates_per_step", self.updates_per_step)
+        if saved != self.updates_per_step:
+            done = self.scheduler.num_steps
+            self.scheduler.num_steps = 0
+            self.scheduler.step(increment=round(done * self.updates_per_step / saved))
         if common["grad_scaler"] is not None:
             for opt in self.inner:
                 opt.grad_scaler.load_state_dict(common["grad_scaler"])

@@ -103,6 +103,7 @@ class MegatronModel:
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = _optimizer(self.models, optim, opts.dtype)
         self.scheduler = lr_scheduler(self.optimizer, optim, num_steps, updates_per_step)
+        self.updates_per_step = updates_per_step
         # float16 trains with a dynamic loss scale: the optimizer unscales the gradients, so the
         # schedule must scale the loss up first (as Megatron's own training loop sets it).
         config.grad_scale_func = self.optimizer.scale_loss
@@ -140,7 +141,7 @@ class MegatronModel:
         optimizer = None
         if self.optimizer is not None:
             optimizer = OptimizerState(self.optimizer, self.scheduler,
-                                       canonical_params(self.chunks, self.spec, self.groups))
+                                       canonical_params(self.chunks, self.spec, self.groups), self.updates_per_step)
         parts = (self.adapters.state_part(),) if self.adapters is not None and optimizer else ()
         return ModelState(spec=self.spec, groups=self.groups, hf_dir=self.hf_dir, critic=self.opts.critic,
                           vocab_pad_multiple=self.opts.vocab_pad_multiple, weights=self.named_params(),
