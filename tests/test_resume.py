@@ -128,6 +128,23 @@ def test_allow_changes_names_only_fields_that_define_the_experiment(key):
         config("grpo", f"checkpoint.allow_changes=rollout.seed, {key}")
 
 
+@pytest.mark.parametrize("key", ["data.seed", "trainer.seed"])
+def test_allow_changes_refuses_seeds_a_resume_restores_from_the_checkpoint(key):
+    """The resume announced the change, then restored the checkpoint's prompt order or random state over it."""
+    with pytest.raises(FieldError, match=f"not name `{key}`: a resume .* announced and not made"):
+        config("grpo", f"checkpoint.allow_changes={key}")
+
+
+def test_a_fixed_kl_coefficient_is_the_configs_on_resume_and_an_adaptive_one_the_checkpoints():
+    """checkpoint.allow_changes=algorithm.kl_coef was announced, then the checkpoint's value restored over it."""
+    from megarl.algos.kl import AdaptiveKLController, FixedKLController
+
+    fixed, adaptive = FixedKLController(0.05), AdaptiveKLController(0.05, target=6.0, horizon=10000)
+    fixed.load_state_dict(FixedKLController(0.01).state_dict())
+    adaptive.load_state_dict({"value": 0.013})
+    assert (fixed.value, adaptive.value) == (0.05, 0.013)
+
+
 def test_a_metrics_line_cut_short_by_a_crash_is_set_aside_on_resume(tmp_path, capsys):
     rows = [json.dumps({"step": s, "reward_mean": 0.1 * s}) for s in range(4)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n" + rows[3][:-9])

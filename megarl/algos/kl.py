@@ -76,9 +76,12 @@ class KLController(ABC):
 
 
 class FixedKLController(KLController):
-    """A constant KL coefficient."""
+    """A constant KL coefficient: the config's, also on resume (checkpoint.allow_changes may change it)."""
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
         pass
 
 

@@ -21,6 +21,11 @@ from megarl.config.run import CheckpointConfig, TrackingConfig, TrainerConfig
 from megarl.config.training import ActorConfig, CriticConfig, ReferenceConfig, UpdateConfig
 from megarl.config.yaml_io import FieldError, apply_overrides, build, check, flatten, locate, read_yaml
 
+FIXED_AT_START = {"data.seed": "a resume continues the checkpoint's prompt order, drawn from its seed",
+                  "trainer.seed": "a resume restores the checkpoint's random state and value head, both drawn "
+                                  "from its seed"}
+"""Fields of the experiment that a resume cannot change: checkpoint.allow_changes may not name them."""
+
 
 @dataclass(kw_only=True, slots=True)
 class Config:
@@ -65,6 +70,9 @@ class Config:
             check(defines_experiment(key, Config), "checkpoint.allow_changes", self.checkpoint.allow_changes,
                   f"name only fields that define the experiment, which `{key}` is not (a layout or run setting, "
                   "free to change on resume, or no field at all)", f"remove `{key}`, or fix its spelling")
+            check(key not in FIXED_AT_START, "checkpoint.allow_changes", self.checkpoint.allow_changes,
+                  f"not name `{key}`: {FIXED_AT_START.get(key)}, so the change would be announced and not made",
+                  f"remove `{key}`, or start a new run with it (checkpoint.resume: none)")
         for role in ("actor", "critic") if self.algorithm.name == "ppo" else ("actor",):
             warmup = getattr(self, role).optimizer.num_warmup_steps
             check(warmup < self.trainer.num_steps, f"{role}.optimizer.num_warmup_steps", warmup,

@@ -72,9 +72,10 @@ class CheckpointConfig:
     so that saved steps are evaluated; null = none."""
     allow_changes: str | None = None
     """Fields that define the experiment (model, dtype, algorithm, reward, data, sampling, batch shape,
-    optimizer, seeds) which a resume may change from the checkpoint's values, as dotted keys separated by
+    optimizer, rollout.seed) which a resume may change from the checkpoint's values, as dotted keys separated by
     commas, e.g. "rollout.num_samples_per_prompt, data.num_prompts_per_step"; null = none: a changed one stops
-    the resume naming each. The layout (parallel.*, the distributed optimizer) may always change."""
+    the resume naming each. Not data.seed or trainer.seed: a resume restores the prompt order and random state
+    drawn from them. The layout (parallel.*, the distributed optimizer) may always change."""
 
     def __post_init__(self) -> None:
         within(self, "save_every", "[0, inf)", "use 0 to save only when a stop file asks")
