@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                          "kl": trainer.kl.state_dict(), "tracking": tracker.state_dict(),
                          "reward_model": trainer.reward_model.state_dict() if trainer.reward_model else None,
                          "config": cfg.to_flat_dict(), "teacher": trainer.teacher_files,  # a resume compares them
+                         "reference": trainer.reference_files,
                          "unlogged": {"row": tracker.row(step, batch, trained), "evaluate": evaluate}}
                 with tracker.phase("checkpoint"):  # while the engine sleeps
                     checkpoint.save(cfg.checkpoint.dir, step, trainer.trained_models(), state,

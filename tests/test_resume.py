@@ -145,6 +145,31 @@ def test_a_fixed_kl_coefficient_is_the_configs_on_resume_and_an_adaptive_one_the
     assert (fixed.value, adaptive.value) == (0.05, 0.013)
 
 
+def test_a_kl_run_resumes_only_with_the_reference_weights_it_was_held_to(tmp_path):
+    """The KL reference is built from model.hf_path again on resume: other weights at the same path (a re-download,
+    a moved link) changed the KL without a word; the path alone was compared."""
+    import shutil
+
+    from megarl.checkpoint import manifest
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO / "recipes/tiny/model", model)
+    cfg = config("grpo", f"model.hf_path={model}", "algorithm.kl_coef=0.01")
+    path = saved_checkpoint(tmp_path, cfg)
+    state = json.loads((path / "trainer.json").read_text())
+    (path / "trainer.json").write_text(json.dumps(state | {"reference": manifest.weight_files(str(model))}))
+    check_unchanged(cfg, path, rank=0)
+    weights = next(model.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"was held to the KL reference at .* differ from model.hf_path = .*"
+                                        r"allow_changes=model.hf_path"):
+        check_unchanged(cfg, path, rank=0)
+    check_unchanged(config("grpo", f"model.hf_path={model}", "algorithm.kl_coef=0.01",
+                           "checkpoint.allow_changes=model.hf_path"), path, rank=0)
+
+
 def test_a_metrics_line_cut_short_by_a_crash_is_set_aside_on_resume(tmp_path, capsys):
     rows = [json.dumps({"step": s, "reward_mean": 0.1 * s}) for s in range(4)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n" + rows[3][:-9])

@@ -61,6 +61,9 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
     state = json.loads((path / "trainer.json").read_text())
     allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
     check_teacher_unchanged(cfg, state.get("teacher"), path, allowed, rank)
+    if cfg.algorithm.kl_coef > 0:  # the KL's reference is built from model.hf_path again: the same weights
+        check_weights_unchanged("model.hf_path", cfg.model.hf_path, state.get("reference"), path, allowed, rank,
+                                "KL reference", "was held to")
     check_reward_model_unchanged(cfg, (state.get("reward_model") or {}).get("files"), path, allowed, rank)
     saved = state.get("config")
     if saved is None:

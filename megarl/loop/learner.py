@@ -44,9 +44,12 @@ class Learner:
                                    adapters=LoraAdapters(cfg.actor.lora, seed=cfg.trainer.seed)
                                    if cfg.actor.lora is not None and cfg.actor.lora_on() else None)
         self.reference: MegatronModel | BaseModel | None = None
+        self.reference_files: dict[str, Any] | None = None  # a full-weight actor's reference: as teacher_files
         if algo.kl_coef > 0:  # a LoRA actor's reference is the actor with its adapters off: no second copy
             self.reference = (BaseModel(self.actor) if cfg.actor.lora_on() else
                               MegatronModel(spec, cfg.model.hf_path, groups, opts, temperature=temperature))
+            if not cfg.actor.lora_on() and groups.rank == 0:  # a LoRA base has its own record (base_model.json)
+                self.reference_files = manifest.weight_files(cfg.model.hf_path)
         self.teacher = None  # on-policy distillation: frozen, in the trainer's layout, at the sampling temperature
         self.teacher_files: dict[str, Any] | None = None  # its weights' record, which checkpoints keep (rank 0)
         if cfg.distill.teacher is not None:

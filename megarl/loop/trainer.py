@@ -88,6 +88,12 @@ class RLTrainer:
         return self.learner.teacher_files
 
     @property
+    def reference_files(self) -> dict[str, Any] | None:
+        """The KL reference's weight files (model.hf_path's, for a full-weight actor), which a resume must find
+        unchanged."""
+        return self.learner.reference_files
+
+    @property
     def kl(self) -> Any:
         return self.learner.kl
 
