@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         step = tracker.start_step - 1
         with tracker.phase("eval"):  # the engines hold the checkpoint's weights, which that evaluation measures
             held_out = evals.run(trainer, decode, f"step_{step}") if tracker.unlogged["evaluate"] else {}
-        evals.keep_best(step, held_out)
+        evals.keep_best(step, held_out, saved=True)  # the checkpoint this run resumed from
         tracker.write(tracker.unlogged["row"] | trainer.step_metrics() | held_out)
     with tracker.phase("eval"):  # held-out accuracy of the starting weights, which the engines hold now
         held_out = evals.run(trainer, decode, "initial") if evals.before_train and tracker.start_step == 0 else {}
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
             correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
             trained = (metrics | drift | kl_metrics | distill | sampling | correction | {"kl_coef": trainer.kl.value}
                        | held_out)
-            if stop or (every and ((step + 1) % every == 0 or last)):  # atomic: a crash mid-save keeps the last one
+            saved = stop or bool(every and ((step + 1) % every == 0 or last))
+            if saved:  # atomic: a crash mid-save keeps the last one
                 # The step's row goes with its checkpoint: a run stopped before the row is logged (in the
                 # evaluation below, by a signal or an error) finishes and logs it when it resumes.
                 state = trainer.rollout.snapshot(loader) | {  # the data cursor and the samples in flight
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                     trainer.push_weights()
             with tracker.phase("eval"):  # the weights the engines just received, on the held-out sets
                 held_out = evals.run(trainer, decode, f"step_{step}") if evaluate else {}
-            evals.keep_best(step, held_out)
+            evals.keep_best(step, held_out, saved)
             tracker.log(step, batch, trained | trainer.step_metrics() | held_out
                         | startup.step_ended(tracker.last["eval"] if evaluate else 0.0))
             held_out = {}

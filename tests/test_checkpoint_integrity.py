@@ -103,6 +103,18 @@ def test_auto_resumes_from_the_newest_checkpoint_that_verifies_and_a_named_damag
     assert checkpoint.find("auto", str(world)) == good
 
 
+def test_a_new_run_is_refused_a_directory_holding_another_runs_checkpoints(world, tmp_path):
+    """checkpoint.resume: none into an earlier run's checkpoint.dir: the new run's rotation deleted the earlier
+    run's checkpoints, keep_best could keep one of theirs as its best, and resume: auto could continue theirs."""
+    save(world, 58)
+    save(world, 59)
+    with pytest.raises(UserError, match=r"holds 2 checkpoint\(s\) of an earlier one \(... step_000058, "
+                                        r"step_000059\).*another checkpoint.dir"):
+        checkpoint.find("none", str(world))
+    empty = tmp_path / "fresh"
+    assert checkpoint.find("none", str(empty)) is None and checkpoint.find("none", None) is None
+
+
 def test_auto_with_no_checkpoint_that_verifies_is_an_error_and_renames_nothing(world):
     only = save(world, 3)
     (only / "trainer.json").write_text("{")
@@ -374,7 +386,19 @@ def test_a_new_best_lets_the_old_best_go_when_keep_last_does_not_hold_it(tmp_pat
     mark_best(tmp_path, "eval/acc", 79, {"eval/acc": 0.5})
     evals = InTrainingEval.__new__(InTrainingEval)
     evals.best_metric, evals.keep_last, evals.rank, evals.out_dir = "eval/acc", 1, 0, tmp_path
-    evals.keep_best(119, {"eval/acc": 0.75})
+    evals.keep_best(119, {"eval/acc": 0.75}, saved=True)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000119"] and best_step(tmp_path) == 119
-    evals.keep_best(119, {"eval/acc": 0.25})  # no better: nothing moves
+    evals.keep_best(119, {"eval/acc": 0.25}, saved=True)  # no better: nothing moves
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000119"]
+
+
+def test_a_step_evaluated_but_not_saved_is_never_the_best_whatever_step_n_is_on_disk(tmp_path):
+    """A resume from an earlier checkpoint leaves the abandoned branch's later step_N: a step this run evaluated
+    but did not save was recorded as the best with that other checkpoint, kept outside rotation for good."""
+    from megarl.eval.in_training import InTrainingEval
+
+    (tmp_path / "step_000009").mkdir()  # the other branch's
+    evals = InTrainingEval.__new__(InTrainingEval)
+    evals.best_metric, evals.keep_last, evals.rank, evals.out_dir = "eval/acc", 1, 0, tmp_path
+    evals.keep_best(9, {"eval/acc": 0.9}, saved=False)
+    assert best_step(tmp_path) is None

@@ -26,6 +26,15 @@ def find(resume: str, directory: str | None) -> Path | None:
     ``directory`` that verifies; damaged ones are passed over with one line and renamed *.damaged, so that
     neither a later resume nor the rotation counts them. A named checkpoint that does not verify is an error."""
     if resume == "none":
+        held = sorted(checkpoints(Path(directory))) if directory is not None else []
+        if held:
+            names = ", ".join(f"step_{s:06d}" for s in held[-3:])
+            raise UserError(f"checkpoint.resume = 'none' starts a new run, but checkpoint.dir = {directory!r} holds "
+                            f"{len(held)} checkpoint(s) of an earlier one (... {names}). The new run would mix its "
+                            "checkpoints with them: its rotation would delete theirs, and one of theirs could be "
+                            "kept as its best or resumed as its own. Fix: give the new run another checkpoint.dir, "
+                            "set checkpoint.resume: auto to continue that run, or move those step_* directories "
+                            "away.")
         return None
     if resume != "auto":
         path = Path(resume)

@@ -76,9 +76,12 @@ class InTrainingEval:
         """Whether the weights after ``step`` are evaluated."""
         return bool(self.sets) and ((self.every > 0 and (step + 1) % self.every == 0) or step + 1 == self.num_steps)
 
-    def keep_best(self, step: int, metrics: dict[str, float]) -> None:
-        """checkpoint.keep_best: step's checkpoint, when it scored best so far (megarl.checkpoint.keep_best)."""
-        if self.best_metric is not None and self.rank == 0 and mark_best(self.out_dir, self.best_metric, step, metrics):
+    def keep_best(self, step: int, metrics: dict[str, float], saved: bool) -> None:
+        """checkpoint.keep_best: step's checkpoint, when this run ``saved`` it and it scored best so far
+        (megarl.checkpoint.keep_best). A step it did not save may still have a step_N of a branch a resume from an
+        earlier checkpoint left: not these weights."""
+        if self.best_metric is not None and self.rank == 0 and saved and mark_best(self.out_dir, self.best_metric,
+                                                                                   step, metrics):
             print(f"megarl: step {step}'s checkpoint is the best so far on {self.best_metric} "
                   f"({metrics[self.best_metric]:.4f}); it stays outside checkpoint.keep_last", flush=True)
             # The best before it was kept only as the best: outside keep_last, it goes now, not at the next save
