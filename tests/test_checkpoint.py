@@ -50,6 +50,9 @@ def test_resume_equals_uninterrupted_run_and_crash_leftovers_are_ignored(tmp_pat
     for step in (2, 3, 4, 5):
         for key in KEYS:
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
+    for row in [*a.values(), *b.values()]:  # the hand-over's parts run inside its phase: the start-up's push and a
+        parts = sum(v for k, v in row.items() if k.startswith("handover/") and k.endswith("_s"))  # resume's
+        assert parts <= row.get("time/reshard", 0.0), row  # restore were counted into the first row's parts
     # The actors of both runs' last checkpoints export to HF models that compute the same logits, which
     # training moved away from the starting model's (tests/test_actor_checks.py compares an export with the
     # trainer's own logprobs).

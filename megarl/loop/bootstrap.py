@@ -268,6 +268,7 @@ def setup(config_path: str, overrides: Sequence[str]
             unlogged = None
         if groups.rank == 0:
             print(f"megarl: resumed from {resume_from} at step {start_step}", flush=True)
+    trainer.step_metrics()  # the first push and a resume's restore are start-up, not parts of the first step's row
     check_best(out_dir, cfg.checkpoint.keep_best, start_step, groups.rank)
     tracker = Tracker(cfg, groups.rank, out_dir, start_step, run_id, unlogged)
     interrupt.at_interrupt(trainer.close)
