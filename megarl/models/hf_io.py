@@ -98,6 +98,17 @@ def apply_umask(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+def _sync(*groups: Iterable[Path] | Path) -> None:
+    """fsync these files and directories: a rename publishes only what is on disk (after a power loss, an export
+    renamed into place could otherwise hold empty files)."""
+    for path in (p for g in groups for p in ([g] if isinstance(g, Path) else g)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 @contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
     """A temporary directory beside ``out``, renamed to ``out`` when the block succeeds and removed
@@ -109,9 +120,11 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     try:
         yield tmp
         apply_umask(tmp)
+        _sync(tmp.rglob("*"), tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+        _sync(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
