@@ -14,6 +14,7 @@ back through a file (MEGARL_ERROR_FILE) and is printed once, after torchrun's ow
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -29,23 +30,36 @@ from megarl.run.command import run_main
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand Slurm's compressed host list: "gpu[01-03,07],login1" -> [gpu01, gpu02, gpu03, gpu07, login1]."""
+    """Expand Slurm's compressed host list: "gpu[01-03,07],login1" -> [gpu01, gpu02, gpu03, gpu07, login1]; text
+    after a bracket and several brackets in a name too ("gpu[01-02]-ib", "r[1-2]n[1-2]"), in Slurm's order."""
+    names, depth, start = [], 0, 0
+    for i, c in enumerate(nodelist + ","):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            names.append(nodelist[start:i])
+            start = i + 1
     hosts = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}")
+    for name in filter(None, names):
+        parts = re.split(r"\[([^\]]*)\]", name)  # text, ranges, text, ranges, ..., text
+        choices = [[parts[0]]]
+        for ranges, text in zip(parts[1::2], parts[2::2], strict=True):
+            choices += [_expand_ranges(ranges), [text]]
+        hosts += ["".join(c) for c in itertools.product(*choices)]
     return hosts
 
 
+def _expand_ranges(ranges: str) -> list[str]:
+    """ "01-03,07" -> [01, 02, 03, 07]: zero-padded as written."""
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        out += [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
 def _gpus_per_node(env: Mapping[str, str]) -> int:
-    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+    # not SLURM_NTASKS_PER_NODE: the launchers start one task per node, whatever its GPUs
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
         value = env.get(key, "")
         digits = value.split(":")[-1].split("(")[0]  # "h100:8" or "8(x2)"
         if digits.isdigit() and int(digits) > 0:

@@ -23,6 +23,9 @@ def test_nodelist_expansion():
     assert expand_nodelist("gpu[007-009],dgx1") == ["gpu007", "gpu008", "gpu009", "dgx1"]
     assert expand_nodelist("a[1,3-4]") == ["a1", "a3", "a4"]
     assert expand_nodelist("single") == ["single"]
+    # text after a bracket, and two brackets: read as three hosts and as ["a1", "a2", "-b1", "-b2"]
+    assert expand_nodelist("gpu[01-02]-ib") == ["gpu01-ib", "gpu02-ib"]
+    assert expand_nodelist("r[1-2]n[8-9],x") == ["r1n8", "r1n9", "r2n8", "r2n9", "x"]
 
 
 def test_torchrun_arguments_from_slurm():
@@ -33,6 +36,9 @@ def test_torchrun_arguments_from_slurm():
     cmd = torchrun_command(["x.py"], ENV | {"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "h100:4",
                                             "MEGARL_RDZV_PORT": "1234"})
     assert "--nproc-per-node=4" in cmd and "--rdzv-endpoint=gpu007:1234" in cmd
+    # one task per node is how the launchers run, not a GPU count: a node's 8 GPUs trained on 1
+    with pytest.raises(UserError, match="cannot tell how many GPUs each node has"):
+        torchrun_command(["x.py"], ENV | {"SLURM_GPUS_ON_NODE": "", "SLURM_NTASKS_PER_NODE": "1"})
 
 
 def test_gpus_kept_for_the_engines_are_not_given_trainer_ranks():
@@ -128,27 +134,31 @@ def test_sbatch_scripts_parse(script):
     assert folder == "." or tracked.strip(), f"{folder}/ is not in the repository"
 
 
-# Stands in for the job step: waits for the stop file named by its last argument, as the trainer would.
+# Stands in for the job step: waits for the stop file its checkpoint.stop_file argument names, as the trainer would,
+# and (``ACK``) deletes it once "saved"; prints its arguments.
 FAKE_STEP = """
 import pathlib, sys, time
-stop = pathlib.Path(sys.argv[-1].split("=", 1)[1])
+print("args", " ".join(sys.argv[1:]))
+stop = pathlib.Path(next(a for a in sys.argv if a.startswith("checkpoint.stop_file=")).split("=", 1)[1])
 for _ in range(600):
     if stop.exists():
-        stop.unlink()
-        print("saved and stopped")
+        if ACK:
+            stop.unlink()
+        print("saved and stopped" if ACK else "finished")
         sys.exit(0)
     time.sleep(0.05)
 sys.exit(3)
 """
 
 
-def usr1_during_a_step(tmp_path: Path, env: dict[str, str]) -> tuple[int, str, str]:
+def usr1_during_a_step(tmp_path: Path, env: dict[str, str], ack: bool = True) -> tuple[int, str, str]:
     """A batch script's train_until_signal over a fake step, USR1 sent while the step runs: (exit code, stdout,
-    stderr). The stop file is tmp_path/stop; ``env`` adds to the environment, without Slurm's own variables."""
+    stderr). The stop file is tmp_path/stop; ``env`` adds to the environment, without Slurm's own variables;
+    ``ack``: the step saves for the stop file (else it ends its last step without reading it)."""
     script = tmp_path / "job.sh"
     script.write_text(f"set -euo pipefail\nsource {REPO}/scripts/slurm/common.sh\n"
                       f"echo started > {tmp_path}/ready\n"
-                      f"train_until_signal {sys.executable} -c '{FAKE_STEP}'\n")
+                      f"train_until_signal {sys.executable} -c '{FAKE_STEP.replace('ACK', str(ack))}'\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=clean | {"MEGARL_STOP_FILE": str(tmp_path / "stop")} | env)
@@ -194,6 +204,36 @@ def test_job_steps_get_the_batch_jobs_cpus():
     assert srun_cpus({"SLURM_CPUS_PER_TASK": "64"}) == "64"
     assert srun_cpus({"SLURM_CPUS_PER_TASK": "64", "SRUN_CPUS_PER_TASK": "8"}) == "8"
     assert srun_cpus({}) == ""
+
+
+def fake_scontrol(tmp_path: Path) -> dict[str, str]:
+    """A scontrol that logs its calls to tmp_path/calls and succeeds; the environment that finds it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/calls\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    return {"SLURM_JOB_ID": "77", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_a_requeued_job_goes_on_from_the_newest_checkpoint_whatever_it_was_submitted_with(tmp_path):
+    """Slurm runs a requeued job with its submitted arguments: a checkpoint.resume naming a step_* directory started
+    every requeue from there again (and none from scratch)."""
+    for restarts, resume in (("2", True), ("0", False)):
+        run = tmp_path / restarts
+        run.mkdir()
+        code, out, err = usr1_during_a_step(run, fake_scontrol(run) | {"SLURM_RESTART_COUNT": restarts})
+        assert code == 0, err
+        args = next(line for line in out.splitlines() if line.startswith("args "))
+        assert args.endswith("--set checkpoint.resume=auto") == resume and ("restart 2" in out) == resume, out
+
+
+def test_a_stop_request_after_the_runs_last_step_does_not_requeue_the_finished_run(tmp_path):
+    """USR1 after the last step's stop check: the run ends without saving for it (the stop file stays); a requeue
+    would train the finished run again."""
+    code, out, err = usr1_during_a_step(tmp_path, fake_scontrol(tmp_path), ack=False)
+    assert code == 0, err
+    assert "finished" in out and "not requeued" in out and not (tmp_path / "calls").exists()
+    assert not (tmp_path / "stop").exists()
 
 
 @pytest.mark.parametrize("failures", [2, 9])
