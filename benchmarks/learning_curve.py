@@ -48,7 +48,8 @@ def two_proportion_p(p1: float, p2: float, n: int) -> float:
 def phase_medians(path: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in path.read_text().splitlines()][1:]  # step 0 compiles and captures
     keys = sorted({k for r in rows for k in r if k.startswith("time/")} | {"tokens_per_s"})
-    return {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in keys}
+    # over the steps that ran each phase (as megarl.report): an evaluation every few steps had a median of 0.0
+    return {k: round(statistics.median([r[k] for r in rows if r.get(k, 0) > 0] or [0.0]), 3) for k in keys}
 
 
 def main() -> None:

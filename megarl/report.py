@@ -58,15 +58,17 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     first, last = rows[:WINDOW], rows[-WINDOW:]
 
     def mean(part: list[dict[str, float]], key: str) -> float:
-        return sum(r[key] for r in part) / len(part)
+        return sum(r.get(key, r["reward_mean"]) for r in part) / len(part)
+
+    reward, what = policy_reward(rows)
 
     phases = ran_phases(rows)
     # Each phase's median over the steps that ran it: an evaluation every few steps was a median of 0.00 s.
     times = ", ".join(f"{k[5:]} {statistics.median([r[k] for r in rows if r.get(k, 0) > 0] or [0.0]):.2f}s"
                       for k in phases)
     lines = [f"megarl: {len(rows)} steps (steps {rows[0]['step']}-{rows[-1]['step']}) in {run_dir}",
-             f"  reward {mean(first, 'reward_mean'):.3f} (first {len(first)} steps) -> "
-             f"{mean(last, 'reward_mean'):.3f} (last {len(last)})",
+             f"  {what} {mean(first, reward):.3f} (first {len(first)} steps) -> "
+             f"{mean(last, reward):.3f} (last {len(last)})",
              *eval_lines(rows),
              f"  median phase times (over the steps that ran each): {times}",
              f"  metrics: {run_dir / 'metrics.jsonl'}, plot: {plot_note or run_dir / 'metrics.png'}"]
@@ -82,6 +84,15 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
         lines.append(f"  checkpoints: {', '.join(p.name for p in checkpoints)} in {run_dir} "
                      f"(export: python -m megarl.convert mcore-to-hf --ckpt {checkpoints[-1] / 'actor'} --out DIR)")
     return "\n".join(lines)
+
+
+def policy_reward(rows: list[dict[str, float]]) -> tuple[str, str]:
+    """(key, label) of the policy's mean reward: with algorithm.dynamic_sampling, reward_mean is the kept batch's,
+    whose groups the filter chose for their spread (0.5 with two samples a prompt, however the policy does); the
+    samples drawn are sampling/reward_mean_drawn."""
+    if any("sampling/reward_mean_drawn" in r for r in rows):
+        return "sampling/reward_mean_drawn", "reward of the samples drawn"
+    return "reward_mean", "reward"
 
 
 def ran_phases(rows: list[dict[str, float]]) -> list[str]:
@@ -143,8 +154,9 @@ def _draw(run_dir: Path, rows: list[dict[str, float]]) -> Path:
     names = eval_names(rows)
     fig = Figure(figsize=(8, 9 + 3 * bool(names)))
     axes = fig.subplots(3 + bool(names), 1, sharex=True)
-    axes[0].plot(steps, [r["reward_mean"] for r in rows])
-    axes[0].set_ylabel("mean reward")
+    reward, what = policy_reward(rows)
+    axes[0].plot(steps, [r.get(reward, r["reward_mean"]) for r in rows])
+    axes[0].set_ylabel(f"mean {what}")
     if names:  # accuracy after N + 1 updates sits at step N, the initial one at step -1
         for name in names:
             curve = eval_curve(rows, name)

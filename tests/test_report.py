@@ -61,6 +61,15 @@ def test_the_summary_gives_each_phase_its_median_over_the_steps_that_ran_it(tmp_
     assert "eval 30.00s, generate 2.00s, step 3.50s" in summary(tmp_path, rows)
 
 
+def test_under_dynamic_sampling_the_summary_follows_the_samples_drawn_not_the_kept_batch(tmp_path):
+    """The filter keeps groups for their spread: the kept batch's reward_mean is 0.5 with two samples a prompt,
+    however the policy does, and the summary read it as a flat reward."""
+    from megarl.report import summary
+
+    rows = [{"step": s, "reward_mean": 0.5, "sampling/reward_mean_drawn": 0.05 + 0.04 * s} for s in range(20)]
+    assert "reward of the samples drawn 0.230 (first 10 steps) -> 0.630 (last 10)" in summary(tmp_path, rows)
+
+
 def test_a_broken_plotting_library_does_not_fail_the_run(tmp_path):
     """The summary still prints, says why the plot is missing, and the exit code stays 0 (a GPU image
     had a matplotlib that could not plot, and a finished 10-step run exited 1)."""
