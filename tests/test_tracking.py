@@ -271,3 +271,14 @@ def test_a_resumed_rows_wall_time_adds_this_processs_part_to_the_checkpoints(tmp
     tracker.close()
     [row] = tracker.history
     assert row["time/step"] == pytest.approx(10.0) and row["time/eval"] == pytest.approx(4.0)
+
+
+def test_the_console_line_of_a_dynamic_sampling_run_gives_the_reward_of_the_samples_drawn(tmp_path):
+    """The kept batch's reward_mean is chosen by the filter (0.5 with two samples a prompt): the line gives the
+    samples drawn beside it."""
+    tracker = Tracker(load_config(GRPO, ["tracking.backend=none", "trainer.num_steps=1"]), rank=0,
+                      out_dir=tmp_path / "run")
+    with tracker.console.capture() as captured:
+        tracker.log(0, tiny_batch(0), {"logprob_diff_max": 0.0, "sampling/reward_mean_drawn": 0.125})
+    tracker.close()
+    assert "reward 0.500 (drawn 0.125) len" in captured.get()

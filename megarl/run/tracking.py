@@ -131,9 +131,11 @@ class Tracker:
         write_row(self.jsonl, self.mlflow, step, row)
         if (step + 1) % self.cfg.trainer.log_every and step + 1 != self.cfg.trainer.num_steps:
             return
+        drawn = row.get("sampling/reward_mean_drawn")  # dynamic sampling: the kept batch's mean is chosen
         self.console.print(
             f"[bold]step {step + 1}/{self.cfg.trainer.num_steps}[/] reward {row['reward_mean']:.3f} "
-            f"len {row['response_length']:.1f} kl {row.get('kl', 0.0):.4f} "
+            + (f"(drawn {drawn:.3f}) " if drawn is not None else "")
+            + f"len {row['response_length']:.1f} kl {row.get('kl', 0.0):.4f} "
             f"clip {row.get('actor/clip_fraction', 0.0):.3f} gnorm {row.get('actor/grad_norm', 0.0):.3f} "
             f"lp-diff {row['logprob_diff_max']:.2e} | " + " ".join(
                 f"{k[5:]} {v:.2f}s" for k, v in times.items()) + f" | step {row['time/step']:.2f}s"
