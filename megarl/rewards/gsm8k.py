@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+from decimal import Decimal
 from fractions import Fraction
 
 import sympy
@@ -40,6 +41,9 @@ _CLEAN = str.maketrans({"\\": None, "$": None, ",": None, "−": "-"})
 # LaTeX's spacing between thousands ("1\,234", "12\ 345\,678", "1~234"): math-verify's parser reads the two sides as
 # a product or a sum ("\boxed{1\,234}" was 235), so it goes before the text reaches it.
 _LATEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
+# Scientific notation ("1e3", "2.5E-3"): math-verify reads the mantissa alone ("#### 1e3" was paid as 1), so it is
+# written out first; an exponent past 100 is no GSM8K answer, and is left unreadable rather than read as its mantissa.
+_SCIENTIFIC_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 
 
 def _clean(number: str) -> str:
@@ -53,8 +57,8 @@ def _math_verify_number(text: str) -> str | None:
     # "first_match": only the match math-verify ranks first (the last \boxed{}, the last "answer is"); when that
     # does not parse ("\boxed{723.}"), the default went on to an earlier number ("We had 20."). It also makes the
     # string it returns the one that value was parsed from.
-    found = _math_verify_parse(_LATEX_THOUSANDS_RE.sub("", text), parsing_timeout=timeout,
-                               extraction_mode="first_match")
+    text = _SCIENTIFIC_RE.sub(_positional, _LATEX_THOUSANDS_RE.sub("", text))
+    found = _math_verify_parse(text, parsing_timeout=timeout, extraction_mode="first_match")
     written = next((item for item in found if isinstance(item, str)), "")
     if _division_left_undone(written):
         return None
@@ -70,6 +74,11 @@ def _math_verify_number(text: str) -> str | None:
             if isinstance(value, sympy.Rational | sympy.Float):
                 return str(value)
     return None
+
+
+def _positional(match: re.Match[str]) -> str:
+    exponent = int(match.group(2))
+    return format(Decimal(match.group(1)).scaleb(exponent), "f") if abs(exponent) <= 100 else "?"
 
 
 def _division_left_undone(written: str) -> bool:
