@@ -97,7 +97,9 @@ EVALUATE_FLAGS = {"dtype": "--dtype", "model": "--model", "model_path": "--model
                   "gpu_memory_fraction": "--gpu-memory-fraction", "seed": "--seed", "random_seed": "--seed",
                   "max_model_len": "--max-prompt-tokens and --max-new-tokens (their sum)",
                   "context_length": "--max-prompt-tokens and --max-new-tokens (their sum)",
-                  "tensor_parallel_size": "", "tp_size": "", "tensor_parallel": ""}
+                  "tensor_parallel_size": "", "tp_size": "", "tensor_parallel": ""} | dict.fromkeys(
+    ("weight_dtype", "fp8_block", "enable_lora", "max_loras", "max_lora_rank", "lora_rank", "lora_targets",
+     "enable_return_routed_experts", "return_routed_experts"), "")
 """--engine-arg keys that megarl.evaluate sets itself, and the flag that sets each ("": its own, one GPU)."""
 
 DEFAULTS = {"reward": "megarl.rewards.gsm8k:reward", "max_new_tokens": 1024, "max_prompt_tokens": 1024,

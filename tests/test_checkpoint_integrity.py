@@ -115,6 +115,22 @@ def test_a_new_run_is_refused_a_directory_holding_another_runs_checkpoints(world
     assert checkpoint.find("none", str(empty)) is None and checkpoint.find("none", None) is None
 
 
+def test_a_job_slurm_requeued_goes_on_from_its_newest_checkpoint_whatever_it_was_submitted_with(world, tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """Slurm runs a requeued job with its submitted arguments: a checkpoint.resume naming a step started every
+    requeue there again, and none was refused (or started from scratch). Before the job's first save its dir holds
+    nothing: the submitted checkpoint still counts."""
+    first, newest = save(world, 2), save(world, 5)
+    other = tmp_path / "other_run"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert checkpoint.find(str(first), str(world)) == newest
+    assert "requeued by Slurm (restart 1)" in capsys.readouterr().out
+    assert checkpoint.find("none", str(world)) == newest
+    assert checkpoint.find(str(first), str(other)) == first  # the new dir holds nothing yet
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert checkpoint.find(str(first), str(world)) == first
+
+
 def test_auto_with_no_checkpoint_that_verifies_is_an_error_and_renames_nothing(world):
     only = save(world, 3)
     (only / "trainer.json").write_text("{")

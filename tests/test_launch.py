@@ -215,18 +215,6 @@ def fake_scontrol(tmp_path: Path) -> dict[str, str]:
     return {"SLURM_JOB_ID": "77", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-def test_a_requeued_job_goes_on_from_the_newest_checkpoint_whatever_it_was_submitted_with(tmp_path):
-    """Slurm runs a requeued job with its submitted arguments: a checkpoint.resume naming a step_* directory started
-    every requeue from there again (and none from scratch)."""
-    for restarts, resume in (("2", True), ("0", False)):
-        run = tmp_path / restarts
-        run.mkdir()
-        code, out, err = usr1_during_a_step(run, fake_scontrol(run) | {"SLURM_RESTART_COUNT": restarts})
-        assert code == 0, err
-        args = next(line for line in out.splitlines() if line.startswith("args "))
-        assert args.endswith("--set checkpoint.resume=auto") == resume and ("restart 2" in out) == resume, out
-
-
 def test_a_stop_request_after_the_runs_last_step_does_not_requeue_the_finished_run(tmp_path):
     """USR1 after the last step's stop check: the run ends without saving for it (the stop file stays); a requeue
     would train the finished run again."""

@@ -236,6 +236,8 @@ def test_arithmetic_left_to_do_is_no_answer(text: str, value: str, scores: bool)
     ("#### 1.5e2", "150", "1.5", 0.0),
     ("The answer is 2.5E-3", "0.0025", "0.0025", 1.0),
     ("#### 1e999", None, "1", 0.0),
+    ("The answer is 1e3.", "1000", "1000", 1.0),
+    ("#### 1\\,234", "1234", "1234", 1.0),
 ])
 def test_the_answer_is_read_whole_and_from_after_the_last_hashes(text: str, reads: str | None, answer: str,
                                                                   score: float) -> None:

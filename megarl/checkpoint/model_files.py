@@ -112,13 +112,13 @@ def check_compatible(ckpt: Path, state: ModelState) -> dict[str, int]:
         if field.name != "hf_config" and ours != theirs:
             raise UserError(f"{ckpt} holds another model: its {field.name} is {theirs!r}, the model being trained "
                             f"(model.hf_path) has {ours!r}. Set model.hf_path to the model the checkpoint was "
-                            "trained from, or checkpoint.resume to `none` or another checkpoint.")
+                            "trained from, resume another checkpoint, or start a new run in another checkpoint.dir.")
     if bool(meta.get("critic")) != state.critic:
         raise UserError(f"{ckpt / META} has critic = {bool(meta.get('critic'))}, but it is loaded into a model with "
                         f"critic = {state.critic}. Point checkpoint.resume at a checkpoint of this algorithm.")
     if not (ckpt / OPTIMIZER / COMMON).is_file():
         raise UserError(f"{ckpt} has no {OPTIMIZER}/{COMMON}: it was written by an older megarl or is damaged. "
-                        "Resume from another step_* directory, or set checkpoint.resume to `none`.")
+                        "Resume from another step_* directory, or start anew in another checkpoint.dir.")
     return meta
 
 

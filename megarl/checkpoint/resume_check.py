@@ -56,7 +56,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
     if cfg.algorithm.name == "ppo" and not (path / "critic").is_dir():
         raise UserError(f"checkpoint {path} holds no critic (it was saved by a grpo run), but algorithm.name = "
                         "ppo trains one: algorithm grpo -> ppo cannot resume. Fix: set algorithm.name: grpo to "
-                        "continue that run, or checkpoint.resume: none (or another checkpoint.dir) to start a "
+                        "continue that run, or another checkpoint.dir to start a "
                         "ppo run.")
     state = json.loads((path / "trainer.json").read_text())
     allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
@@ -81,14 +81,14 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
                 "fine-tuning run's the whole model's, so neither resumes as the other. Fix: set actor.lora back to "
                 "the checkpoint's; to fine-tune every weight from a LoRA checkpoint, export it merged (python -m "
                 f"megarl.convert mcore-to-hf --ckpt {path / 'actor'} --out DIR --merge) and start a new run from "
-                "DIR (model.hf_path, checkpoint.resume: none).")
+                "DIR (model.hf_path) in another checkpoint.dir.")
         if not any(k.startswith(section + ".") for k in allowed):  # e.g. a judge, which holds no state
             raise UserError(
                 f"checkpoint {path} was saved with {section} {_show(before)}, and this config sets {section}: "
                 f"{_show(after)}: a resume continues the run it was saved by. Fix: set {section} back to the "
                 "checkpoint's; or, to continue with the change deliberately, list its fields in "
                 f"checkpoint.allow_changes (e.g. {section}.{next(iter(before or after))}); or set "
-                "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
+                "another checkpoint.dir with checkpoint.resume: none to start a new run.")
     found = changes(saved, current)
     refused = [(k, a, b) for k, a, b in found if k not in allowed]
     if refused:
@@ -98,7 +98,7 @@ def check_unchanged(cfg: Config, path: Path, rank: int) -> dict[str, Any]:
                         "it was saved by (and its mlflow params would describe it wrongly). Fix: set these back to "
                         "the checkpoint's values; or, to continue with the change deliberately, list them in "
                         f"checkpoint.allow_changes (--set checkpoint.allow_changes={keys}); or set "
-                        "checkpoint.resume: none (or another checkpoint.dir) to start a new run.")
+                        "another checkpoint.dir with checkpoint.resume: none to start a new run.")
     optimizers = {"actor.optimizer": cfg.actor.optimizer} | (
         {"critic.optimizer": cfg.critic.optimizer} if cfg.algorithm.name == "ppo" else {})
     schedules = {name: (saved_optimizer(saved, name, o), o) for name, o in optimizers.items()}
@@ -141,5 +141,5 @@ def check_weights_unchanged(field: str, current: str | None, saved: dict[str, An
         raise UserError(f"checkpoint {path} {verb} the {role} at {saved.get('path')}, whose weight files differ from "
                         f"{field} = {current} ({differ[:3]}: size or CRC-32). Another {role} is another experiment. "
                         f"Fix: point {field} at the {role} the run started with; or, to continue with this one "
-                        f"deliberately, --set checkpoint.allow_changes={field}; or checkpoint.resume: none to start a "
+                        f"deliberately, --set checkpoint.allow_changes={field}; or another checkpoint.dir to start a "
                         "new run.")

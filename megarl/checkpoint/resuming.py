@@ -25,8 +25,16 @@ def find(resume: str, directory: str | None) -> Path | None:
     """The checkpoint to resume from, verified (collective: see ``verify``). ``auto``: the newest in
     ``directory`` that verifies; damaged ones are passed over with one line and renamed *.damaged, so that
     neither a later resume nor the rotation counts them. A named checkpoint that does not verify is an error."""
+    held = sorted(checkpoints(Path(directory))) if directory is not None else []
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if held and resume != "auto" and restarts.isdigit() and int(restarts) > 0:
+        # Slurm runs a requeued job with the arguments it was submitted with: a named step (or none) would start
+        # every requeue there again, discarding what the job trained since
+        if dist.get_rank() == 0:
+            print(f"megarl: requeued by Slurm (restart {restarts}): resuming from the newest checkpoint in "
+                  f"{directory}, not checkpoint.resume = {resume!r}", flush=True)
+        resume = "auto"
     if resume == "none":
-        held = sorted(checkpoints(Path(directory))) if directory is not None else []
         if held:
             names = ", ".join(f"step_{s:06d}" for s in held[-3:])
             raise UserError(f"checkpoint.resume = 'none' starts a new run, but checkpoint.dir = {directory!r} holds "
@@ -64,7 +72,7 @@ def find(resume: str, directory: str | None) -> Path | None:
         raise UserError(f"checkpoint.resume = 'auto' found no checkpoint in {root} that verifies: "
                         + "; ".join(f"{p.name}: {why}" for p, why in damaged)
                         + ". Nothing was loaded, deleted or renamed. Fix: restore a good copy of one of them, or set "
-                        "checkpoint.resume: none (or another checkpoint.dir) to start fresh.")
+                        "another checkpoint.dir with checkpoint.resume: none to start fresh.")
     return None
 
 

@@ -72,7 +72,7 @@ class Config:
                   "free to change on resume, or no field at all)", f"remove `{key}`, or fix its spelling")
             check(key not in FIXED_AT_START, "checkpoint.allow_changes", self.checkpoint.allow_changes,
                   f"not name `{key}`: {FIXED_AT_START.get(key)}, so the change would be announced and not made",
-                  f"remove `{key}`, or start a new run with it (checkpoint.resume: none)")
+                  f"remove `{key}`, or start a new run with it (another checkpoint.dir, checkpoint.resume: none)")
         for role in ("actor", "critic") if self.algorithm.name == "ppo" else ("actor",):
             warmup = getattr(self, role).optimizer.num_warmup_steps
             check(warmup < self.trainer.num_steps, f"{role}.optimizer.num_warmup_steps", warmup,

@@ -59,8 +59,9 @@ class CheckpointConfig:
     any of a later step)."""
     resume: str = "auto"
     """auto = the newest checkpoint in dir that verifies against its manifest, if any (damaged ones are
-    passed over, with a line, and renamed *.damaged); none = start fresh; otherwise a checkpoint path, which
-    must verify."""
+    passed over, with a line, and renamed *.damaged); none = start fresh, in a dir that holds no checkpoint (an
+    earlier run's would mix with the new run's); otherwise a checkpoint path, which must verify. A job Slurm
+    requeued (SLURM_RESTART_COUNT > 0) whose dir holds a checkpoint resumes as auto, whatever this says."""
     stop_file: str | None = None
     """Once this file exists, training saves a checkpoint after the current step, deletes the file and
     exits with code 0; null = STOP in dir (off without a dir). The Slurm scripts create it when Slurm

@@ -92,14 +92,14 @@ class PromptLoader(Generic[T]):
             raise UserError(
                 f"the checkpoint's prompt loader was over {state['num_items']} prompts, but data.train_path now "
                 f"gives {len(self.items)}, so the resumed order would differ. Fix: use the same data (and "
-                "rollout.max_prompt_tokens) as the checkpointed run, or start fresh with checkpoint.resume: none."
+                "rollout.max_prompt_tokens) as the checkpointed run, or start fresh in another checkpoint.dir."
             )
         if state.get("digest", self.digest) != self.digest and not allow_other_items:
             raise UserError(
                 f"the checkpoint's prompt loader was over {state['num_items']} prompts, and the data now gives as "
                 "many, but not the same ones (their digests differ: data.train_path's file was replaced or edited, "
                 "or the prompt template or keys changed), so the resumed order would visit other prompts than the "
-                "saved one meant. Fix: restore the checkpointed run's data and prompt settings, or start fresh with "
-                "checkpoint.resume: none (an RL run continues on other prompts deliberately with "
+                "saved one meant. Fix: restore the checkpointed run's data and prompt settings, or start fresh in "
+                "another checkpoint.dir (an RL run continues on other prompts deliberately with "
                 "checkpoint.allow_changes naming the field that changed, e.g. data.train_path)."
             )

@@ -67,14 +67,14 @@ class AdapterState:
         files = adapter_files(ckpt)
         if not files:
             raise UserError(f"{ckpt} holds no LoRA adapters ({LORA_DIR}/ is missing): it was saved without "
-                            "actor.lora. Resume it without actor.lora, or set checkpoint.resume to `none`.")
+                            "actor.lora. Resume it without actor.lora, or start anew in another checkpoint.dir.")
         check_base_model(ckpt / LORA_DIR / BASE_MODEL, model.hf_dir, dist.get_rank())
         saved = SavedAdapters(files)
         theirs = {k: saved.lora.get(k) for k in ("rank", "target_modules")}
         ours = {"rank": self.cfg.rank, "target_modules": list(self.cfg.target_modules)}
         if theirs != ours:
             raise UserError(f"{ckpt} holds adapters of actor.lora {theirs}, this actor has {ours}. Resume with the "
-                            "checkpoint's actor.lora, or set checkpoint.resume to `none`.")
+                            "checkpoint's actor.lora, or start anew in another checkpoint.dir.")
         g, spec = model.groups, model.spec
         rules = {r.mcore: r for r in param_rules(spec, include_output=False)}
         params = self.params()
@@ -107,10 +107,10 @@ def check_base_model(record: Path, hf_dir: str | None, rank: int = 0) -> None:
         files = saved["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{record} is unreadable ({type(err).__name__}: {err}): the checkpoint is damaged. Resume "
-                        "from another step_* directory or set checkpoint.resume to `none`.") from None
+                        "from another step_* directory or start anew in another checkpoint.dir.") from None
     differ = from_rank0(lambda: manifest.files_differ(files, hf_dir), rank) if hf_dir is not None else sorted(files)
     if differ:
         raise UserError(f"the LoRA adapters in {record.parent.parent} were trained on the base model at "
                         f"{saved.get('path')}, whose weight files differ from model.hf_path = {hf_dir} ({differ[:3]}: "
                         "size or CRC-32). Adapters on another base give another policy. Set model.hf_path to the "
-                        "base they were trained on, or checkpoint.resume to `none`.")
+                        "base they were trained on, or start a new run in another checkpoint.dir.")

@@ -41,7 +41,7 @@ class SavedAdapters:
                 self.tp, self.lora = int(meta["tp"]), json.loads(meta["lora"])
             except (SafetensorError, OSError, KeyError, ValueError) as err:
                 raise UserError(f"LoRA adapters `{path}` are unreadable ({err}). The checkpoint is damaged; resume "
-                                "from another step_* directory or set checkpoint.resume to `none`.") from None
+                                "from another step_* directory or start anew in another checkpoint.dir.") from None
             for name in handle.keys():
                 if "/" not in name:  # a factor; its optimizer state is name/key
                     self.params[name][tp_rank] = handle
@@ -53,5 +53,5 @@ class SavedAdapters:
         if sorted(held) != list(range(self.tp)):
             raise UserError(f"{self.directory} lacks TP shards {sorted(set(range(self.tp)) - set(held))} of the "
                             f"adapter {name} (of {self.tp}): the checkpoint is damaged or incomplete. Resume from "
-                            "another step_* directory or set checkpoint.resume to `none`.")
+                            "another step_* directory or start anew in another checkpoint.dir.")
         return [held[t].get_tensor(name) for t in range(self.tp)]

@@ -143,7 +143,7 @@ def saved_state(directory: Path, files: str = "tp*_pp*_dp*.safetensors"
             tp_rank, offsets = int(meta["tp_rank"]), json.loads(meta["offsets"])
         except (SafetensorError, OSError, KeyError, ValueError) as err:
             raise UserError(f"optimizer state `{path}` is unreadable ({err}). The checkpoint is damaged; resume "
-                            "from another step_* directory or set checkpoint.resume to `none`.") from None
+                            "from another step_* directory or start anew in another checkpoint.dir.") from None
         for name, (start, *shape) in offsets.items():
             ranges[tp_rank, name].append((start, handle))
             shapes[tp_rank, name] = shape
@@ -156,8 +156,8 @@ def saved_state(directory: Path, files: str = "tp*_pp*_dp*.safetensors"
             shape = shapes.get((tp_rank, name), [-1])
             if not parts or [start for start, _ in parts] != [0, *ends[:-1]] or ends[-1] != math.prod(shape):
                 raise UserError(f"{directory} lacks part of the optimizer state of `{name}` (TP rank {tp_rank}). "
-                                "The checkpoint is damaged; resume from another step_* directory or set "
-                                "checkpoint.resume to `none`.")
+                                "The checkpoint is damaged; resume from another step_* directory or start a "
+                                "new run in another checkpoint.dir.")
             return torch.cat(flat).view(shape)
 
         return get

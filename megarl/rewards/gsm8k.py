@@ -43,7 +43,7 @@ _CLEAN = str.maketrans({"\\": None, "$": None, ",": None, "−": "-"})
 _LATEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
 # Scientific notation ("1e3", "2.5E-3"): math-verify reads the mantissa alone ("#### 1e3" was paid as 1), so it is
 # written out first; an exponent past 100 is no GSM8K answer, and is left unreadable rather than read as its mantissa.
-_SCIENTIFIC_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
+_SCIENTIFIC_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?!\w|\.\d)")
 
 
 def _clean(number: str) -> str:
@@ -136,6 +136,7 @@ def _final_part(text: str) -> tuple[str, re.Match[str] | None, bool]:
         text, hashes, after = text.rpartition("####")
         if not hashes:
             return after, None, False
+        after = _LATEX_THOUSANDS_RE.sub("", after)  # "#### 1\,234" is 1234, not 1
         match = _HASH_ANSWER_RE.match(after)
         if match is None and _HASH_ARITHMETIC_RE.match(after):
             return after.lstrip().split("\n", 1)[0], None, True

@@ -48,7 +48,7 @@ class Prepared:
             raise UserError(f"checkpoint {path} was trained with "
                             + ", ".join(f"{k} = {saved[k]!r}" for k in changed) + "; this recipe has "
                             + ", ".join(f"{now[k]!r}" for k in changed) + ". Fix: restore them, or start anew "
-                            "(checkpoint.resume: none, or another checkpoint.dir).")
+                            "(another checkpoint.dir with checkpoint.resume: none).")
         optim = self.cfg.training.optimizer  # its fields cannot change on a resume (DEFINING)
         resized = resized_schedule({"training.optimizer": (optim, optim)},
                                    saved.get("trainer.num_steps"), self.cfg.trainer.num_steps, state.get("step"))

@@ -26,19 +26,12 @@ mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
 # requeues the job, which resumes from that checkpoint (checkpoint.resume: auto).
 export MEGARL_STOP_FILE=${MEGARL_STOP_FILE:-logs/megarl-${SLURM_JOB_ID:-local}.stop}
 train_until_signal() {
-  local stop_asked=0 pid rc resume=()
+  local stop_asked=0 pid rc
   # A requeued job keeps its id, so the stop file of a signal its last run never acknowledged would stop this run
   # after one step, as COMPLETED.
   rm -f "$MEGARL_STOP_FILE"
-  # A requeued job runs with the arguments it was submitted with: a checkpoint.resume naming a step_* directory (or
-  # none) would start again from there on every requeue. It goes on from checkpoint.dir's newest checkpoint instead.
-  if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-    echo "megarl: requeued (restart ${SLURM_RESTART_COUNT}): resuming from checkpoint.dir's newest checkpoint" \
-      "(checkpoint.resume=auto)"
-    resume=(--set checkpoint.resume=auto)
-  fi
   trap 'stop_asked=1; echo "megarl: USR1 from Slurm: checkpoint after this step, then requeue"; touch "$MEGARL_STOP_FILE"' USR1
-  "$@" --set checkpoint.stop_file="$MEGARL_STOP_FILE" ${resume[@]+"${resume[@]}"} &
+  "$@" --set checkpoint.stop_file="$MEGARL_STOP_FILE" &
   pid=$!
   while true; do
     rc=0
