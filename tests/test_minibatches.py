@@ -24,6 +24,10 @@ class RecordingModel:
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
+        self.skipped = 0
+
+    def skip_step(self) -> None:
+        self.skipped += 1
 
     def train_step(self, sequences: list[list[int]], extras: dict[str, list[torch.Tensor]], *args: Any,
                    **kwargs: Any) -> dict[str, float]:
@@ -62,6 +66,22 @@ def update(trainer: Learner, batch: Batch, step: int) -> None:
                                              offpolicy=None, loss_mask=batch.mask)
     extras = {"old_logprobs": batch.rollout_logprobs, "advantages": advantages}
     trainer.update_actor(batch, extras, step, actor_loss_mask(batch, batch.mask))
+
+
+def test_a_mini_batch_of_filler_alone_takes_no_optimizer_step() -> None:
+    """One informative prompt among eight: shuffled mini-batches of two prompts often hold filler alone. Such a step
+    had a zero gradient, but Adam's momentum and weight decay still moved the weights."""
+    def part(first: int, scores: list[float]) -> Batch:
+        n = len(scores)
+        return Batch.build([[first + i, 7] for i in range(n)], [[3, 3] for _ in range(n)],
+                           [[-1.0, -1.0] for _ in range(n)], scores)
+
+    batch = Batch.concat([part(0, [1.0, 0.0, 0.0, 0.0]), part(4, [0.0] * 28).as_filler()])
+    model = RecordingModel()
+    for step in range(20):
+        update(trainer_over(model), batch, step)
+    assert len(model.steps) + model.skipped == 20 * 4 and model.skipped > 0
+    assert all(any(i < 4 for i in s["samples"]) for s in model.steps)  # each step holds the informative group
 
 
 def test_every_optimizer_step_has_policy_gradient_signal_and_filler_weighs_nothing() -> None:

@@ -153,14 +153,22 @@ class Learner:
     def optimize(self, model: MegatronModel, section: UpdateConfig, batch: Batch, extras: dict[str, torch.Tensor],
                  loss: Any, where: str, step: int, mask: torch.Tensor) -> dict[str, float]:
         """``num_ppo_epochs`` passes over the batch in shuffled mini-batches of ``mini_batch_size`` samples
-        (megarl.algos.minibatches), one optimizer step each. Token weights are normalised per mini-batch over all
-        DP ranks, over the tokens of ``mask`` [N, T] (response tokens that count in the loss), so each step
-        optimises the configured aggregation of its mini-batch; each DP rank trains on its share."""
+        (megarl.algos.minibatches), one optimizer step each (none for a mini-batch with no token in the loss). Token
+        weights are normalised per mini-batch over all DP ranks, over the tokens of ``mask`` [N, T] (response tokens
+        that count in the loss), so each step optimises the configured aggregation of its mini-batch; each DP rank
+        trains on its share."""
         g, n, aggregation = self.groups, len(batch.sequences), self.cfg.algorithm.loss_aggregation
         steps: list[dict[str, float]] = []
+        empty = 0
         for epoch in range(section.num_ppo_epochs):
             parts = mini_batches(n, section.mini_batch_size or n, self.cfg.trainer.seed, step, epoch)
             for part, index in enumerate(parts):
+                if not bool(mask[index].any()):  # filler or rejected samples alone: the same on every rank
+                    # No optimizer step: with a zero gradient, Adam's momentum and weight decay would still move
+                    # the weights. The schedule goes on as for the step it stands for.
+                    model.skip_step()
+                    empty += 1
+                    continue
                 weights = token_weights(mask[index], aggregation, self.cfg.rollout.max_new_tokens)
                 mine = list(range(g.dp_rank, len(index), g.dims.dp))
                 seqs = [batch.sequences[index[j]] for j in mine]
@@ -169,7 +177,7 @@ class Learner:
                 steps.append(model.train_step(seqs, rows, loss, *_batching(section),
                                               where=f"{where}, epoch {epoch}, mini-batch {part + 1} of {len(parts)}",
                                               routing=_routing(model, batch, [index[j] for j in mine])))
-        return mean_metrics(steps)
+        return (mean_metrics(steps) if steps else {}) | ({"empty_minibatches": float(empty)} if empty else {})
 
     def update_actor(self, batch: Batch, extras: dict[str, torch.Tensor], step: int, mask: torch.Tensor
                      ) -> dict[str, float]:

@@ -262,6 +262,10 @@ class MegatronModel:
             rows |= batch.take(out)
         return [rows[i] for i in range(len(sequences))]
 
+    def skip_step(self) -> None:
+        """An optimizer step not taken (a mini-batch with no token in the loss): the LR schedule moves past it."""
+        self.scheduler.step(increment=1)
+
     def train_step(self, sequences: Sequence[Sequence[int]], extras: dict[str, list[torch.Tensor]],
                    loss_fn: LossFn, max_tokens: int | None, micro_batch_size: int = 1, where: str = "train step",
                    routing: Sequence[np.ndarray] | None = None) -> dict[str, float]:
