@@ -179,9 +179,9 @@ def test_a_student_learns_the_echo_task_from_the_teacher_alone(tmp_path):
     sets = ["trainer.num_steps=60", f"distill.teacher={teacher}", "trainer.reward=null", "eval.before_train=true",
             "eval.every=60", "eval.temperature=1.0", "eval.num_samples=4", "tracking.backend=none",
             "checkpoint.save_every=60"]
-    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", run, *sets,
-                        'eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, reward: '
-                        '"megarl.rewards.echo:reward", max_prompts: 128}]')
+    held_out = ('eval.datasets=[{name: echo, path: recipes/tiny/echo.jsonl, reward: "megarl.rewards.echo:reward", '
+                'max_prompts: 128}]')
+    rows = train_recipe("recipes/tiny_cpu_grpo.yaml", run, *sets, held_out)
     assert all(r["reward_mean"] == 0 for r in rows)  # nothing but the teacher
     before, after = rows[0]["eval/echo/initial/accuracy"], rows[-1]["eval/echo/accuracy"]
     assert after > before + 0.05, (before, after)
@@ -195,7 +195,7 @@ def test_a_student_learns_the_echo_task_from_the_teacher_alone(tmp_path):
     from megarl.config import load_config
 
     step = run / "step_000059"
-    cfg = load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [f"checkpoint.dir={run}", *sets[:-1]])
+    cfg = load_config(REPO / "recipes/tiny_cpu_grpo.yaml", [f"checkpoint.dir={run}", *sets[:-1], held_out])
     check_unchanged(cfg, step, 0)
     _flip_a_weight_byte(teacher)
     with pytest.raises(UserError, match=r"distill.teacher = .*'model.safetensors'.*allow_changes=distill.teacher"):

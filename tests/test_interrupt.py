@@ -77,3 +77,32 @@ def test_a_signal_in_a_deferred_block_interrupts_when_it_ends_and_a_second_one_a
         assert not interrupt._pending
     finally:
         signal.signal(signal.SIGTERM, saved)
+
+
+SECOND_SIGNAL_IN_THE_CLEAN_UP = """
+import os, signal
+from megarl.run import interrupt
+from megarl.run.command import run_main
+
+def main():
+    interrupt.install()
+    # srun's and torchrun's SIGTERM arrive together: the second lands while handle() sets the handlers aside
+    original = signal.signal
+    def signal_then_set(s, h):
+        if h is signal.SIG_IGN and s == signal.SIGINT:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(s, h)
+    signal.signal = signal_then_set
+    os.kill(os.getpid(), signal.SIGTERM)
+
+run_main(main)
+"""
+
+
+def test_a_second_signal_while_the_first_is_handled_keeps_the_one_line_and_its_exit_code():
+    """A SIGTERM arriving while handle() was still setting the handlers to ignore raised inside it: a traceback
+    under the line, in a Slurm job's log (test_slurm_cluster's scancel)."""
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL_IN_THE_CLEAN_UP], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("megarl: interrupted by SIGTERM"), proc.stderr

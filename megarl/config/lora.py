@@ -46,12 +46,6 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         check(self.rank >= 0, "rank", self.rank, "be >= 0", "use 0 (off) or a rank such as 8 or 16")
-        given = [f.name for f in dataclasses.fields(self) if f.name != "rank" and getattr(self, f.name) != (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)]
-        check(self.rank > 0 or not given, "rank", self.rank,
-              f"be > 0 where the section sets {', '.join(given)}: rank 0 means no adapters, so those would do "
-              "nothing and the whole model would train", "set a rank such as 16, or remove actor.lora for full "
-              "fine-tuning")
         check(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "be a finite number > 0",
               "use 16, or twice the rank")
         check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "be in [0, 1)", "use 0.0 (off) or e.g. 0.05")
@@ -64,6 +58,12 @@ class LoraConfig:
               "not repeat a name", "list each module once")
         check(self.rank == 0 or bool(self.target_modules), "target_modules", self.target_modules,
               "name at least one module when rank > 0", f"use {list(TARGETS)}, or rank: 0 for no adapters")
+        given = [f.name for f in dataclasses.fields(self) if f.name != "rank" and getattr(self, f.name) != (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)]
+        check(self.rank > 0 or not given, "rank", self.rank,
+              f"be > 0 where the section sets {', '.join(given)}: rank 0 means no adapters, so those would do "
+              "nothing and the whole model would train", "set a rank such as 16, or remove actor.lora for full "
+              "fine-tuning")
 
     @property
     def scaling(self) -> float:

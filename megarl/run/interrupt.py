@@ -40,7 +40,14 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+_handling: list[int] = []
+"""Set once ``handle`` runs: a signal that comes in before it has ignored them all (srun's and torchrun's SIGTERM
+arrive together) must not interrupt the clean-up with a traceback."""
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
+    if _handling:
+        return
     if _held and not _pending:
         _pending.append(signum)
         return
@@ -81,6 +88,7 @@ def at_interrupt(cleanup: Callable[[], object]) -> None:
 def handle(stop: Interrupted | KeyboardInterrupt) -> NoReturn:
     """Clean up, say so in one line, exit with 128 + the signal."""
     signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+    _handling.append(signum)
     for s in SIGNALS:  # a second Ctrl-C does not interrupt the clean-up
         signal.signal(s, signal.SIG_IGN)
     for cleanup in reversed(_cleanups):
