@@ -12,6 +12,7 @@
 # The runs (RUNS, in order):
 #   sync      GRPO (recipes/smollm2_gsm8k_grpo.yaml on arith), $STEPS steps; its last checkpoint, exported with
 #             mcore-to-hf, is the teacher
+#   ppo       KL-PPO (recipes/smollm2_gsm8k_ppo.yaml: actor, critic, reference, GAE) on arith, $STEPS steps
 #   async     the same with async_rl.mode colocated_async (chunks of $CHUNK tokens, max_staleness 1, token_tis)
 #   opd       the base model distilled from that teacher with no reward (recipes/smollm2_arith_opd.yaml)
 #   gsm8k_sync, gsm8k_async   $GSM8K_STEPS steps of the GSM8K recipe itself, sync and colocated_async
@@ -153,6 +154,9 @@ all_runs() {
           --set checkpoint.save_every="$STEPS"
         last=$(ls -d /tmp/runs/sync/step_*/actor | sort | tail -1)
         python3 -m megarl.convert mcore-to-hf --ckpt "$last" --out /tmp/teacher 2>&1 | tail -2 ;;
+      ppo)
+        learn ppo recipes/smollm2_gsm8k_ppo.yaml "${ARITH[@]}" --set trainer.num_steps="$STEPS" \
+          --set checkpoint.save_every=0 ;;
       async|async_radix|separate|async_abort|separate_abort|*_stale2)
         mode_sets "$run"
         learn "$run" recipes/smollm2_gsm8k_grpo.yaml "${ARITH[@]}" "${sets[@]}" --set trainer.num_steps="$STEPS" \
