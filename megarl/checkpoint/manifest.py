@@ -10,7 +10,6 @@ from the file system after its fsync, so they describe what a resume will read.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.paths import TRAINER
+from megarl.platform.files import fsync_file
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -29,14 +29,6 @@ THREADS = 4
 
 class ManifestError(Exception):
     """The manifest itself cannot be read (truncated, not JSON, not a manifest)."""
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

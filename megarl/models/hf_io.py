@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from megarl.errors import UserError
 from megarl.models.spec import ModelSpec
+from megarl.platform.files import fsync_file
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -103,11 +104,7 @@ def _sync(*groups: Iterable[Path] | Path) -> None:
     """fsync these files and directories: a rename publishes only what is on disk (after a power loss, an export
     renamed into place could otherwise hold empty files)."""
     for path in (p for g in groups for p in ([g] if isinstance(g, Path) else g)):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(path)
 
 
 @contextmanager
