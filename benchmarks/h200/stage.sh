@@ -157,17 +157,20 @@ cache_save() {
 }
 
 # On the device: restore the carried .stage/kernel_cache/kernel_cache.tgz.* parts to the paths they came from, as
-# built now. flashinfer's JIT builds through ninja, which rebuilds a module older than its sources, and the install
-# has just dated flashinfer's sources: restored as saved, its RMSNorm module was rebuilt at the first forward, 48.8 s
-# of a fresh H100's first graph capture (benchmarks/results/h100/gpu_round_af59f6c). So the files are dated now
-# (tar -m), and each build's .ninja_log, which records the dates ninja compares, takes their new dates (restat).
+# saved. flashinfer's JIT builds through ninja, which rebuilds a module whose sources are newer than it, and the
+# install has just dated flashinfer's sources: restored as saved, its RMSNorm module was rebuilt at the first forward,
+# 48.8 s of a fresh H100's first graph capture (benchmarks/results/h100/gpu_round_af59f6c). Dating the restored files
+# now (tar -m) did not help: ninja's deps log keeps each object's date when its headers were read, and takes an object
+# newer than that for one whose headers it no longer knows (34 s of the capture again, gpu_round_cfc03a1). So the
+# files keep their saved dates and the staged sources and headers the builds read (`ninja -t deps`) are dated back.
 cache_load() {
   compgen -G "$STAGE_DIR/kernel_cache/kernel_cache.tgz.*" > /dev/null ||
     stage_die "no $STAGE_DIR/kernel_cache/kernel_cache.tgz.* here: carry $STAGE_DIR/kernel_cache with this call"
-  cat "$STAGE_DIR"/kernel_cache/kernel_cache.tgz.* | tar xzPmf - || stage_die "the kernel cache did not unpack"
-  local log
-  find "$HOME/.cache/flashinfer" -name .ninja_log 2>/dev/null | while read -r log; do
-    (cd "$(dirname "$log")" && ninja -t restat > /dev/null) || echo "[stage] ninja -t restat failed in $(dirname "$log")"
-  done
+  cat "$STAGE_DIR"/kernel_cache/kernel_cache.tgz.* | tar xzPf - || stage_die "the kernel cache did not unpack"
+  local deps
+  find "$HOME/.cache/flashinfer" -name .ninja_deps 2>/dev/null | while read -r deps; do
+    (cd "$(dirname "$deps")" && ninja -t deps) || echo "[stage] ninja -t deps failed in $(dirname "$deps")" >&2
+  done | awk -v site="${STAGE_SITE:-/tmp/site}/" 'index($1, site) == 1 { print $1 }' | sort -u |
+    xargs -r touch -h -d 2000-01-01
   echo "[stage] kernel cache restored"
 }
