@@ -21,6 +21,8 @@ import math
 import statistics
 from pathlib import Path
 
+from megarl.report import ran_phases
+
 
 def curves(path: Path) -> dict[str, list[tuple[int, float]]]:
     """{set: [(steps trained, accuracy), ...]}; the initial eval counts as 0 steps, the eval after step s as s + 1."""
@@ -47,8 +49,9 @@ def two_proportion_p(p1: float, p2: float, n: int) -> float:
 
 def phase_medians(path: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in path.read_text().splitlines()][1:]  # step 0 compiles and captures
-    keys = sorted({k for r in rows for k in r if k.startswith("time/")} | {"tokens_per_s"})
-    # over the steps that ran each phase (as megarl.report): an evaluation every few steps had a median of 0.0
+    # phases that did work (a GRPO run's critic took microseconds), each over the steps that ran it, as megarl.report
+    # does: an evaluation every few steps had a median of 0.0
+    keys = [*ran_phases(rows), "tokens_per_s"]
     return {k: round(statistics.median([r[k] for r in rows if r.get(k, 0) > 0] or [0.0]), 3) for k in keys}
 
 
