@@ -229,6 +229,30 @@ def test_kl_estimators_by_hand() -> None:
     close(logp.grad, [[0.0, -(math.exp(2) - 1)]], atol=1e-5)
 
 
+def test_only_k1_in_the_reward_and_k2_in_the_loss_follow_the_kl_gradient() -> None:
+    """Why AlgorithmConfig refuses k1 in the loss and picks k1 for the reward: over a 6-way policy, exact
+    expectations in float64 against the gradient of KL(p || ref) in the logits. In the loss (pathwise), E_p[grad k1]
+    is zero; in the reward (score function), E_p[k1 * grad log p] is the KL's gradient."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, dtype=torch.float64), 0)
+    logp = torch.log_softmax(logits, 0)
+    p = logp.exp().detach()
+    (true,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), logits, retain_graph=True)
+
+    def in_loss(estimator: str) -> torch.Tensor:
+        return torch.autograd.grad((p * kl_estimate(logp, ref, estimator)).sum(), logits, retain_graph=True)[0]
+
+    def in_reward(estimator: str) -> torch.Tensor:
+        reward = kl_estimate(logp, ref, estimator).detach()
+        return torch.autograd.grad((p * reward * logp).sum(), logits, retain_graph=True)[0]
+
+    assert true.abs().max() > 0.05
+    torch.testing.assert_close(in_loss("k1"), torch.zeros_like(true), atol=1e-12, rtol=0)
+    torch.testing.assert_close(in_loss("k2"), true, atol=1e-12, rtol=0)
+    torch.testing.assert_close(in_reward("k1"), true, atol=1e-12, rtol=0)
+
+
 def test_kl_penalized_rewards_by_hand() -> None:
     scores = t(1.0, 0.5, 3.0)
     kl = t([0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [1.0, 1.0, 1.0])

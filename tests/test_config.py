@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from megarl.config import (
+    AlgorithmConfig,
     Config,
     CriticConfig,
     DataConfig,
@@ -411,6 +412,8 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(rollout={"temperature": float("inf")}), ["`rollout.temperature`", "be a finite number > 0"]),
         (with_changes(eval={"temperature": float("inf")}), ["`eval.temperature`", "be a finite number >= 0"]),
         (with_changes(algorithm={"adaptive_kl": True, "kl_target": float("inf")}), ["`algorithm.kl_target`"]),
+        (with_changes(algorithm={"kl_coef": 0.1, "kl_estimator": "k1"}),
+         ["`algorithm.kl_estimator`", "= \"k1\"", "zero in expectation", "use k3 (or k2) in the loss"]),
         (with_changes(trainer={"seed": 2**64}), ["`trainer.seed`", "[0, 2147483647]"]),
         (with_changes(rollout={"seed": -3}), ["`rollout.seed`", "[0, 2147483647]"]),
         (with_changes(trainer={"num_steps": 10}, actor={"optimizer": {"num_warmup_steps": 10}}),
@@ -425,6 +428,14 @@ def test_bad_values(data: dict[str, Any], expected: list[str]) -> None:
         else:
             assert part in message, f"{part!r} not in: {message}"
     assert "\n" not in message
+
+
+def test_an_unset_kl_estimator_follows_where_the_kl_goes() -> None:
+    """k1 in the reward (its score-function gradient is KL's), k3 in the loss; k1 in the loss is allowed unused."""
+    assert AlgorithmConfig(kl_coef=0.1, kl_in_reward=True).kl_estimator == "k1"
+    assert AlgorithmConfig(kl_coef=0.1).kl_estimator == "k3"
+    assert AlgorithmConfig(kl_estimator="k1").kl_estimator == "k1"
+    assert AlgorithmConfig(kl_coef=0.1, kl_in_reward=True, kl_estimator="k3").kl_estimator == "k3"
 
 
 def test_critic_is_not_checked_for_grpo() -> None:

@@ -51,8 +51,8 @@ def proximal_logprobs(batch: Batch, logits: torch.Tensor) -> torch.Tensor:
 def test_the_kl_metric_under_staleness_is_the_proximal_policys_kl(estimator):
     """The ``kl`` metric (what adaptive_kl steers on): the weighted mean is E_p[k], computed over the vocabulary;
     the plain mean, E_b[k], is off."""
-    algo = AlgorithmConfig(kl_coef=1.0, kl_estimator=estimator, rollout_correction="token_tis",
-                           rollout_correction_cap=10.0)
+    algo = AlgorithmConfig(kl_coef=1.0, kl_estimator=estimator, kl_in_reward=estimator == "k1",
+                           rollout_correction="token_tis", rollout_correction_cap=10.0)
     batch = stale_batch()
     old = proximal_logprobs(batch, PROXIMAL_LOGITS)
     ref = REFERENCE[[s[1] for s in batch.sequences]][:, None]

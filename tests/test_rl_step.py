@@ -41,7 +41,7 @@ def test_grpo_kl_in_reward_is_subtracted_from_scores_before_group_normalisation(
     torch.testing.assert_close(adv[:, 1], torch.tensor([-expected, expected]), atol=1e-4, rtol=0)
     assert metrics["kl"] == pytest.approx(1.2 / 3)
     # Without the KL in the reward the equal scores carry no signal.
-    algo = AlgorithmConfig(name="grpo", kl_coef=0.5, kl_estimator="k1")
+    algo = AlgorithmConfig(name="grpo", kl_coef=0.5, kl_estimator="k3")
     adv, _, _ = advantages_and_returns(batch, algo, 2, 0.5, ref, old, None, max_new_tokens=8, offpolicy=None,
                                        loss_mask=batch.mask)
     assert adv.abs().max() == 0

@@ -134,11 +134,12 @@ def test_without_a_correction_no_importance_weights_reach_the_loss(monkeypatch, 
 
 def test_the_reference_reaches_the_loss_when_the_kl_is_not_in_the_reward(monkeypatch, tmp_path):
     """kl_in_reward: false (the 8B recipes' default): the KL term is the loss's, so its logprobs must get there."""
-    algo = AlgorithmConfig(name="grpo", kl_coef=0.1, kl_estimator="k1")
+    algo = AlgorithmConfig(name="grpo", kl_coef=0.1, kl_estimator="k3")
     trainer, tracker, batch = run_train_loop(monkeypatch, tmp_path, algo, LOG_RATIOS)
     [extras] = trainer.updates
     torch.testing.assert_close(extras["ref_logprobs"], trainer.ref)
-    assert tracker.rows[0]["kl"] == pytest.approx(0.25, rel=1e-6)  # k1 of old - ref on every response token
+    # k3 of old - ref = 0.25 on every response token
+    assert tracker.rows[0]["kl"] == pytest.approx(math.exp(-0.25) + 0.25 - 1, rel=1e-5)  # float32
     assert tracker.rows[0]["kl_coef"] == 0.1
 
 

@@ -23,13 +23,14 @@ _MAX_LOG_RATIO = 20.0
 _MAX_K3 = 10.0
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Estimator) -> torch.Tensor:
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Estimator | None) -> torch.Tensor:
     """Per-token KL estimate [B, T] from policy and reference logprobs of the sampled tokens [B, T].
 
     k1 = logp - logp_ref (unbiased, high variance, can be negative);
     k2 = 0.5 * (logp - logp_ref)^2 (biased, low variance, >= 0);
     k3 = exp(d) - d - 1 with d = logp_ref - logp clamped to [-20, 20], then clamped to at most 10
     (unbiased up to that bound, low variance, >= 0; a clamped token gets no gradient).
+    None is refused: AlgorithmConfig resolves an unset estimator by where the KL goes.
     """
     diff = logprobs - ref_logprobs
     if estimator == "k1":

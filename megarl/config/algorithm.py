@@ -29,8 +29,11 @@ class AlgorithmConfig:
     """Entropy bonus weight."""
     kl_coef: float = 0.0
     """KL(policy || reference) weight; 0 = no reference model is run. Initial value when adaptive_kl."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman's k1, k2, k3)."""
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    """Per-token KL estimator (Schulman's k1, k2, k3); null = the one whose gradient suits where the KL goes: k1 in
+    the reward (its score-function gradient is that of KL(policy || reference)), k3 in the loss (as GRPO). k1 is
+    refused in the loss: the gradient of log pi - log pi_ref over the policy's own samples is zero in expectation,
+    so it would log a KL and hold nothing back."""
     kl_in_reward: bool = False
     """Subtract the KL penalty (kl_estimator, times kl_coef) from the reward instead of adding it to the loss:
     per token for ppo (classic RLHF), summed over the response from the score before group normalisation for grpo."""
@@ -100,6 +103,12 @@ class AlgorithmConfig:
         within(self, "entropy_coef", "[0, inf)", "use 0 to disable the entropy bonus")
         within(self, "kl_coef", "[0, inf)", "use 0 to disable the KL penalty")
         positive(self, "kl_horizon", "dynamic_sampling_max_rounds")
+        if self.kl_estimator is None:
+            self.kl_estimator = "k1" if self.kl_in_reward else "k3"
+        check(self.kl_in_reward or self.kl_estimator != "k1" or (self.kl_coef == 0 and not self.adaptive_kl),
+              "kl_estimator", self.kl_estimator, "not be k1 with the KL in the loss (kl_in_reward: false): its "
+              "gradient over the policy's own samples is zero in expectation, so the penalty would hold nothing back",
+              "use k3 (or k2) in the loss, or set kl_in_reward: true, where k1 is the right estimator")
         within(self, "rollout_correction_cap", "(1, inf)", "use 2.0")
         within(self, "rollout_correction_product_cap", "(1, inf)", "use 2.0")
         within(self, "overlong_buffer_tokens", "[0, inf)", "use 0 to disable the overlong penalty")
