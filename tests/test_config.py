@@ -617,6 +617,10 @@ def test_validate_layout_good() -> None:
          ["`parallel.expert_parallel`", "rank_order tp-pp-dp", "rank_order: tp-dp-pp"]),
         (1, [], {**LLAMA, "num_kv_heads": 0}, ["num_key_value_heads", ">= 1"]),
         (1, [], {**LLAMA, "num_kv_heads": 5}, ["num_key_value_heads", "divide num_attention_heads"]),
+        (4, ["parallel.tensor_parallel=4"], {**LLAMA, "ffn_size": 102},
+         ["`parallel.tensor_parallel`", "= 4", "MLP width 102", "[1, 2]"]),
+        (4, ["rollout.tensor_parallel=4"], {**LLAMA, "ffn_size": 102},
+         ["`rollout.tensor_parallel`", "= 4", "MLP width 102", "[1, 2]"]),
     ],
 )
 def test_validate_layout_bad(

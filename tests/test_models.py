@@ -13,6 +13,7 @@ from helpers import REPO, make_hf_model
 from megarl.errors import UserError
 from megarl.models.hf_io import HFReader
 from megarl.models.mapping import hf_shapes, param_rules, to_hf, to_mcore_shard
+from megarl.models.mcore_ckpt import check_layout
 from megarl.models.spec import load_spec
 
 
@@ -257,6 +258,15 @@ def _bad_inputs(llama, tmp):
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)
     cases["corrupt safetensors"] = (broken, "not a readable safetensors")
     return cases
+
+
+def test_convert_refuses_a_tp_that_does_not_split_the_heads_or_the_mlp(llama):
+    """Else the MLP's shards rounded down: a zero row in fc1, columns of fc2 lost, no error (and the export's
+    uncovered rows were uninitialised memory)."""
+    spec = load_spec(llama)
+    check_layout(spec, 2, 1)
+    with pytest.raises(UserError, match=r"--tp 2 must divide num_attention_heads=.* and the MLP width 63 .*use one of"):
+        check_layout(dataclasses.replace(spec, intermediate_size=63), 2, 1)
 
 
 def test_bad_hf_dirs_are_user_errors(llama, tmp_path):

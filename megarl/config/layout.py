@@ -12,12 +12,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _rollout_tp_problem(r: int, world_size: int, heads: int, kv_heads: int, vocab_size: int) -> str | None:
+def _rollout_tp_problem(r: int, world_size: int, heads: int, kv_heads: int, vocab_size: int,
+                        ffn_size: int | None = None) -> str | None:
     """Why engines of tensor-parallel size `r` cannot serve this model on this world, or None."""
     if world_size % r:
         return f"divide the world size {world_size}"
     if heads % r:
         return f"divide the model's num_attention_heads = {heads}"
+    if ffn_size is not None and ffn_size % r:
+        return f"divide the model's MLP width {ffn_size} (the engine splits it over its ranks)"
     # Engines replicate kv heads when R > num_kv_heads, which needs each kv head on a whole number
     # of ranks; otherwise each rank must own a whole number of kv heads.
     if (r % kv_heads if r > kv_heads else kv_heads % r) != 0:
@@ -36,11 +39,12 @@ def validate_layout(
     num_attention_heads: int,
     num_kv_heads: int,
     vocab_size: int,
+    ffn_size: int | None = None,
     ranks_per_node: int | None = None,
 ) -> int:
     """Check the trainer and rollout layouts against the world size, the ranks per node (when known:
     parallel.gpus_per_node, else torchrun's LOCAL_WORLD_SIZE) and the model's shape (from its
-    config.json); return the data-parallel size."""
+    config.json; ``ffn_size``: the MLP's width, an expert's in a MoE model); return the data-parallel size."""
     shape = {
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_attention_heads,
@@ -78,7 +82,9 @@ def validate_layout(
         f"equal world size / (TP * PP) = {world_size} / {tp * pp} = {dp}",
         f"set it to {dp}, or null to derive it",
     )
-    valid_tp = [d for d in _divisors(world_size) if num_attention_heads % d == 0 and num_kv_heads % d == 0]
+    ffn = ffn_size or 1
+    valid_tp = [d for d in _divisors(world_size)
+                if num_attention_heads % d == 0 and num_kv_heads % d == 0 and (ffn_size is None or ffn % d == 0)]
     check(
         num_attention_heads % tp == 0 and num_kv_heads % tp == 0,
         "parallel.tensor_parallel",
@@ -87,6 +93,8 @@ def validate_layout(
         "(Megatron splits query groups over TP)",
         f"use one of {valid_tp}",
     )
+    check(ffn_size is None or ffn % tp == 0, "parallel.tensor_parallel", tp,
+          f"divide the model's MLP width {ffn_size} (Megatron splits it over TP)", f"use one of {valid_tp}")
     stages = pp * (p.virtual_pipeline or 1)
     check(
         num_layers % stages == 0,
@@ -98,11 +106,11 @@ def validate_layout(
     )
 
     r = cfg.rollout.tensor_parallel
-    problem = _rollout_tp_problem(r, world_size, num_attention_heads, num_kv_heads, vocab_size)
+    problem = _rollout_tp_problem(r, world_size, num_attention_heads, num_kv_heads, vocab_size, ffn_size)
     valid_r = [
         d
         for d in _divisors(world_size)
-        if not _rollout_tp_problem(d, world_size, num_attention_heads, num_kv_heads, vocab_size)
+        if not _rollout_tp_problem(d, world_size, num_attention_heads, num_kv_heads, vocab_size, ffn_size)
     ]
     check(problem is None, "rollout.tensor_parallel", r, str(problem), f"use one of {valid_r}")
     per_node = p.gpus_per_node or ranks_per_node

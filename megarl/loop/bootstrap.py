@@ -75,7 +75,8 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
     for i, tool in enumerate(cfg.agent.tools):  # here, not in the workers that build them
         import_spec(tool.spec, f"agent.tools[{i}].spec = {tool.spec!r}", "Class")
     dp = validate_layout(cfg, world, num_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size, ranks_per_node=ranks_per_node)
+                         num_kv_heads=spec.num_kv_heads, vocab_size=spec.vocab_size,
+                         ffn_size=spec.ffn_size(spec.is_moe), ranks_per_node=ranks_per_node)
     memory_plan(cfg, spec, dp, gpu_bytes, ranks_per_node or world)
     from megarl.data.batching import tokenize_prompts
     from megarl.data.prompts import load_prompts
@@ -89,7 +90,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
         try:
             validate_layout(cfg, world, num_layers=teacher.num_layers, num_attention_heads=teacher.num_attention_heads,
                             num_kv_heads=teacher.num_kv_heads, vocab_size=teacher.vocab_size,
-                            ranks_per_node=ranks_per_node)
+                            ffn_size=teacher.ffn_size(teacher.is_moe), ranks_per_node=ranks_per_node)
         except UserError as err:
             raise UserError(f"distill.teacher = {cfg.distill.teacher!r} does not fit the trainer's layout: {err}") \
                 from None
@@ -121,7 +122,8 @@ def check_reward_model_run(cfg: Any, spec: Any, tokenizer: Any, world: int, rank
     rm = found.spec
     try:
         validate_layout(cfg, world, num_layers=rm.num_layers, num_attention_heads=rm.num_attention_heads,
-                        num_kv_heads=rm.num_kv_heads, vocab_size=rm.vocab_size, ranks_per_node=ranks_per_node)
+                        num_kv_heads=rm.num_kv_heads, vocab_size=rm.vocab_size, ffn_size=rm.ffn_size(rm.is_moe),
+                        ranks_per_node=ranks_per_node)
     except UserError as err:
         raise UserError(f"reward_model.path = {path!r} does not fit the trainer's layout: {err}") from None
     r = cfg.rollout

@@ -41,6 +41,11 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, tp_flag: str = "--tp", pp_fl
     if tp < 1 or spec.num_kv_heads % tp:
         raise UserError(f"{tp_flag} {tp} must divide num_key_value_heads={spec.num_kv_heads} (Megatron splits "
                         f"whole query groups over TP); use one of {_divisors(spec.num_kv_heads)}.")
+    ffn = spec.ffn_size(spec.is_moe)
+    if spec.num_attention_heads % tp or ffn % tp:
+        fits = [d for d in _divisors(spec.num_kv_heads) if spec.num_attention_heads % d == 0 and ffn % d == 0]
+        raise UserError(f"{tp_flag} {tp} must divide num_attention_heads={spec.num_attention_heads} and the MLP width "
+                        f"{ffn} (Megatron splits both over TP); use one of {fits}.")
     if pp < 1 or spec.num_layers % pp:
         raise UserError(f"{pp_flag} {pp} must divide num_hidden_layers={spec.num_layers}; use one of "
                         f"{_divisors(spec.num_layers)}.")
