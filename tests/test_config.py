@@ -412,6 +412,8 @@ def test_every_field_has_a_docstring_and_every_class_is_kw_only_slots() -> None:
         (with_changes(rollout={"temperature": float("inf")}), ["`rollout.temperature`", "be a finite number > 0"]),
         (with_changes(eval={"temperature": float("inf")}), ["`eval.temperature`", "be a finite number >= 0"]),
         (with_changes(algorithm={"adaptive_kl": True, "kl_target": float("inf")}), ["`algorithm.kl_target`"]),
+        (with_changes(model={"dtype": "float16"}, rollout={"weight_dtype": "fp8"}),
+         ["`rollout.weight_dtype`", "model.dtype = float16", "use model.dtype: bfloat16"]),
         (with_changes(algorithm={"kl_coef": 0.1, "kl_estimator": "k1"}),
          ["`algorithm.kl_estimator`", "= \"k1\"", "zero in expectation", "use k3 (or k2) in the loss"]),
         (with_changes(trainer={"seed": 2**64}), ["`trainer.seed`", "[0, 2147483647]"]),

@@ -129,6 +129,10 @@ class Config:
               f"equal model.dtype = {self.model.dtype}: the hand-over moves the trainer's bits unchanged, so an engine "
               "in another dtype would read them as other numbers", "remove rollout.engine_args.dtype (the engine "
               "then runs in model.dtype), or change model.dtype")
+        check(self.rollout.weight_dtype != "fp8" or self.model.dtype != "float16", "rollout.weight_dtype",
+              self.rollout.weight_dtype, "be bf16 with model.dtype = float16: the FP8 hand-over quantizes bfloat16 or "
+              "float32 weights (it failed at the first hand-over, after the engine had started)",
+              "use model.dtype: bfloat16, or rollout.weight_dtype: bf16")
         self._check_truncation()
         self._check_async()
         check(self.trainer.reward is not None or self.distill.teacher is not None or self.reward_model.enabled(),
