@@ -129,6 +129,17 @@ def test_an_engine_parameter_offloaded_after_attaching_is_refused_by_its_name():
         state.handle(FakeEngineModel(params), checksum_message("k", result))
 
 
+def test_an_engine_parameter_given_new_memory_after_attaching_is_refused_by_its_name():
+    """param.data = ...: the compiled copy still points at the old memory, which it would fill while the engine reads
+    the new one (its starting weights, every step)."""
+    plan, src, _, params = _setup()
+    state = HandoverState()
+    state.handle(FakeEngineModel(params), Resharder(plan, 0, src, None, in_engine=True).engine_copy().to_wire("k"))
+    params["model.norm.weight"].data = torch.zeros_like(params["model.norm.weight"])
+    with pytest.raises(RuntimeError, match="`model.norm.weight` was given other memory"):
+        state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
+
+
 def _flat_views(shapes):
     """Tensors viewing one flat buffer, as Megatron's DDP parameters view its parameter buffer."""
     sizes = {name: torch.Size(shape).numel() for name, shape in shapes.items()}

@@ -152,6 +152,7 @@ class EngineApplier:
         self.names = copy.dst_names
         self.zero = [(params[n], start) for n, start in copy.zero_rows.items()]
         dsts = [p.data for p in self.params]
+        self.addresses = [p.data_ptr() for p in self.params]
         self.copies: list[SegmentCopy] = [make_segment_copy(copy.sources, dsts, copy.table[a:b],
                                                                     dst_names=copy.dst_names)
                                           for a, b in itertools.pairwise(bounds)]
@@ -163,6 +164,13 @@ class EngineApplier:
         if not 0 <= round < len(self.copies):
             raise ValueError(f"hand-over round {round} requested; this attachment has {len(self.copies)}")
         if round == 0:
+            # The copies write the memory the parameters had when attached: an engine that gave one new memory
+            # (param.data = ...) would be left its old weights while the copy filled the orphaned memory.
+            for name, param, address in zip(self.names, self.params, self.addresses, strict=True):
+                if param.data_ptr() != address:
+                    raise RuntimeError(f"engine parameter `{name}` was given other memory after the hand-over "
+                                       "attached (the engine replaced its tensor): the hand-over would write the old "
+                                       "memory. The engine must keep its parameters' memory, or re-attach.")
             for param, start in self.zero:
                 param.data[start:].zero_()
         copy = self.copies[round]
