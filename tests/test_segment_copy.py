@@ -215,6 +215,14 @@ def test_reference_rejects_out_of_bounds_segments() -> None:
         )
 
 
+def test_reference_refuses_non_contiguous_tensors_as_the_kernel_does() -> None:
+    """A reshape of a non-contiguous destination is a copy: the reference wrote into it, and a test comparing the
+    kernel against an untouched destination passed."""
+    dst = torch.zeros(4, 4).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.copy_segments_reference([torch.ones(16)], [dst], [Segment(0, 0, 16, 0, 0, 16, 1, 16)])
+
+
 BAD_TABLES = [
     pytest.param(torch.zeros(1, 8), "int64", id="float-table"),
     pytest.param(torch.zeros(1, 7, dtype=torch.int64), r"shape \[n, 8\]", id="seven-columns"),

@@ -137,7 +137,10 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[int]:
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    if not t.is_contiguous():  # reshape would copy it, and a write would land in the copy
+        raise ValueError(f"copy_segments_reference takes contiguous tensors (as copy_segments does); got one of shape "
+                         f"{list(t.shape)} with strides {list(t.stride())}")
+    return t.view(-1).view(torch.uint8)
 
 
 def copy_segments_reference(
@@ -145,7 +148,7 @@ def copy_segments_reference(
 ) -> None:
     """The specification of copy_segments, written with torch views; slow, for tests.
 
-    Checks bounds and raises ValueError naming the segment, but not devices or contiguity.
+    Checks bounds and raises ValueError naming the segment, and contiguity, but not devices.
     """
     for i, row in enumerate(_as_table(table).tolist()):
         s = Segment(*row)
