@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megarl.distributed.parallel import ParallelGroups
 from megarl.models.critic import ValueHead
 from megarl.models.hf_io import HFReader
-from megarl.models.mapping import VOCAB, ParamRule, Reader, hf_shapes, param_rules, to_mcore_shard
+from megarl.models.mapping import VOCAB, ParamRule, Reader, chunk_first_layer, hf_shapes, param_rules, to_mcore_shard
 from megarl.models.spec import ModelSpec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -152,10 +152,7 @@ def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 def chunk_layer_offset(spec: ModelSpec, groups: ParallelGroups, vp_stage: int) -> int:
     """Global index of the first layer of this rank's virtual-pipeline chunk ``vp_stage``."""
-    dims = groups.dims
-    num_chunks = dims.vpp or 1
-    per_chunk = spec.num_layers // (dims.pp * num_chunks)
-    return vp_stage * dims.pp * per_chunk + groups.pp_rank * per_chunk
+    return chunk_first_layer(spec, groups.dims.pp, groups.dims.vpp, groups.pp_rank, vp_stage)
 
 
 def build_model(spec: ModelSpec, groups: ParallelGroups, opts: BuildOptions) -> list[torch.nn.Module]:

@@ -93,10 +93,21 @@ def param_rules(spec: ModelSpec, *, include_output: bool = True) -> list[ParamRu
     return rules
 
 
-def pipeline_stage(mcore_name: str, spec: ModelSpec, pp: int) -> int:
-    """The pipeline stage holding a Megatron parameter: embedding first, final norm and head last."""
+def chunk_first_layer(spec: ModelSpec, pp: int, vpp: int | None, pp_rank: int, vp_stage: int) -> int:
+    """Global index of the first layer of virtual-pipeline chunk ``vp_stage`` on pipeline rank ``pp_rank``.
+
+    As megatron-core places them (get_transformer_layer_offset): the layers split evenly into pp * vpp runs,
+    dealt round robin over the pipeline ranks, so with 8 layers, PP 2 and VPP 2 rank 0 holds layers 0-1 and 4-5."""
+    per_chunk = spec.num_layers // (pp * (vpp or 1))
+    return (vp_stage * pp + pp_rank) * per_chunk
+
+
+def pipeline_stage(mcore_name: str, spec: ModelSpec, pp: int, vpp: int | None = None) -> int:
+    """The pipeline rank holding a Megatron parameter: a layer's chunk (``chunk_first_layer``), the embedding
+    on the first rank, the final norm and head on the last (its first and last chunks)."""
     if mcore_name.startswith("decoder.layers."):
-        return int(mcore_name.split(".")[2]) // (spec.num_layers // pp)
+        run = int(mcore_name.split(".")[2]) // (spec.num_layers // (pp * (vpp or 1)))
+        return run % pp
     return 0 if mcore_name.startswith("embedding.") else pp - 1
 
 
@@ -217,7 +228,30 @@ def to_hf(rule: ParamRule, spec: ModelSpec, shards: list[torch.Tensor],
     padded_vocab = shards[0].shape[0] * tp if rule.kind == VOCAB else 0
     shapes = shapes if shapes is not None else hf_shapes(spec)
     out = {name: torch.empty(shapes[name], dtype=shards[0].dtype, device=shards[0].device) for name in rule.hf}
+    spans: dict[str, set[tuple[int, int, int]]] = {name: set() for name in rule.hf}
     for t, shard in enumerate(shards):
         for p in mcore_pieces(rule, spec, t, tp, padded_vocab):
             out[p.hf].narrow(p.dim, p.start, p.length).copy_(shard.narrow(p.dim, p.offset, p.length))
+            spans[p.hf].add((p.dim, p.start, p.stop))
+    for name in rule.hf:
+        _check_tiled(rule, name, shapes[name], spans[name], tp)
     return out
+
+
+def _check_tiled(rule: ParamRule, hf: str, shape: tuple[int, ...], spans: set[tuple[int, int, int]], tp: int) -> None:
+    """Refuse a HF tensor whose pieces (dim, start, stop) do not tile it along one dim: ``to_hf`` starts from
+    uninitialised memory, and a size TP does not divide (its shards rounded down) would leave some of it there.
+    Equal spans are one (a replicated tensor comes whole from every shard)."""
+    runs: list[list[int]] = []  # [dim, start, stop], touching spans joined
+    overlap = False
+    for dim, start, stop in sorted(spans):
+        if runs and runs[-1][0] == dim and start <= runs[-1][2]:
+            overlap |= start < runs[-1][2]
+            runs[-1][2] = max(runs[-1][2], stop)
+        else:
+            runs.append([dim, start, stop])
+    if overlap or len(runs) != 1 or runs[0][1] != 0 or runs[0][2] != shape[runs[0][0]]:
+        held = ", ".join(f"[{a}, {b}) along dim {d}" for d, a, b in runs) or "nothing"
+        raise ValueError(f"{rule.mcore}: its {tp} tensor-parallel shards do not cover HF tensor {hf} of shape "
+                         f"{tuple(shape)} exactly once (they hold {held}{', overlapping' if overlap else ''}); a "
+                         "size of the model that TP does not divide would leave part of it unwritten.")

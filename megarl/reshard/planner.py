@@ -137,10 +137,11 @@ def _rules_by_hf(spec: ModelSpec, tp: int, padded_vocab: int) -> dict[str, list[
 
 
 def holders(rule: ParamRule, tp_rank: int, spec: ModelSpec, dims: ParallelDims) -> tuple[int, ...]:
-    """The trainer ranks holding TP shard ``tp_rank`` of ``rule``: its pipeline stage's DP replicas, those of
-    the expert's expert-parallel rank for an MoE expert."""
+    """The trainer ranks holding TP shard ``tp_rank`` of ``rule``: its pipeline stage's DP replicas (a layer's
+    stage interleaved over virtual pipeline chunks as Megatron places it), those of the expert's expert-parallel
+    rank for an MoE expert."""
     owner = None if rule.expert is None else rule.expert // (spec.num_experts // dims.ep)
-    return _holders(dims, tp_rank, pipeline_stage(rule.mcore, spec, dims.pp), owner)
+    return _holders(dims, tp_rank, pipeline_stage(rule.mcore, spec, dims.pp, dims.vpp), owner)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -366,10 +367,12 @@ def make_plan(spec: ModelSpec, dims: ParallelDims, rollout_tp: int, *, gpus_per_
             f"the engines' {engine_gpus} GPUs (each engine spans R of them)." if engine_gpus else
             f"the world size {world} (each engine spans R colocated GPUs)."))
     check_rollout_tp(spec, rollout_tp)
-    if spec.num_kv_heads % dims.tp or spec.num_layers % dims.pp:
-        raise UserError(f"trainer layout TP={dims.tp} PP={dims.pp} does not fit the model (num_key_value_heads="
-                        f"{spec.num_kv_heads}, num_hidden_layers={spec.num_layers}); TP must divide the first "
-                        "and PP the second.")
+    stages = dims.pp * (dims.vpp or 1)
+    if spec.num_kv_heads % dims.tp or spec.num_layers % stages:
+        vpp = f" VPP={dims.vpp}" if dims.vpp else ""
+        raise UserError(f"trainer layout TP={dims.tp} PP={dims.pp}{vpp} does not fit the model "
+                        f"(num_key_value_heads={spec.num_kv_heads}, num_hidden_layers={spec.num_layers}); TP must "
+                        "divide the first and PP (times VPP, if set) the second.")
     padded_vocab = spec.padded_vocab_size(dims.tp, vocab_pad_multiple)
     rules = param_rules(spec)
     src_shapes = {r.mcore: mcore_shape(r, spec, dims.tp, padded_vocab) for r in rules}

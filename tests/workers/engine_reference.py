@@ -89,7 +89,7 @@ def trainer_shards(spec, dims: ParallelDims, rank: int, hf: dict, dtype: torch.d
         return hf[name].narrow(dim, start, stop - start).to(dtype)
 
     return {r.mcore: to_mcore_shard(r, spec, read, at["tp"], dims.tp, padded_vocab).contiguous()
-            for r in param_rules(spec) if pipeline_stage(r.mcore, spec, dims.pp) == at["pp"]}
+            for r in param_rules(spec) if pipeline_stage(r.mcore, spec, dims.pp, dims.vpp) == at["pp"]}
 
 
 class EngineModel:
