@@ -302,7 +302,68 @@ def test_fp8_hand_over_over_trainer_layouts_and_rollout_tp(tmp_path, aligned, bl
         if matched:
             assert len(r["direct"]) - len(linear) == (2 // r["pp"] if r["tp"] == 2 else 0), r
         assert r["staging_bytes"] < r["window_bytes"] and (r["staging_bytes"] > 0) == (len(r["direct"]) < 8), r
+    _same_steps_on_every_rank(rows)
     print(json.dumps(sorted({(r["tp"], r["pp"], r["R"], r["staging_bytes"], r["window_bytes"]) for r in rows})))
+
+
+def _same_steps_on_every_rank(rows: list[dict]) -> None:
+    by_layout: dict[tuple[int, int, int], list[list[list[int]]]] = {}
+    for r in rows:
+        by_layout.setdefault((r["tp"], r["pp"], r["R"]), []).append(r["step_buckets"])
+    for layout, steps in by_layout.items():
+        assert all(s == steps[0] for s in steps), (layout, steps)
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "R"), [(1, 2, 1, 2), (1, 2, 1, 1), (2, 1, 1, 1), (1, 2, 2, 2),
+                                                   (2, 2, 1, 4)])
+@pytest.mark.parametrize("landing", [2, 4])
+def test_every_gpu_runs_the_same_in_engine_fp8_steps(aligned, tp, pp, dp, R, landing):
+    """In-engine FP8 (SGLang's hand-over), every GPU's Resharder from one plan, on CPU: the engine's copy between two
+    steps waits for every GPU of the engine (GroupEngine.deliver's barriers), so every GPU must run the same steps with
+    the same buckets' transfers. Cut by each GPU's own FP8 output, trainer PP2 into engine TP2 gave one GPU more steps
+    than the other, which waited at the barrier for bytes the other sent only after it: a hang. Each bucket runs once,
+    in order; each FP8 tensor is quantized once, right after its last bucket; a step's output fits the landing limit
+    (``landing`` buckets) unless it is one tensor larger than that."""
+    spec = load_spec(aligned)
+    plan = make_plan(spec, ParallelDims(tp=tp, pp=pp, dp=dp), R, element_size=2, bucket_bytes=48 * 1024,
+                     weight_dtype="fp8")
+    limit = landing * plan.bucket_bytes
+    sides = [Resharder(plan, g, {t.src_name: torch.zeros(plan.src_shapes[t.src_name], dtype=torch.bfloat16)
+                                 for b in plan.buckets for t in b if t.src_rank == g}, None, in_engine=True,
+                       landing_bytes=limit, dtype=torch.bfloat16) for g in range(plan.num_gpus)]
+    buckets = [[[k for op, k in ops if op == "io"] for ops in side._steps] for side in sides]
+    assert all(b == buckets[0] for b in buckets), [[len(step) for step in b] for b in buckets]
+    assert [k for step in buckets[0] for k in step] == list(range(len(plan.buckets)))
+    assert len({side.num_rounds for side in sides}) == 1 and sides[0].num_rounds >= len(sides[0].rounds) > 1
+    for g, side in enumerate(sides):
+        last = {t.dst_name: k for k, b in enumerate(plan.buckets) for t in b if t.dst_rank == g}
+        quantized, k = [], -1
+        for ops in side._steps:
+            names = []
+            for op, arg in ops:
+                if op == "io":
+                    k = arg
+                else:
+                    assert last[arg] == k, (g, arg)
+                    names.append(arg)
+            ends = [side._fp8_out[n][1] + 4 * math.prod(side.fp8[n].scale_shape) for n in names]
+            assert len(names) == 1 or max(ends, default=0) <= limit, (g, names, ends)
+            quantized += names
+        assert sorted(quantized) == sorted(side.fp8), g
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_in_engine_fp8_steps_together(tmp_path, aligned):
+    """Two gloo processes, meeting before and after every step's engine copy as GroupEngine.deliver does: trainer PP2
+    into engine TP2 and TP1, and trainer TP2 into TP1. The hand-over ends (it hung with steps cut by each GPU's own
+    output), both ran the same buckets in every step, and the engine's FP8 weights and scales equal the direct refit's,
+    fp8's quantization and the float64 reference's, bit for bit, and verify."""
+    rows = run_worker("reshard_fp8.py", tmp_path, aligned, 128, "1,2,2", "1,2,1", "2,1,1", nproc=2)
+    assert sorted((r["tp"], r["pp"], r["R"], r["rank"]) for r in rows) == [
+        (1, 2, 1, 0), (1, 2, 1, 1), (1, 2, 2, 0), (1, 2, 2, 1), (2, 1, 1, 0), (2, 1, 1, 1)]
+    for r in rows:
+        assert r["wrong"] == [] and r["wrong_ref"] == [] and r["in_engine"] and r["in_engine_steps"] > 1, r
+    _same_steps_on_every_rank(rows)
 
 
 def test_check_run_refuses_fp8_before_any_worker(tmp_path):

@@ -33,18 +33,19 @@ quantized at once, one such tensor after the other. Where the window is byte for
 tensors (engine TP = trainer TP: o_proj, gate_up, down_proj of its pipeline stage, QKV with one kv head per rank, as
 ``planner.aliases`` finds them), it is quantized from the trainer's tensor directly, with no copy at all. In
 ``in_engine`` mode the trainer's side does all of that too, from its tensors and the landing buffer, but quantizes into
-an output buffer of its own (``fp8_out``), in steps whose output fits the landing limit (``_fp8_steps``), and the
-engine's copy of each step moves those bytes into its float8 ``weight`` and float32 ``weight_scale_inv`` as it moves
-the rest: the engine process runs no quantization.
+an output buffer of its own (``fp8_out``), in steps whose output fits the landing limit, the same steps on every GPU
+(``_fp8_schedule``), and the engine's copy of each step moves those bytes into its float8 ``weight`` and float32
+``weight_scale_inv`` as it moves the rest: the engine process runs no quantization.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -167,20 +168,13 @@ class Resharder:
         # offset)); those this GPU's trainer tensors fill alone within one bucket, copied one at a time into the
         # scratch buffer and quantized at once; the others through the staging arena (name -> byte offset), each
         # quantized after its last bucket (_quantize_after).
-        self._direct, self._scratched, staged = fp8_routes(plan, rank)
+        routes = _fp8_routes(plan)
+        self._direct, self._scratched, staged = routes[rank]
         self._scratch_bytes = _scratch_bytes(plan, rank, self._scratched)
         self._staged, self._staging_bytes = _staging(plan, rank, staged)
-        self._quantize_after: dict[int, list[str]] = {}
-        for k, bucket in enumerate(plan.buckets):
-            for t in bucket:
-                if t.dst_rank == rank and t.dst_name in self.fp8 and t.dst_name not in self._scratched:
-                    last = self._quantize_after.setdefault(k, [])
-                    if t.dst_name not in last:
-                        last.append(t.dst_name)
-        seen: set[str] = set()  # a tensor is quantized after its last bucket only
-        for k in sorted(self._quantize_after, reverse=True):
-            self._quantize_after[k] = [n for n in self._quantize_after[k] if n not in seen]
-            seen |= set(self._quantize_after[k])
+        quantized = _quantizations(plan, routes)
+        self._quantize_after = {k: after for k, names in quantized[rank].items()
+                                if (after := [n for n in names if n not in self._scratched])}
         src_index = {n: i for i, n in enumerate(self.src_names)}
         # In-engine, the engine's copy writes checksum_names (its tensors and, in FP8, their scales); the trainer
         # writes the FP8 windows it stages (staged_names) itself.
@@ -270,8 +264,9 @@ class Resharder:
         """In-engine FP8: the hand-over's steps, each what ``refit(step)`` runs before the engine's copy of it."""
         self._fp8_out: dict[str, tuple[int, int]] = {}
         self._fp8_out_bytes = 0
-        if in_engine and self.fp8:
-            engine_segments = self._fp8_steps(engine_segments, dst_index, limit)
+        if in_engine and plan.fp8:
+            engine_segments = self._fp8_steps(engine_segments, dst_index, _fp8_schedule(plan, self.rounds, limit,
+                                                                                         quantized))
         self._engine_segments = engine_segments
         self.pool: Any = None
         self.landing: torch.Tensor | None = None
@@ -409,44 +404,28 @@ class Resharder:
                 self.fp8_out.narrow(0, scales, 4 * math.prod(geometry.scale_shape)).view(torch.float32)
                 .view(geometry.scale_shape))
 
-    def _fp8_steps(self, round_segments: list[list[Segment]], engine_index: dict[str, int], limit: int
+    def _fp8_steps(self, round_segments: list[list[Segment]], engine_index: dict[str, int], schedule: _Fp8Schedule
                    ) -> list[list[Segment]]:
-        """In-engine FP8: cut the hand-over into steps (``_steps``), each a run of bucket transfers ("io") and
-        quantizations ("fp8") whose output fits ``fp8_out``; returns the engine's copies per step.
-
-        A landing round starts a step; within one, a quantization that would take ``fp8_out`` past ``limit`` (0: no
-        limit) starts the next, so that it holds one step's FP8 weights and scales however many the round finishes
-        (at TP1 every transfer is local and one bucket holds the model). A tensor is quantized right after its last
-        bucket, as in the other mode, before a later bucket reuses its staging region; a round's other engine copies
-        go with its last step, when all of its buckets have landed (the landing buffer holds them until the next
-        round lands)."""
+        """In-engine FP8: this GPU's steps of ``schedule`` (``_steps``) and the engine's copies per step: each FP8
+        tensor's weight and scales out of ``fp8_out`` in the step that quantizes it, a round's other engine copies with
+        its last step, when all of its buckets have landed (the landing buffer holds them until the next round
+        lands)."""
         source = len(self.src_names) + (1 if self._landing_bytes else 0)  # after the landing buffer
-        steps: list[list[tuple[str, Any]]] = []
-        segments: list[list[Segment]] = []
-        used = 0
-        for r, (start, end) in enumerate(self.rounds):
-            for k in range(start, end):
-                if k == start:
-                    steps.append([])
-                    segments.append([])
-                    used = 0
-                steps[-1].append(("io", k))
-                for name in [n for n, _ in self._specs[k].fp8_local] + self._quantize_after.get(k, []):
-                    geometry = self.fp8[name]
-                    values, scales = math.prod(geometry.shape), 4 * math.prod(geometry.scale_shape)
-                    need = _aligned_bytes(values) + _aligned_bytes(scales)
-                    if limit and used and used + need > limit:
-                        steps.append([])
-                        segments.append([])
-                        used = 0
-                    self._fp8_out[name] = at = (used, used + _aligned_bytes(values))
-                    for dst, offset, nbytes in ((name, at[0], values), (geometry.scale_name, at[1], scales)):
-                        segments[-1].append(Segment(source, offset, nbytes, engine_index[dst], 0, nbytes, 1, nbytes))
-                    used += need
-                    self._fp8_out_bytes = max(self._fp8_out_bytes, used)
-                    steps[-1].append(("fp8", name))
-            segments[-1] += round_segments[r]
-        self._steps = steps
+        buckets = [[[arg for op, arg in ops if op == "io"] for ops in steps] for steps in schedule.ops]
+        assert all(b == buckets[self.rank] for b in buckets), "a GPU whose steps differ hangs the engines' copies"
+        self._steps = schedule.ops[self.rank]
+        self._fp8_out = schedule.out[self.rank]
+        segments: list[list[Segment]] = [[] for _ in self._steps]
+        for step, ops in enumerate(self._steps):
+            for name in (arg for op, arg in ops if op == "fp8"):
+                geometry = self.fp8[name]
+                values, scales = math.prod(geometry.shape), 4 * math.prod(geometry.scale_shape)
+                for dst, offset, nbytes in zip((name, geometry.scale_name), self._fp8_out[name], (values, scales),
+                                               strict=True):
+                    segments[step].append(Segment(source, offset, nbytes, engine_index[dst], 0, nbytes, 1, nbytes))
+                self._fp8_out_bytes = max(self._fp8_out_bytes, self._fp8_out[name][1] + _aligned_bytes(scales))
+            if step + 1 == len(schedule.rounds) or schedule.rounds[step + 1] != schedule.rounds[step]:
+                segments[step] += round_segments[schedule.rounds[step]]
         return segments
 
     @property
@@ -709,6 +688,63 @@ def _aligned_bytes(nbytes: int) -> int:
     return -(-nbytes // 256) * 256
 
 
+class _Fp8Schedule(NamedTuple):
+    """An in-engine FP8 hand-over's steps on every GPU (``_fp8_schedule``)."""
+
+    rounds: list[int]
+    """The landing round of each step."""
+    ops: list[list[list[tuple[str, Any]]]]
+    """Per GPU, per step: bucket transfers ("io", k) and quantizations into ``fp8_out`` ("fp8", name), in order."""
+    out: list[dict[str, tuple[int, int]]]
+    """Per GPU: each FP8 tensor's offsets of its weight and its scales in ``fp8_out``."""
+
+
+def _fp8_schedule(plan: Plan, rounds: list[tuple[int, int]], limit: int, quantized: list[dict[int, list[str]]]
+                  ) -> _Fp8Schedule:
+    """In-engine FP8: the hand-over cut into steps on every GPU at once, each GPU's output of a step fitting its
+    ``fp8_out``; ``quantized``: per GPU, the tensors quantized after each bucket, in order (``_quantizations``).
+
+    A landing round starts a step; within one, a quantization that would take any GPU's ``fp8_out`` past ``limit``
+    (0: no limit) starts the next step on every GPU, so that it holds one step's FP8 weights and scales however many
+    the round finishes (at TP1 every transfer is local and one bucket holds the model). The engines' copy between two
+    steps waits for every GPU of an engine, so every GPU must run the same steps with the same buckets: cut by its own
+    output alone, a GPU would wait there for bytes its peer sends only in a later step. A tensor is quantized right
+    after its last bucket, as in the other mode, before a later bucket reuses its staging region."""
+    step_rounds: list[int] = []
+    ops: list[list[list[tuple[str, Any]]]] = [[] for _ in quantized]
+    out: list[dict[str, tuple[int, int]]] = [{} for _ in quantized]
+    used = [0] * len(quantized)
+
+    def cut(r: int) -> None:
+        step_rounds.append(r)
+        for steps in ops:
+            steps.append([])
+        used[:] = [0] * len(used)
+
+    for r, (start, end) in enumerate(rounds):
+        cut(r)
+        for k in range(start, end):
+            pending = [deque(q.get(k, ())) for q in quantized]
+            for steps in ops:
+                steps[-1].append(("io", k))
+            while True:
+                for g, names in enumerate(pending):
+                    while names:
+                        geometry = plan.fp8_tensors(g)[names[0]]
+                        values = _aligned_bytes(math.prod(geometry.shape))
+                        need = values + _aligned_bytes(4 * math.prod(geometry.scale_shape))
+                        if limit and used[g] and used[g] + need > limit:
+                            break
+                        name = names.popleft()
+                        out[g][name] = (used[g], used[g] + values)
+                        used[g] += need
+                        ops[g][-1].append(("fp8", name))
+                if not any(pending):
+                    break
+                cut(r)
+    return _Fp8Schedule(step_rounds, ops, out)
+
+
 def padding_rows(plan: Plan, rank: int) -> dict[str, int]:
     """Engine vocab tensors of ``rank`` whose rows from the given index on (the vocab padding) are never sent."""
     covered: dict[str, int] = {}
@@ -769,18 +805,51 @@ def fp8_routes(plan: Plan, rank: int) -> tuple[dict[str, tuple[str, int]], set[s
     """How GPU ``rank`` quantizes its FP8 engine tensors: (direct: name -> (trainer tensor, element offset), those
     read straight from one trainer tensor of this GPU; scratched: those this GPU's trainer tensors fill alone within one
     bucket, copied into the scratch buffer; staged: the rest, assembled in the staging arena)."""
-    fp8 = plan.fp8_tensors(rank)
-    if not fp8:
-        return {}, set(), set()
-    direct = {n: a for n, a in aliases(plan)[rank].items() if n in fp8}
-    into: dict[str, list[tuple[int, Transfer]]] = {}
+    return _fp8_routes(plan)[rank]
+
+
+def _fp8_routes(plan: Plan) -> list[tuple[dict[str, tuple[str, int]], set[str], set[str]]]:
+    """``fp8_routes`` of every GPU, in one pass over the plan."""
+    fp8 = [plan.fp8_tensors(g) for g in range(plan.num_gpus)]
+    if not any(fp8):
+        return [({}, set(), set()) for _ in fp8]
+    direct = [{n: a for n, a in found.items() if n in fp8[g]} for g, found in enumerate(aliases(plan))]
+    into: list[dict[str, list[tuple[int, Transfer]]]] = [{} for _ in fp8]
     for k, bucket in enumerate(plan.buckets):
         for t in bucket:
-            if t.dst_rank == rank and t.dst_name in fp8 and t.dst_name not in direct:
-                into.setdefault(t.dst_name, []).append((k, t))
-    scratched = {n for n, ts in into.items() if len({k for k, _ in ts}) == 1 and all(
-        t.local and t.src_rank == rank for _, t in ts)}
-    return direct, scratched, set(into) - scratched
+            g = t.dst_rank
+            if t.dst_name in fp8[g] and t.dst_name not in direct[g]:
+                into[g].setdefault(t.dst_name, []).append((k, t))
+    routes = []
+    for g, by_name in enumerate(into):
+        scratched = {n for n, ts in by_name.items() if len({k for k, _ in ts}) == 1 and all(
+            t.local and t.src_rank == g for _, t in ts)}
+        routes.append((direct[g], scratched, set(by_name) - scratched))
+    return routes
+
+
+def _quantizations(plan: Plan, routes: list[tuple[dict[str, tuple[str, int]], set[str], set[str]]]
+                   ) -> list[dict[int, list[str]]]:
+    """Per GPU (``routes``: ``_fp8_routes``): bucket -> the FP8 tensors quantized right after its transfers, in order:
+    those the GPU's trainer tensors fill alone in it (scratched), then those whose last bytes it brings."""
+    scratched_in: list[dict[int, dict[str, None]]] = [{} for _ in routes]
+    brought: list[dict[int, dict[str, None]]] = [{} for _ in routes]
+    last: list[dict[str, int]] = [{} for _ in routes]
+    for k, bucket in enumerate(plan.buckets):
+        for t in bucket:
+            g, name = t.dst_rank, t.dst_name
+            direct, scratched, staged = routes[g]
+            if name in scratched:
+                scratched_in[g].setdefault(k, {})[name] = None
+            elif name in direct or name in staged:
+                brought[g].setdefault(k, {})[name] = None
+                last[g][name] = k
+    out: list[dict[int, list[str]]] = []
+    for g in range(len(routes)):
+        order = {k: [*scratched_in[g].get(k, ()), *(n for n in brought[g].get(k, ()) if last[g][n] == k)]
+                 for k in sorted(scratched_in[g].keys() | brought[g].keys())}
+        out.append({k: names for k, names in order.items() if names})
+    return out
 
 
 def fp8_buffer_bytes(plan: Plan, rank: int, landing_bytes: int | None) -> int:

@@ -1,15 +1,17 @@
 """Multi-rank worker for test_fp8_handover.py: an FP8 hand-over (rollout.weight_dtype = fp8) from Megatron shards.
 
-torchrun --nproc-per-node 4 tests/workers/reshard_fp8.py OUT_DIR MODEL_DIR BLOCK
-In blocks of BLOCK x BLOCK (rollout.fp8_block), for trainer layouts TP1, TP2, PP2 and TP2 x PP2 (DP over the rest of 4
-ranks) and rollout TP R in {1, 2, 4}: the trainer's bf16 shards (read from HF through the mapping) refit into engine
-tensors as SGLang holds them (float8_e4m3fn `...weight` and float32 `...weight_scale_inv` for the linear layers, bf16
-for the rest), filled with NaN first so an unwritten byte shows. Each FP8 weight and scale must equal, bit for bit,
-megarl.reshard.fp8's quantization of the full bf16 HF weight sliced to the engine rank (qkv_shard, gate_up_shard, shard
-along dim 1) and the float64 reference's; the rest must equal the engine's slicing of HF. Then the hand-over's
-checksums: the engine's report verifies; a flipped FP8 byte, a flipped scale bit and a plausible wrong quantization
-(scales from amax / 240) are each named. The in-engine hand-over (the trainer quantizes, the engine copies bytes) gives
-the engine the same bytes and verifies. A second refit of doubled weights doubles every scale and keeps the values.
+torchrun --nproc-per-node 4 tests/workers/reshard_fp8.py OUT_DIR MODEL_DIR BLOCK [TP,PP,R ...]
+In blocks of BLOCK x BLOCK (rollout.fp8_block), for trainer layouts TP1, TP2, PP2 and TP2 x PP2 (DP over the rest of the
+ranks) and rollout TP R in {1, 2, 4}, or the layouts given: the trainer's bf16 shards (read from HF through the mapping)
+refit into engine tensors as SGLang holds them (float8_e4m3fn `...weight` and float32 `...weight_scale_inv` for the
+linear layers, bf16 for the rest), filled with NaN first so an unwritten byte shows. Each FP8 weight and scale must
+equal, bit for bit, megarl.reshard.fp8's quantization of the full bf16 HF weight sliced to the engine rank (qkv_shard,
+gate_up_shard, shard along dim 1) and the float64 reference's; the rest must equal the engine's slicing of HF. Then the
+hand-over's checksums: the engine's report verifies; a flipped FP8 byte, a flipped scale bit and a plausible wrong
+quantization (scales from amax / 240) are each named. The in-engine hand-over (the trainer quantizes, the engine copies
+bytes) gives the engine the same bytes and verifies, every rank meeting the others before and after each step's engine
+copy as GroupEngine.deliver does (ranks whose steps differ hang there, until the short timeout of the group). A second
+refit of doubled weights doubles every scale and keeps the values.
 """
 
 import json
@@ -121,7 +123,9 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int, block: i
     state.handle(model, side.engine_copy().to_wire("actor"))
     for step in range(side.num_rounds):
         side.refit(step)
+        dist.barrier()
         state.handle(model, apply_message("actor", torch.zeros(1), step))
+        dist.barrier()
     in_engine = sorted(params) == sorted(dst) and all(same_bits(params[n], dst[n]) for n in dst)
     side.verify(Reports(side.checksum_names, params), 0)
     expected = resharder.expected_checksums()
@@ -159,12 +163,13 @@ def check_layout(spec, hf: dict, cfg: dict, dims: ParallelDims, R: int, block: i
             "dtypes": sorted({str(t.dtype) for t in dst.values()}), "caught": caught, "doubled": doubled,
             "checksums": len(resharder.checksum_names), "direct": sorted(resharder._direct),
             "in_engine": in_engine, "in_engine_steps": side.num_rounds, "fp8_out_bytes": side._fp8_out_bytes,
+            "step_buckets": [[arg for op, arg in ops if op == "io"] for ops in side._steps],
             "staging_bytes": resharder.staging_bytes, "window_bytes": window_bytes}
 
 
 def main() -> None:
     out_dir, model_dir, block = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    init_distributed(platform)
+    init_distributed(platform, timeout_minutes=2)
     spec = load_spec(model_dir)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     hf = {n: t.to(BF16) for n, t in load_hf(model_dir).items()}
@@ -173,8 +178,11 @@ def main() -> None:
     for n in sorted(hf):
         if n.endswith("proj.weight"):
             hf[n] = hf[n] * torch.exp2(torch.randint(-12, 6, (hf[n].shape[0], 1), generator=g)).to(BF16)
-    rows = [check_layout(spec, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=4 // (tp * pp)), R, block)
-            for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)) for R in (1, 2, 4)]
+    layouts = [tuple(map(int, a.split(","))) for a in sys.argv[4:]] or [
+        (tp, pp, R) for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)) for R in (1, 2, 4)]
+    world = dist.get_world_size()
+    rows = [check_layout(spec, hf, cfg, ParallelDims(tp=tp, pp=pp, dp=world // (tp * pp)), R, block)
+            for tp, pp, R in layouts]
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
