@@ -4,6 +4,8 @@ comes back bit for bit (megarl.memory.offload, run here on the CPU with keep_fro
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from megarl.memory.offload import ModelResidency
@@ -88,3 +90,16 @@ def test_without_keep_frozen_every_offload_copies():
     expected = model.values()
     assert round_trip(residency) == 0
     assert all(torch.equal(v, expected[k]) for k, v in model.values().items())
+
+
+def test_the_gradients_leave_with_the_expert_parallel_buffers_too():
+    """Megatron DDP keeps the experts' gradients under expert parallelism in expert_parallel_buffers (fp32, most of
+    an MoE model's gradients): they stayed on the device through generation while the memory plan had them gone."""
+    dense, expert = torch.ones(8), torch.full((1000,), 2.0)
+    ddp = SimpleNamespace(buffers=[SimpleNamespace(param_data=None, grad_data=dense)],
+                          expert_parallel_buffers=[SimpleNamespace(param_data=None, grad_data=expert)])
+    residency = ModelResidency(SimpleNamespace(chunks=[], models=[ddp], optimizer=None), keep_frozen=False)
+    residency.offload(["grads"])
+    assert dense.untyped_storage().nbytes() == 0 and expert.untyped_storage().nbytes() == 0
+    residency.onload(["grads"])  # every train step zeroes them first: they come back with their size, unkept
+    assert expert.untyped_storage().nbytes() == 4000 and dense.untyped_storage().nbytes() == 32

@@ -65,9 +65,11 @@ def _inner_optimizers(optimizer: Any) -> Iterator[torch.optim.Optimizer]:
 
 
 def _ddp_buffers(model: Any) -> list[Any]:
-    """Megatron DDP's parameter-and-gradient buffers (none for a model without DDP, such as the reference,
-    whose modules' ``buffers`` is nn.Module's method)."""
-    return [b for m in model.models if isinstance(getattr(m, "buffers", None), list) for b in m.buffers]
+    """Megatron DDP's parameter-and-gradient buffers, the expert-parallel ones included (an MoE model's experts
+    under expert parallelism: most of its gradients); none for a model without DDP, such as the reference, whose
+    modules' ``buffers`` is nn.Module's method."""
+    return [b for m in model.models if isinstance(getattr(m, "buffers", None), list)
+            for b in m.buffers + getattr(m, "expert_parallel_buffers", [])]
 
 
 def _tensors(model: Any, part: Part) -> Iterator[torch.Tensor]:
