@@ -313,7 +313,8 @@ def memory_plan(cfg: Any, spec: Any, dp: int, gpu_bytes: int | None = None, gpus
             cfg.rollout.gpu_memory_fraction = None
         return
     p = cfg.parallel
-    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp, ep=p.expert_parallel)
+    dims = ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp, vpp=p.virtual_pipeline,
+                        ep=p.expert_parallel)
     plan = plan_memory(cfg, spec, dims, gpu_bytes)
     check_memory(plan, cfg, dims.world_size)
     check_host_memory(plan, cfg, gpus_per_node, host_memory_bytes())

@@ -181,6 +181,14 @@ def layer_activations(spec: ModelSpec, tp: int, sequence_parallel: bool) -> floa
     return (replicated + split) / tp if sequence_parallel else replicated + split / tp
 
 
+def stages_in_flight(dims: ParallelDims) -> float:
+    """How many micro-batches' activations of its whole stage the first pipeline stage holds at its peak. 1F1B: PP.
+    Interleaved over V virtual chunks (Megatron's schedule, micro-batches grouped by PP): PP * (V + 1) - 1 chunk
+    forwards of 1 / V of the stage's layers each, 1.25x the activations of 1F1B at PP 2 and V 2."""
+    v = dims.vpp or 1
+    return dims.pp if v == 1 else (dims.pp * (v + 1) - 1) / v
+
+
 def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: ParallelDims,
                      entropy: bool, logits: bool = True, segment_mask: bool = False) -> int:
     """One micro-batch of training (forward and backward) on the busiest GPU; ``segment_mask``: packed rows carry a
@@ -196,7 +204,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
         kept = layers * tokens * dtype * h // (tp if sp else 1) + layer
     else:
         kept = layers * layer
-    in_flight = dims.pp  # 1F1B: the first stage holds PP micro-batches' activations
+    in_flight = stages_in_flight(dims)
     vocab = spec.padded_vocab_size(tp, cfg.model.vocab_pad_multiple) // tp
     chunk = cfg.model.logprob_chunk_tokens
     if not logits:
@@ -213,7 +221,7 @@ def activation_bytes(spec: ModelSpec, cfg: Config, section: UpdateConfig, dims: 
     # Without Transformer Engine a token budget's packed row carries its block-causal mask: one byte per pair of its
     # tokens (megarl.models.attention.block_causal_mask), which measured 3.5 GiB more at 61k tokens on an H200.
     mask = tokens * tokens if segment_mask and section.dynamic_batch else 0
-    return kept * in_flight + logit_bytes + mask
+    return int(kept * in_flight) + logit_bytes + mask
 
 
 def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int) -> MemoryPlan:
