@@ -161,6 +161,7 @@ def test_the_host_plan_counts_vllms_sleep_backup_and_its_hand_over_file(tmp_path
     _, vllm = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, "rollout.engine=vllm")
     weights = spec.num_params() * 2
     assert vllm.host["hand-over file (/dev/shm)"] == weights
+    assert vllm.host["hand-over file's host copy"] == weights  # safetensors writes the file from a host copy
     assert weights <= vllm.host["vLLM engine weights asleep"] < 2 * weights
     assert vllm.host_bytes() - sglang.host_bytes() == sum(vllm.host[k] for k in vllm.host if k not in sglang.host)
     assert not any("vLLM" in k or "/dev/shm" in k for k in sglang.host)
@@ -316,6 +317,22 @@ def test_the_first_stage_holds_the_activations_megatron_core_schedules_it(pp, vp
     chunks = vpp or 1
     _, _, warmup, _ = get_pp_rank_microbatches(64, chunks, pp, p2p_communicator=p2p)
     assert stages_in_flight(ParallelDims(tp=1, pp=pp, dp=1, vpp=vpp)) == pytest.approx((warmup + 1) / chunks)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_hand_over_buffers_count_only_in_the_hand_over_when_the_weights_leave(tmp_path, engine):
+    """WeightSync.push frees them after every hand-over where the actor's weights leave: counted in every phase, vLLM's
+    16 GiB of engine-layout tensors for an 8B model refused configs that fit. Kept (actor.offload_weights false),
+    they stay bound through every phase."""
+    spec = llama8b_body(tmp_path)
+    dims = ParallelDims(tp=1, pp=2, dp=1)
+    sets = (f"rollout.engine={engine}", "rollout.alias_weights=false")
+    _, leave = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, *sets, "actor.offload_weights=true")
+    _, keep = plan_for("recipes/tiny_cpu_grpo.yaml", spec, dims, *sets, "actor.offload_weights=false")
+    assert leave.phases["handover"]["hand-over buffers"] > 0
+    for phase, parts in leave.phases.items():
+        assert phase == "handover" or "hand-over buffers" not in parts, phase
+        assert "hand-over buffers" in keep.phases[phase], phase
 
 
 def test_separate_generation_keeps_the_engine_in_every_phase(tmp_path):

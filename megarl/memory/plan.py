@@ -300,12 +300,13 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
         engine_rank = fp8.engine_bytes
 
     def buffers(phase: str) -> dict[str, int]:
-        if phase == "generate" and weights_leave:
+        # Where the actor's weights leave, WeightSync.push frees them (Resharder.release, the engine-layout tensors)
+        # after every hand-over: they exist in its phase alone. Otherwise they stay bound from one hand-over to the
+        # next, through every phase.
+        if phase != "handover" and weights_leave:
             return {}
         parts = {"hand-over buffers": landing + pool}
-        # Resharder.release frees them after the engine's copy only where the actor's weights leave; otherwise
-        # they stay bound from one hand-over to the next, through generation
-        if fp8 is not None and fp8.buffer_bytes and (phase == "handover" or not weights_leave):
+        if fp8 is not None and fp8.buffer_bytes:
             parts["FP8 quantization buffers"] = fp8.buffer_bytes
         return parts
 
@@ -387,12 +388,13 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     if cfg.rollout.engine == "vllm" and not separate:
         # vLLM's sleep (level 1) keeps the engine's weights in pinned host memory, a block a tensor, each of which
         # torch rounds up to a power of two; and every hand-over writes the engine rank's tensors to /dev/shm, host
-        # memory too.
+        # memory too, from a host copy of them all (write_engine_file: safetensors writes a file from memory).
         from megarl.reshard.engine_layout import engine_tensors
 
         pinned = sum(1 << max(math.prod(t.shape) * dtype - 1, 0).bit_length()
                      for t in engine_tensors(spec, cfg.rollout.tensor_parallel, 0))
-        plan.host |= {"vLLM engine weights asleep": pinned, "hand-over file (/dev/shm)": engine_rank}
+        plan.host |= {"vLLM engine weights asleep": pinned, "hand-over file (/dev/shm)": engine_rank,
+                      "hand-over file's host copy": engine_rank}
     return plan
 
 
