@@ -335,6 +335,18 @@ def test_the_hand_over_buffers_count_only_in_the_hand_over_when_the_weights_leav
         assert "hand-over buffers" in keep.phases[phase], phase
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_auto_fraction_leaves_room_for_an_llm_judge_asleep(tmp_path, engine):
+    """The judge's engine sleeps beside the rollout engine from its start on: sized without it, auto's generate phase
+    came out above the GPU, and every run with a judge and auto was refused (advising auto)."""
+    spec = llama8b_body(tmp_path)
+    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, ParallelDims(tp=2, pp=1, dp=4),
+                         f"rollout.engine={engine}", "rollout.engine_args={}", "rollout.gpu_memory_fraction=auto",
+                         "reward_model.judge.model=/unused")
+    assert "judge asleep" in plan.phases["generate"]
+    check_memory(plan, cfg, 8)
+
+
 def test_separate_generation_keeps_the_engine_in_every_phase(tmp_path):
     """async_rl separate: the engine never sleeps, so the update and the hand-over plan it awake beside the trainer
     (the sync plan has only what a sleeping engine keeps)."""

@@ -350,6 +350,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
     # separate, in its busiest phase.
     beside = max(sum(parts.values()) for parts in plan.phases.values()) if separate else \
         sum(with_overhead(resident("generate"), "generate").values())
+    if cfg.reward_model.judge is not None:  # started after the engine, asleep beside it from then on
+        beside += ENGINE_ASLEEP
     # engines apart size themselves on GPUs of their own
     plan.engine_fraction = resolved_fraction(cfg, gpu_bytes, 0, 0) if apart else \
         resolved_fraction(cfg, gpu_bytes, at_start, beside)
