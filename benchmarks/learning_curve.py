@@ -21,7 +21,7 @@ import math
 import statistics
 from pathlib import Path
 
-from megarl.report import ran_phases
+from megarl.report import phase_median, ran_phases
 
 
 def curves(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -49,10 +49,10 @@ def two_proportion_p(p1: float, p2: float, n: int) -> float:
 
 def phase_medians(path: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in path.read_text().splitlines()][1:]  # step 0 compiles and captures
-    # phases that did work (a GRPO run's critic took microseconds), each over the steps that ran it, as megarl.report
-    # does: an evaluation every few steps had a median of 0.0
-    keys = [*ran_phases(rows), "tokens_per_s"]
-    return {k: round(statistics.median([r[k] for r in rows if r.get(k, 0) > 0] or [0.0]), 3) for k in keys}
+    # as megarl.report: phases that did work (a GRPO run's critic took microseconds), each over the steps that did it
+    medians = {k: phase_median(rows, k) for k in ran_phases(rows)}
+    return {k: round(v, 3) for k, v in (medians | {"tokens_per_s": statistics.median(
+        [r["tokens_per_s"] for r in rows if "tokens_per_s" in r] or [0.0])}).items()}
 
 
 def main() -> None:

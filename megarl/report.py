@@ -63,9 +63,7 @@ def summary(run_dir: Path, rows: list[dict[str, float]], plot_note: str | None =
     reward, what = policy_reward(rows)
 
     phases = ran_phases(rows)
-    # Each phase's median over the steps that ran it: an evaluation every few steps was a median of 0.00 s.
-    times = ", ".join(f"{k[5:]} {statistics.median([r[k] for r in rows if r.get(k, 0) > 0] or [0.0]):.2f}s"
-                      for k in phases)
+    times = ", ".join(f"{k[5:]} {phase_median(rows, k):.2f}s" for k in phases)
     lines = [f"megarl: {len(rows)} steps (steps {rows[0]['step']}-{rows[-1]['step']}) in {run_dir}",
              f"  {what} {mean(first, reward):.3f} (first {len(first)} steps) -> "
              f"{mean(last, reward):.3f} (last {len(last)})",
@@ -95,11 +93,20 @@ def policy_reward(rows: list[dict[str, float]]) -> tuple[str, str]:
     return "reward_mean", "reward"
 
 
+RAN_SECONDS = 0.005
+"""A phase's time in a step where it did work: one entered with nothing to do (the critic of a GRPO run, the teacher
+without distillation, an evaluation between its steps) takes microseconds."""
+
+
 def ran_phases(rows: list[dict[str, float]]) -> list[str]:
-    """The time/* keys of phases that did work in some step: a phase entered with nothing to do (the critic of a
-    GRPO run, the teacher without distillation) takes microseconds."""
+    """The time/* keys of phases that did work in some step."""
     keys = sorted({k for r in rows for k in r if k.startswith("time/")})
-    return [k for k in keys if max(r.get(k, 0.0) for r in rows) >= 0.005]
+    return [k for k in keys if max(r.get(k, 0.0) for r in rows) >= RAN_SECONDS]
+
+
+def phase_median(rows: list[dict[str, float]], key: str) -> float:
+    """``key``'s median over the steps that did its work (an evaluation every few steps was a median of 0.00 s)."""
+    return statistics.median([r[key] for r in rows if r.get(key, 0.0) >= RAN_SECONDS] or [0.0])
 
 
 def eval_curve(rows: list[dict[str, float]], name: str) -> list[tuple[int, float]]:

@@ -251,6 +251,9 @@ def test_only_k1_in_the_reward_and_k2_in_the_loss_follow_the_kl_gradient() -> No
     torch.testing.assert_close(in_loss("k1"), torch.zeros_like(true), atol=1e-12, rtol=0)
     torch.testing.assert_close(in_loss("k2"), true, atol=1e-12, rtol=0)
     torch.testing.assert_close(in_reward("k1"), true, atol=1e-12, rtol=0)
+    # k3 in the loss (GRPO's) follows the other direction, KL(reference || policy)
+    (reverse,) = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), logits, retain_graph=True)
+    torch.testing.assert_close(in_loss("k3"), reverse, atol=1e-12, rtol=0)
 
 
 def test_kl_penalized_rewards_by_hand() -> None:

@@ -526,6 +526,9 @@ def layout(world_size: int, *overrides: str, shape: dict[str, int] | None = None
 
 def test_validate_layout_good() -> None:
     assert layout(1) == 1
+    # a teacher's or reward model's MLP is split by the trainer's TP alone: the engines never serve it
+    validate_layout(build_config(with_changes(data={"num_prompts_per_step": 32}), ["rollout.tensor_parallel=4"]), 4,
+                    **LLAMA, ffn_size=102, served=False)
     assert (
         layout(8, "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2", "rollout.tensor_parallel=4")
         == 2

@@ -136,7 +136,17 @@ def test_an_engine_parameter_given_new_memory_after_attaching_is_refused_by_its_
     state = HandoverState()
     state.handle(FakeEngineModel(params), Resharder(plan, 0, src, None, in_engine=True).engine_copy().to_wire("k"))
     params["model.norm.weight"].data = torch.zeros_like(params["model.norm.weight"])
-    with pytest.raises(RuntimeError, match="`model.norm.weight` was given other memory"):
+    with pytest.raises(RuntimeError, match="`model.norm.weight` was replaced or given other memory"):
+        state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
+
+
+def test_an_engine_parameter_replaced_by_a_new_one_after_attaching_is_refused_by_its_name():
+    """module.weight = Parameter(...): the old object keeps its memory, so only the name tells."""
+    plan, src, _, params = _setup()
+    state = HandoverState()
+    state.handle(FakeEngineModel(params), Resharder(plan, 0, src, None, in_engine=True).engine_copy().to_wire("k"))
+    params = params | {"model.norm.weight": torch.zeros_like(params["model.norm.weight"])}
+    with pytest.raises(RuntimeError, match="`model.norm.weight` was replaced or given other memory"):
         state.handle(FakeEngineModel(params), apply_message("k", torch.zeros(1)))
 
 

@@ -25,6 +25,7 @@ from megarl.models.spec import load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 H200 = 143771 * 2**20  # nvidia-smi's memory.total
+H100 = 81559 * 2**20
 MEASURED = REPO / "benchmarks/results/h200/colocation"
 RECIPE_PRESETS = {"recipes/llama3_8b_ppo.yaml": "llama3-8b", "recipes/qwen2_7b_grpo.yaml": "qwen2-7b",
                   "recipes/qwen3_8b_grpo.yaml": "qwen3-8b", "recipes/qwen3_30b_a3b_grpo.yaml": "qwen3-30b-a3b"}
@@ -340,9 +341,10 @@ def test_auto_fraction_leaves_room_for_an_llm_judge_asleep(tmp_path, engine):
     """The judge's engine sleeps beside the rollout engine from its start on: sized without it, auto's generate phase
     came out above the GPU, and every run with a judge and auto was refused (advising auto)."""
     spec = llama8b_body(tmp_path)
-    cfg, plan = plan_for("recipes/llama3_8b_ppo.yaml", spec, ParallelDims(tp=2, pp=1, dp=4),
-                         f"rollout.engine={engine}", "rollout.engine_args={}", "rollout.gpu_memory_fraction=auto",
-                         "reward_model.judge.model=/unused")
+    cfg = load_config(REPO / "recipes/llama3_8b_ppo.yaml", [
+        "model.hf_path=/unused", "parallel.tensor_parallel=2", f"rollout.engine={engine}", "rollout.engine_args={}",
+        "rollout.gpu_memory_fraction=auto", "reward_model.judge.model=/unused"])
+    plan = plan_memory(cfg, spec, ParallelDims(tp=2, pp=1, dp=4), H100)  # its 3% margin is less than a judge asleep
     assert "judge asleep" in plan.phases["generate"]
     check_memory(plan, cfg, 8)
 

@@ -3,6 +3,7 @@ preference pairs lifts held-out pairwise accuracy; the export is a `*ForSequence
 scores as megarl does; data-parallel and pipeline runs equal the single-rank one; a resumed run goes on as the
 uninterrupted one; bad recipes stop before any process group."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from helpers import REPO, run_torchrun, train_recipe
+from megarl.errors import UserError
 
 RECIPE = "recipes/tiny_cpu_rm.yaml"
 STEPS = 400
@@ -168,3 +170,16 @@ def test_bad_recipes_stop_before_any_process_group_with_the_field(override, need
     proc = subprocess.run([sys.executable, "-m", "megarl.train_rm", "--config", RECIPE, "--set", override], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_mlp_is_refused_by_name():
+    """Else Megatron's bare assertion, after the process groups."""
+    from megarl.models.reward_model import load_body_spec
+    from megarl.rm.setup import check_layout, load_reward_training
+
+    cfg = load_reward_training(str(REPO / RECIPE), ["parallel.tensor_parallel=2"])
+    spec, _ = load_body_spec(cfg.model.hf_path, "model.hf_path")
+    spec = dataclasses.replace(spec, num_attention_heads=4, num_kv_heads=2, intermediate_size=64)
+    assert check_layout(cfg, spec, 2) == 1
+    with pytest.raises(UserError, match=r"`parallel.tensor_parallel` = 2, but it must divide the model's MLP width"):
+        check_layout(cfg, dataclasses.replace(spec, intermediate_size=63), 2)

@@ -30,10 +30,11 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """KL(policy || reference) weight; 0 = no reference model is run. Initial value when adaptive_kl."""
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
-    """Per-token KL estimator (Schulman's k1, k2, k3); null = the one whose gradient suits where the KL goes: k1 in
-    the reward (its score-function gradient is that of KL(policy || reference)), k3 in the loss (as GRPO). k1 is
-    refused in the loss: the gradient of log pi - log pi_ref over the policy's own samples is zero in expectation,
-    so it would log a KL and hold nothing back."""
+    """Per-token KL estimator (Schulman's k1, k2, k3); null = by where the KL goes: k1 in the reward (its
+    score-function gradient is that of KL(policy || reference)), k3 in the loss (as GRPO; its gradient there is that
+    of KL(reference || policy), while k2's is KL(policy || reference)'s). k1 is refused in the loss: the gradient of
+    log pi - log pi_ref over the policy's own samples is zero in expectation, so it would log a KL and hold nothing
+    back."""
     kl_in_reward: bool = False
     """Subtract the KL penalty (kl_estimator, times kl_coef) from the reward instead of adding it to the loss:
     per token for ppo (classic RLHF), summed over the response from the score before group normalisation for grpo."""

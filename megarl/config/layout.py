@@ -41,10 +41,12 @@ def validate_layout(
     vocab_size: int,
     ffn_size: int | None = None,
     ranks_per_node: int | None = None,
+    served: bool = True,
 ) -> int:
     """Check the trainer and rollout layouts against the world size, the ranks per node (when known:
     parallel.gpus_per_node, else torchrun's LOCAL_WORLD_SIZE) and the model's shape (from its
-    config.json; ``ffn_size``: the MLP's width, an expert's in a MoE model); return the data-parallel size."""
+    config.json; ``ffn_size``: the MLP's width, an expert's in a MoE model; ``served``: the engines serve it, as the
+    policy, not a teacher or a reward model, whose MLP they never split); return the data-parallel size."""
     shape = {
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_attention_heads,
@@ -106,11 +108,12 @@ def validate_layout(
     )
 
     r = cfg.rollout.tensor_parallel
-    problem = _rollout_tp_problem(r, world_size, num_attention_heads, num_kv_heads, vocab_size, ffn_size)
+    engine_ffn = ffn_size if served else None
+    problem = _rollout_tp_problem(r, world_size, num_attention_heads, num_kv_heads, vocab_size, engine_ffn)
     valid_r = [
         d
         for d in _divisors(world_size)
-        if not _rollout_tp_problem(d, world_size, num_attention_heads, num_kv_heads, vocab_size, ffn_size)
+        if not _rollout_tp_problem(d, world_size, num_attention_heads, num_kv_heads, vocab_size, engine_ffn)
     ]
     check(problem is None, "rollout.tensor_parallel", r, str(problem), f"use one of {valid_r}")
     per_node = p.gpus_per_node or ranks_per_node

@@ -37,7 +37,7 @@ def _default(field: dataclasses.Field, defaults: object | None) -> str:
     """A field's default as its section's default instance holds it (``defaults``: None where the section has
     required fields), so that a section made by a factory with values of its own (critic.optimizer's lr) shows
     them, not its class's."""
-    if defaults is not None:
+    if defaults is not None and field.default is not None:  # a null default resolved at construction stays null
         value = getattr(defaults, field.name)
     elif field.default is not dataclasses.MISSING:
         value = field.default

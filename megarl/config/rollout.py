@@ -98,8 +98,9 @@ class RolloutConfig:
     o, gate_up, down) block-quantized on the way (float8_e4m3fn values, one float32 scale per block of
     rollout.fp8_block x rollout.fp8_block, the engines' `weight_scale_inv`), embeddings, norms and the output head as
     trained (docs/handover.md, "FP8 weights"). The sampler then differs from the trainer: use
-    algorithm.rollout_correction (token_tis). Refused at start-up with vLLM, with LoRA adapters handed over as
-    adapters, and for shapes the engines' FP8 loaders refuse at rollout.tensor_parallel and rollout.fp8_block."""
+    algorithm.rollout_correction (token_tis). Refused at start-up with vLLM, with model.dtype float16, with LoRA
+    adapters handed over as adapters, and for shapes the engines' FP8 loaders refuse at rollout.tensor_parallel and
+    rollout.fp8_block."""
     fp8_block: int = FP8_BLOCKS[0]
     """With weight_dtype fp8: rows and columns of a quantization block (the engine's `weight_block_size`). 128 =
     DeepSeek-V3's checkpoints' block, what the engines' other FP8 paths expect; 64 = for small models whose layer

@@ -90,7 +90,7 @@ def check_run(config_path: str, overrides: Sequence[str], world: int, ranks_per_
         try:
             validate_layout(cfg, world, num_layers=teacher.num_layers, num_attention_heads=teacher.num_attention_heads,
                             num_kv_heads=teacher.num_kv_heads, vocab_size=teacher.vocab_size,
-                            ffn_size=teacher.ffn_size(teacher.is_moe), ranks_per_node=ranks_per_node)
+                            ffn_size=teacher.ffn_size(teacher.is_moe), ranks_per_node=ranks_per_node, served=False)
         except UserError as err:
             raise UserError(f"distill.teacher = {cfg.distill.teacher!r} does not fit the trainer's layout: {err}") \
                 from None
@@ -123,7 +123,7 @@ def check_reward_model_run(cfg: Any, spec: Any, tokenizer: Any, world: int, rank
     try:
         validate_layout(cfg, world, num_layers=rm.num_layers, num_attention_heads=rm.num_attention_heads,
                         num_kv_heads=rm.num_kv_heads, vocab_size=rm.vocab_size, ffn_size=rm.ffn_size(rm.is_moe),
-                        ranks_per_node=ranks_per_node)
+                        ranks_per_node=ranks_per_node, served=False)
     except UserError as err:
         raise UserError(f"reward_model.path = {path!r} does not fit the trainer's layout: {err}") from None
     r = cfg.rollout

@@ -280,7 +280,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, dims: ParallelDims, gpu_bytes: int
 
     # Hand-over buffers: SGLang copies in the engine from the actor's tensors, plus a landing buffer for the
     # engine bytes other GPUs hold (one round of them: rollout.landing_buffer_mb); vLLM gets whole engine-layout
-    # tensors. All of them go during generation with the actor's weights (actor.offload_weights, unaliased).
+    # tensors. Where the actor's weights leave (actor.offload_weights, unaliased), all of them go after each
+    # hand-over.
     model = spec.num_params() * dtype
     engine_rank = model // cfg.rollout.tensor_parallel
     if cfg.rollout.engine == "sglang":

@@ -157,6 +157,16 @@ class EngineApplier:
                                                                     dst_names=copy.dst_names)
                                           for a, b in itertools.pairwise(bounds)]
 
+    def check_same(self, model: torch.nn.Module) -> None:
+        """Refuse, by name, an engine parameter the engine replaced since attaching (a new Parameter under its name,
+        or new memory in the old one): the copy would fill the old memory while the engine reads the new."""
+        now = dict(model.named_parameters())
+        for name, param, address in zip(self.names, self.params, self.addresses, strict=True):
+            if now.get(name) is not param or param.data_ptr() != address:
+                raise RuntimeError(f"engine parameter `{name}` was replaced or given other memory after the "
+                                   "hand-over attached (the engine re-created its tensor): the hand-over would write "
+                                   "the old memory. The engine must keep its parameters, or re-attach.")
+
     @torch.no_grad()
     def run(self, round: int) -> None:
         """Write round ``round`` of the trainer's current weights into the parameters; returns once they are
@@ -164,13 +174,6 @@ class EngineApplier:
         if not 0 <= round < len(self.copies):
             raise ValueError(f"hand-over round {round} requested; this attachment has {len(self.copies)}")
         if round == 0:
-            # The copies write the memory the parameters had when attached: an engine that gave one new memory
-            # (param.data = ...) would be left its old weights while the copy filled the orphaned memory.
-            for name, param, address in zip(self.names, self.params, self.addresses, strict=True):
-                if param.data_ptr() != address:
-                    raise RuntimeError(f"engine parameter `{name}` was given other memory after the hand-over "
-                                       "attached (the engine replaced its tensor): the hand-over would write the old "
-                                       "memory. The engine must keep its parameters' memory, or re-attach.")
             for param, start in self.zero:
                 param.data[start:].zero_()
         copy = self.copies[round]
@@ -209,7 +212,10 @@ class HandoverState:
             if key not in self.appliers:
                 raise ValueError(f"no megarl attachment `{key}` in this engine (attached: {sorted(self.appliers)}); "
                                  "attach before applying")
-            self.appliers[key].run(int(round))
+            applier = self.appliers[key]
+            if round == "0":
+                applier.check_same(model)
+            applier.run(int(round))
         elif first.startswith(PREFIX + "detach."):
             self.appliers.pop(first[len(PREFIX + "detach."):], None)
         elif first.startswith(PREFIX + "checksum."):

@@ -63,7 +63,8 @@ def check_layout(cfg: RewardTrainingConfig, spec: ModelSpec, world: int) -> int:
     check(world % (tp * pp) == 0, "parallel.tensor_parallel", tp,
           f"divide the {world} ranks with parallel.pipeline_parallel ({pp}): TP x PP must divide them",
           "choose sizes whose product divides the ranks")
-    for name, count in (("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads", spec.num_kv_heads)):
+    for name, count in (("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads", spec.num_kv_heads),
+                        ("MLP width", spec.ffn_size(spec.is_moe))):
         check(count % tp == 0, "parallel.tensor_parallel", tp, f"divide the model's {name} ({count})",
               "use a divisor of it")
     stages = pp * (p.virtual_pipeline or 1)
