@@ -307,3 +307,24 @@ def test_a_later_engines_log_takes_over_from_the_earlier_ones(tmp_path, engine_l
     assert (tmp_path / "engine_0.log").read_text() == ""
     assert "from vllm" in (tmp_path / "engine_1.log").read_text()
     assert "from sglang" in (tmp_path / "engine_1.log").read_text()
+
+
+def test_the_groups_that_wait_out_a_generation_round_take_the_configured_timeouts(monkeypatch):
+    """Engine groups and the gather of a round's results were gloo groups at torch's 30 minutes: a round longer
+    than that killed the job with a raw gloo timeout whatever rollout.timeout_minutes said."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from helpers import REPO
+    from megarl.config import load_config
+    from megarl.rollout.group import engine_group, engine_group_apart
+
+    cfg = load_config(REPO / "recipes/tiny_cpu_grpo.yaml",
+                      ["rollout.timeout_minutes=90", "parallel.timeout_minutes=10"])
+    assert cfg.host_group_timeout() == timedelta(minutes=100)
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda *args, **kwargs: made.append(kwargs.get("timeout")))
+    engine_group(0, [[0, 1], [2, 3]], cfg.host_group_timeout())
+    engine_group_apart(0, 4, [[4], [5]], cfg.host_group_timeout())
+    assert made == [timedelta(minutes=100)] * 4

@@ -58,7 +58,8 @@ class ParallelConfig:
     gpus_per_node: int | None = None
     """GPUs per node for placing groups; null = LOCAL_WORLD_SIZE from torchrun."""
     timeout_minutes: int = 30
-    """Collective timeout, so a hung rank fails the job instead of burning GPU hours."""
+    """Collective timeout, so a hung rank fails the job instead of burning GPU hours. The gloo groups whose
+    collectives wait out a generation round (its results' gather, the engines') take rollout.timeout_minutes more."""
     nvlink_gbps: float = 365.0
     """GB/s each direction between two GPUs of a node, for the hand-over's predicted time (365: NCCL over an
     H200's NV18 NVLink, measured)."""

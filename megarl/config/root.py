@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -232,6 +233,12 @@ class Config:
         """Rollout engines of a run of ``world`` trainer ranks: one per rollout.tensor_parallel GPUs, the trainer's
         or (async_rl.engine_gpus) their own."""
         return max(1, (self.async_rl.engine_gpus or world) // self.rollout.tensor_parallel)
+
+    def host_group_timeout(self) -> timedelta:
+        """The timeout of the gloo groups whose collectives wait out a generation round (its results' gather, the
+        engines' groups, the judge's): an engine call's own deadline (rollout.timeout_minutes), which names the
+        call, then a collective's (parallel.timeout_minutes). torch's default of 30 minutes ignored both."""
+        return timedelta(minutes=self.rollout.timeout_minutes + self.parallel.timeout_minutes)
 
     def response_budget(self) -> int:
         """Most tokens of a training response: agent.max_total_tokens with tools (policy and tool tokens), else

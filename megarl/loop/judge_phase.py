@@ -42,7 +42,8 @@ class JudgePhase:
         self.engine: Any = None
         self.tokenizer: Any = None
         self.steps = 0
-        self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._host_group = None if dist.get_backend() == "gloo" else \
+            dist.new_group(backend="gloo", timeout=cfg.host_group_timeout())
 
     def start(self) -> None:
         """Rank 0 starts the judge's engine and puts it to sleep until its first phase."""

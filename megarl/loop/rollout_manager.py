@@ -51,7 +51,8 @@ class RolloutManager:
         # Each step's samples (tokens, logprobs and, with routing replay, every token's experts: hundreds of MB at
         # scale) reach every rank through host memory: an object gather over NCCL stages world x the largest part
         # on the GPU, next to the engine's KV cache.
-        self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._host_group = None if dist.get_backend() == "gloo" else \
+            dist.new_group(backend="gloo", timeout=cfg.host_group_timeout())
         self.engine: GroupEngine | Any = None
         self.state: EngineState = "awake"  # engines start awake
         self.separate = cfg.async_rl.mode == "separate"

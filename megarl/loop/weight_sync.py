@@ -66,8 +66,9 @@ class WeightSync:
     def engine_group(self) -> EngineGroup:
         """This rank's engine group, as the plan placed it."""
         if self.apart:
-            return engine_group_apart(self.groups.rank, self.groups.dims.world_size, self.plan.engines())
-        return engine_group(self.groups.rank, self.plan.engines())
+            return engine_group_apart(self.groups.rank, self.groups.dims.world_size, self.plan.engines(),
+                                      self.cfg.host_group_timeout())
+        return engine_group(self.groups.rank, self.plan.engines(), self.cfg.host_group_timeout())
 
     def share_aliases(self, learner: Learner, group: EngineGroup, kind: Any) -> Path | None:
         """The file of the actor's tensors that this group's engine maps, for its loader (None: none)."""

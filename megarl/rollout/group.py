@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -109,15 +110,15 @@ class EngineGroup:
             dist.barrier(group=self.group)
 
 
-def engine_group(rank: int, engines: list[list[int]]) -> EngineGroup:
-    """This rank's group among ``engines`` (global ranks in engine-rank order, as the plan places them);
-    every rank must call it (it collectively creates all groups)."""
+def engine_group(rank: int, engines: list[list[int]], timeout: timedelta) -> EngineGroup:
+    """This rank's group among ``engines`` (global ranks in engine-rank order, as the plan places them), its
+    collectives waiting up to ``timeout``; every rank must call it (it collectively creates all groups)."""
     size = len(engines[0])
     mine = None
     index = next(i for i, members in enumerate(engines) if rank in members)
     if size > 1:
         for i, members in enumerate(engines):
-            created = dist.new_group(sorted(members), backend="gloo")
+            created = dist.new_group(sorted(members), backend="gloo", timeout=timeout)
             if i == index:
                 mine = created
     members = engines[index]
@@ -125,7 +126,7 @@ def engine_group(rank: int, engines: list[list[int]]) -> EngineGroup:
                        members=tuple(members), group=mine)
 
 
-def engine_group_apart(rank: int, world: int, engines: list[list[int]]) -> EngineGroup:
+def engine_group_apart(rank: int, world: int, engines: list[list[int]], timeout: timedelta) -> EngineGroup:
     """This rank's group when the engines (their plan GPUs in ``engines``) have GPUs of their own: engine e is
     driven by trainer ranks e * m ... (e + 1) * m - 1, m = world / len(engines), its driver first. Every rank must
     call it (it collectively creates all groups)."""
@@ -133,7 +134,8 @@ def engine_group_apart(rank: int, world: int, engines: list[list[int]]) -> Engin
     index = rank // m
     mine = None
     for i in range(len(engines)):
-        created = dist.new_group(list(range(i * m, (i + 1) * m)), backend="gloo") if m > 1 else None
+        created = dist.new_group(list(range(i * m, (i + 1) * m)), backend="gloo", timeout=timeout) if m > 1 \
+            else None
         if i == index:
             mine = created
     return EngineGroup(index=index, num_groups=len(engines), size=m, rank_in_group=rank - index * m,
