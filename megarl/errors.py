@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import NoReturn, TextIO
 
 
@@ -15,18 +16,36 @@ class UserError(ValueError):
     The message must name what is wrong (field or path), the value seen, and how to fix it.
     """
 
-    on_every_rank = True
-    """Raised alike by every rank (config, data, a non-finite loss): rank 0 alone reports it."""
+    on_every_rank: bool | None = None
+    """True: raised alike by every rank (a non-finite loss, the start-up's checks of the same files): rank 0 alone
+    reports it. False: only some ranks see it (an engine's driver): each reports it. None, unknown: rank 0 reports
+    it, and so does another rank once the process group is up; before it every rank checks the same config and data,
+    after it an error may be that rank's alone, and unreported the run would end with no error at all."""
 
 
 class TrainingDiverged(UserError):
     """A NaN or infinity in training. Reported like bad input (one paragraph, exit 2) and raised on every
     rank at the same point, before the step's weights can reach a checkpoint."""
 
+    on_every_rank = True
+
 
 class HandoverMismatch(UserError):
     """The engine's parameters after a hand-over differ from the trainer's weights (rollout.verify_every).
     Raised on every rank at the same point, before the engine generates with them."""
+
+    on_every_rank = True
+
+
+@contextmanager
+def raised_alike() -> Iterator[None]:
+    """A block every rank runs alike (the same checks of the same files): a UserError from it is every rank's."""
+    try:
+        yield
+    except UserError as err:
+        if err.on_every_rank is None:
+            err.on_every_rank = True
+        raise
 
 
 def check_finite(where: str, values: Mapping[str, float], hint: str) -> None:
@@ -68,9 +87,10 @@ ERROR_FILE = "MEGARL_ERROR_FILE"
 """Where workers append their error paragraph, for the launcher (megarl.launch) to print it last."""
 
 
-def report(line: str, console: TextIO | None = None) -> None:
-    """An error's one line on ``console`` (None: stderr), and in the launcher's error file."""
+def report(line: str, console: TextIO | None = None, filed: str | None = None) -> None:
+    """An error's one line on ``console`` (None: stderr), and in the launcher's error file (``filed`` there where
+    given: the same error from several ranks, written alike, is printed once)."""
     print(line, file=console or sys.stderr, flush=True)
     if os.environ.get(ERROR_FILE):
         with open(os.environ[ERROR_FILE], "a") as f:
-            f.write(line + "\n")
+            f.write((filed or line) + "\n")

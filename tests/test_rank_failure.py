@@ -49,3 +49,46 @@ def test_one_process_keeps_its_traceback_for_the_same_error(tmp_path):
     proc = subprocess.run([sys.executable, str(tmp_path / "one.py")], cwd=REPO, capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "megarl: rank" not in proc.stderr
+
+
+ONE_RANK = """
+import torch, torch.distributed as dist
+from megarl.errors import UserError, raised_alike
+from megarl.run.command import run_main
+
+def main():
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1))
+    with raised_alike():  # every rank refuses the same file: rank 0 alone says so
+        if {alike}:
+            raise UserError("checkpoint x: damaged. Fix: resume another.")
+    if dist.get_rank() == 1:  # this rank's own shard
+        raise UserError("checkpoint x: rank 1's shard is truncated. Fix: resume another.")
+    dist.all_reduce(torch.ones(1))
+
+run_main(main)
+"""
+
+
+def _three_ranks(tmp_path, alike: bool) -> tuple[list[int], list[str]]:
+    (tmp_path / "worker.py").write_text(ONE_RANK.replace("{alike}", str(alike)))
+    env = os.environ | {"PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                        "WORLD_SIZE": "3", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], cwd=REPO, env=env | {"RANK": str(r)},
+                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    return [p.returncode for p in procs], errs
+
+
+def test_an_error_of_one_rank_other_than_rank_0_is_reported_by_it(tmp_path):
+    """It was left to rank 0, which had none: the run ended on the other ranks' "with the error above", and none."""
+    codes, errs = _three_ranks(tmp_path, alike=False)
+    assert codes[1] == 2, errs
+    assert errs[1] == "megarl error (rank 1): checkpoint x: rank 1's shard is truncated. Fix: resume another.\n"
+    assert all("megarl error" not in errs[r] and "another rank closed its connection" in errs[r] for r in (0, 2)), errs
+
+
+def test_an_error_every_rank_raises_alike_is_reported_once(tmp_path):
+    codes, errs = _three_ranks(tmp_path, alike=True)
+    assert codes == [2, 2, 2], errs
+    assert errs == ["megarl error: checkpoint x: damaged. Fix: resume another.\n", "", ""]

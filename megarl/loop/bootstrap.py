@@ -14,7 +14,7 @@ from megarl.config import load_config, run_dir, validate_layout
 from megarl.config.experiment import allowed_changes
 from megarl.config.imports import import_spec
 from megarl.config.yaml_io import check
-from megarl.errors import UserError
+from megarl.errors import UserError, raised_alike
 from megarl.run import interrupt, startup
 from megarl.run.lock import lock_run
 from megarl.run.tracking import Tracker, logged, open_store, record_if_it_ends
@@ -216,7 +216,8 @@ def setup(config_path: str, overrides: Sequence[str]
 
     init_distributed(platform, cfg.parallel.timeout_minutes)
     field = "checkpoint.dir" if cfg.checkpoint.dir else "the default run directory (checkpoint.dir)"
-    lock_run(out_dir, field, platform.device)  # before anything is written there
+    with raised_alike():  # every rank checks the same directory, and below the same checkpoint
+        lock_run(out_dir, field, platform.device)  # before anything is written there
     p = cfg.parallel
     groups = init_model_parallel(ParallelDims(tp=p.tensor_parallel, pp=p.pipeline_parallel, dp=dp,
                                               vpp=p.virtual_pipeline, order=p.rank_order, ep=p.expert_parallel),
@@ -242,13 +243,15 @@ def setup(config_path: str, overrides: Sequence[str]
                 print(note, flush=True)
     from megarl.loop.trainer import RLTrainer
 
-    resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
+    with raised_alike():
+        resume_from = checkpoint.find(cfg.checkpoint.resume, cfg.checkpoint.dir)  # verified, before anything is built
     allowed = set(allowed_changes(cfg.checkpoint.allow_changes))
     other_prompts = bool(allowed & {"data.train_path", "data.prompt_template", "data.prompt_key", "data.answer_key"})
     if resume_from is not None:
-        saved_loader = check_unchanged(cfg, resume_from, groups.rank).get("loader")
-        if saved_loader is not None:
-            loader.check_state(saved_loader, other_prompts)
+        with raised_alike():
+            saved_loader = check_unchanged(cfg, resume_from, groups.rank).get("loader")
+            if saved_loader is not None:
+                loader.check_state(saved_loader, other_prompts)
     startup.mark("process groups")
     stops = stop_ids(tokenizer, cfg.model.hf_path)
     trainer = RLTrainer(cfg, groups, stops, tokenizer)  # models, engine (factory's marks), first push

@@ -55,9 +55,10 @@ def run_main(main: Callable[[], object]) -> None:
         if os.environ.get("MEGARL_DEBUG") == "1":
             raise
         rank = os.environ.get("RANK")
-        if rank in (None, "0") or not err.on_every_rank:
+        if rank in (None, "0") or err.on_every_rank is False or (err.on_every_rank is None and _in_process_group()):
             prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
-            report(prefix + " ".join(str(err).split()))
+            text = " ".join(str(err).split())
+            report(prefix + text, filed=f"megarl error: {text}" if err.on_every_rank is None else None)
         if _in_process_group():  # other ranks may close their connections first: gloo's destructor would abort
             exit_now(2)
         sys.exit(2)
