@@ -221,9 +221,15 @@ except ChildFailedError as e:
     print(e, file=sys.stderr)
     rank, failure = e.get_first_failure()
     if failure.exitcode < 0:
-        print(f"megarl error: rank {rank} of {e.name} was killed by {failure.signal_name()}, not stopped by an error "
-              "of its own: by the kernel's OOM killer (see dmesg), a kill of the job step, or its node's failure. A "
-              "training run resumes from its newest complete checkpoint with checkpoint.resume: auto.",
+        signal_name = failure.signal_name()
+        why = {"SIGKILL": "by the kernel's OOM killer (see dmesg), a kill of the job step, or its node's failure",
+               "SIGABRT": "by an abort in native code: most often NCCL's watchdog ending a collective that timed out "
+                          "(parallel.timeout_minutes) while another rank was stuck or gone, or a process group torn "
+                          "down after the error above"}.get(
+            signal_name, "by a signal from outside: torchrun ends the other ranks once one fails (see the error "
+                         "above), or the job was cancelled")
+        print(f"megarl error: rank {rank} of {e.name} was killed by {signal_name}, not stopped by an error of its "
+              f"own: {why}. A training run resumes from its newest complete checkpoint with checkpoint.resume: auto.",
               file=sys.stderr, flush=True)
     sys.exit(1)
 """

@@ -351,16 +351,19 @@ def test_sighup_of_the_launcher_ends_the_workers(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_a_worker_killed_by_a_signal_is_named_last_without_a_traceback(tmp_path):
+@pytest.mark.parametrize(("sig", "why"), [("SIGKILL", "OOM killer"), ("SIGABRT", "NCCL's watchdog")])
+def test_a_worker_killed_by_a_signal_is_named_last_without_a_traceback(tmp_path, sig, why):
     """SIGKILL (the OOM killer, a kill of the job step) leaves a worker no time to write its error: torchrun's report,
-    then one paragraph naming the rank and the signal, no traceback, exit 1."""
+    then one paragraph naming the rank and the signal, no traceback, exit 1. A SIGABRT (NCCL's watchdog after a
+    collective timed out, a torn-down process group) was blamed on the OOM killer."""
     script = tmp_path / "worker.py"
-    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    script.write_text(f"import os, signal\nos.kill(os.getpid(), signal.{sig})\n")
     proc = subprocess.run([sys.executable, "-m", "megarl.launch", str(script)], cwd=REPO, capture_output=True,
                           text=True, env=os.environ | {"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1"}, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"{script} FAILED" in proc.stderr  # torchrun's report
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"megarl error: rank 0 of {script} was killed by SIGKILL")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"megarl error: rank 0 of {script} was killed by {sig}") and why in last, last
 
 
 
