@@ -87,10 +87,20 @@ ERROR_FILE = "MEGARL_ERROR_FILE"
 """Where workers append their error paragraph, for the launcher (megarl.launch) to print it last."""
 
 
+BUG = " (its traceback above)"
+"""The end of an error file's line for an error that is not the user's (a traceback): the launcher exits 1, not 2."""
+
+
+def file_error(line: str) -> None:
+    """``line`` in the launcher's error file alone (an error whose traceback the console gets): the launcher prints
+    it last, and a rank that another rank's failure interrupts marks the mlflow run FAILED, not KILLED."""
+    if os.environ.get(ERROR_FILE):
+        with open(os.environ[ERROR_FILE], "a") as f:
+            f.write(line + "\n")
+
+
 def report(line: str, console: TextIO | None = None, filed: str | None = None) -> None:
     """An error's one line on ``console`` (None: stderr), and in the launcher's error file (``filed`` there where
     given: the same error from several ranks, written alike, is printed once)."""
     print(line, file=console or sys.stderr, flush=True)
-    if os.environ.get(ERROR_FILE):
-        with open(os.environ[ERROR_FILE], "a") as f:
-            f.write((filed or line) + "\n")
+    file_error(filed or line)

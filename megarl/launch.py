@@ -25,7 +25,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
-from megarl.errors import ERROR_FILE, UserError
+from megarl.errors import BUG, ERROR_FILE, UserError
 from megarl.run.command import run_main
 
 
@@ -253,7 +253,7 @@ def run(cmd: list[str]) -> int:
         os.unlink(error_file)
     if code != 0 and lines:
         print("\n".join(lines), file=sys.stderr, flush=True)
-        return 2
+        return 1 if all(line.endswith(BUG) for line in lines) else 2
     return code if code >= 0 else 128 - code
 
 

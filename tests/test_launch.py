@@ -412,3 +412,17 @@ def test_torchrun_acts_on_the_first_signal_only(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_worker_s_unforeseen_error_is_summed_up_last_and_counts_as_a_failure(tmp_path):
+    """A traceback (a bug, not bad input) wrote nothing to the launcher's error file: the launcher printed no line
+    of it last, and a rank that torchrun then stopped marked the mlflow run KILLED instead of FAILED."""
+    script = tmp_path / "worker.py"
+    script.write_text("from megarl.run.command import run_main\n"
+                      "def main():\n    raise RuntimeError('boom in the reward\\n  at line 3')\n"
+                      "run_main(main)\n")
+    proc = subprocess.run([sys.executable, "-m", "megarl.launch", str(script)], cwd=REPO, capture_output=True,
+                          text=True, env=os.environ | {"PYTHONPATH": str(REPO), "MEGARL_NPROC": "1"}, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "megarl error: RuntimeError: boom in the reward at line 3 (its traceback above)", last

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from megarl.errors import UserError, failed, report
+from megarl.errors import BUG, UserError, failed, file_error, report
 from megarl.run.interrupt import Interrupted, handle
 
 
@@ -72,6 +72,10 @@ def run_main(main: Callable[[], object]) -> None:
                   "because it ended first with the error above (MEGARL_DEBUG=1 shows this rank's traceback). "
                   f"{' '.join(str(err).split())}", file=sys.stderr, flush=True)
             exit_now(1)
+        if not isinstance(err, (SystemExit, KeyboardInterrupt)):
+            rank = os.environ.get("RANK")
+            file_error(f"megarl error{f' (rank {rank})' if rank not in (None, '0') else ''}: {type(err).__name__}: "
+                       f"{' '.join(str(err).split())}{BUG}")
         raise
 
 
