@@ -3,6 +3,12 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1      # Megatron's TP comm/compute overlap n
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export NCCL_ASYNC_ERROR_HANDLING=1        # a failed collective aborts the job instead of hanging it
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# A collective that times out dumps every rank's recent collectives (NCCL's flight recorder) beside the job, which
+# tells the rank that stopped calling them, and where: a stuck rank otherwise shows only as everyone's timeout.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-.cache/nccl_trace/rank_}
+mkdir -p "$(dirname "$TORCH_NCCL_DEBUG_INFO_TEMP_FILE")"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast off unless the fabric is known good
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
