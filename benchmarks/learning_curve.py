@@ -51,8 +51,8 @@ def phase_medians(path: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in path.read_text().splitlines()][1:]  # step 0 compiles and captures
     # as megarl.report: phases that did work (a GRPO run's critic took microseconds), each over the steps that did it
     medians = {k: phase_median(rows, k) for k in ran_phases(rows)}
-    return {k: round(v, 3) for k, v in (medians | {"tokens_per_s": statistics.median(
-        [r["tokens_per_s"] for r in rows if "tokens_per_s" in r] or [0.0])}).items()}
+    medians["tokens_per_s"] = statistics.median([r["tokens_per_s"] for r in rows if "tokens_per_s" in r] or [0.0])
+    return {k: round(v, 3) for k, v in medians.items()}
 
 
 def main() -> None:

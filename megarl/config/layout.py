@@ -84,9 +84,9 @@ def validate_layout(
         f"equal world size / (TP * PP) = {world_size} / {tp * pp} = {dp}",
         f"set it to {dp}, or null to derive it",
     )
-    ffn = ffn_size or 1
+    ffn = ffn_size or 0  # unknown: divisible by any size
     valid_tp = [d for d in _divisors(world_size)
-                if num_attention_heads % d == 0 and num_kv_heads % d == 0 and (ffn_size is None or ffn % d == 0)]
+                if num_attention_heads % d == 0 and num_kv_heads % d == 0 and ffn % d == 0]
     check(
         num_attention_heads % tp == 0 and num_kv_heads % tp == 0,
         "parallel.tensor_parallel",
@@ -95,7 +95,7 @@ def validate_layout(
         "(Megatron splits query groups over TP)",
         f"use one of {valid_tp}",
     )
-    check(ffn_size is None or ffn % tp == 0, "parallel.tensor_parallel", tp,
+    check(ffn % tp == 0, "parallel.tensor_parallel", tp,
           f"divide the model's MLP width {ffn_size} (Megatron splits it over TP)", f"use one of {valid_tp}")
     stages = pp * (p.virtual_pipeline or 1)
     check(

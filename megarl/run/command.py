@@ -54,11 +54,10 @@ def run_main(main: Callable[[], object]) -> None:
         failed()
         if os.environ.get("MEGARL_DEBUG") == "1":
             raise
-        rank = os.environ.get("RANK")
-        if rank in (None, "0") or err.on_every_rank is False or (err.on_every_rank is None and _in_process_group()):
-            prefix = f"megarl error (rank {rank}): " if rank not in (None, "0") else "megarl error: "
+        if os.environ.get("RANK") in (None, "0") or err.on_every_rank is False or (
+                err.on_every_rank is None and _in_process_group()):
             text = " ".join(str(err).split())
-            report(prefix + text, filed=f"megarl error: {text}" if err.on_every_rank is None else None)
+            report(f"{_error_label()}: {text}", filed=f"megarl error: {text}" if err.on_every_rank is None else None)
         if _in_process_group():  # other ranks may close their connections first: gloo's destructor would abort
             exit_now(2)
         sys.exit(2)
@@ -73,10 +72,14 @@ def run_main(main: Callable[[], object]) -> None:
                   f"{' '.join(str(err).split())}", file=sys.stderr, flush=True)
             exit_now(1)
         if not isinstance(err, (SystemExit, KeyboardInterrupt)):
-            rank = os.environ.get("RANK")
-            file_error(f"megarl error{f' (rank {rank})' if rank not in (None, '0') else ''}: {type(err).__name__}: "
-                       f"{' '.join(str(err).split())}{BUG}")
+            file_error(f"{_error_label()}: {type(err).__name__}: {' '.join(str(err).split())}{BUG}")
         raise
+
+
+def _error_label() -> str:
+    """"megarl error", naming this process's rank where it is not rank 0."""
+    rank = os.environ.get("RANK")
+    return "megarl error" if rank in (None, "0") else f"megarl error (rank {rank})"
 
 
 def _in_process_group() -> bool:
